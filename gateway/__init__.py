@@ -1,0 +1,1 @@
+"""The HTTP front door (built by a later issue)."""

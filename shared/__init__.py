@@ -1,0 +1,1 @@
+"""The contract between tokenfleet's parts: message types, errors, config, logging."""

@@ -1,0 +1,38 @@
+"""Configuration shared by every command: where tokenfleet keeps its files, engine knobs."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV_PREFIX = "TOKENFLEET_"
+
+
+def tokenfleet_home() -> Path:
+    """$TOKENFLEET_HOME, default ~/.cache/tokenfleet (models, fleet.json, Redis data)."""
+    return Path(os.environ.get(f"{ENV_PREFIX}HOME", Path.home() / ".cache" / "tokenfleet"))
+
+
+def env_default(name: str, default: str | None = None) -> str | None:
+    """The TOKENFLEET_<NAME> variable that backs a command-line flag."""
+    return os.environ.get(f"{ENV_PREFIX}{name.upper().replace('-', '_')}", default)
+
+
+@dataclass
+class EngineConfig:
+    """Knobs of one engine (scheduler core + its worker group)."""
+
+    model: str  # path of a Hugging Face model folder
+    tp: int = 1
+    device: str | None = None  # None: cuda when present, else cpu
+    dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # None: sized from free memory
+    kv_cache_memory_fraction: float = 0.9  # of free GPU memory (CUDA) for weights' leftovers
+    kv_cache_bytes_cpu: int = 2 << 30  # KV budget on CPU when num_kv_blocks is None
+    max_num_seqs: int = 256  # cap on running sequences
+    max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
+    max_model_len: int | None = None  # None: the model's context window
+    num_threads: int | None = None  # torch threads per rank on CPU
+    seed: int = 0

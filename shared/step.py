@@ -1,0 +1,57 @@
+"""What the scheduler sends the workers each step, and what comes back.
+
+These cross a process boundary (torch.distributed ranks now, Ray actors later), so they
+are plain dataclasses of lists and numbers that pickle and msgpack cleanly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.sampling import SamplingParams
+
+
+@dataclass
+class SequenceWork:
+    """One sequence's share of a step: a prefill chunk, or one decode token."""
+
+    req_id: str
+    # Tokens whose K/V this step computes; they sit at positions
+    # [start_pos, start_pos + len(token_ids)) of the sequence.
+    token_ids: list[int]
+    start_pos: int  # == the request's num_computed_tokens before this step
+    block_ids: list[int]  # block table covering at least start_pos + len(token_ids) slots
+    # True when the chunk reaches the last known token: the runner samples a next token.
+    is_sampled: bool
+    sampling: SamplingParams
+    # How many tokens the request has generated so far; with a seed this picks the
+    # random stream, so a request resumed after preemption samples the same tokens.
+    num_output_tokens: int = 0
+    # Only filled when sampling.has_penalties and is_sampled (penalties need history).
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class StepBatch:
+    step_id: int
+    works: list[SequenceWork]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(w.token_ids) for w in self.works)
+
+
+@dataclass
+class SampledToken:
+    req_id: str
+    token_id: int
+    logprob: float | None = None  # of the chosen token, when sampling.logprobs is not None
+    # (token_id, logprob) of the top N, best first, when sampling.logprobs > 0
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class StepResult:
+    step_id: int
+    sampled: list[SampledToken]  # one per work with is_sampled, in the batch's order
