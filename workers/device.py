@@ -1,0 +1,25 @@
+"""Device and dtype follow the hardware unless the caller says otherwise."""
+
+from __future__ import annotations
+
+import torch
+
+from shared.errors import InvalidRequestError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise InvalidRequestError(f"device {name!r} was asked for but CUDA is not available", param="device")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    if name is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise InvalidRequestError(f"dtype {name!r} is not one of {', '.join(DTYPES)}", param="dtype")
+    return DTYPES[name]

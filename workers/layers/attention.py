@@ -1,0 +1,94 @@
+"""Attention over the paged KV cache, for steps that mix prefill chunks and decodes.
+
+The cache of one layer is [2, num_blocks, block_size, num_kv_heads, head_dim]. Each step
+first writes the new tokens' K/V into their slots, then attends:
+- decodes as one padded batch over the blocks their tables name,
+- each prefill chunk over its cached prefix plus itself, causally.
+This is the portable PyTorch path (CPU and CUDA); a fused CUDA kernel can replace
+`_attend_decodes` without touching the model code.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.attention_metadata import AttentionMetadata
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        k_cache.view(-1, self.num_kv_heads, self.head_dim)[meta.slot_mapping] = k
+        v_cache.view(-1, self.num_kv_heads, self.head_dim)[meta.slot_mapping] = v
+
+        out = torch.empty_like(q)
+        if meta.num_decode_tokens:
+            n = meta.num_decode_tokens
+            out[:n] = self._attend_decodes(q[:n], k_cache, v_cache, meta)
+        for chunk in meta.prefills:
+            rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+            out[rows] = self._attend_prefill(q[rows], k[rows], v[rows], k_cache, v_cache, chunk)
+        return out.view(q.shape[0], self.num_heads * self.head_dim)
+
+    def _attend_decodes(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        # q: [num_decodes, num_heads, head_dim] -> same shape
+        tables = meta.decode_block_tables
+        num_decodes = q.shape[0]
+        # [num_decodes, max_blocks, block_size, kv_heads, head_dim] -> [n, kv_heads, L, head_dim]
+        keys = k_cache[tables].view(num_decodes, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        values = v_cache[tables].view(num_decodes, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        attn = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )  # [num_decodes, num_heads, 1, head_dim]
+        return attn.squeeze(2)
+
+    def _attend_prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        chunk,
+    ) -> torch.Tensor:
+        # q: [chunk_len, num_heads, head_dim]
+        gqa = self.num_heads != self.num_kv_heads
+        if chunk.start_pos == 0:
+            # Nothing cached before this chunk: attend over the fresh K/V, plain causal.
+            attn = F.scaled_dot_product_attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                is_causal=True, scale=self.scale, enable_gqa=gqa,
+            )
+            return attn.transpose(0, 1)
+        context_len = chunk.start_pos + chunk.num_tokens
+        keys = k_cache[chunk.block_table].view(-1, self.num_kv_heads, self.head_dim)[:context_len]
+        values = v_cache[chunk.block_table].view(-1, self.num_kv_heads, self.head_dim)[:context_len]
+        # Query i sits at position start_pos + i and sees keys 0..start_pos + i.
+        query_pos = torch.arange(chunk.num_tokens, device=q.device) + chunk.start_pos
+        key_pos = torch.arange(context_len, device=q.device)
+        mask = key_pos[None, :] <= query_pos[:, None]  # [chunk_len, context_len]
+        attn = F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+            attn_mask=mask, scale=self.scale, enable_gqa=gqa,
+        )
+        return attn.transpose(0, 1)

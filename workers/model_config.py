@@ -1,0 +1,112 @@
+"""The subset of a Hugging Face config.json that our model code needs, read and checked."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.errors import ModelLoadError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass
+class ModelConfig:
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    tie_word_embeddings: bool
+    attention_bias: bool  # Qwen2: q/k/v carry biases
+    hidden_act: str = "silu"
+    sliding_window: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def context_window(self) -> int:
+        """Longest sequence we run exactly: a sliding window shorter than the context caps it."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+
+def load_model_config(folder: str | Path) -> ModelConfig:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ModelLoadError(f"model folder {str(folder)!r} does not exist")
+    path = folder / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(f"model folder {str(folder)!r} has no config.json") from None
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from None
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"model type {model_type!r} in {path} is not supported "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    try:
+        return _from_dict(raw, model_type, folder)
+    except KeyError as exc:
+        raise ModelLoadError(f"{path} lacks the field {exc.args[0]!r}") from None
+
+
+def _from_dict(raw: dict, model_type: str, folder: Path) -> ModelConfig:
+    # transformers 5 nests rope settings under rope_parameters; older files use
+    # rope_theta and rope_scaling at the top level.
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    num_heads = raw["num_attention_heads"]
+    hidden_act = raw.get("hidden_act", "silu")
+    if hidden_act != "silu":
+        raise ModelLoadError(f"hidden_act {hidden_act!r} is not supported (only silu)")
+    use_sliding = raw.get("use_sliding_window", model_type == "mistral")
+    return ModelConfig(
+        model_type=model_type,
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_layers=raw["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+        vocab_size=raw["vocab_size"],
+        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope_theta=float(theta),
+        rope_scaling=None if rope_type == "default" else rope,
+        tie_word_embeddings=raw.get("tie_word_embeddings", False),
+        attention_bias=raw.get("attention_bias", model_type == "qwen2"),
+        hidden_act=hidden_act,
+        sliding_window=raw.get("sliding_window") if use_sliding else None,
+        eos_token_ids=_eos_token_ids(raw, folder),
+    )
+
+
+def _eos_token_ids(raw: dict, folder: Path) -> list[int]:
+    """End-of-sequence ids from config.json and generation_config.json, merged."""
+    ids: list[int] = []
+    sources = [raw]
+    gen_path = folder / "generation_config.json"
+    if gen_path.exists():
+        try:
+            sources.append(json.loads(gen_path.read_text()))
+        except json.JSONDecodeError as exc:
+            raise ModelLoadError(f"{gen_path} is not valid JSON: {exc}") from None
+    for source in sources:
+        value = source.get("eos_token_id")
+        for token_id in value if isinstance(value, list) else [value]:
+            if isinstance(token_id, int) and token_id not in ids:
+                ids.append(token_id)
+    return ids

@@ -1,0 +1,115 @@
+"""One rank's model: builds it, loads its weight shards, owns its KV cache, runs steps.
+
+Every rank runs `execute` on the same StepBatch; only the driver rank samples and
+returns a StepResult (the others return None).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from shared.config import EngineConfig
+from shared.errors import ModelLoadError
+from shared.logging import get_logger
+from shared.step import StepBatch, StepResult
+from workers.device import resolve_device, resolve_dtype
+from workers.model_config import ModelConfig, load_model_config
+from workers.models.registry import MODEL_CLASSES
+from workers.parallel import TensorParallel, all_reduce_min
+from workers.sampler import Sampler
+from workers.step_inputs import build_step_inputs
+from workers.weight_loader import load_weights, resident_weight_bytes
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, tp: TensorParallel) -> None:
+        self.config = config
+        self.tp = tp
+        self.log = get_logger("tokenfleet.worker", rank=tp.rank)
+        self.device = resolve_device(config.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", tp.rank % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        if config.num_threads and self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads)
+        self.model_config: ModelConfig = load_model_config(config.model)
+        self.max_model_len = min(config.max_model_len or self.model_config.context_window,
+                                 self.model_config.context_window)
+        self.block_size = config.block_size
+        self.model = self._build_model()
+        self.weight_bytes = resident_weight_bytes(self.model)
+        self.num_kv_blocks = self._decide_num_kv_blocks()
+        self.kv_caches = self._allocate_kv_cache()
+        self.sampler = Sampler(seed=config.seed) if tp.is_driver else None
+
+    def _build_model(self) -> torch.nn.Module:
+        start = time.perf_counter()
+        cls = MODEL_CLASSES[self.model_config.model_type]
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)  # parameters are born in the serving dtype
+        try:
+            with torch.device(self.device):
+                model = cls(self.model_config, self.tp, self.max_model_len)
+        except ValueError as exc:  # e.g. heads that do not divide by TP
+            raise ModelLoadError(f"cannot shard {self.config.model!r}: {exc}") from None
+        finally:
+            torch.set_default_dtype(previous)
+        load_weights(model, self.config.model)
+        model.eval()
+        self.log.info(
+            "model_loaded", model=self.config.model, device=str(self.device), dtype=str(self.dtype),
+            weight_bytes=resident_weight_bytes(model), seconds=round(time.perf_counter() - start, 2),
+        )
+        return model
+
+    @property
+    def kv_block_bytes(self) -> int:
+        cfg = self.model_config
+        kv_heads = cfg.num_kv_heads // self.tp.size
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * cfg.num_layers * self.block_size * kv_heads * cfg.head_dim * elem
+
+    def _decide_num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            # Leave room for activations of the largest step.
+            activations = 64 * self.config.max_num_batched_tokens * self.model_config.hidden_size * 4
+            budget = int(free * self.config.kv_cache_memory_fraction) - activations
+        else:
+            budget = self.config.kv_cache_bytes_cpu
+        num_blocks = all_reduce_min(self.tp, max(0, budget // self.kv_block_bytes))
+        if num_blocks < 1:
+            raise ModelLoadError("no memory is left for the KV cache after loading the weights")
+        return num_blocks
+
+    def _allocate_kv_cache(self) -> torch.Tensor:
+        cfg = self.model_config
+        shape = (cfg.num_layers, 2, self.num_kv_blocks, self.block_size,
+                 cfg.num_kv_heads // self.tp.size, cfg.head_dim)
+        self.log.info("kv_cache_allocated", num_blocks=self.num_kv_blocks,
+                      bytes=self.num_kv_blocks * self.kv_block_bytes)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch) -> StepResult | None:
+        inputs = build_step_inputs(batch, self.block_size, self.device)
+        hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, inputs.meta)
+        logits = self.model.compute_logits(hidden[inputs.sample_rows]) if inputs.sampled_works else None
+        if not self.tp.is_driver:
+            return None
+        if logits is None:
+            return StepResult(batch.step_id, [])
+        sampled = self.sampler.sample(logits.float(), inputs.sampled_works)
+        return StepResult(batch.step_id, sampled)
+
+    @torch.inference_mode()
+    def compute_logits_for_test(self, batch: StepBatch) -> torch.Tensor:
+        """Full-vocab logits of the sampled rows, without sampling (for correctness checks)."""
+        inputs = build_step_inputs(batch, self.block_size, self.device)
+        hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, inputs.meta)
+        return self.model.compute_logits(hidden[inputs.sample_rows]).float()

@@ -1,0 +1,146 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral); Qwen2/Qwen3 reuse it with small changes.
+
+Reads like single-device code: tensor parallelism lives inside the layers, and the only
+collectives are at the end of `o_proj` and `down_proj` (row-parallel) and in the
+vocab-parallel embedding and LM head.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.attention_metadata import AttentionMetadata
+from workers.layers.attention import PagedAttention
+from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from workers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from workers.layers.norm import RMSNorm
+from workers.layers.rotary import RotaryEmbedding
+from workers.model_config import ModelConfig
+from workers.parallel import TensorParallel
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias, tp
+        )
+        self.num_heads = self.qkv_proj.num_heads  # this rank's
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, tp)
+        self.rotary = rotary
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim)
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # x: [num_tokens, hidden] -> q: [num_tokens, heads, head_dim], k/v: [.., kv_heads, ..]
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        return (
+            q.view(-1, self.num_heads, self.head_dim),
+            k.view(-1, self.num_kv_heads, self.head_dim),
+            v.reshape(-1, self.num_kv_heads, self.head_dim),
+        )
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        q, k, v = self.project_qkv(x)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], False, tp)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_class = LlamaAttention
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = self.attention_class(cfg, tp, rotary)
+        self.mlp = LlamaMLP(cfg, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    layer_class = LlamaDecoderLayer
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        # One table shared by every layer.
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(self.layer_class(cfg, tp, rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        # token_ids, positions: [num_tokens]; kv_caches: [num_layers, 2, blocks, ...]
+        x = self.embed_tokens(token_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(positions, x, residual, kv_cache, meta)
+        x, _ = self.norm(x, residual)
+        return x  # [num_tokens, hidden]
+
+
+class LlamaForCausalLM(nn.Module):
+    model_class = LlamaModel
+    # checkpoint projection name -> (our fused module, its shard id)
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = self.model_class(cfg, tp, max_positions)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        return self.model(token_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [num_seqs, hidden] -> [num_seqs, vocab] (full vocab on every rank)
+        return self.lm_head(hidden)

@@ -1,0 +1,58 @@
+"""The tensor-parallel group a rank belongs to, passed explicitly to every layer.
+
+A layer never reaches for a global: it is handed a `TensorParallel` and calls its
+collectives, so the same model code runs at TP=1 (no-ops) and TP=N (torch.distributed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0 samples and answers the scheduler; the others only compute."""
+        return self.rank == 0
+
+    def shard_range(self, full: int) -> tuple[int, int]:
+        """[start, end) of this rank's share of a dimension of length `full`."""
+        if full % self.size:
+            raise ValueError(f"dimension {full} does not divide by tensor-parallel size {self.size}")
+        part = full // self.size
+        return self.rank * part, (self.rank + 1) * part
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place; where a row-parallel layer ends."""
+        if self.size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's x along the last dimension (vocab-parallel logits)."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
+
+
+SINGLE_DEVICE = TensorParallel()
+
+
+def all_reduce_min(tp: TensorParallel, value: int) -> int:
+    """The smallest of every rank's `value` (ranks must agree on sizes such as KV blocks)."""
+    if tp.size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
