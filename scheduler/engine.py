@@ -1,0 +1,185 @@
+"""The in-process engine: the scheduler core driving a worker group, no Redis, no Ray.
+
+    engine.add_request(...)  ->  engine.step()  ->  scheduler.schedule()
+                                               ->  executor.execute(batch)   (all ranks)
+                                               ->  scheduler.update_from_output(...)
+
+`generate` runs a list of prompts to completion; the Redis service loop (a later issue)
+calls `add_request` / `step` itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.config import EngineConfig
+from shared.errors import InvalidRequestError, ModelLoadError
+from shared.sampling import SamplingParams
+from shared.step import StepResult
+from scheduler.request import FinishReason, Request, TokenLogprobs
+from scheduler.scheduler import RequestOutput, Scheduler, SchedulerConfig
+from workers.executor import Executor, make_executor
+from workers.model_config import load_model_config
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def to_dict(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.total_tokens}
+
+
+@dataclass
+class GenerationResult:
+    req_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprobs] | None = None
+
+    @property
+    def usage(self) -> Usage:
+        return Usage(len(self.prompt_token_ids), len(self.token_ids))
+
+    def to_json_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids,
+                "finish_reason": self.finish_reason.value if self.finish_reason else None,
+                "usage": self.usage.to_dict()}
+
+
+def load_tokenizer(folder: str | Path):
+    """The model folder's Hugging Face tokenizer (with its chat template)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load the tokenizer of {str(folder)!r}: {exc}") from None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, *, tokenizer=None, load_tokenizer_files: bool = True):
+        # Read first: a missing or broken folder fails clearly before any process starts.
+        self.model_config = load_model_config(config.model)
+        self.config = config
+        self.tokenizer = tokenizer
+        if self.tokenizer is None and load_tokenizer_files:
+            self.tokenizer = load_tokenizer(config.model)
+        self.executor: Executor = make_executor(config)
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_model_len=self.executor.max_model_len,
+                num_kv_blocks=self.executor.num_kv_blocks,
+                block_size=self.executor.block_size,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
+            ),
+            self.tokenizer,
+        )
+        self._req_counter = itertools.count()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.executor.max_model_len
+
+    # -- prompts ------------------------------------------------------------------
+
+    def encode(self, prompt: str, *, chat: bool = False) -> list[int]:
+        """Token ids of a text prompt, through the chat template when `chat`."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("text prompts need a tokenizer in the model folder", param="prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if chat:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise InvalidRequestError("this model's tokenizer has no chat template", param="chat")
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+            )
+            return self.tokenizer(text, add_special_tokens=False).input_ids
+        return self.tokenizer(prompt).input_ids
+
+    # -- requests -----------------------------------------------------------------
+
+    def add_request(
+        self, prompt_token_ids: list[int], sampling: SamplingParams, *, priority: int = 0,
+        req_id: str | None = None,
+    ) -> str:
+        req_id = req_id or f"req-{next(self._req_counter)}"
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})",
+                                      param="prompt")
+        request = Request(req_id, list(prompt_token_ids), sampling, priority=priority,
+                          eos_token_ids=set(self.eos_token_ids))
+        self.scheduler.add_request(request)
+        return req_id
+
+    def abort(self, req_id: str) -> None:
+        self.scheduler.abort_request(req_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        output = self.scheduler.schedule()
+        if output.batch.works:
+            result = self.executor.execute(output.batch)
+        else:  # only aborts to report
+            result = StepResult(output.batch.step_id, [])
+        return self.scheduler.update_from_output(output, result)
+
+    def generate(
+        self, prompts: list[str | list[int]], sampling: SamplingParams | list[SamplingParams],
+        *, chat: bool = False,
+    ) -> list[GenerationResult]:
+        """Run every prompt to completion, all batched together; results in prompt order."""
+        params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        results: dict[str, GenerationResult] = {}
+        order: list[str] = []
+        for prompt, sp in zip(prompts, params, strict=True):
+            ids = prompt if isinstance(prompt, list) else self.encode(prompt, chat=chat)
+            req_id = self.add_request(ids, sp)
+            results[req_id] = GenerationResult(req_id, list(ids),
+                                               logprobs=[] if sp.logprobs is not None else None)
+            order.append(req_id)
+        while self.has_unfinished_requests():
+            for out in self.step():
+                collect_output(results[out.req_id], out)
+        return [results[req_id] for req_id in order]
+
+    def close(self) -> None:
+        self.executor.shutdown()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def collect_output(result: GenerationResult, out: RequestOutput) -> None:
+    result.token_ids.extend(out.new_token_ids)
+    result.text += out.text_delta
+    if out.logprobs is not None and result.logprobs is not None:
+        result.logprobs.extend(out.logprobs)
+    if out.finished:
+        result.finish_reason = out.finish_reason
+        result.stop_reason = out.stop_reason
