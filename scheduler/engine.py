@@ -58,10 +58,16 @@ class GenerationResult:
                 "usage": self.usage.to_dict()}
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
 def load_tokenizer(folder: str | Path):
-    """The model folder's Hugging Face tokenizer (with its chat template)."""
+    """The model folder's Hugging Face tokenizer (with its chat template), or None."""
     from transformers import AutoTokenizer
 
+    # transformers builds an empty tokenizer from config.json alone; that is no tokenizer.
+    if not any((Path(folder) / name).exists() for name in TOKENIZER_FILES):
+        return None
     try:
         return AutoTokenizer.from_pretrained(str(folder))
     except (OSError, ValueError) as exc:

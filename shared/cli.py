@@ -1,0 +1,129 @@
+"""The `tokenfleet` command. Each subcommand imports its package lazily, so that
+`tokenfleet --help` is instant and a command never pays for parts it does not use.
+
+Every flag can also come from a TOKENFLEET_<FLAG> environment variable
+(e.g. --max-tokens from TOKENFLEET_MAX_TOKENS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from shared.config import env_default
+from shared.errors import TokenfleetError
+
+
+def _flag(parser: argparse.ArgumentParser, name: str, *, type=str, default=None, **kwargs) -> None:
+    """Add --name whose default comes from TOKENFLEET_NAME when that variable is set."""
+    env = env_default(name)
+    if env is not None:
+        if kwargs.get("action") == "store_true":
+            default = env.lower() in ("1", "true", "yes", "on")
+        else:
+            default = type(env)
+    if kwargs.get("action") == "store_true":
+        parser.add_argument(f"--{name}", default=bool(default), **kwargs)
+    else:
+        parser.add_argument(f"--{name}", type=type, default=default, **kwargs)
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    _flag(parser, "model", help="Hugging Face model folder (default: SmolLM2-135M-Instruct, fetched once)")
+    _flag(parser, "tp", type=int, default=1, help="tensor-parallel size")
+    _flag(parser, "device", help="cpu, cuda or cuda:N (default: cuda when present)")
+    _flag(parser, "dtype", help="float32, bfloat16 or float16 (default: bfloat16 on cuda, float32 on cpu)")
+    _flag(parser, "max-model-len", type=int, help="cap on prompt + output tokens")
+    _flag(parser, "num-kv-blocks", type=int, help="KV cache blocks (default: from memory)")
+    _flag(parser, "block-size", type=int, default=16, help="tokens per KV block")
+    _flag(parser, "max-num-seqs", type=int, default=256, help="cap on running sequences")
+    _flag(parser, "max-num-batched-tokens", type=int, default=2048, help="tokens per step (chunked prefill)")
+    _flag(parser, "num-threads", type=int, help="torch threads per rank on CPU")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenfleet", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    model = commands.add_parser("model", help="model folders")
+    model_commands = model.add_subparsers(dest="model_command", required=True)
+    model_commands.add_parser("fetch", help="build the default model folder; print its path last")
+
+    gen = commands.add_parser("generate", help="offline generation in-process (no Redis)")
+    _add_engine_flags(gen)
+    _flag(gen, "chat", action="store_true", help="wrap each prompt in the model's chat template")
+    _flag(gen, "max-tokens", type=int, default=256, help="tokens to generate per prompt")
+    _flag(gen, "temperature", type=float, default=0.0, help="0 is greedy")
+    _flag(gen, "top-p", type=float, default=1.0)
+    _flag(gen, "top-k", type=int)
+    _flag(gen, "min-p", type=float, default=0.0)
+    _flag(gen, "seed", type=int)
+    _flag(gen, "ignore-eos", action="store_true")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    _flag(gen, "json", action="store_true", help="one JSON object per prompt")
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+    return parser
+
+
+def _resolve_model(path: str | None) -> str:
+    if path:
+        return path
+    from workers.default_model import fetch_default_model
+
+    return str(fetch_default_model())
+
+
+def _cmd_model_fetch(args: argparse.Namespace) -> int:
+    from workers.default_model import fetch_default_model
+
+    print(fetch_default_model())
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from scheduler.engine import LLMEngine
+    from shared.config import EngineConfig
+    from shared.sampling import SamplingParams
+
+    sampling = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    ).validate()
+    config = EngineConfig(
+        model=_resolve_model(args.model), tp=args.tp, device=args.device, dtype=args.dtype,
+        max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
+        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.num_threads,
+    )
+    with LLMEngine(config) as engine:
+        results = engine.generate(args.prompts, sampling, chat=args.chat)
+    for result in results:
+        if args.json:
+            print(json.dumps(result.to_json_dict(), ensure_ascii=False))
+        else:
+            print(result.text)
+    return 0
+
+
+COMMANDS = {"generate": _cmd_generate, "model": _cmd_model_fetch}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from shared.logging import configure_logging
+
+    configure_logging(env_default("log_level", "WARNING"))
+    try:
+        return COMMANDS[args.command](args)
+    except TokenfleetError as exc:
+        # A user error: one line naming the problem, no traceback.
+        print(f"tokenfleet: error: {exc.message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
