@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from shared.config import env_default
@@ -114,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from shared.logging import configure_logging
 
-    configure_logging(env_default("log_level", "WARNING"))
+    level = env_default("log_level", "WARNING")
+    os.environ["TOKENFLEET_LOG_LEVEL"] = level  # worker processes inherit it
+    configure_logging(level)
     try:
         return COMMANDS[args.command](args)
     except TokenfleetError as exc:

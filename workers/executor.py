@@ -22,9 +22,9 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from shared.config import EngineConfig
+from shared.config import EngineConfig, env_default
 from shared.errors import ModelLoadError, TokenfleetError, WorkerError
-from shared.logging import get_logger
+from shared.logging import configure_logging, get_logger
 from shared.step import StepBatch, StepResult
 from workers.device import resolve_device
 from workers.model_runner import ModelRunner
@@ -87,6 +87,7 @@ def _init_group(config: EngineConfig, rank: int, init_method: str) -> TensorPara
 
 def _worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connection) -> None:
     """Body of ranks 1..N-1: load the shard, report, then run every batch the driver sends."""
+    configure_logging(env_default("log_level", "WARNING"))
     try:
         runner = ModelRunner(config, _init_group(config, rank, init_method))
         conn.send(("ready", runner.weight_bytes))

@@ -68,7 +68,7 @@ class ModelRunner:
     @property
     def kv_block_bytes(self) -> int:
         cfg = self.model_config
-        kv_heads = cfg.num_kv_heads // self.tp.size
+        kv_heads = self.tp.shard(cfg.num_kv_heads)[1]
         elem = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * cfg.num_layers * self.block_size * kv_heads * cfg.head_dim * elem
 
@@ -90,7 +90,7 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> torch.Tensor:
         cfg = self.model_config
         shape = (cfg.num_layers, 2, self.num_kv_blocks, self.block_size,
-                 cfg.num_kv_heads // self.tp.size, cfg.head_dim)
+                 self.tp.shard(cfg.num_kv_heads)[1], cfg.head_dim)
         self.log.info("kv_cache_allocated", num_blocks=self.num_kv_blocks,
                       bytes=self.num_kv_blocks * self.kv_block_bytes)
         return torch.zeros(shape, dtype=self.dtype, device=self.device)

@@ -22,12 +22,25 @@ class TensorParallel:
         """Rank 0 samples and answers the scheduler; the others only compute."""
         return self.rank == 0
 
-    def shard_range(self, full: int) -> tuple[int, int]:
-        """[start, end) of this rank's share of a dimension of length `full`."""
-        if full % self.size:
-            raise ValueError(f"dimension {full} does not divide by tensor-parallel size {self.size}")
-        part = full // self.size
-        return self.rank * part, (self.rank + 1) * part
+    def partition(self, total: int, unit: int = 1) -> list[int]:
+        """Sizes of every rank's share of `total`, in whole `unit`s, as even as possible.
+
+        Uneven splits are allowed (the first ranks take one unit more), so a model whose
+        heads do not divide by the TP size still shards: SmolLM2-135M's 3 KV heads go
+        2 + 1 over two ranks.
+        """
+        if total % unit:
+            raise ValueError(f"{total} is not a multiple of {unit}")
+        units = total // unit
+        if units < self.size:
+            raise ValueError(f"{units} units cannot be shared by {self.size} tensor-parallel ranks")
+        base, extra = divmod(units, self.size)
+        return [(base + (1 if r < extra else 0)) * unit for r in range(self.size)]
+
+    def shard(self, total: int, unit: int = 1) -> tuple[int, int]:
+        """(start, size) of this rank's share of a dimension of length `total`."""
+        sizes = self.partition(total, unit)
+        return sum(sizes[: self.rank]), sizes[self.rank]
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place; where a row-parallel layer ends."""

@@ -46,14 +46,13 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel) -> None:
         super().__init__()
         self.tp = tp
-        self.out_per_rank = out_features // tp.size
-        tp.shard_range(out_features)  # raises when it does not divide
+        self.out_start, self.out_per_rank = tp.shard(out_features)
         self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False) if bias else None
 
     def weight_loader(self, param: nn.Parameter, tensor_slice: TensorSlice, shard_id: Any = None) -> None:
-        start = self.tp.rank * self.out_per_rank
-        _copy_checked(param, tensor_slice[start : start + self.out_per_rank], "column-parallel")
+        _copy_checked(param, tensor_slice[self.out_start : self.out_start + self.out_per_rank],
+                      "column-parallel")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -66,58 +65,66 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """
 
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool, tp: TensorParallel) -> None:
-        super().__init__(in_features, sum(out_sizes), bias, tp)
-        for size in out_sizes:
-            tp.shard_range(size)
-        self.out_sizes_per_rank = [size // tp.size for size in out_sizes]
+        nn.Module.__init__(self)
+        self.tp = tp
+        self.shards = [tp.shard(size) for size in out_sizes]  # (start, size) per projection
+        self.out_per_rank = sum(size for _, size in self.shards)
+        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False) if bias else None
 
     def weight_loader(self, param: nn.Parameter, tensor_slice: TensorSlice, shard_id: Any = None) -> None:
         index = int(shard_id)
-        part = self.out_sizes_per_rank[index]
-        offset = sum(self.out_sizes_per_rank[:index])
-        start = self.tp.rank * part
+        start, part = self.shards[index]
+        offset = sum(size for _, size in self.shards[:index])
         _copy_checked(param.data[offset : offset + part], tensor_slice[start : start + part], "merged")
 
 
-class QKVParallelLinear(ColumnParallelLinear):
-    """q, k and v projections fused; each rank holds its own heads of each.
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """q, k and v projections fused; each rank holds whole KV groups.
 
-    Layout per rank: [q heads of this rank | k heads of this rank | v heads of this rank].
+    A rank takes some KV heads and the query heads that attend to them, so grouped-query
+    attention stays local. Layout per rank: [its q heads | its k heads | its v heads].
     """
 
     def __init__(
         self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
         tp: TensorParallel,
     ) -> None:
-        if num_heads % tp.size or num_kv_heads % tp.size:
-            raise ValueError(
-                f"{num_heads} attention heads / {num_kv_heads} KV heads do not divide by "
-                f"tensor-parallel size {tp.size}"
-            )
-        self.num_heads = num_heads // tp.size
-        self.num_kv_heads = num_kv_heads // tp.size
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} attention heads do not group over {num_kv_heads} KV heads")
+        group = num_heads // num_kv_heads
+        kv_start, num_kv = tp.shard(num_kv_heads)  # in heads
+        self.num_heads = num_kv * group  # this rank's
+        self.num_kv_heads = num_kv
         self.head_dim = head_dim
-        total = (num_heads + 2 * num_kv_heads) * head_dim
-        super().__init__(hidden, total, bias, tp)
+        nn.Module.__init__(self)
+        self.tp = tp
+        # (start, size) in the checkpoint's q, k and v rows
+        self.shards = [
+            (kv_start * group * head_dim, self.num_heads * head_dim),
+            (kv_start * head_dim, num_kv * head_dim),
+            (kv_start * head_dim, num_kv * head_dim),
+        ]
+        self.out_per_rank = sum(size for _, size in self.shards)
+        self.weight = nn.Parameter(torch.empty(self.out_per_rank, hidden), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False) if bias else None
 
     def weight_loader(self, param: nn.Parameter, tensor_slice: TensorSlice, shard_id: Any = None) -> None:
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        offset, part = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[
-            shard_id
-        ]
-        start = self.tp.rank * part
-        _copy_checked(param.data[offset : offset + part], tensor_slice[start : start + part], "qkv")
+        super().weight_loader(param, tensor_slice, {"q": 0, "k": 1, "v": 2}[shard_id])
 
 
 class RowParallelLinear(nn.Module):
     """Input features split over ranks; partial sums meet in one all-reduce at the end."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, tp: TensorParallel, *,
+        in_shard: tuple[int, int] | None = None,
+    ) -> None:
+        """`in_shard`: (start, size) of this rank's input features when the caller decides
+        them (attention output follows the heads QKVParallelLinear gave this rank)."""
         super().__init__()
         self.tp = tp
-        tp.shard_range(in_features)
-        self.in_per_rank = in_features // tp.size
+        self.in_start, self.in_per_rank = in_shard or tp.shard(in_features)
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank), requires_grad=False)
         # The bias is added once, after the reduction, so only the full sum carries it.
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
@@ -126,7 +133,7 @@ class RowParallelLinear(nn.Module):
         if param.dim() == 1:  # bias: replicated
             _copy_checked(param, tensor_slice[:], "row-parallel bias")
             return
-        start = self.tp.rank * self.in_per_rank
+        start = self.in_start
         _copy_checked(param, tensor_slice[:, start : start + self.in_per_rank], "row-parallel")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

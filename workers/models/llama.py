@@ -30,7 +30,10 @@ class LlamaAttention(nn.Module):
         self.num_heads = self.qkv_proj.num_heads  # this rank's
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, tp)
+        q_start, q_size = self.qkv_proj.shards[0]
+        self.o_proj = RowParallelLinear(
+            cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, tp, in_shard=(q_start, q_size)
+        )
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim)
 
