@@ -14,12 +14,12 @@ import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from scheduler.request import FinishReason, Request, TokenLogprobs
+from scheduler.scheduler import RequestOutput, Scheduler, SchedulerConfig
 from shared.config import EngineConfig
 from shared.errors import InvalidRequestError, ModelLoadError
 from shared.sampling import SamplingParams
 from shared.step import StepResult
-from scheduler.request import FinishReason, Request, TokenLogprobs
-from scheduler.scheduler import RequestOutput, Scheduler, SchedulerConfig
 from workers.executor import Executor, make_executor
 from workers.model_config import load_model_config
 

@@ -1,0 +1,114 @@
+"""One generation request as the scheduler tracks it, from arrival to finish."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from shared.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue; will re-prefill from scratch
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED_STATUSES
+
+
+_FINISHED_STATUSES = frozenset(
+    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+)
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request ended, spelled as OpenAI's finish_reason."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+FINISH_REASON_OF_STATUS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities reported for one generated token."""
+
+    token_id: int
+    logprob: float | None  # of the chosen token
+    top_logprobs: list[tuple[int, float]] | None = None  # (token_id, logprob), best first
+
+
+# eq=False: requests compare by identity; two requests are never "equal" field by field,
+# and list.remove / `in` on the scheduler's queues stay cheap.
+@dataclass(eq=False)
+class Request:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    priority: int = 0  # lower number = more important
+    arrival_time: float = field(default_factory=time.monotonic)
+    eos_token_ids: set[int] = field(default_factory=set)
+
+    output_token_ids: list[int] = field(default_factory=list)
+    # Tokens of all_token_ids whose K/V sit in the cache. What to compute next is always
+    # all_token_ids[num_computed_tokens:], so chunked prefill, decode and resume after
+    # preemption (which resets this to 0) are the same rule.
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)  # block table, in position order
+
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    # The stop string or stop token id that ended the request; None for EOS, length, abort.
+    stop_reason: str | int | None = None
+    output_text: str = ""  # text streamed so far (stop strings and held-back text excluded)
+    # One entry per output token, only when sampling.logprobs is not None.
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then output tokens (a new list; use token_ids_slice for a window)."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without building the whole list (hot path: every step)."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+    def finish(self, status: RequestStatus, stop_reason: str | int | None = None) -> None:
+        self.status = status
+        self.finish_reason = FINISH_REASON_OF_STATUS[status]
+        self.stop_reason = stop_reason

@@ -1,0 +1,381 @@
+"""Iteration-level scheduler: which requests compute how many tokens in each step.
+
+Every step, running requests go first (decodes, then the next chunk of those still
+prefilling), then waiting requests in order of importance, as long as the token budget,
+the sequence cap and the KV cache allow. When the cache runs out, the least important
+running request is preempted: its blocks are freed and it later recomputes its prompt
+and output from scratch (num_computed_tokens back to 0).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from scheduler.block_manager import BlockManager, cdiv
+from scheduler.detokenizer import IncrementalDetokenizer, Tokenizer
+from scheduler.request import FinishReason, Request, RequestStatus, TokenLogprobs
+from shared.errors import InvalidRequestError, WorkerError
+from shared.logging import get_logger
+from shared.step import SampledToken, SequenceWork, StepBatch, StepResult
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class SchedulerConfig:
+    max_model_len: int  # prompt + output tokens of one sequence
+    num_kv_blocks: int
+    block_size: int = 16  # tokens per KV block
+    max_num_seqs: int = 256  # cap on running sequences
+    max_num_batched_tokens: int = 2048  # per-step token budget
+    # Cap on one request's prefill chunk per step, so several prompts can progress at once;
+    # None: a prefill takes whatever budget the decodes leave.
+    long_prefill_chunk: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "num_kv_blocks", "block_size", "max_num_seqs",
+                     "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.long_prefill_chunk is not None and self.long_prefill_chunk < 1:
+            raise ValueError(f"long_prefill_chunk must be >= 1, got {self.long_prefill_chunk}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # Otherwise some running sequences could not decode in a step and would starve.
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs})"
+            )
+
+
+@dataclass
+class SchedulerOutput:
+    batch: StepBatch
+    num_scheduled_tokens: dict[str, int]  # req_id -> tokens computed this step, batch order
+    preempted_req_ids: list[str]  # preempted during this schedule() call
+
+    @property
+    def scheduled_req_ids(self) -> list[str]:
+        return list(self.num_scheduled_tokens)
+
+
+@dataclass
+class RequestOutput:
+    """What one step added to one request, for streaming back to its client."""
+
+    req_id: str
+    new_token_ids: list[int]
+    text_delta: str  # new text since the previous output (empty while held back)
+    finished: bool
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    logprobs: list[TokenLogprobs] | None = None  # of new_token_ids; None if not asked for
+
+
+@dataclass
+class _StepPlan:
+    """What schedule() has decided so far; preemption can take a decision back."""
+
+    token_budget: int
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # req_id -> tokens
+    preempted_req_ids: list[str] = field(default_factory=list)
+
+    def add(self, request: Request, num_tokens: int) -> None:
+        self.num_scheduled_tokens[request.req_id] = num_tokens
+        self.token_budget -= num_tokens
+
+    def remove(self, request: Request) -> None:
+        self.token_budget += self.num_scheduled_tokens.pop(request.req_id, 0)
+
+
+def _importance(request: Request) -> tuple[int, float]:
+    """Sort key: most important first (lower priority number, then earlier arrival)."""
+    return (request.priority, request.arrival_time)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, tokenizer: Tokenizer | None = None) -> None:
+        """Without a tokenizer, outputs carry token ids only (no text, no stop strings)."""
+        self.config = config
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
+        self._tokenizer = tokenizer
+        # A sequence may not outgrow the model's window, nor the whole cache: a request
+        # alone must always fit, or preempting it and resuming it would loop forever.
+        self._max_num_tokens = min(config.max_model_len, config.num_kv_blocks * config.block_size)
+        self._requests: dict[str, Request] = {}  # req_id -> request not yet reported finished
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}  # req_id -> its detokenizer
+        # Kept sorted by _importance. A preempted request keeps its arrival time, so it goes
+        # back ahead of every later arrival of its priority.
+        self._waiting: list[Request] = []
+        self._running: list[Request] = []  # in admission order
+        self._aborted: list[Request] = []  # aborted since the last update_from_output
+        self._next_step_id = 0
+
+    # -- requests in and out ---------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request; raise InvalidRequestError if it can never run."""
+        self._validate(request)
+        self._requests[request.req_id] = request
+        if self._tokenizer is not None:
+            self._detokenizers[request.req_id] = IncrementalDetokenizer(
+                self._tokenizer, request.prompt_token_ids, stop=request.sampling.stop
+            )
+        request.status = RequestStatus.WAITING
+        bisect.insort(self._waiting, request, key=_importance)
+
+    def abort_request(self, req_id: str) -> None:
+        """Stop a request now; its abort output comes with the next update_from_output.
+
+        Unknown or already finished requests are ignored: the client may abort a request
+        that finished on its own a moment before.
+        """
+        request = self._requests.get(req_id)
+        if request is None or request.is_finished:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self._running.remove(request)
+        else:
+            self._waiting.remove(request)
+        self.block_manager.free(request)
+        request.finish(RequestStatus.FINISHED_ABORTED)
+        self._aborted.append(request)
+
+    def get_request(self, req_id: str) -> Request | None:
+        """The request, until its finished output has been returned."""
+        return self._requests.get(req_id)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while requests wait or run, or an abort is still to be reported."""
+        return bool(self._waiting or self._running or self._aborted)
+
+    @property
+    def num_running_requests(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting_requests(self) -> int:
+        return len(self._waiting)
+
+    def _validate(self, request: Request) -> None:
+        if request.req_id in self._requests:
+            raise InvalidRequestError(f"request id {request.req_id!r} is already in use")
+        request.sampling.validate()
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if num_prompt >= self.config.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {num_prompt} tokens, which leaves no room to generate "
+                f"within max_model_len={self.config.max_model_len}",
+                param="prompt",
+            )
+        num_blocks = cdiv(num_prompt, self.config.block_size)
+        if num_blocks > self.config.num_kv_blocks:
+            raise InvalidRequestError(
+                f"the prompt has {num_prompt} tokens and needs {num_blocks} KV cache blocks, "
+                f"but the cache has only {self.config.num_kv_blocks}",
+                param="prompt",
+            )
+        if request.sampling.stop and self._tokenizer is None:
+            raise InvalidRequestError(
+                "stop strings need a scheduler with a tokenizer", param="stop"
+            )
+
+    # -- one step: schedule ----------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        plan = _StepPlan(token_budget=self.config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        # Blocks just freed by preemption are for the running requests that needed them;
+        # admitting new ones now would only preempt again.
+        if not plan.preempted_req_ids:
+            self._schedule_waiting(plan)
+        works = [
+            self._make_work(self._requests[req_id], num_tokens)
+            for req_id, num_tokens in plan.num_scheduled_tokens.items()
+        ]
+        batch = StepBatch(step_id=self._next_step_id, works=works)
+        self._next_step_id += 1
+        return SchedulerOutput(batch, plan.num_scheduled_tokens, plan.preempted_req_ids)
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        # Decodes first: a request still prefilling gets what they leave, so a long prompt
+        # never holds back the decodes of others for more than its current chunk.
+        by_decodes_first = sorted(
+            self._running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1
+        )
+        for request in by_decodes_first:
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted for another request earlier in this loop
+            num_new_tokens = self._num_new_tokens(request, plan.token_budget)
+            if num_new_tokens == 0:
+                continue
+            while not self.block_manager.allocate_slots(request, num_new_tokens):
+                victim = max(self._running, key=_importance)
+                self._preempt(victim, plan)
+                if victim is request:
+                    break
+            else:
+                plan.add(request, num_new_tokens)
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        while self._waiting and plan.token_budget > 0:
+            request = self._waiting[0]
+            if request.req_id in plan.preempted_req_ids:
+                break  # just made room for a more important one; not back in this step
+            num_new_tokens = self._num_new_tokens(request, plan.token_budget)
+            if not self._make_room(request, num_new_tokens, plan):
+                break  # strict order: later requests do not jump ahead of a stuck one
+            self._waiting.pop(0)
+            request.status = RequestStatus.RUNNING
+            self._running.append(request)
+            plan.add(request, num_new_tokens)
+
+    def _make_room(self, request: Request, num_new_tokens: int, plan: _StepPlan) -> bool:
+        """Get a sequence slot and blocks for a waiting request; True when allocated.
+
+        Only running requests of strictly lower importance (higher priority number) are
+        preempted, fewest first, and only when that is enough.
+        """
+        num_victims_for_slot = max(0, len(self._running) + 1 - self.config.max_num_seqs)
+        num_blocks_needed = self.block_manager.num_blocks_needed(request, num_new_tokens)
+        num_free_blocks = self.block_manager.num_free_blocks
+        candidates = sorted(
+            (r for r in self._running if r.priority > request.priority),
+            key=_importance,
+            reverse=True,
+        )
+        victims: list[Request] = []
+        for candidate in candidates:
+            if len(victims) >= num_victims_for_slot and num_free_blocks >= num_blocks_needed:
+                break
+            victims.append(candidate)
+            num_free_blocks += len(candidate.block_ids)
+        if len(victims) < num_victims_for_slot or num_free_blocks < num_blocks_needed:
+            return False
+        for victim in victims:
+            self._preempt(victim, plan)
+        return self.block_manager.allocate_slots(request, num_new_tokens)
+
+    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+        """Free the request's blocks and queue it to recompute everything; keep its output."""
+        self._running.remove(request)
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        bisect.insort(self._waiting, request, key=_importance)
+        plan.remove(request)
+        plan.preempted_req_ids.append(request.req_id)
+        logger.info(
+            "preempted", req_id=request.req_id, num_preemptions=request.num_preemptions,
+            num_free_blocks=self.block_manager.num_free_blocks,
+        )
+
+    def _num_new_tokens(self, request: Request, token_budget: int) -> int:
+        num_new_tokens = request.num_tokens - request.num_computed_tokens
+        if self.config.long_prefill_chunk is not None:
+            num_new_tokens = min(num_new_tokens, self.config.long_prefill_chunk)
+        return min(num_new_tokens, token_budget)
+
+    def _make_work(self, request: Request, num_tokens: int) -> SequenceWork:
+        start = request.num_computed_tokens
+        end = start + num_tokens
+        is_sampled = end == request.num_tokens
+        # Penalties need the token history; don't ship it for steps that don't sample.
+        needs_history = is_sampled and request.sampling.has_penalties
+        return SequenceWork(
+            req_id=request.req_id,
+            token_ids=request.token_ids_slice(start, end),
+            start_pos=start,
+            block_ids=list(request.block_ids),
+            is_sampled=is_sampled,
+            sampling=request.sampling,
+            num_output_tokens=request.num_output_tokens,
+            prompt_token_ids=list(request.prompt_token_ids) if needs_history else [],
+            output_token_ids=list(request.output_token_ids) if needs_history else [],
+        )
+
+    # -- one step: take the result back ----------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, step_result: StepResult
+    ) -> list[RequestOutput]:
+        """Record what the step computed and sampled; return one output per changed request.
+
+        Raises WorkerError when the result does not match the batch (wrong step, missing
+        or extra sampled tokens).
+        """
+        batch = scheduler_output.batch
+        if step_result.step_id != batch.step_id:
+            raise WorkerError(f"result of step {step_result.step_id} for batch {batch.step_id}")
+        outputs = [self._report_abort(request) for request in self._aborted]
+        self._aborted = []
+        sampled_tokens = iter(step_result.sampled)
+        for work in batch.works:
+            sampled = next(sampled_tokens, None) if work.is_sampled else None
+            if work.is_sampled and (sampled is None or sampled.req_id != work.req_id):
+                raise WorkerError(f"step {batch.step_id}: no sampled token for {work.req_id!r}")
+            request = self._requests.get(work.req_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted after schedule(): what the step did for it is moot
+            request.num_computed_tokens += len(work.token_ids)
+            if sampled is not None:
+                outputs.append(self._append_token(request, sampled))
+        if next(sampled_tokens, None) is not None:
+            raise WorkerError(f"step {batch.step_id}: more sampled tokens than sampled works")
+        return outputs
+
+    def _report_abort(self, request: Request) -> RequestOutput:
+        del self._requests[request.req_id]
+        self._detokenizers.pop(request.req_id, None)
+        return RequestOutput(
+            request.req_id, [], "", finished=True, finish_reason=FinishReason.ABORT
+        )
+
+    def _append_token(self, request: Request, sampled: SampledToken) -> RequestOutput:
+        request.output_token_ids.append(sampled.token_id)
+        logprobs = None
+        if request.sampling.logprobs is not None:
+            logprobs = [TokenLogprobs(sampled.token_id, sampled.logprob, sampled.top_logprobs)]
+            request.output_logprobs.extend(logprobs)
+        text_delta = self._detokenize_and_check_stop(request, sampled.token_id)
+        request.output_text += text_delta
+        if request.is_finished:
+            self._running.remove(request)
+            self.block_manager.free(request)
+            del self._requests[request.req_id]
+            self._detokenizers.pop(request.req_id, None)
+        return RequestOutput(
+            request.req_id,
+            [sampled.token_id],
+            text_delta,
+            finished=request.is_finished,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            logprobs=logprobs,
+        )
+
+    def _detokenize_and_check_stop(self, request: Request, token_id: int) -> str:
+        """Text the token adds; finishes the request when it meets a stop condition."""
+        detokenizer = self._detokenizers.get(request.req_id)
+        sampling = request.sampling
+        text_delta = ""
+        if token_id in request.eos_token_ids and not sampling.ignore_eos:
+            # As in vLLM: EOS and stop tokens stay in the token ids but add no text.
+            request.finish(RequestStatus.FINISHED_STOPPED)
+        elif token_id in sampling.stop_token_ids:
+            request.finish(RequestStatus.FINISHED_STOPPED, stop_reason=token_id)
+        elif detokenizer is not None:
+            text_delta = detokenizer.add_token(token_id)
+            if detokenizer.matched_stop is not None:
+                request.finish(RequestStatus.FINISHED_STOPPED, stop_reason=detokenizer.matched_stop)
+        if not request.is_finished and (
+            request.num_output_tokens >= sampling.max_tokens
+            or request.num_tokens >= self._max_num_tokens
+        ):
+            request.finish(RequestStatus.FINISHED_LENGTH)
+        if request.is_finished and detokenizer is not None:
+            text_delta += detokenizer.finish()
+        return text_delta

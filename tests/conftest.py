@@ -1,0 +1,24 @@
+"""Fixtures shared by the whole suite: tiny checkpoints and the default model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.checkpoints import TINY_ARCHS, make_tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """arch -> folder of a tiny random-weight checkpoint, built once per session."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: make_tiny_checkpoint(arch, root / arch) for arch in TINY_ARCHS}
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """The default model folder (fetched once into $TOKENFLEET_HOME, ~20 s the first time)."""
+    from workers.default_model import fetch_default_model
+
+    return fetch_default_model()

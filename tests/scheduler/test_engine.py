@@ -1,0 +1,144 @@
+"""The whole in-process engine (scheduler core + runner) against transformers' greedy output.
+
+Each test drives the engine into one of the situations that break naive engines, with
+prompts of different lengths batched together: chunked prefill forced small, requests
+joining mid-generation, preemption forced by a tiny KV cache, tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from scheduler.engine import LLMEngine
+from shared.config import EngineConfig
+from shared.sampling import SamplingParams
+from tests.checkpoints import TINY_ARCHS
+from tests.hf_reference import assert_greedy_matches, hf_greedy
+
+NUM_NEW_TOKENS = 32
+
+
+def _prompts(seed: int, vocab: int, lengths: list[int]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def _references(folder, prompts: list[list[int]], max_new_tokens: int = NUM_NEW_TOKENS):
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return [hf_greedy(hf, p, max_new_tokens) for p in prompts]
+
+
+def _engine(folder, **overrides) -> LLMEngine:
+    config = dict(model=str(folder), block_size=4, num_kv_blocks=256, max_num_seqs=3,
+                  max_num_batched_tokens=16)
+    config.update(overrides)
+    return LLMEngine(EngineConfig(**config))
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+LENGTHS = [5, 41, 1, 17, 63, 9]  # mixed lengths; 63 > the 16-token budget, so it is chunked
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_greedy_matches_transformers_batched_chunked_and_joining(arch: str, tiny_checkpoints) -> None:
+    """6 prompts, at most 3 running: later ones join while others decode; prefill in 16-token
+    chunks; every output equals transformers' greedy continuation."""
+    folder = tiny_checkpoints[arch]
+    prompts = _prompts(1, 512, LENGTHS)
+    refs = _references(folder, prompts)
+    with _engine(folder) as engine:
+        results = engine.generate(prompts, GREEDY)
+    for result, ref in zip(results, refs, strict=True):
+        assert_greedy_matches(result.token_ids, ref, allow_near_tie=True)
+        assert result.finish_reason.value == "length"
+        assert result.usage.completion_tokens == NUM_NEW_TOKENS
+
+
+def test_greedy_matches_under_preemption_by_tiny_kv_cache(tiny_checkpoints) -> None:
+    folder = tiny_checkpoints["qwen2"]
+    prompts = _prompts(2, 512, LENGTHS)
+    refs = _references(folder, prompts)
+    # 30 blocks of 4 = 120 slots; the three running sequences need up to 3 * 95.
+    with _engine(folder, num_kv_blocks=30) as engine:
+        ids = [engine.add_request(p, GREEDY) for p in prompts]
+        requests = [engine.scheduler.get_request(i) for i in ids]
+        tokens: dict[str, list[int]] = {i: [] for i in ids}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens[out.req_id].extend(out.new_token_ids)
+    assert sum(r.num_preemptions for r in requests) > 0, "the tiny cache never forced a preemption"
+    for req_id, ref in zip(ids, refs, strict=True):
+        assert_greedy_matches(tokens[req_id], ref, allow_near_tie=True)
+
+
+def test_request_added_mid_generation_matches(tiny_checkpoints) -> None:
+    folder = tiny_checkpoints["llama"]
+    first, late = _prompts(3, 512, [30, 22])
+    refs = _references(folder, [first, late])
+    with _engine(folder, max_num_seqs=8) as engine:
+        a = engine.add_request(first, GREEDY)
+        tokens: dict[str, list[int]] = {a: []}
+        for _ in range(6):
+            for out in engine.step():
+                tokens[out.req_id].extend(out.new_token_ids)
+        assert 0 < len(tokens[a]) < NUM_NEW_TOKENS
+        b = engine.add_request(late, GREEDY)
+        tokens[b] = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens[out.req_id].extend(out.new_token_ids)
+    assert_greedy_matches(tokens[a], refs[0], allow_near_tie=True)
+    assert_greedy_matches(tokens[b], refs[1], allow_near_tie=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "smollm_tied"])
+def test_tp2_greedy_matches_transformers(arch: str, tiny_checkpoints) -> None:
+    folder = tiny_checkpoints[arch]
+    prompts = _prompts(4, 512, LENGTHS)
+    refs = _references(folder, prompts)
+    with _engine(folder, tp=2) as engine:
+        results = engine.generate(prompts, GREEDY)
+    for result, ref in zip(results, refs, strict=True):
+        assert_greedy_matches(result.token_ids, ref, allow_near_tie=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
+def test_smollm2_greedy_matches_transformers(tp: int, smollm2) -> None:
+    """The real model, no near-tie allowance: every one of 32 tokens identical."""
+    prompts = _prompts(5, 49152, [7, 120, 33, 300, 2])
+    refs = _references(smollm2, prompts)
+    with _engine(smollm2, tp=tp, block_size=16, num_kv_blocks=64, max_num_seqs=4,
+                 max_num_batched_tokens=64) as engine:
+        results = engine.generate(prompts, GREEDY)
+    for result, ref in zip(results, refs, strict=True):
+        assert_greedy_matches(result.token_ids, ref, allow_near_tie=False)
+
+
+@pytest.mark.slow
+def test_smollm2_chat_answers_paris(smollm2) -> None:
+    with LLMEngine(EngineConfig(model=str(smollm2), num_kv_blocks=64)) as engine:
+        [result] = engine.generate(["What is the capital of France?"],
+                                   SamplingParams(temperature=0.0, max_tokens=32), chat=True)
+    assert "Paris" in result.text
+    assert result.finish_reason.value == "stop"  # ended at <|im_end|>, not at max_tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["tiny", "smollm2"])
+def test_tp2_each_rank_holds_about_half_the_weights(which: str, tiny_checkpoints, smollm2) -> None:
+    folder = smollm2 if which == "smollm2" else tiny_checkpoints["qwen2"]
+    with _engine(folder, tp=1, num_kv_blocks=8) as engine:
+        [whole] = engine.executor.rank_weight_bytes()
+    with _engine(folder, tp=2, num_kv_blocks=8) as engine:
+        shares = engine.executor.rank_weight_bytes()
+    assert len(shares) == 2
+    for share in shares:
+        # SmolLM2's 3 KV heads split 2 + 1, so its ranks hold 53% and 47%.
+        assert 0.45 * whole <= share <= 0.55 * whole, (share, whole)
+    assert sum(shares) == pytest.approx(whole, rel=0.01)
