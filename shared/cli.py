@@ -83,9 +83,14 @@ def _cmd_model_fetch(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    import transformers
+
     from scheduler.engine import LLMEngine
     from shared.config import EngineConfig
     from shared.sampling import SamplingParams
+
+    # Our own errors say what is wrong; transformers' warnings (e.g. on long prompts) only add noise.
+    transformers.logging.set_verbosity_error()
 
     sampling = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

@@ -26,7 +26,8 @@ def _prefill_then_decode_logits(runner: ModelRunner, prompt: list[int], split: i
     """Logits at the last prompt position after a prefill of `split` tokens, then one token at
     a time (exercising chunked prefill and the decode path)."""
     blocks = list(range(-(-len(prompt) // runner.block_size)))
-    rows = [runner.compute_logits_for_test(StepBatch(0, [SequenceWork("r", prompt[:split], 0, blocks, True, GREEDY)]))]
+    first = SequenceWork("r", prompt[:split], 0, blocks, True, GREEDY)
+    rows = [runner.compute_logits_for_test(StepBatch(0, [first]))]
     for pos in range(split, len(prompt)):
         work = SequenceWork("r", [prompt[pos]], pos, blocks, True, GREEDY)
         rows.append(runner.compute_logits_for_test(StepBatch(pos, [work])))
