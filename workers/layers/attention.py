@@ -4,8 +4,9 @@ The cache of one layer is [2, num_blocks, block_size, num_kv_heads, head_dim]. E
 first writes the new tokens' K/V into their slots, then attends:
 - decodes as one padded batch over the blocks their tables name,
 - each prefill chunk over its cached prefix plus itself, causally.
-This is the portable PyTorch path (CPU and CUDA); a fused CUDA kernel can replace
-`_attend_decodes` without touching the model code.
+Decodes run the fused Triton kernel on CUDA (`triton_decode`) and the portable PyTorch
+path elsewhere; prefill chunks use PyTorch's scaled-dot-product attention, which picks
+flash attention on CUDA for chunks with nothing cached before them.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.attention_metadata import AttentionMetadata
+from workers.attention_metadata import AttentionMetadata, PrefillChunk
+from workers.layers import triton_decode
 
 
 class PagedAttention(nn.Module):
@@ -41,7 +43,12 @@ class PagedAttention(nn.Module):
         out = torch.empty_like(q)
         if meta.num_decode_tokens:
             n = meta.num_decode_tokens
-            out[:n] = self._attend_decodes(q[:n], k_cache, v_cache, meta)
+            if triton_decode.is_available(q):
+                out[:n] = triton_decode.paged_decode(
+                    q[:n], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+                )
+            else:
+                out[:n] = self._attend_decodes(q[:n], k_cache, v_cache, meta)
         for chunk in meta.prefills:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
             out[rows] = self._attend_prefill(q[rows], k[rows], v[rows], k_cache, v_cache, chunk)
@@ -69,7 +76,7 @@ class PagedAttention(nn.Module):
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        chunk,
+        chunk: PrefillChunk,
     ) -> torch.Tensor:
         # q: [chunk_len, num_heads, head_dim]
         gqa = self.num_heads != self.num_kv_heads
