@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import shutil
@@ -16,7 +17,7 @@ from shared.sampling import SamplingParams
 
 
 def _engine(folder, **overrides) -> LLMEngine:
-    config = dict(model=str(folder), block_size=4, num_kv_blocks=256, max_num_seqs=8,
+    config = dict(model=str(folder), dtype="float32", block_size=4, num_kv_blocks=256, max_num_seqs=8,
                   max_num_batched_tokens=32)
     config.update(overrides)
     return LLMEngine(EngineConfig(**config))
@@ -50,7 +51,7 @@ def test_seeded_sampling_is_reproducible_across_batches_and_preemption(tiny_chec
     assert batched.token_ids == alone.token_ids
     assert preempted == alone.token_ids
     with _engine(folder) as engine:
-        [other_seed] = engine.generate([target], SamplingParams(**{**SEEDED.__dict__, "seed": 99}))
+        [other_seed] = engine.generate([target], dataclasses.replace(SEEDED, seed=99))
     assert other_seed.token_ids != alone.token_ids
 
 
@@ -62,7 +63,8 @@ def test_stop_token_id_ends_generation_and_is_kept(tiny_checkpoints) -> None:
         [free] = engine.generate([prompt], greedy)
         stop_id = free.token_ids[5]
         first = free.token_ids.index(stop_id)
-        [stopped] = engine.generate([prompt], SamplingParams(**{**greedy.__dict__, "stop_token_ids": [stop_id]}))
+        with_stop = dataclasses.replace(greedy, stop_token_ids=[stop_id])
+        [stopped] = engine.generate([prompt], with_stop)
     assert stopped.token_ids == free.token_ids[: first + 1]
     assert stopped.finish_reason.value == "stop"
     assert stopped.stop_reason == stop_id
@@ -114,7 +116,7 @@ def test_stop_string_is_cut_and_not_returned(smollm2) -> None:
         [free] = engine.generate([question], greedy, chat=True)
         stop = free.text[10:14]  # four characters from the middle of the answer
         cut = free.text.index(stop)
-        [stopped] = engine.generate([question], SamplingParams(**{**greedy.__dict__, "stop": [stop]}),
+        [stopped] = engine.generate([question], dataclasses.replace(greedy, stop=[stop]),
                                     chat=True)
     assert stopped.text == free.text[:cut]
     assert stopped.finish_reason.value == "stop" and stopped.stop_reason == stop

@@ -19,7 +19,12 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 def _relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((ours - ref).abs().max() / ref.abs().max())
+    return float((ours.cpu() - ref).abs().max() / ref.abs().max())
+
+
+def _runner(folder, **config) -> ModelRunner:
+    """float32 on whatever device is present (CUDA runs it too, against transformers on CPU)."""
+    return ModelRunner(EngineConfig(model=str(folder), dtype="float32", **config), SINGLE_DEVICE)
 
 
 def _prefill_then_decode_logits(runner: ModelRunner, prompt: list[int], split: int) -> torch.Tensor:
@@ -38,7 +43,7 @@ def _prefill_then_decode_logits(runner: ModelRunner, prompt: list[int], split: i
 def test_logits_match_transformers_within_1e4_relative(arch: str, tiny_checkpoints) -> None:
     folder = tiny_checkpoints[arch]
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    runner = ModelRunner(EngineConfig(model=str(folder), num_kv_blocks=64, block_size=4), SINGLE_DEVICE)
+    runner = _runner(folder, num_kv_blocks=64, block_size=4)
     prompt = [random.Random(arch).randrange(3, 512) for _ in range(37)]
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0].float()  # [37, vocab]
@@ -50,7 +55,7 @@ def test_logits_match_with_legacy_rope_keys(tmp_path) -> None:
     """Hub checkpoints written by transformers 4.x keep rope_theta/rope_scaling at the top level."""
     folder = make_tiny_checkpoint("llama3_rope_scaling", tmp_path / "m", legacy_rope_keys=True)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    runner = ModelRunner(EngineConfig(model=str(folder), num_kv_blocks=64, block_size=8), SINGLE_DEVICE)
+    runner = _runner(folder, num_kv_blocks=64, block_size=8)
     prompt = list(range(3, 200, 3))
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0, -1:].float()
@@ -62,7 +67,7 @@ def test_logits_match_with_legacy_rope_keys(tmp_path) -> None:
 @pytest.mark.slow
 def test_smollm2_logits_match_transformers_within_1e4_relative(smollm2) -> None:
     hf = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
-    runner = ModelRunner(EngineConfig(model=str(smollm2), num_kv_blocks=64), SINGLE_DEVICE)
+    runner = _runner(smollm2, num_kv_blocks=64)
     prompt = [random.Random(1).randrange(3, 49152) for _ in range(50)]
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0].float()
