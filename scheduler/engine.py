@@ -17,7 +17,8 @@ from pathlib import Path
 from scheduler.request import FinishReason, Request, TokenLogprobs
 from scheduler.scheduler import RequestOutput, Scheduler, SchedulerConfig
 from shared.config import EngineConfig
-from shared.errors import InvalidRequestError, ModelLoadError
+from shared.errors import InvalidRequestError, ModelLoadError, WorkerError
+from shared.logging import get_logger
 from shared.sampling import SamplingParams
 from shared.step import StepResult
 from workers.executor import Executor, make_executor
@@ -97,6 +98,9 @@ class LLMEngine:
             self.tokenizer,
         )
         self._req_counter = itertools.count()
+        self._num_failed_steps = 0  # consecutive, reset by a good step
+        self.num_group_restarts = 0
+        self.log = get_logger("tokenfleet.engine")
 
     @property
     def max_model_len(self) -> int:
@@ -146,11 +150,27 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         output = self.scheduler.schedule()
-        if output.batch.works:
+        if not output.batch.works:  # only aborts to report
+            return self.scheduler.update_from_output(output, StepResult(output.batch.step_id, []))
+        try:
             result = self.executor.execute(output.batch)
-        else:  # only aborts to report
-            result = StepResult(output.batch.step_id, [])
+        except WorkerError as exc:
+            self._recover(exc)
+            return []
+        self._num_failed_steps = 0
         return self.scheduler.update_from_output(output, result)
+
+    def _recover(self, exc: WorkerError) -> None:
+        """A rank died mid-step: its KV cache is gone. Rebuild the group, and let every
+        running request recompute from the tokens it already has (nothing is re-sent)."""
+        self._num_failed_steps += 1
+        if self._num_failed_steps > self.config.max_group_restarts:
+            raise exc
+        preempted = self.scheduler.preempt_all_running()
+        self.log.warning("worker_group_failed", error=exc.message, num_requeued=len(preempted),
+                         attempt=self._num_failed_steps)
+        self.executor.restart()
+        self.num_group_restarts += 1
 
     def generate(
         self, prompts: list[str | list[int]], sampling: SamplingParams | list[SamplingParams],

@@ -258,6 +258,15 @@ class Scheduler:
             self._preempt(victim, plan)
         return self.block_manager.allocate_slots(request, num_new_tokens)
 
+    def preempt_all_running(self) -> list[str]:
+        """After a failed step (a worker group died, its KV cache with it): every running
+        request goes back to waiting to recompute its prompt and output so far. Tokens
+        already returned stay returned, so callers see no gap and no repeat."""
+        plan = _StepPlan(token_budget=0)
+        for request in list(self._running):
+            self._preempt(request, plan)
+        return plan.preempted_req_ids
+
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
         """Free the request's blocks and queue it to recompute everything; keep its output."""
         self._running.remove(request)

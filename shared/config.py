@@ -36,3 +36,10 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context window
     num_threads: int | None = None  # torch threads per rank on CPU
     seed: int = 0
+    # Worker groups (Ray). Groups are used for tp > 1, for replicas, or when use_ray is set.
+    use_ray: bool = False
+    ray_address: str | None = None  # None: a local Ray started by this process
+    placement_strategy: str = "STRICT_PACK"  # PACK or SPREAD to allow ranks on several nodes
+    num_cpus_per_rank: float = 1.0  # Ray CPUs of each rank's bundle on CPU hosts
+    step_timeout_s: float = 120.0  # a step slower than this means a rank is gone
+    max_group_restarts: int = 3  # rebuilds of a failed worker group before giving up
