@@ -100,6 +100,7 @@ class LLMEngine:
         self._req_counter = itertools.count()
         self._num_failed_steps = 0  # consecutive, reset by a good step
         self.num_group_restarts = 0
+        self.num_steps = 0  # steps that ran on the workers
         self.log = get_logger("tokenfleet.engine")
 
     @property
@@ -158,6 +159,7 @@ class LLMEngine:
             self._recover(exc)
             return []
         self._num_failed_steps = 0
+        self.num_steps += 1
         return self.scheduler.update_from_output(output, result)
 
     def _recover(self, exc: WorkerError) -> None:

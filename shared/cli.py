@@ -41,6 +41,11 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "max-num-seqs", type=int, default=256, help="cap on running sequences")
     _flag(parser, "max-num-batched-tokens", type=int, default=2048, help="tokens per step (chunked prefill)")
     _flag(parser, "num-threads", type=int, help="torch threads per rank on CPU")
+    _flag(parser, "replicas", type=int, default=1, help="engines side by side (data parallel)")
+    _flag(parser, "ray-address", help="join this Ray cluster (default: start a local Ray when needed)")
+    _flag(parser, "placement-strategy", default="STRICT_PACK",
+          help="Ray placement of a group's ranks: STRICT_PACK, PACK or SPREAD")
+    _flag(parser, "num-cpus-per-rank", type=float, default=1.0, help="Ray CPUs per rank on CPU hosts")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,8 +107,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.num_threads,
+        ray_address=args.ray_address, placement_strategy=args.placement_strategy,
+        num_cpus_per_rank=args.num_cpus_per_rank, use_ray=bool(args.ray_address),
     )
-    with LLMEngine(config) as engine:
+    if args.replicas > 1:
+        from scheduler.replicas import ReplicatedEngine
+
+        engine_cm = ReplicatedEngine(config, args.replicas)
+    else:
+        engine_cm = LLMEngine(config)
+    with engine_cm as engine:
         results = engine.generate(args.prompts, sampling, chat=args.chat)
     for result in results:
         if args.json:

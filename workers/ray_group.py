@@ -37,7 +37,10 @@ def ensure_ray(address: str | None, num_cpus: int | None = None) -> None:
     if ray.is_initialized():
         return
     if address:
-        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        try:
+            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        except ConnectionError as exc:
+            raise WorkerError(f"cannot join the Ray cluster at {address}: {exc}") from None
     else:
         ray.init(num_cpus=num_cpus or max(4, os.cpu_count() or 1), include_dashboard=False,
                  log_to_driver=False)
