@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
+from scheduler.engine import GenerationResult, LLMEngine
 from shared.config import EngineConfig
 from shared.errors import InvalidRequestError
 from shared.sampling import SamplingParams
-from scheduler.engine import GenerationResult, LLMEngine
 
 
 class ReplicatedEngine:
