@@ -74,8 +74,8 @@ class RankWorker:
     def execute(self, batch: StepBatch) -> StepResult | None:
         return self.runner.execute(batch)
 
-    def ping(self) -> int:
-        return self.rank
+    def receive(self, batch: StepBatch) -> None:
+        """Take a batch and do nothing: measures the transport alone (scripts/bench_dispatch.py)."""
 
     def shutdown(self) -> None:
         if dist.is_initialized():

@@ -42,7 +42,8 @@ def ensure_ray(address: str | None, num_cpus: int | None = None) -> None:
         except ConnectionError as exc:
             raise WorkerError(f"cannot join the Ray cluster at {address}: {exc}") from None
     else:
-        ray.init(num_cpus=num_cpus or max(4, os.cpu_count() or 1), include_dashboard=False,
+        # "local": never attach to a cluster some earlier `ray start` left recorded in /tmp/ray.
+        ray.init(address="local", num_cpus=num_cpus or max(4, os.cpu_count() or 1), include_dashboard=False,
                  log_to_driver=False)
 
 

@@ -1,0 +1,127 @@
+"""Per-step dispatch overhead of worker groups, and the TP=2 / TP=1 throughput ratio.
+
+Run by hand (not a test); prints one table, the baseline measured in the same run:
+
+    .venv/bin/python scripts/bench_dispatch.py [--steps 300] [--skip-throughput]
+
+Dispatch: a decode step of one token on a one-layer tiny model (almost no compute), timed
+in-process (the baseline: no transport at all), then through a Ray group with plain actor
+calls and with a Ray Compiled Graph, and the compiled graph's transport alone (ranks that
+return at once). Overhead = group median - in-process median; at TP=2 a real step also
+pays the layer's gloo all-reduces, which the no-op row leaves out.
+Throughput: SmolLM2 greedy, 16 requests of 64 prompt and 64 output tokens, TP=1 and TP=2
+groups (on this 2-core CPU TP=2 pays two gloo all-reduces per layer: it is for
+correctness here, not speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import ray  # noqa: E402
+from ray.dag import InputNode, MultiOutputNode  # noqa: E402
+
+from shared.config import EngineConfig  # noqa: E402
+from shared.sampling import SamplingParams  # noqa: E402
+from shared.step import SequenceWork, StepBatch  # noqa: E402
+from tests.checkpoints import make_tiny_checkpoint  # noqa: E402
+from workers.executor import InProcessExecutor  # noqa: E402
+from workers.rank_worker import RankWorker  # noqa: E402
+from workers.ray_group import RayWorkerGroup  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def _decode_batch(step: int) -> StepBatch:
+    return StepBatch(step, [SequenceWork("r", [5], 3, [0], True, GREEDY)])
+
+
+def _time_steps(run_step, num_steps: int) -> float:
+    """Median seconds of one step."""
+    for i in range(20):  # warm-up
+        run_step(_decode_batch(i))
+    times = []
+    for i in range(num_steps):
+        start = time.perf_counter()
+        run_step(_decode_batch(i))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_dispatch(folder: Path, num_steps: int) -> list[tuple[str, float]]:
+    config = EngineConfig(model=str(folder), dtype="float32", num_kv_blocks=4, block_size=16,
+                          num_threads=1)
+    rows = [("in-process runner (baseline)", _time_steps(InProcessExecutor(config).execute, num_steps))]
+    for tp in (1, 2):
+        group = RayWorkerGroup(EngineConfig(**{**config.__dict__, "tp": tp, "use_ray": True}))
+        actors = group.actors
+
+        def plain_calls(batch: StepBatch, actors=actors) -> None:
+            refs = [actor.execute.remote(batch) for actor in actors]
+            ray.get(refs)
+
+        rows.append((f"Ray TP={tp}, plain actor calls", _time_steps(plain_calls, num_steps)))
+        rows.append((f"Ray TP={tp}, compiled graph", _time_steps(group.execute, num_steps)))
+        group.shutdown()
+        # The transport alone: ranks (no model loaded) take the batch and return at once.
+        bare = [ray.remote(RankWorker).options(num_cpus=1).remote(config, rank) for rank in range(tp)]
+        with InputNode() as inp:
+            noop = MultiOutputNode([actor.receive.bind(inp) for actor in bare]).experimental_compile()
+        rows.append((f"Ray TP={tp}, compiled graph, no-op ranks (transport only)",
+                     _time_steps(lambda batch, noop=noop: ray.get(noop.execute(batch)), num_steps)))
+        noop.teardown(kill_actors=True)
+    return rows
+
+
+def measure_throughput(tp: int, model: str) -> float:
+    from scheduler.engine import LLMEngine
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 49152) for _ in range(64)] for _ in range(16)]
+    sampling = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    config = EngineConfig(model=model, dtype="float32", tp=tp, use_ray=True, num_kv_blocks=256)
+    with LLMEngine(config, load_tokenizer_files=False) as engine:
+        engine.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        start = time.perf_counter()
+        results = engine.generate(prompts, sampling)
+        elapsed = time.perf_counter() - start
+    return sum(len(r.token_ids) for r in results) / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--skip-throughput", action="store_true")
+    args = parser.parse_args()
+    print("command:", " ".join(sys.argv))
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = make_tiny_checkpoint("llama", Path(tmp) / "tiny", num_hidden_layers=1)
+        rows = measure_dispatch(folder, args.steps)
+    baseline = rows[0][1]
+    print("\n| dispatch of an almost-empty step | median ms | overhead over in-process, ms |")
+    print("| --- | --- | --- |")
+    for name, seconds in rows:
+        print(f"| {name} | {seconds * 1e3:.3f} | {(seconds - baseline) * 1e3:.3f} |")
+    if not args.skip_throughput:
+        from workers.default_model import fetch_default_model
+
+        model = str(fetch_default_model())
+        tp1, tp2 = measure_throughput(1, model), measure_throughput(2, model)
+        print("\n| SmolLM2 greedy, 16 x (64 in, 64 out), float32 | output tok/s |")
+        print("| --- | --- |")
+        print(f"| TP=1 (Ray group) | {tp1:.1f} |")
+        print(f"| TP=2 (Ray group, gloo) | {tp2:.1f} |")
+        print(f"| TP=2 / TP=1 | {tp2 / tp1:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
