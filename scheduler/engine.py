@@ -128,18 +128,26 @@ class LLMEngine:
 
     def add_request(
         self, prompt_token_ids: list[int], sampling: SamplingParams, *, priority: int = 0,
-        req_id: str | None = None,
+        req_id: str | None = None, arrival_time: float | None = None,
+        output_token_ids: list[int] | None = None, output_text: str = "",
     ) -> str:
+        """Queue a request. `output_token_ids`/`output_text` resume one that another
+        scheduler started: generation continues after those tokens, which are not sent again."""
         req_id = req_id or f"req-{next(self._req_counter)}"
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         vocab = self.model_config.vocab_size
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
-            raise InvalidRequestError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})",
-                                      param="prompt")
+            raise InvalidRequestError(
+                f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})", param="prompt"
+            )
         request = Request(req_id, list(prompt_token_ids), sampling, priority=priority,
-                          eos_token_ids=set(self.eos_token_ids))
+                          eos_token_ids=set(self.eos_token_ids),
+                          output_token_ids=list(output_token_ids or []))
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
+        request.output_text = output_text
         self.scheduler.add_request(request)
         return req_id
 

@@ -119,7 +119,8 @@ class Scheduler:
         self._requests[request.req_id] = request
         if self._tokenizer is not None:
             self._detokenizers[request.req_id] = IncrementalDetokenizer(
-                self._tokenizer, request.prompt_token_ids, stop=request.sampling.stop
+                # A request resumed from stored tokens continues after them: they are context.
+                self._tokenizer, request.all_token_ids, stop=request.sampling.stop
             )
         request.status = RequestStatus.WAITING
         bisect.insort(self._waiting, request, key=_importance)

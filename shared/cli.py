@@ -41,7 +41,6 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "max-num-seqs", type=int, default=256, help="cap on running sequences")
     _flag(parser, "max-num-batched-tokens", type=int, default=2048, help="tokens per step (chunked prefill)")
     _flag(parser, "num-threads", type=int, help="torch threads per rank on CPU")
-    _flag(parser, "replicas", type=int, default=1, help="engines side by side (data parallel)")
     _flag(parser, "ray-address", help="join this Ray cluster (default: start a local Ray when needed)")
     _flag(parser, "placement-strategy", default="STRICT_PACK",
           help="Ray placement of a group's ranks: STRICT_PACK, PACK or SPREAD")
@@ -58,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = commands.add_parser("generate", help="offline generation in-process (no Redis)")
     _add_engine_flags(gen)
+    _flag(gen, "replicas", type=int, default=1, help="engines side by side (data parallel)")
     _flag(gen, "chat", action="store_true", help="wrap each prompt in the model's chat template")
     _flag(gen, "max-tokens", type=int, default=256, help="tokens to generate per prompt")
     _flag(gen, "temperature", type=float, default=0.0, help="0 is greedy")
@@ -69,6 +69,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     _flag(gen, "json", action="store_true", help="one JSON object per prompt")
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+    sched = commands.add_parser("scheduler", help="one scheduler and its worker group, fed from Redis")
+    _add_engine_flags(sched)
+    _flag(sched, "redis-url", default="redis://127.0.0.1:6379/0",
+          help="redis://[:password@]host:port/db, or rediss:// for TLS")
+    _flag(sched, "model-name", help="served model name (default: the model folder's name)")
+    _flag(sched, "scheduler-id", help="unique id of this scheduler (default: hostname-pid-random)")
+    _flag(sched, "lease-s", type=float, default=10.0,
+          help="entries nobody renewed for this long are taken over")
+    _flag(sched, "max-deliveries", type=int, default=3, help="deliveries before an entry is dead-lettered")
+    _flag(sched, "result-ttl-s", type=int, default=24 * 3600, help="how long tf:res:{id} records live")
+    _flag(sched, "key-prefix", default="tf:", help="prefix of every Redis key")
     return parser
 
 
@@ -78,6 +89,44 @@ def _resolve_model(path: str | None) -> str:
     from workers.default_model import fetch_default_model
 
     return str(fetch_default_model())
+
+
+def _engine_config(args: argparse.Namespace):
+    from shared.config import EngineConfig
+
+    return EngineConfig(
+        model=_resolve_model(args.model), tp=args.tp, device=args.device, dtype=args.dtype,
+        max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
+        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.num_threads,
+        ray_address=args.ray_address, placement_strategy=args.placement_strategy,
+        num_cpus_per_rank=args.num_cpus_per_rank, use_ray=bool(args.ray_address),
+    )
+
+
+def _cmd_scheduler(args: argparse.Namespace) -> int:
+    import signal
+    import socket
+    import threading
+    import uuid
+    from pathlib import Path
+
+    from scheduler.engine import LLMEngine
+    from scheduler.service import SchedulerService, ServiceSettings
+    from shared.keys import Keys
+
+    config = _engine_config(args)
+    settings = ServiceSettings(
+        model_name=args.model_name or Path(config.model).name,
+        scheduler_id=args.scheduler_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
+        lease_s=args.lease_s, max_deliveries=args.max_deliveries, result_ttl_s=args.result_ttl_s,
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with LLMEngine(config) as engine:
+        SchedulerService(engine, args.redis_url, settings, Keys(args.key_prefix)).run(stop)
+    return 0
 
 
 def _cmd_model_fetch(args: argparse.Namespace) -> int:
@@ -91,7 +140,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     import transformers
 
     from scheduler.engine import LLMEngine
-    from shared.config import EngineConfig
     from shared.sampling import SamplingParams
 
     # Our own errors say what is wrong; transformers' warnings (e.g. on long prompts) only add noise.
@@ -102,14 +150,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,
         ignore_eos=args.ignore_eos,
     ).validate()
-    config = EngineConfig(
-        model=_resolve_model(args.model), tp=args.tp, device=args.device, dtype=args.dtype,
-        max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
-        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.num_threads,
-        ray_address=args.ray_address, placement_strategy=args.placement_strategy,
-        num_cpus_per_rank=args.num_cpus_per_rank, use_ray=bool(args.ray_address),
-    )
+    config = _engine_config(args)
     if args.replicas > 1:
         from scheduler.replicas import ReplicatedEngine
 
@@ -126,7 +167,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": _cmd_generate, "model": _cmd_model_fetch}
+COMMANDS = {"generate": _cmd_generate, "model": _cmd_model_fetch, "scheduler": _cmd_scheduler}
 
 
 def main(argv: list[str] | None = None) -> int:

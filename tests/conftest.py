@@ -22,3 +22,14 @@ def smollm2() -> Path:
     from workers.default_model import fetch_default_model
 
     return fetch_default_model()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path):
+    """A fresh real Redis server per test (it starts in milliseconds)."""
+    from tests.redis_server import RedisServer
+
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    yield server
+    server.stop()

@@ -1,0 +1,110 @@
+"""The `tf:res:{id}` record of each request, and the one atomic write that updates it.
+
+Each step, for each request that moved, one Lua call (all of them pipelined into one
+round trip) checks that this scheduler still owns the request, mirrors the new state into
+the hash, publishes the event on `tf:ev:{id}` and, for a terminal state, acknowledges the
+stream entry. Ownership fencing is what makes takeover safe: once a successor has claimed
+a request, a slow predecessor's writes are refused instead of interleaving.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import msgpack
+import redis
+
+from shared.keys import CONSUMER_GROUP, Keys
+
+TERMINAL_STATES = ("completed", "failed", "cancelled", "expired")
+
+# KEYS: result hash, request stream.  ARGV: owner, channel ('' = none), event, ttl,
+# entry id to acknowledge ('' = none), then field/value pairs.
+_WRITE_SCRIPT = """
+local owner = redis.call('HGET', KEYS[1], 'owner')
+if owner and owner ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'owner', ARGV[1], unpack(ARGV, 6))
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
+if ARGV[2] ~= '' then redis.call('PUBLISH', ARGV[2], ARGV[3]) end
+if ARGV[5] ~= '' then
+  redis.call('XACK', KEYS[2], '%s', ARGV[5])
+  redis.call('XDEL', KEYS[2], ARGV[5])
+end
+return 1
+""" % CONSUMER_GROUP
+
+
+@dataclass
+class StoredProgress:
+    """What a previous owner already delivered: where a successor resumes."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    seq: int = 0
+    state: str | None = None
+    owner: str | None = None
+
+
+@dataclass
+class ResultUpdate:
+    req_id: str
+    stream: str
+    fields: dict[str, object]  # hash fields to set (values: str, int, float or bytes)
+    event: bytes | None = None  # published on tf:ev:{id} when given
+    ack_entry_id: str | None = None  # acknowledged (and deleted) with a terminal state
+
+
+class ResultStore:
+    def __init__(self, client: redis.Redis, keys: Keys, owner: str, ttl_s: int) -> None:
+        self.client = client
+        self.keys = keys
+        self.owner = owner
+        self.ttl_s = ttl_s
+        self._write = client.register_script(_WRITE_SCRIPT)
+
+    def write(self, updates: list[ResultUpdate]) -> list[bool]:
+        """One round trip for all updates; False where another scheduler owns the request."""
+        if not updates:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for update in updates:
+            args: list[object] = [
+                self.owner,
+                self.keys.events(update.req_id) if update.event is not None else "",
+                update.event or b"",
+                self.ttl_s,
+                update.ack_entry_id or "",
+            ]
+            for name, value in update.fields.items():
+                args += [name, value]
+            self._write(keys=[self.keys.result(update.req_id), update.stream], args=args, client=pipe)
+        return [bool(ok) for ok in pipe.execute()]
+
+    def claim(self, req_id: str) -> StoredProgress:
+        """Become the owner of a request and read what was delivered before."""
+        key = self.keys.result(req_id)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hgetall(key)
+        pipe.hset(key, "owner", self.owner)
+        pipe.expire(key, self.ttl_s)
+        raw, _, _ = pipe.execute()
+        progress = StoredProgress()
+        if raw:
+            fields = {k.decode(): v for k, v in raw.items()}
+            if b"token_ids" in raw:
+                progress.token_ids = msgpack.unpackb(raw[b"token_ids"])
+            progress.text = fields.get("text", b"").decode()
+            progress.seq = int(fields.get("seq", b"0"))
+            progress.state = fields["state"].decode() if "state" in fields else None
+            progress.owner = fields["owner"].decode() if "owner" in fields else None
+        return progress
+
+
+def terminal_fields(state: str, *, error_code: str | None = None, error_message: str | None = None,
+                    **extra: object) -> dict[str, object]:
+    fields: dict[str, object] = {"state": state, "finished_at": time.time(), **extra}
+    if error_code is not None:
+        fields["error"] = json.dumps({"code": error_code, "message": error_message})
+    return fields

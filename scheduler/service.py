@@ -1,0 +1,364 @@
+"""`tokenfleet scheduler`: the Redis service loop around one engine (scheduler core + group).
+
+One tick:
+    flush what the last tick could not write  ->  maintenance (heartbeat, renew claims,
+    take over entries of dead schedulers, cancel/expire)  ->  admit new entries, only as
+    many as the engine can take (pull-based: replicas share load without a router)
+    ->  one engine step  ->  publish + mirror every change in one round trip.
+A request's stream entry is acknowledged only together with its terminal state, so a
+scheduler that dies leaves its entries pending for a successor, which resumes each from
+the tokens stored in tf:res:{id}: the client sees neither a gap nor a duplicate.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+
+import msgpack
+import redis
+
+from scheduler.engine import LLMEngine
+from scheduler.request import FinishReason, RequestStatus
+from scheduler.result_store import ResultStore, ResultUpdate, terminal_fields
+from scheduler.scheduler import RequestOutput
+from shared.errors import InvalidRequestError
+from shared.keys import CONSUMER_GROUP, REQUEST_KINDS, Keys
+from shared.logging import get_logger
+from shared.messages import DeadLetter, ErrorEvent, MessageDecodeError, RequestMessage, TokenEvent
+
+MAX_BACKOFF_S = 5.0
+
+
+@dataclass
+class ServiceSettings:
+    model_name: str
+    scheduler_id: str
+    lease_s: float = 10.0  # an entry nobody renewed for this long is taken over
+    heartbeat_s: float = 1.0  # heartbeat, claim renewal and takeover checks, this often
+    max_deliveries: int = 3  # more deliveries than this: the entry is poison -> tf:dead
+    result_ttl_s: int = 24 * 3600
+    idle_block_ms: int = 100  # how long an idle scheduler waits on the streams
+
+
+@dataclass
+class InFlight:
+    """A request this scheduler owns, and what its client has been sent so far."""
+
+    req_id: str
+    stream: str
+    entry_id: str
+    num_prompt_tokens: int
+    seq: int = 0  # events published so far
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list = field(default_factory=list)
+    wants_logprobs: bool = False
+    deadline: float | None = None
+    first_token_at: float | None = None
+    abort_state: str = "cancelled"  # what an abort means for it: cancelled or expired
+
+
+class SchedulerService:
+    def __init__(self, engine: LLMEngine, redis_url: str, settings: ServiceSettings,
+                 keys: Keys | None = None) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.keys = keys or Keys()
+        self.client = redis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=5)
+        self.redis_url = redis_url
+        self.results = ResultStore(self.client, self.keys, settings.scheduler_id, settings.result_ttl_s)
+        self.log = get_logger("tokenfleet.scheduler", scheduler_id=settings.scheduler_id)
+        self.streams = [self.keys.request_stream(settings.model_name, kind) for kind in REQUEST_KINDS]
+        self.inflight: dict[str, InFlight] = {}  # req_id -> request this scheduler owns
+        self._pending: list[ResultUpdate] = []  # written on the next successful flush
+        self._cancel_ids: set[str] = set()  # from the tf:cancel listener thread
+        self._cancel_lock = threading.Lock()
+        self._next_maintenance = 0.0
+        self._groups_ready = False
+
+    # -- the loop -----------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        listener = threading.Thread(target=self._listen_for_cancels, args=(stop,), daemon=True)
+        listener.start()
+        backoff = 0.1
+        self.log.info("scheduler_started", model=self.settings.model_name, streams=self.streams)
+        while not stop.is_set():
+            try:
+                self.tick()
+                backoff = 0.1
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                self.log.warning("redis_unreachable", error=str(exc), retry_in_s=backoff)
+                stop.wait(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
+        listener.join(timeout=5)
+
+    def tick(self) -> None:
+        if not self._groups_ready:
+            self._ensure_groups()
+        self._flush()  # what an outage left unwritten goes first, in order
+        if time.monotonic() >= self._next_maintenance:
+            self._maintain()
+            self._next_maintenance = time.monotonic() + self.settings.heartbeat_s
+        self._apply_cancellations()
+        self._admit(block=not self.engine.has_unfinished_requests())
+        if self.engine.has_unfinished_requests():
+            self._pending.extend(self._updates_for(self.engine.step()))
+            self._flush()
+
+    def _ensure_groups(self) -> None:
+        for stream in self.streams:
+            try:
+                self.client.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+        self._groups_ready = True
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        updates, self._pending = self._pending, []
+        try:
+            owned = self.results.write(updates)
+        except (redis.ConnectionError, redis.TimeoutError):
+            self._pending = updates + self._pending
+            raise
+        for update, is_owner in zip(updates, owned, strict=True):
+            if not is_owner and update.req_id in self.inflight:
+                # A successor claimed it while we thought we had it: stop generating it.
+                self.log.warning("ownership_lost", req_id=update.req_id)
+                self.inflight.pop(update.req_id)
+                self.engine.abort(update.req_id)
+
+    # -- admission ------------------------------------------------------------------------
+
+    def _capacity(self) -> int:
+        scheduler = self.engine.scheduler
+        in_engine = scheduler.num_running_requests + scheduler.num_waiting_requests
+        return self.engine.config.max_num_seqs - in_engine
+
+    def _admit(self, *, block: bool) -> None:
+        capacity = self._capacity()
+        if capacity <= 0:
+            return
+        entries: list[tuple[str, str, dict]] = []
+        for stream in self.streams:  # interactive first, then batch
+            if len(entries) < capacity:
+                entries += self._read({stream: ">"}, capacity - len(entries), None)
+        if not entries and block:
+            entries = self._read({s: ">" for s in self.streams}, capacity, self.settings.idle_block_ms)
+        for stream, entry_id, fields in entries:
+            self._admit_entry(stream, entry_id, fields, num_deliveries=1)
+
+    def _read(self, streams: dict[str, str], count: int, block_ms: int | None) -> list:
+        response = self.client.xreadgroup(CONSUMER_GROUP, self.settings.scheduler_id, streams,
+                                          count=count, block=block_ms)
+        return [(s.decode(), eid.decode(), fields) for s, items in response or [] for eid, fields in items]
+
+    def _admit_entry(self, stream: str, entry_id: str, fields: dict | None, num_deliveries: int) -> None:
+        payload = (fields or {}).get(b"m")
+        try:
+            if payload is None:
+                raise MessageDecodeError("the entry has no 'm' field")
+            message = RequestMessage.decode(payload)
+        except MessageDecodeError as exc:
+            self._dead_letter(stream, entry_id, f"undecodable: {exc}", num_deliveries, payload)
+            return
+        if message.req_id in self.inflight:
+            return  # ours already (claimed back from ourselves)
+        if num_deliveries > self.settings.max_deliveries:
+            self._dead_letter(stream, entry_id, f"delivered {num_deliveries} times", num_deliveries,
+                              payload, message.req_id)
+            return
+        progress = self.results.claim(message.req_id)
+        flight = InFlight(message.req_id, stream, entry_id, len(message.prompt_token_ids),
+                          seq=progress.seq, token_ids=list(progress.token_ids), text=progress.text,
+                          deadline=message.deadline)
+        if progress.state in ("completed", "failed", "cancelled", "expired"):
+            self._pending.append(ResultUpdate(message.req_id, stream, {}, ack_entry_id=entry_id))
+            return
+        if self.client.exists(self.keys.cancelled(message.req_id)):
+            self._finish_unrun(flight, "cancelled", "cancelled", "cancelled before it started")
+            return
+        if message.deadline is not None and time.time() > message.deadline and not progress.token_ids:
+            self._finish_unrun(flight, "expired", "expired", "the deadline passed while it was queued")
+            return
+        try:
+            sampling = message.sampling_params()
+            flight.wants_logprobs = sampling.logprobs is not None
+            self.engine.add_request(
+                message.prompt_token_ids, sampling, priority=message.priority, req_id=message.req_id,
+                arrival_time=message.arrival_time, output_token_ids=progress.token_ids,
+                output_text=progress.text,
+            )
+        except (InvalidRequestError, MessageDecodeError) as exc:
+            text = getattr(exc, "message", str(exc))
+            self._dead_letter(stream, entry_id, f"invalid: {text}", num_deliveries, payload, message.req_id)
+            return
+        self.inflight[message.req_id] = flight
+        resumed = {"resumed_from_seq": progress.seq} if progress.seq else {}
+        self._pending.append(ResultUpdate(message.req_id, stream, {
+            "state": "running", "model": self.settings.model_name, "started_at": time.time(),
+            "prompt_tokens": flight.num_prompt_tokens, "scheduler": self.settings.scheduler_id, **resumed,
+        }))
+        if progress.seq:
+            self.log.info("request_resumed", req_id=message.req_id, from_seq=progress.seq,
+                          previous_owner=progress.owner)
+
+    def _finish_unrun(self, flight: InFlight, state: str, code: str, message: str) -> None:
+        flight.seq += 1
+        event = ErrorEvent(flight.req_id, flight.seq, code, message).encode()
+        self._pending.append(ResultUpdate(
+            flight.req_id, flight.stream, terminal_fields(state, error_code=code, error_message=message,
+                                                          seq=flight.seq),
+            event=event, ack_entry_id=flight.entry_id))
+
+    def _dead_letter(self, stream: str, entry_id: str, reason: str, num_deliveries: int,
+                     payload: bytes | None, req_id: str | None = None) -> None:
+        """Set a poison entry aside in tf:dead (with a failed result when it names a request)."""
+        self.log.warning("dead_letter", stream=stream, entry_id=entry_id, reason=reason, req_id=req_id)
+        letter = DeadLetter(stream, entry_id, reason, num_deliveries, req_id, payload or b"")
+        self._flush()  # keep the order of writes
+        self.client.xadd(self.keys.dead, {"m": letter.encode()})
+        if req_id is not None:
+            progress = self.results.claim(req_id)
+            flight = InFlight(req_id, stream, entry_id, 0, seq=progress.seq)
+            self._finish_unrun(flight, "failed", "dead_letter", reason)
+        else:
+            pipe = self.client.pipeline()
+            pipe.xack(stream, CONSUMER_GROUP, entry_id)
+            pipe.xdel(stream, entry_id)
+            pipe.execute()
+
+    # -- what a step produced ------------------------------------------------------------
+
+    def _updates_for(self, outputs: list[RequestOutput]) -> list[ResultUpdate]:
+        updates = []
+        now = time.time()
+        for out in outputs:
+            flight = self.inflight.get(out.req_id)
+            if flight is None:
+                continue  # handed over to a successor meanwhile
+            if not (out.new_token_ids or out.text_delta or out.finished):
+                continue
+            flight.seq += 1
+            flight.token_ids += out.new_token_ids
+            flight.text += out.text_delta
+            fields: dict[str, object] = {"seq": flight.seq, "text": flight.text,
+                                         "token_ids": msgpack.packb(flight.token_ids)}
+            if out.new_token_ids and flight.first_token_at is None:
+                flight.first_token_at = now
+                fields["first_token_at"] = now
+            logprobs = None
+            if flight.wants_logprobs and out.logprobs:
+                logprobs = [[lp.token_id, lp.logprob, lp.top_logprobs] for lp in out.logprobs]
+                flight.logprobs += logprobs
+                fields["logprobs"] = msgpack.packb(flight.logprobs)
+            event = TokenEvent(out.req_id, flight.seq, out.new_token_ids, out.text_delta, logprobs)
+            ack = None
+            if out.finished:
+                usage = {"prompt_tokens": flight.num_prompt_tokens, "completion_tokens": len(flight.token_ids),
+                         "total_tokens": flight.num_prompt_tokens + len(flight.token_ids)}
+                event.finish_reason = out.finish_reason.value
+                event.usage = usage
+                state = flight.abort_state if out.finish_reason is FinishReason.ABORT else "completed"
+                fields.update(terminal_fields(state, finish_reason=out.finish_reason.value,
+                                              usage=json.dumps(usage)))
+                if out.stop_reason is not None:
+                    fields["stop_reason"] = str(out.stop_reason)
+                ack = flight.entry_id
+                del self.inflight[out.req_id]
+            updates.append(ResultUpdate(out.req_id, flight.stream, fields, event.encode(), ack))
+        return updates
+
+    # -- maintenance ---------------------------------------------------------------------
+
+    def _maintain(self) -> None:
+        self._heartbeat()
+        self._renew_claims()
+        self._take_over_abandoned()
+        self._check_cancel_keys_and_deadlines()
+
+    def _heartbeat(self) -> None:
+        scheduler = self.engine.scheduler
+        key = self.keys.scheduler(self.settings.scheduler_id)
+        pipe = self.client.pipeline()
+        pipe.hset(key, mapping={
+            "model": self.settings.model_name, "num_running": scheduler.num_running_requests,
+            "num_waiting": scheduler.num_waiting_requests, "kv_usage": scheduler.block_manager.usage,
+            "max_num_seqs": self.engine.config.max_num_seqs, "updated_at": time.time(),
+        })
+        pipe.expire(key, max(2, int(3 * self.settings.heartbeat_s)))
+        pipe.execute()
+
+    def _renew_claims(self) -> None:
+        """Reset the idle time of every entry we own, so nobody takes it over."""
+        by_stream: dict[str, list[str]] = {}
+        for flight in self.inflight.values():
+            by_stream.setdefault(flight.stream, []).append(flight.entry_id)
+        for stream, entry_ids in by_stream.items():
+            self.client.xclaim(stream, CONSUMER_GROUP, self.settings.scheduler_id, 0, entry_ids,
+                               justid=True)
+
+    def _take_over_abandoned(self) -> None:
+        lease_ms = int(self.settings.lease_s * 1000)
+        for stream in self.streams:
+            _, entries, *_ = self.client.xautoclaim(
+                stream, CONSUMER_GROUP, self.settings.scheduler_id, lease_ms, "0-0",
+                count=self.engine.config.max_num_seqs,
+            )
+            for entry_id, fields in entries:
+                entry_id = entry_id.decode()
+                pending = self.client.xpending_range(stream, CONSUMER_GROUP, entry_id, entry_id, 1)
+                deliveries = pending[0]["times_delivered"] if pending else 1
+                self.log.info("entry_taken_over", stream=stream, entry_id=entry_id, deliveries=deliveries)
+                self._admit_entry(stream, entry_id, fields, deliveries)
+
+    def _check_cancel_keys_and_deadlines(self) -> None:
+        """Catch cancellations whose pub/sub message was missed, and expire queued requests."""
+        if not self.inflight:
+            return
+        req_ids = list(self.inflight)
+        flags = self.client.mget([self.keys.cancelled(r) for r in req_ids])
+        now = time.time()
+        for req_id, flag in zip(req_ids, flags, strict=True):
+            flight = self.inflight[req_id]
+            if flag is not None:
+                self._abort(req_id, "cancelled")
+            elif flight.deadline is not None and now > flight.deadline and not flight.token_ids:
+                request = self.engine.scheduler.get_request(req_id)
+                if request is not None and request.status is RequestStatus.WAITING:
+                    self._abort(req_id, "expired")
+
+    # -- cancellation ---------------------------------------------------------------------
+
+    def _listen_for_cancels(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                client = redis.Redis.from_url(self.redis_url, socket_connect_timeout=5)
+                pubsub = client.pubsub(ignore_subscribe_messages=True)
+                pubsub.subscribe(self.keys.cancel_channel)
+                while not stop.is_set():
+                    message = pubsub.get_message(timeout=0.5)
+                    if message is not None:
+                        with self._cancel_lock:
+                            self._cancel_ids.add(message["data"].decode())
+            except (redis.ConnectionError, redis.TimeoutError):
+                stop.wait(0.5)  # reconnect; _check_cancel_keys_and_deadlines covers the gap
+
+    def _apply_cancellations(self) -> None:
+        with self._cancel_lock:
+            cancel_ids, self._cancel_ids = self._cancel_ids, set()
+        for req_id in cancel_ids:
+            if req_id in self.inflight:
+                self._abort(req_id, "cancelled")
+
+    def _abort(self, req_id: str, state: str) -> None:
+        """Stop a request now: its blocks are freed at once, its end is written next step."""
+        self.inflight[req_id].abort_state = state
+        self.engine.abort(req_id)
+        self.log.info("request_aborted", req_id=req_id, state=state)

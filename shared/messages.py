@@ -1,0 +1,161 @@
+"""The messages that cross Redis, and their msgpack encoding.
+
+Every message carries a version `v`. Decoding is strict: a field we do not know, a missing
+field, a wrong type or another version raises MessageDecodeError, so a poison entry is
+recognised as such instead of half-understood.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+
+import msgpack
+
+from shared.sampling import SamplingParams
+
+WIRE_VERSION = 1
+
+
+class MessageDecodeError(ValueError):
+    """Bytes that are not a message of the expected type and version."""
+
+
+def _check_type(value: object, annotation: object, name: str) -> None:
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        for option in options:
+            try:
+                _check_type(value, option, name)
+                return
+            except MessageDecodeError:
+                continue
+        raise MessageDecodeError(f"field {name!r}: {value!r} is none of {options}")
+    if annotation is type(None):
+        ok = value is None
+    elif annotation is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif annotation is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif origin is list:
+        (item,) = typing.get_args(annotation) or (object,)
+        if not isinstance(value, list):
+            raise MessageDecodeError(f"field {name!r}: expected a list, got {type(value).__name__}")
+        for element in value:
+            _check_type(element, item, name)
+        return
+    elif origin is dict or annotation is dict:
+        ok = isinstance(value, dict)
+    elif annotation is object:
+        ok = True
+    else:
+        ok = isinstance(value, annotation)
+    if not ok:
+        raise MessageDecodeError(f"field {name!r}: expected {annotation}, got {value!r}")
+
+
+class _Message:
+    """Mixin: `encode()` to msgpack bytes, `decode(bytes)` back, strictly."""
+
+    def encode(self) -> bytes:
+        return msgpack.packb({"v": WIRE_VERSION, **dataclasses.asdict(self)}, use_bin_type=True)
+
+    @classmethod
+    def decode(cls, data: bytes):
+        try:
+            raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        except Exception as exc:  # msgpack raises several unrelated types
+            raise MessageDecodeError(f"not msgpack: {exc}") from None
+        if not isinstance(raw, dict):
+            raise MessageDecodeError(f"expected a map, got {type(raw).__name__}")
+        version = raw.pop("v", None)
+        if version != WIRE_VERSION:
+            raise MessageDecodeError(f"wire version {version!r}, this build speaks {WIRE_VERSION}")
+        hints = typing.get_type_hints(cls)
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = set(raw) - set(fields)
+        if unknown:
+            raise MessageDecodeError(f"unknown fields {sorted(unknown)} in {cls.__name__}")
+        for name, f in fields.items():
+            has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+            if name not in raw:
+                if not has_default:
+                    raise MessageDecodeError(f"{cls.__name__} lacks the field {name!r}")
+                continue
+            _check_type(raw[name], hints[name], name)
+        return cls(**raw)
+
+
+@dataclass
+class RequestMessage(_Message):
+    """One generation request, as the gateway (or batch ingester) queues it."""
+
+    req_id: str  # server-made
+    model: str
+    prompt_token_ids: list[int]
+    sampling: dict  # SamplingParams fields; see sampling_params()
+    kind: str = "interactive"  # or "batch"
+    priority: int = 0  # lower number first
+    arrival_time: float = 0.0  # unix seconds
+    deadline: float | None = None  # unix seconds; expires if still queued after it
+    batch_job_id: str | None = None
+    custom_id: str | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        """The validated sampling parameters (raises InvalidRequestError naming a bad one)."""
+        known = {f.name for f in dataclasses.fields(SamplingParams)}
+        unknown = set(self.sampling) - known
+        if unknown:
+            raise MessageDecodeError(f"unknown sampling fields {sorted(unknown)}")
+        return SamplingParams(**self.sampling).validate()
+
+    @classmethod
+    def make(cls, req_id: str, model: str, prompt_token_ids: list[int], sampling: SamplingParams,
+             **kwargs) -> RequestMessage:
+        return cls(req_id, model, list(prompt_token_ids), dataclasses.asdict(sampling), **kwargs)
+
+
+@dataclass
+class TokenEvent(_Message):
+    """New tokens of one request; the last event carries finish_reason and usage."""
+
+    req_id: str
+    seq: int  # 1, 2, 3...: a client resumes after the last seq it saw
+    token_ids: list[int]
+    text: str
+    logprobs: list | None = None  # per token: [token_id, logprob, [[id, logprob], ...] | None]
+    finish_reason: str | None = None
+    usage: dict | None = None
+    type: str = "token"
+
+
+@dataclass
+class ErrorEvent(_Message):
+    req_id: str
+    seq: int
+    code: str  # e.g. "invalid_request", "expired", "dead_letter"
+    message: str
+    type: str = "error"
+
+
+def decode_event(data: bytes) -> TokenEvent | ErrorEvent:
+    try:
+        kind = msgpack.unpackb(data, raw=False).get("type")
+    except Exception as exc:  # noqa: BLE001
+        raise MessageDecodeError(f"not an event: {exc}") from None
+    return ErrorEvent.decode(data) if kind == "error" else TokenEvent.decode(data)
+
+
+@dataclass
+class DeadLetter(_Message):
+    """Why an entry of a request stream was set aside in tf:dead."""
+
+    stream: str
+    entry_id: str
+    reason: str
+    num_deliveries: int
+    req_id: str | None = None
+    payload: bytes = field(default=b"")

@@ -1,0 +1,175 @@
+"""The scheduler service against a real Redis server and the real engine on tiny models."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+from scheduler.engine import LLMEngine
+from scheduler.service import SchedulerService, ServiceSettings
+from shared.config import EngineConfig
+from shared.keys import CONSUMER_GROUP
+from shared.messages import DeadLetter
+from shared.sampling import SamplingParams
+from tests.scheduler.service_client import KEYS, EventRecorder, submit, token_ids, wait_terminal
+
+MODEL = "tiny"
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+def _engine(folder, **overrides) -> LLMEngine:
+    config = dict(model=str(folder), dtype="float32", block_size=4, num_kv_blocks=512, max_num_seqs=16,
+                  max_num_batched_tokens=256)
+    return LLMEngine(EngineConfig(**{**config, **overrides}))
+
+
+def _service(engine, url, name="s1", **settings) -> SchedulerService:
+    return SchedulerService(engine, url, ServiceSettings(MODEL, name, **{"lease_s": 2.0, **settings}))
+
+
+class Running:
+    """A service looping in a thread until stopped."""
+
+    def __init__(self, service: SchedulerService) -> None:
+        self.service = service
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=service.run, args=(self.stop,), daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=30)
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(rng.randint(2, 30))] for _ in range(n)]
+
+
+def test_200_requests_through_two_schedulers_end_exactly_once(tiny_checkpoints, redis_server):
+    folder = tiny_checkpoints["qwen2"]
+    prompts = _prompts(200)
+    with _engine(folder) as engine:
+        expected = [r.token_ids for r in engine.generate(prompts, GREEDY)]
+    recorder = EventRecorder(redis_server.url)
+    client = redis_server.client()
+    services = [Running(_service(_engine(folder), redis_server.url, f"s{i}")) for i in range(2)]
+    try:
+        ids = [submit(client, MODEL, p, GREEDY) for p in prompts]
+        records = wait_terminal(client, ids)
+    finally:
+        for s in services:
+            s.close()
+            s.service.engine.close()
+        recorder.close()
+    for req_id, want in zip(ids, expected, strict=True):
+        assert records[req_id][b"state"] == b"completed"
+        assert token_ids(records[req_id]) == want
+        events = recorder.events[req_id]
+        assert [e.seq for e in events] == list(range(1, len(events) + 1))  # no gap, no repeat
+        assert sum((e.token_ids for e in events), []) == want
+        assert [e.finish_reason for e in events].count("length") == 1
+    served = {records[r][b"scheduler"] for r in ids}
+    assert served == {b"s0", b"s1"}  # both did work
+    for stream in (KEYS.request_stream(MODEL, "interactive"),):
+        assert client.xpending(stream, CONSUMER_GROUP)["pending"] == 0
+        assert client.xlen(stream) == 0  # acknowledged and deleted
+
+
+def test_cancelled_request_stops_within_one_step_and_frees_its_blocks(tiny_checkpoints, redis_server):
+    engine = _engine(tiny_checkpoints["llama"])
+    service = _service(engine, redis_server.url)
+    client = redis_server.client()
+    stop = threading.Event()
+    listener = threading.Thread(target=service._listen_for_cancels, args=(stop,), daemon=True)
+    listener.start()
+    long_run = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    req_id = submit(client, MODEL, _prompts(1)[0], long_run)
+    while len(token_ids(client.hgetall(KEYS.result(req_id)))) < 3:
+        service.tick()
+    assert engine.scheduler.block_manager.num_free_blocks < 512
+    client.set(KEYS.cancelled(req_id), 1, ex=60)
+    client.publish(KEYS.cancel_channel, req_id)
+    while not service._cancel_ids:
+        time.sleep(0.01)
+    before = len(token_ids(client.hgetall(KEYS.result(req_id))))
+    service.tick()  # one step
+    record = client.hgetall(KEYS.result(req_id))
+    stop.set()
+    listener.join(timeout=5)
+    engine.close()
+    assert record[b"state"] == b"cancelled"
+    assert len(token_ids(record)) == before
+    assert engine.scheduler.block_manager.num_free_blocks == 512
+
+
+def test_poison_entries_land_in_dead_and_service_keeps_serving(tiny_checkpoints, redis_server):
+    engine = _engine(tiny_checkpoints["llama"])
+    client = redis_server.client()
+    stream = KEYS.request_stream(MODEL, "interactive")
+    service = _service(engine, redis_server.url, max_deliveries=3)
+    service._ensure_groups()
+    client.xadd(stream, {"m": b"\xc1 not msgpack"})
+    bad = submit(client, MODEL, [1, 2, 99999], GREEDY)  # token id outside the vocabulary
+    # An entry that keeps failing: a consumer takes it and never finishes, four times over.
+    crashing = submit(client, MODEL, [5, 6, 7], GREEDY)
+    entry_id = client.xrange(stream)[-1][0]
+    client.xreadgroup(CONSUMER_GROUP, "crasher", {stream: ">"}, count=10)  # takes all three
+    for _ in range(3):
+        client.xclaim(stream, CONSUMER_GROUP, "crasher", 0, [entry_id])
+    good = submit(client, MODEL, [8, 9, 10], GREEDY)
+    running = Running(service)
+    try:
+        time.sleep(2.5)  # the crasher's entries pass the 2 s lease
+        records = wait_terminal(client, [bad, crashing, good], timeout_s=60)
+    finally:
+        running.close()
+        engine.close()
+    letters = [DeadLetter.decode(fields[b"m"]) for _, fields in client.xrange(KEYS.dead)]
+    reasons = {letter.req_id: letter.reason for letter in letters}
+    assert any(letter.req_id is None and "undecodable" in letter.reason for letter in letters)
+    assert "outside the vocabulary" in reasons[bad]
+    assert "delivered" in reasons[crashing]
+    assert records[bad][b"state"] == records[crashing][b"state"] == b"failed"
+    assert records[good][b"state"] == b"completed"
+
+
+def test_redis_restart_mid_run_and_the_run_completes(tiny_checkpoints, redis_server):
+    folder = tiny_checkpoints["qwen3"]
+    prompts = _prompts(30, seed=3)
+    sampling = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with _engine(folder) as engine:
+        expected = [r.token_ids for r in engine.generate(prompts, sampling)]
+    client = redis_server.client()
+    engine = _engine(folder, max_num_seqs=8)
+    running = Running(_service(engine, redis_server.url))
+    try:
+        ids = [submit(client, MODEL, p, sampling) for p in prompts]
+        while sum(client.hget(KEYS.result(r), "state") == b"completed" for r in ids) < 3:
+            time.sleep(0.05)
+        redis_server.stop()
+        time.sleep(1.0)  # the service keeps retrying meanwhile
+        redis_server.start()
+        records = wait_terminal(redis_server.client(), ids, timeout_s=120)
+    finally:
+        running.close()
+        engine.close()
+    assert [token_ids(records[r]) for r in ids] == expected
+
+
+def test_expired_and_pre_cancelled_requests_never_run(tiny_checkpoints, redis_server):
+    engine = _engine(tiny_checkpoints["llama"])
+    client = redis_server.client()
+    expired = submit(client, MODEL, [3, 4], GREEDY, deadline=time.time() - 1)
+    cancelled = submit(client, MODEL, [3, 4], GREEDY)
+    client.set(KEYS.cancelled(cancelled), 1, ex=60)
+    running = Running(_service(engine, redis_server.url, result_ttl_s=600))
+    try:
+        records = wait_terminal(client, [expired, cancelled], timeout_s=30)
+    finally:
+        running.close()
+        engine.close()
+    assert records[expired][b"state"] == b"expired"
+    assert records[cancelled][b"state"] == b"cancelled"
+    assert 0 < client.ttl(KEYS.result(expired)) <= 600
