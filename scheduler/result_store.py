@@ -29,11 +29,11 @@ redis.call('HSET', KEYS[1], 'owner', ARGV[1], unpack(ARGV, 6))
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
 if ARGV[2] ~= '' then redis.call('PUBLISH', ARGV[2], ARGV[3]) end
 if ARGV[5] ~= '' then
-  redis.call('XACK', KEYS[2], '%s', ARGV[5])
+  redis.call('XACK', KEYS[2], 'GROUP', ARGV[5])
   redis.call('XDEL', KEYS[2], ARGV[5])
 end
 return 1
-""" % CONSUMER_GROUP
+""".replace("'GROUP'", f"'{CONSUMER_GROUP}'")
 
 
 @dataclass

@@ -261,8 +261,9 @@ class SchedulerService:
             event = TokenEvent(out.req_id, flight.seq, out.new_token_ids, out.text_delta, logprobs)
             ack = None
             if out.finished:
-                usage = {"prompt_tokens": flight.num_prompt_tokens, "completion_tokens": len(flight.token_ids),
-                         "total_tokens": flight.num_prompt_tokens + len(flight.token_ids)}
+                num_out = len(flight.token_ids)
+                usage = {"prompt_tokens": flight.num_prompt_tokens, "completion_tokens": num_out,
+                         "total_tokens": flight.num_prompt_tokens + num_out}
                 event.finish_reason = out.finish_reason.value
                 event.usage = usage
                 state = flight.abort_state if out.finish_reason is FinishReason.ABORT else "completed"
