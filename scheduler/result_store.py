@@ -43,6 +43,7 @@ class StoredProgress:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     seq: int = 0
+    offsets: list = field(default_factory=list)  # per event: [num_tokens, num_chars] so far
     state: str | None = None
     owner: str | None = None
 
@@ -96,6 +97,8 @@ class ResultStore:
             if b"token_ids" in raw:
                 progress.token_ids = msgpack.unpackb(raw[b"token_ids"])
             progress.text = fields.get("text", b"").decode()
+            if b"offsets" in raw:
+                progress.offsets = msgpack.unpackb(raw[b"offsets"])
             progress.seq = int(fields.get("seq", b"0"))
             progress.state = fields["state"].decode() if "state" in fields else None
             progress.owner = fields["owner"].decode() if "owner" in fields else None

@@ -55,6 +55,9 @@ class InFlight:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list = field(default_factory=list)
+    # After event k: (tokens, characters) delivered so far, so a reader can replay the
+    # events after any seq from the stored record (SSE resume with Last-Event-ID).
+    offsets: list = field(default_factory=list)
     wants_logprobs: bool = False
     deadline: float | None = None
     first_token_at: float | None = None
@@ -177,7 +180,7 @@ class SchedulerService:
         progress = self.results.claim(message.req_id)
         flight = InFlight(message.req_id, stream, entry_id, len(message.prompt_token_ids),
                           seq=progress.seq, token_ids=list(progress.token_ids), text=progress.text,
-                          deadline=message.deadline)
+                          offsets=list(progress.offsets), deadline=message.deadline)
         if progress.state in ("completed", "failed", "cancelled", "expired"):
             self._pending.append(ResultUpdate(message.req_id, stream, {}, ack_entry_id=entry_id))
             return
@@ -211,11 +214,12 @@ class SchedulerService:
 
     def _finish_unrun(self, flight: InFlight, state: str, code: str, message: str) -> None:
         flight.seq += 1
+        flight.offsets.append([len(flight.token_ids), len(flight.text)])
         event = ErrorEvent(flight.req_id, flight.seq, code, message).encode()
-        self._pending.append(ResultUpdate(
-            flight.req_id, flight.stream, terminal_fields(state, error_code=code, error_message=message,
-                                                          seq=flight.seq),
-            event=event, ack_entry_id=flight.entry_id))
+        fields = terminal_fields(state, error_code=code, error_message=message, seq=flight.seq,
+                                 offsets=msgpack.packb(flight.offsets))
+        self._pending.append(ResultUpdate(flight.req_id, flight.stream, fields, event=event,
+                                          ack_entry_id=flight.entry_id))
 
     def _dead_letter(self, stream: str, entry_id: str, reason: str, num_deliveries: int,
                      payload: bytes | None, req_id: str | None = None) -> None:
@@ -226,7 +230,9 @@ class SchedulerService:
         self.client.xadd(self.keys.dead, {"m": letter.encode()})
         if req_id is not None:
             progress = self.results.claim(req_id)
-            flight = InFlight(req_id, stream, entry_id, 0, seq=progress.seq)
+            flight = InFlight(req_id, stream, entry_id, 0, seq=progress.seq,
+                              token_ids=list(progress.token_ids), text=progress.text,
+                              offsets=list(progress.offsets))
             self._finish_unrun(flight, "failed", "dead_letter", reason)
         else:
             pipe = self.client.pipeline()
@@ -248,8 +254,10 @@ class SchedulerService:
             flight.seq += 1
             flight.token_ids += out.new_token_ids
             flight.text += out.text_delta
+            flight.offsets.append([len(flight.token_ids), len(flight.text)])
             fields: dict[str, object] = {"seq": flight.seq, "text": flight.text,
-                                         "token_ids": msgpack.packb(flight.token_ids)}
+                                         "token_ids": msgpack.packb(flight.token_ids),
+                                         "offsets": msgpack.packb(flight.offsets)}
             if out.new_token_ids and flight.first_token_at is None:
                 flight.first_token_at = now
                 fields["first_token_at"] = now

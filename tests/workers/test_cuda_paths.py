@@ -1,0 +1,270 @@
+"""Which code paths run where: CUDA graphs and the Triton decode kernel only on CUDA, so the
+suite stays green on CPUs; the graph path's inputs and padding, checked here by running its
+static-buffer forward eagerly; and, where a GPU is present, graphs against eager steps."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from shared.config import EngineConfig
+from shared.sampling import SamplingParams
+from shared.step import SequenceWork, StepBatch
+from workers.cuda_graphs import DecodeGraphs, capture_sizes, use_cuda_graphs
+from workers.layers import triton_decode
+from workers.model_runner import ModelRunner
+from workers.parallel import SINGLE_DEVICE
+from workers.step_inputs import build_step_inputs
+
+GREEDY = SamplingParams(temperature=0.0)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _runner(folder, **config) -> ModelRunner:
+    base = dict(model=str(folder), dtype="float32", device="cpu", num_kv_blocks=64, block_size=4)
+    return ModelRunner(EngineConfig(**{**base, **config}), SINGLE_DEVICE)
+
+
+# -- selection -------------------------------------------------------------------------
+
+
+def test_cuda_graphs_are_selected_only_for_cuda_devices() -> None:
+    config = EngineConfig(model="unused")
+    assert not use_cuda_graphs(config, torch.device("cpu"))
+    assert use_cuda_graphs(config, torch.device("cuda")) == (triton_decode.triton is not None)
+    assert not use_cuda_graphs(EngineConfig(model="unused", cuda_graphs=False), torch.device("cuda"))
+    assert not use_cuda_graphs(EngineConfig(model="unused", cuda_graph_max_batch_size=0), torch.device("cuda"))
+
+
+def test_triton_decode_is_never_picked_for_cpu_tensors() -> None:
+    assert not triton_decode.is_available(torch.zeros(2, 4, 16))
+
+
+def test_runner_on_cpu_runs_eagerly_and_keeps_a_scratch_block(tiny_checkpoints) -> None:
+    runner = _runner(tiny_checkpoints["llama"], cuda_graphs=True)
+    assert runner.decode_graphs is None
+    assert runner.num_kv_blocks == 64  # what the scheduler sees
+    assert runner.kv_caches.shape[2] == 65  # plus the scratch block graphs pad into
+
+
+def test_capture_sizes_cover_every_batch_size_with_the_smallest_padding() -> None:
+    sizes = capture_sizes(256)
+    assert sizes[:6] == [1, 2, 4, 8, 16, 24] and sizes[-1] == 256 and len(sizes) == 35
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert capture_sizes(3) == [1, 2, 3]
+    assert capture_sizes(1) == [1]
+    graphs = DecodeGraphs(None, None, block_size=4, max_model_len=64, scratch_block=9, max_batch_size=256,
+                          device=torch.device("cpu"))
+    for n in range(1, 257):
+        size = graphs.padded_size(n)
+        assert size >= n and not any(n <= s < size for s in sizes)
+    assert graphs.padded_size(257) is None
+
+
+# -- graph inputs ------------------------------------------------------------------------
+
+
+def _decode_work(i: int, pos: int, blocks: list[int]) -> SequenceWork:
+    return SequenceWork(f"r{i}", [100 + i], pos, blocks, True, GREEDY)
+
+
+def test_graph_inputs_pad_rows_onto_the_scratch_block() -> None:
+    graphs = DecodeGraphs(None, None, block_size=4, max_model_len=64, scratch_block=9, max_batch_size=8,
+                          device=torch.device("cpu"))
+    assert graphs.block_tables.shape == (8, 16)  # max_model_len / block_size columns
+    with torch.inference_mode():
+        big = [_decode_work(i, 10 + i, [i, 20 + i, 30 + i, 40 + i]) for i in range(6)]
+        graphs._load_inputs(big, graphs.padded_size(len(big)))
+        small = [_decode_work(0, 5, [3, 7]), _decode_work(1, 8, [4, 5, 6])]
+        graphs._load_inputs(small, graphs.padded_size(len(small)))
+    assert graphs.padded_size(2) == 2 and graphs.padded_size(3) == 4
+    assert graphs.token_ids[:2].tolist() == [100, 101]
+    assert graphs.positions[:2].tolist() == [5, 8]
+    assert graphs.context_lens[:2].tolist() == [6, 9]
+    assert graphs.slot_mapping[:2].tolist() == [7 * 4 + 1, 6 * 4 + 0]
+    assert graphs.block_tables[0, :2].tolist() == [3, 7] and graphs.block_tables[1, :3].tolist() == [4, 5, 6]
+    with torch.inference_mode():
+        graphs._load_inputs(small[:1] + [_decode_work(2, 0, [8])] * 2, 4)  # 3 works padded to 4
+    # The padding row (and only it) writes the scratch block and attends over it alone.
+    assert graphs.token_ids[3].item() == 0 and graphs.positions[3].item() == 0
+    assert graphs.slot_mapping[3].item() == 9 * 4
+    assert graphs.context_lens[3].item() == 1
+    assert graphs.block_tables[3, 0].item() == 9
+
+
+def test_graph_inputs_refuse_a_block_table_that_does_not_cover_the_position() -> None:
+    graphs = DecodeGraphs(None, None, block_size=4, max_model_len=64, scratch_block=9, max_batch_size=8,
+                          device=torch.device("cpu"))
+    with torch.inference_mode(), pytest.raises(ValueError, match="r0"):
+        graphs._load_inputs([_decode_work(0, 8, [1, 2])], 1)
+
+
+def test_only_decode_only_fully_sampled_batches_take_the_graph_path() -> None:
+    graphs = DecodeGraphs(None, None, block_size=4, max_model_len=64, scratch_block=9, max_batch_size=8,
+                          device=torch.device("cpu"))
+    decodes = [_decode_work(i, 3, [i]) for i in range(3)]
+    assert graphs.can_run(decodes)
+    assert not graphs.can_run([])
+    assert not graphs.can_run(decodes + [SequenceWork("p", [1, 2, 3], 0, [5], True, GREEDY)])
+    assert not graphs.can_run(decodes + [SequenceWork("c", [1], 0, [5], False, GREEDY)])
+    assert not graphs.can_run([_decode_work(i, 3, [i]) for i in range(9)])  # above the largest size
+    assert not graphs.can_run([_decode_work(0, 64, list(range(17)))])  # past max_model_len
+
+
+@pytest.mark.parametrize("num_seqs", [1, 3, 5])
+def test_static_buffer_decode_matches_eager_decode(num_seqs, tiny_checkpoints) -> None:
+    """The graph path's forward over padded static buffers, run eagerly on CPU, gives the eager
+    path's logits for the real rows, step after step (padding rows change nothing)."""
+    runner = _runner(tiny_checkpoints["llama"])
+    graphs = DecodeGraphs(runner.model, runner.kv_caches, block_size=4, max_model_len=runner.max_model_len,
+                          scratch_block=runner.num_kv_blocks, max_batch_size=8, device=runner.device)
+    rng = random.Random(num_seqs)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(2, 13))] for _ in range(num_seqs)]
+    tables = [list(range(8 * i, 8 * i + 8)) for i in range(num_seqs)]  # 32 slots each
+    works = [SequenceWork(f"r{i}", p, 0, t, True, GREEDY) for i, (p, t) in enumerate(zip(prompts, tables))]
+    next_ids = runner.compute_logits_for_test(StepBatch(0, works)).argmax(-1).tolist()
+    positions = [len(p) for p in prompts]
+    for step in range(1, 6):
+        works = [SequenceWork(f"r{i}", [next_ids[i]], positions[i], tables[i], True, GREEDY)
+                 for i in range(num_seqs)]
+        eager = runner.compute_logits_for_test(StepBatch(step, works))  # writes the same K/V
+        graph = graphs.run(works).float()
+        assert graph.shape == eager.shape
+        assert float((graph - eager).abs().max() / eager.abs().max()) < 1e-5
+        next_ids = eager.argmax(-1).tolist()
+        positions = [p + 1 for p in positions]
+
+
+# -- step inputs ---------------------------------------------------------------------------
+
+
+def _reference_inputs(works: list[SequenceWork], block_size: int) -> dict[str, list[int]]:
+    """The per-token loop build_step_inputs replaced."""
+    ordered = [w for w in works if len(w.token_ids) == 1] + [w for w in works if len(w.token_ids) > 1]
+    token_ids, positions, slots, last_row = [], [], [], {}
+    for w in ordered:
+        token_ids.extend(w.token_ids)
+        for pos in range(w.start_pos, w.start_pos + len(w.token_ids)):
+            positions.append(pos)
+            slots.append(w.block_ids[pos // block_size] * block_size + pos % block_size)
+        last_row[w.req_id] = len(token_ids) - 1
+    return {"token_ids": token_ids, "positions": positions, "slots": slots,
+            "sample_rows": [last_row[w.req_id] for w in works if w.is_sampled]}
+
+
+def test_vectorized_step_inputs_match_the_per_token_reference() -> None:
+    rng = random.Random(0)
+    for _ in range(100):
+        block_size = rng.choice([1, 4, 16])
+        works = []
+        for i in range(rng.randint(1, 8)):
+            start = rng.randint(0, 60)
+            n = 1 if rng.random() < 0.5 else rng.randint(1, 30)
+            blocks = rng.sample(range(1000), -(-(start + n) // block_size) + rng.randint(0, 2))
+            works.append(SequenceWork(f"r{i}", [rng.randrange(500) for _ in range(n)], start, blocks,
+                                      rng.random() < 0.7, GREEDY))
+        inputs = build_step_inputs(StepBatch(0, works), block_size, torch.device("cpu"))
+        ref = _reference_inputs(works, block_size)
+        assert inputs.token_ids.tolist() == ref["token_ids"]
+        assert inputs.positions.tolist() == ref["positions"]
+        assert inputs.meta.slot_mapping.tolist() == ref["slots"]
+        assert inputs.sample_rows.tolist() == ref["sample_rows"]
+        decodes = [w for w in works if len(w.token_ids) == 1]
+        if decodes:
+            assert inputs.meta.decode_context_lens.tolist() == [w.start_pos + 1 for w in decodes]
+            for row, w in zip(inputs.meta.decode_block_tables.tolist(), decodes):
+                needed = -(-(w.start_pos + 1) // block_size)
+                assert row[:needed] == w.block_ids[:needed]
+        prefills = [w for w in works if len(w.token_ids) > 1]
+        assert [c.block_table.tolist() for c in inputs.meta.prefills] == [w.block_ids for w in prefills]
+
+
+def test_step_inputs_refuse_a_block_table_that_does_not_cover_the_step() -> None:
+    work = SequenceWork("short", [1, 2, 3], 6, [0], True, GREEDY)  # positions 6..8 need 3 blocks of 4
+    with pytest.raises(ValueError, match="short"):
+        build_step_inputs(StepBatch(0, [work]), 4, torch.device("cpu"))
+
+
+# -- the Triton kernel on graph-shaped inputs, in Triton's interpreter ---------------------
+
+_INTERPRETER_CHECK = textwrap.dedent("""
+    import torch
+    from workers.attention_metadata import AttentionMetadata
+    from workers.layers import triton_decode
+    from workers.layers.attention import PagedAttention
+
+    torch.manual_seed(0)
+    block_size, num_blocks, heads, kv_heads, dim, width = 4, 12, 8, 2, 32, 16
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim)
+    v_cache = torch.randn_like(k_cache)
+    scratch = num_blocks - 1
+    # Graph-shaped: full-width tables, padding rows on the scratch block with length 1, and
+    # garbage (out-of-range block ids) past each row's context that must never be read.
+    tables = torch.full((4, width), 10**6, dtype=torch.long)
+    tables[0, :2] = torch.tensor([3, 5]); tables[1, :3] = torch.tensor([0, 1, 2])
+    tables[2:, 0] = scratch
+    lens = torch.tensor([6, 12, 1, 1])
+    q = torch.randn(4, heads, dim)
+    out = triton_decode.paged_decode(q, k_cache, v_cache, tables, lens, dim**-0.5)
+    safe = torch.where(tables >= num_blocks, scratch, tables)
+    meta = AttentionMetadata(None, 4, safe, lens, None, [], block_size)
+    ref = PagedAttention(heads, kv_heads, dim)._attend_decodes(q, k_cache, v_cache, meta)
+    assert torch.isfinite(out).all()
+    assert (out - ref).abs().max() < 1e-4, (out - ref).abs().max()
+    print("ok")
+""")
+
+
+@pytest.mark.skipif(triton_decode.triton is None, reason="needs Triton installed")
+def test_triton_decode_reads_only_the_blocks_of_each_context_in_the_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETER_CHECK], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
+
+
+# -- on a GPU --------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or triton_decode.triton is None,
+                                reason="needs CUDA and Triton")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graph_decode_gives_the_eager_greedy_tokens(dtype, tiny_checkpoints) -> None:
+    from scheduler.engine import LLMEngine
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(3, 40))] for _ in range(11)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    results = {}
+    for use_graphs in (False, True):
+        config = EngineConfig(model=str(tiny_checkpoints["llama"]), device="cuda", dtype=dtype, block_size=4,
+                              num_kv_blocks=512, max_num_seqs=8, cuda_graphs=use_graphs)
+        with LLMEngine(config) as engine:
+            assert (engine.executor.runner.decode_graphs is not None) == use_graphs
+            results[use_graphs] = [r.token_ids for r in engine.generate(prompts, greedy)]
+    assert results[True] == results[False]
+
+
+@needs_cuda
+def test_cuda_graph_logits_match_eager_logits_on_cuda(tiny_checkpoints) -> None:
+    runner = ModelRunner(EngineConfig(model=str(tiny_checkpoints["qwen2"]), device="cuda", dtype="float32",
+                                      block_size=4, num_kv_blocks=64, max_num_seqs=8), SINGLE_DEVICE)
+    assert runner.decode_graphs is not None and runner.decode_graphs.graphs
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
+    tables = [list(range(8 * i, 8 * i + 8)) for i in range(3)]
+    works = [SequenceWork(f"r{i}", p, 0, t, True, GREEDY) for i, (p, t) in enumerate(zip(prompts, tables))]
+    next_ids = runner.compute_logits_for_test(StepBatch(0, works)).argmax(-1).tolist()
+    works = [SequenceWork(f"r{i}", [next_ids[i]], len(p), tables[i], True, GREEDY)
+             for i, p in enumerate(prompts)]
+    eager = runner.compute_logits_for_test(StepBatch(1, works))
+    graph = runner.decode_graphs.run(works).float()
+    assert torch.allclose(graph, eager, atol=1e-4, rtol=1e-4)
