@@ -38,7 +38,8 @@ def main() -> None:
     print("command:", " ".join(sys.argv))
     model = str(fetch_default_model())
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(32, 256))] for _ in range(args.num_requests)]
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(32, 256))]
+               for _ in range(args.num_requests)]
     params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(32, 128), ignore_eos=True)
               for _ in prompts]
     num_output = sum(p.max_tokens for p in params)
