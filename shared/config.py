@@ -35,6 +35,15 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
     max_model_len: int | None = None  # None: the model's context window
     num_threads: int | None = None  # torch threads per rank on CPU
+    # CUDA graphs of decode-only steps (CUDA with Triton only; CPU always runs eagerly).
+    cuda_graphs: bool = True
+    cuda_graph_max_batch_size: int = 256  # decode batches above this run eagerly
+    # Refuse to load when one rank's share of the weights needs more bytes than this
+    # (checked before any weight is allocated); None: no limit.
+    max_weight_bytes_per_rank: int | None = None
+    # Profiling: CUDA events around every step and collective (read through the rank
+    # workers' collective_times()); steps then run eagerly, without CUDA graphs.
+    time_collectives: bool = False
     seed: int = 0
     # Worker groups (Ray). Groups are used for tp > 1, for replicas, or when use_ray is set.
     use_ray: bool = False

@@ -1,7 +1,8 @@
 """Per-step attention inputs, built once by the runner and shared by every layer.
 
 Tokens of a step are laid out decode-first: the single tokens of decoding sequences,
-then the prefill chunks one after another.
+then the prefill chunks one after another. Every tensor here is already on the device
+when the forward starts, so no layer needs the host (no .item(), no .tolist()).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class AttentionMetadata:
     # Decoding sequences as one padded batch (None when there is none):
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long
     decode_context_lens: torch.Tensor | None  # [num_decodes] int32 (incl. the new token)
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    # [num_decodes, 1, 1, max_blocks * block_size] bool, for the PyTorch decode path; None:
+    # that path derives it from decode_context_lens (CUDA-graph steps leave it out).
+    decode_mask: torch.Tensor | None
     prefills: list[PrefillChunk]
     block_size: int

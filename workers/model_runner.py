@@ -1,7 +1,8 @@
 """One rank's model: builds it, loads its weight shards, owns its KV cache, runs steps.
 
 Every rank runs `execute` on the same StepBatch; only the driver rank samples and
-returns a StepResult (the others return None).
+returns a StepResult (the others return None). Decode-only steps replay a CUDA graph on
+CUDA (`workers/cuda_graphs.py`); every other step runs eagerly.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from shared.config import EngineConfig
 from shared.errors import ModelLoadError
 from shared.logging import get_logger
 from shared.step import StepBatch, StepResult
+from workers.cuda_graphs import DecodeGraphs, use_cuda_graphs
 from workers.device import resolve_device, resolve_dtype
 from workers.model_config import ModelConfig, load_model_config
 from workers.models.registry import MODEL_CLASSES
@@ -21,6 +23,10 @@ from workers.parallel import TensorParallel, all_reduce_min
 from workers.sampler import Sampler
 from workers.step_inputs import build_step_inputs
 from workers.weight_loader import load_weights, resident_weight_bytes
+
+
+def format_bytes(num_bytes: int) -> str:
+    return f"{num_bytes / 1e9:.2f} GB" if num_bytes >= 1e8 else f"{num_bytes / 1e6:.2f} MB"
 
 
 class ModelRunner:
@@ -39,24 +45,47 @@ class ModelRunner:
         self.max_model_len = min(config.max_model_len or self.model_config.context_window,
                                  self.model_config.context_window)
         self.block_size = config.block_size
+        self._check_weight_budget()
         self.model = self._build_model()
         self.weight_bytes = resident_weight_bytes(self.model)
-        self.num_kv_blocks = self._decide_num_kv_blocks()
-        self.kv_caches = self._allocate_kv_cache()
+        self.num_kv_blocks = self._decide_num_kv_blocks()  # what the scheduler may hand out
+        self.kv_caches = self._allocate_kv_cache()  # holds one more: the scratch block
+        self.decode_graphs = self._capture_decode_graphs()
         self.sampler = Sampler(seed=config.seed) if tp.is_driver else None
 
-    def _build_model(self) -> torch.nn.Module:
-        start = time.perf_counter()
+    def _new_model(self, device: torch.device) -> torch.nn.Module:
         cls = MODEL_CLASSES[self.model_config.model_type]
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)  # parameters are born in the serving dtype
         try:
-            with torch.device(self.device):
-                model = cls(self.model_config, self.tp, self.max_model_len)
+            with torch.device(device):
+                return cls(self.model_config, self.tp, self.max_model_len)
         except ValueError as exc:  # e.g. heads that do not divide by TP
             raise ModelLoadError(f"cannot shard {self.config.model!r}: {exc}") from None
         finally:
             torch.set_default_dtype(previous)
+
+    def weight_bytes_needed(self) -> int:
+        """Bytes of this rank's weight shard, from the model's shapes alone (a meta-device
+        model: nothing is allocated, nothing read)."""
+        return resident_weight_bytes(self._new_model(torch.device("meta")))
+
+    def _check_weight_budget(self) -> None:
+        budget = self.config.max_weight_bytes_per_rank
+        if budget is None:
+            return
+        need = self.weight_bytes_needed()
+        if need > budget:
+            raise ModelLoadError(
+                f"the weights of {self.config.model!r} do not fit: rank {self.tp.rank} of tp={self.tp.size} "
+                f"needs {format_bytes(need)} for its shard ({self.dtype}), over "
+                f"max_weight_bytes_per_rank = {format_bytes(budget)}; shard it over more ranks "
+                f"(about tp={-(-need * self.tp.size // budget)}) or raise the budget"
+            )
+
+    def _build_model(self) -> torch.nn.Module:
+        start = time.perf_counter()
+        model = self._new_model(self.device)
         load_weights(model, self.config.model)
         model.eval()
         self.log.info(
@@ -82,29 +111,67 @@ class ModelRunner:
             budget = int(free * self.config.kv_cache_memory_fraction) - activations
         else:
             budget = self.config.kv_cache_bytes_cpu
-        num_blocks = all_reduce_min(self.tp, max(0, budget // self.kv_block_bytes))
+        # One block of the budget is the scratch block.
+        num_blocks = all_reduce_min(self.tp, max(0, budget // self.kv_block_bytes - 1))
         if num_blocks < 1:
             raise ModelLoadError("no memory is left for the KV cache after loading the weights")
         return num_blocks
 
     def _allocate_kv_cache(self) -> torch.Tensor:
         cfg = self.model_config
-        shape = (cfg.num_layers, 2, self.num_kv_blocks, self.block_size,
+        # Block num_kv_blocks is the scratch block: padded rows of graph steps write there.
+        shape = (cfg.num_layers, 2, self.num_kv_blocks + 1, self.block_size,
                  self.tp.shard(cfg.num_kv_heads)[1], cfg.head_dim)
         self.log.info("kv_cache_allocated", num_blocks=self.num_kv_blocks,
-                      bytes=self.num_kv_blocks * self.kv_block_bytes)
+                      bytes=(self.num_kv_blocks + 1) * self.kv_block_bytes)
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv_caches.numel() * self.kv_caches.element_size()
+
+    def _capture_decode_graphs(self) -> DecodeGraphs | None:
+        if not use_cuda_graphs(self.config, self.device) or self.tp.timer is not None:
+            return None
+        start = time.perf_counter()
+        graphs = DecodeGraphs(
+            self.model, self.kv_caches, block_size=self.block_size, max_model_len=self.max_model_len,
+            scratch_block=self.num_kv_blocks,
+            max_batch_size=min(self.config.cuda_graph_max_batch_size, self.config.max_num_seqs),
+            device=self.device,
+        )
+        try:
+            graphs.capture()
+            captured = 1
+        except Exception as exc:  # noqa: BLE001 - a capture failure costs speed, not service
+            self.log.warning("cuda_graph_capture_failed", error=f"{type(exc).__name__}: {exc}"[:500])
+            captured = 0
+        if not all_reduce_min(self.tp, captured):  # every rank must take the same path
+            return None
+        self.log.info("cuda_graphs_captured", sizes=len(graphs.sizes), max_batch_size=graphs.sizes[-1],
+                      seconds=round(time.perf_counter() - start, 2))
+        return graphs
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> StepResult | None:
-        inputs = build_step_inputs(batch, self.block_size, self.device)
-        hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, inputs.meta)
-        logits = self.model.compute_logits(hidden[inputs.sample_rows]) if inputs.sampled_works else None
+        timer = self.tp.timer
+        start = timer.start(self.device) if timer else None
+        if self.decode_graphs is not None and self.decode_graphs.can_run(batch.works):
+            logits = self.decode_graphs.run(batch.works)  # [num_works, vocab]; all are sampled
+            sampled_works = batch.works
+        else:
+            inputs = build_step_inputs(batch, self.block_size, self.device)
+            hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, inputs.meta)
+            sampled_works = inputs.sampled_works
+            logits = self.model.compute_logits(hidden[inputs.sample_rows]) if sampled_works else None
+        if timer:
+            timer.stop("step", start)
         if not self.tp.is_driver:
             return None
         if logits is None:
             return StepResult(batch.step_id, [])
-        sampled = self.sampler.sample(logits.float(), inputs.sampled_works)
+        # The step's one host synchronisation: the sampler's .tolist() of the chosen ids.
+        sampled = self.sampler.sample(logits.float(), sampled_works)
         return StepResult(batch.step_id, sampled)
 
     @torch.inference_mode()

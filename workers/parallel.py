@@ -12,10 +12,59 @@ import torch
 import torch.distributed as dist
 
 
+class CudaSpanTimer:
+    """A profiling hook (EngineConfig.time_collectives): CUDA events around every step and
+    every collective of one rank, summed by `read()` with one synchronize.
+
+    Records nothing during a CUDA-graph capture; the runner runs every step eagerly while a
+    timer is set, so that every collective is seen. A collective's time includes waiting for
+    the slowest rank to reach it, which is part of what tensor parallelism costs.
+    """
+
+    def __init__(self) -> None:
+        self._spans: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {
+            "step": [], "collective": []}
+
+    def start(self, device: torch.device) -> torch.cuda.Event | None:
+        if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self, kind: str, start: torch.cuda.Event | None) -> None:
+        if start is None:
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._spans[kind].append((start, end))
+
+    def read(self) -> CollectiveTimes:
+        """Totals since the last read (then forgotten)."""
+        if any(self._spans.values()):
+            torch.cuda.synchronize()
+        totals = {kind: sum(s.elapsed_time(e) for s, e in spans) for kind, spans in self._spans.items()}
+        times = CollectiveTimes(len(self._spans["step"]), totals["step"], len(self._spans["collective"]),
+                                totals["collective"])
+        self._spans = {"step": [], "collective": []}
+        return times
+
+
+@dataclass
+class CollectiveTimes:
+    """GPU milliseconds of the steps and of the collectives inside them, since the last reading."""
+
+    num_steps: int
+    step_ms: float
+    num_collectives: int
+    collective_ms: float
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     rank: int = 0
     size: int = 1
+    timer: CudaSpanTimer | None = None  # set only to profile (EngineConfig.time_collectives)
 
     @property
     def is_driver(self) -> bool:
@@ -45,7 +94,10 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place; where a row-parallel layer ends."""
         if self.size > 1:
+            start = self.timer.start(x.device) if self.timer else None
             dist.all_reduce(x)
+            if self.timer:
+                self.timer.stop("collective", start)
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
@@ -53,7 +105,10 @@ class TensorParallel:
         if self.size == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.size)]
+        start = self.timer.start(x.device) if self.timer else None
         dist.all_gather(parts, x.contiguous())
+        if self.timer:
+            self.timer.stop("collective", start)
         return torch.cat(parts, dim=-1)
 
 

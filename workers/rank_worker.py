@@ -19,10 +19,15 @@ from shared.logging import configure_logging
 from shared.step import StepBatch, StepResult
 from workers.device import resolve_device
 from workers.model_runner import ModelRunner
-from workers.parallel import TensorParallel
+from workers.parallel import CollectiveTimes, CudaSpanTimer, TensorParallel
 
 # A collective that waits longer than this means a peer rank died: fail instead of hanging.
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+# NVLink multicast (NVLS) off unless the environment says otherwise: on shared multi-GPU
+# hosts a program that uses it can take every GPU of the host out of service. Set before
+# NCCL (or PyTorch's symmetric memory) reads them, i.e. before the process group exists.
+MULTICAST_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                     "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 @dataclass
@@ -36,6 +41,17 @@ class RankInfo:
     block_size: int
 
 
+@dataclass
+class RankMemory:
+    rank: int
+    device: str
+    weight_bytes: int  # this rank's parameters
+    kv_cache_bytes: int  # including the scratch block
+    allocated_bytes: int  # torch.cuda.memory_allocated (0 on CPU)
+    max_allocated_bytes: int  # torch.cuda.max_memory_allocated
+    reserved_bytes: int  # torch.cuda.memory_reserved: what the caching allocator holds
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("", 0))
@@ -44,6 +60,8 @@ def free_port() -> int:
 
 class RankWorker:
     def __init__(self, config: EngineConfig, rank: int) -> None:
+        for name, value in MULTICAST_OFF_ENV.items():
+            os.environ.setdefault(name, value)
         configure_logging(env_default("log_level", "WARNING"))
         self.config = config
         self.rank = rank
@@ -59,7 +77,8 @@ class RankWorker:
         return socket.gethostname()
 
     def load(self, master_addr: str, master_port: int) -> RankInfo:
-        tp = TensorParallel(rank=self.rank, size=self.config.tp)
+        timer = CudaSpanTimer() if self.config.time_collectives else None
+        tp = TensorParallel(rank=self.rank, size=self.config.tp, timer=timer)
         if tp.size > 1:
             device = resolve_device(self.config.device)
             backend = "nccl" if device.type == "cuda" else "gloo"
@@ -73,6 +92,29 @@ class RankWorker:
 
     def execute(self, batch: StepBatch) -> StepResult | None:
         return self.runner.execute(batch)
+
+    def memory(self) -> RankMemory:
+        runner = self.runner
+        device = runner.device if runner is not None else torch.device("cpu")
+        on_cuda = device.type == "cuda"
+        return RankMemory(
+            rank=self.rank, device=str(device),
+            weight_bytes=runner.weight_bytes if runner is not None else 0,
+            kv_cache_bytes=runner.kv_cache_bytes if runner is not None else 0,
+            allocated_bytes=torch.cuda.memory_allocated(device) if on_cuda else 0,
+            max_allocated_bytes=torch.cuda.max_memory_allocated(device) if on_cuda else 0,
+            reserved_bytes=torch.cuda.memory_reserved(device) if on_cuda else 0,
+        )
+
+    def decode_graph_sizes(self) -> list[int]:
+        """Batch sizes with a captured CUDA graph (empty: every step runs eagerly)."""
+        graphs = self.runner.decode_graphs if self.runner is not None else None
+        return list(graphs.sizes) if graphs is not None else []
+
+    def collective_times(self) -> CollectiveTimes:
+        """Step and collective GPU time since the last call (EngineConfig.time_collectives)."""
+        timer = self.runner.tp.timer if self.runner is not None else None
+        return timer.read() if timer is not None else CollectiveTimes(0, 0.0, 0, 0.0)
 
     def receive(self, batch: StepBatch) -> None:
         """Take a batch and do nothing: measures the transport alone (scripts/bench_dispatch.py)."""

@@ -1,9 +1,15 @@
-"""Turns a StepBatch into the tensors one forward pass needs."""
+"""Turns a StepBatch into the tensors one forward pass needs.
+
+Built with numpy, not per-token Python loops, and uploaded as ONE int64 array: on CUDA a
+single pinned, non-blocking host-to-device copy, after which every field is a view of it.
+"""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from shared.step import SequenceWork, StepBatch
@@ -19,56 +25,97 @@ class StepInputs:
     sampled_works: list[SequenceWork]  # in the batch's order
 
 
+def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """One int64 host array onto the device: pinned and non-blocking on CUDA, zero-copy on CPU."""
+    host = torch.from_numpy(array)
+    if device.type != "cuda":
+        return host
+    # pin_memory() draws from PyTorch's caching host allocator, which keeps the block until
+    # the copy that reads it has run, so the next step cannot overwrite it in flight.
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def flat_ids(id_lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(all ids concatenated, length of each list, offset of each list in the concatenation)."""
+    lengths = np.fromiter(map(len, id_lists), dtype=np.int64, count=len(id_lists))
+    total = int(lengths.sum())
+    flat = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int64, count=total)
+    return flat, lengths, np.cumsum(lengths) - lengths
+
+
+def pad_block_tables(
+    flat_blocks: np.ndarray, offsets: np.ndarray, num_blocks: np.ndarray, width: int, pad: int
+) -> np.ndarray:
+    """Rows of a padded block table [num_seqs, width]: row i holds blocks
+    flat_blocks[offsets[i] : offsets[i] + num_blocks[i]] (truncated to `width`), then `pad`."""
+    cols = np.arange(width, dtype=np.int64)
+    index = np.minimum(offsets[:, None] + cols[None, :], max(len(flat_blocks) - 1, 0))
+    values = flat_blocks[index] if len(flat_blocks) else np.zeros_like(index)
+    return np.where(cols[None, :] < num_blocks[:, None], values, pad)
+
+
 def build_step_inputs(batch: StepBatch, block_size: int, device: torch.device) -> StepInputs:
-    decodes = [w for w in batch.works if len(w.token_ids) == 1]
-    prefills = [w for w in batch.works if len(w.token_ids) > 1]
-    token_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    last_row: dict[int, int] = {}  # id(work) -> its last token's row
-    chunks: list[PrefillChunk] = []
-    for work in decodes + prefills:
-        row = len(token_ids)
-        n = len(work.token_ids)
-        token_ids.extend(work.token_ids)
-        for pos in range(work.start_pos, work.start_pos + n):
-            positions.append(pos)
-            slots.append(work.block_ids[pos // block_size] * block_size + pos % block_size)
-        last_row[id(work)] = row + n - 1
-        if n > 1:
-            table = torch.tensor(work.block_ids, dtype=torch.long, device=device)
-            chunks.append(PrefillChunk(row, n, work.start_pos, table))
+    works = batch.works
+    is_decode = [len(w.token_ids) == 1 for w in works]
+    order = [i for i, d in enumerate(is_decode) if d] + [i for i, d in enumerate(is_decode) if not d]
+    ordered = [works[i] for i in order]
+    num_decodes = sum(is_decode)
+
+    token_ids, lens, row_starts = flat_ids([w.token_ids for w in ordered])
+    starts = np.fromiter((w.start_pos for w in ordered), dtype=np.int64, count=len(ordered))
+    # Token t of work i sits at position start_pos_i + (t - row_start_i).
+    positions = np.arange(len(token_ids), dtype=np.int64) + np.repeat(starts - row_starts, lens)
+    blocks, num_blocks, block_starts = flat_ids([w.block_ids for w in ordered])
+    block_index = positions // block_size
+    uncovered = np.flatnonzero(block_index >= np.repeat(num_blocks, lens))
+    if len(uncovered):  # else the lookup below would read another sequence's blocks
+        bad = ordered[int(np.searchsorted(row_starts, uncovered[0], side="right")) - 1]
+        raise ValueError(f"{bad.req_id}: its block table does not cover the positions of this step")
+    slots = blocks[np.repeat(block_starts, lens) + block_index] * block_size + positions % block_size
+
+    last_rows = np.empty(len(works), dtype=np.int64)
+    last_rows[order] = row_starts + lens - 1  # indexed by the work's place in the batch
+    sampled = [i for i, w in enumerate(works) if w.is_sampled]
+    sample_rows = last_rows[sampled]
+
+    # Decodes as one padded batch, truncated to the blocks their context needs.
+    context_lens = starts[:num_decodes] + 1
+    needed = np.minimum(num_blocks[:num_decodes], -(-context_lens // block_size))
+    width = int(needed.max()) if num_decodes else 0
+    # Padding entries point at block 0; the decode paths never read past context_lens.
+    tables = pad_block_tables(blocks, block_starts[:num_decodes], needed, width, pad=0)
+    prefill_blocks = blocks[int(block_starts[num_decodes]):] if num_decodes < len(ordered) else blocks[:0]
+
+    parts = [token_ids, positions, slots, sample_rows, tables.reshape(-1), context_lens, prefill_blocks]
+    fields = torch.split(upload(np.concatenate(parts), device), [len(p) for p in parts])
+    d_token_ids, d_positions, d_slots, d_sample_rows, d_tables, d_lens, d_prefill_blocks = fields
 
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        num_decode_tokens=len(decodes),
-        decode_block_tables=None,
-        decode_context_lens=None,
+        slot_mapping=d_slots,
+        num_decode_tokens=num_decodes,
+        decode_block_tables=d_tables.view(num_decodes, width) if num_decodes else None,
+        decode_context_lens=d_lens.int() if num_decodes else None,  # int32, as the kernel takes them
         decode_mask=None,
-        prefills=chunks,
+        prefills=_prefill_chunks(row_starts, lens, starts, num_blocks, num_decodes, d_prefill_blocks),
         block_size=block_size,
     )
-    if decodes:
-        _add_decode_batch(meta, decodes, block_size, device)
-    sampled = [w for w in batch.works if w.is_sampled]
-    return StepInputs(
-        token_ids=torch.tensor(token_ids, dtype=torch.long, device=device),
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
-        meta=meta,
-        sample_rows=torch.tensor([last_row[id(w)] for w in sampled], dtype=torch.long, device=device),
-        sampled_works=sampled,
-    )
+    if num_decodes and device.type != "cuda":
+        # The PyTorch decode path's mask, once per step rather than once per layer.
+        key_pos = torch.arange(width * block_size, device=device)
+        meta.decode_mask = (key_pos[None, :] < d_lens[:, None]).view(num_decodes, 1, 1, -1)
+    return StepInputs(d_token_ids, d_positions, meta, d_sample_rows, [works[i] for i in sampled])
 
 
-def _add_decode_batch(
-    meta: AttentionMetadata, decodes: list[SequenceWork], block_size: int, device: torch.device
-) -> None:
-    context_lens = [w.start_pos + 1 for w in decodes]
-    max_blocks = max(-(-n // block_size) for n in context_lens)
-    # Padding entries point at block 0; the mask hides whatever it holds.
-    tables = [w.block_ids[:max_blocks] + [0] * (max_blocks - len(w.block_ids[:max_blocks])) for w in decodes]
-    meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=device)
-    lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
-    meta.decode_context_lens = lens
-    key_pos = torch.arange(max_blocks * block_size, device=device)
-    meta.decode_mask = (key_pos[None, :] < lens[:, None]).view(len(decodes), 1, 1, -1)
+def _prefill_chunks(
+    row_starts: np.ndarray, lens: np.ndarray, starts: np.ndarray, num_blocks: np.ndarray, num_decodes: int,
+    prefill_blocks: torch.Tensor,
+) -> list[PrefillChunk]:
+    """One chunk per work after the decodes; each block table a view of `prefill_blocks`."""
+    chunks = []
+    offset = 0
+    for i in range(num_decodes, len(lens)):
+        n = int(num_blocks[i])
+        chunks.append(PrefillChunk(int(row_starts[i]), int(lens[i]), int(starts[i]),
+                                   prefill_blocks[offset : offset + n]))
+        offset += n
+    return chunks

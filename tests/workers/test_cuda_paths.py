@@ -40,7 +40,8 @@ def test_cuda_graphs_are_selected_only_for_cuda_devices() -> None:
     assert not use_cuda_graphs(config, torch.device("cpu"))
     assert use_cuda_graphs(config, torch.device("cuda")) == (triton_decode.triton is not None)
     assert not use_cuda_graphs(EngineConfig(model="unused", cuda_graphs=False), torch.device("cuda"))
-    assert not use_cuda_graphs(EngineConfig(model="unused", cuda_graph_max_batch_size=0), torch.device("cuda"))
+    no_sizes = EngineConfig(model="unused", cuda_graph_max_batch_size=0)
+    assert not use_cuda_graphs(no_sizes, torch.device("cuda"))
 
 
 def test_triton_decode_is_never_picked_for_cpu_tensors() -> None:
@@ -128,7 +129,8 @@ def test_static_buffer_decode_matches_eager_decode(num_seqs, tiny_checkpoints) -
     rng = random.Random(num_seqs)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(2, 13))] for _ in range(num_seqs)]
     tables = [list(range(8 * i, 8 * i + 8)) for i in range(num_seqs)]  # 32 slots each
-    works = [SequenceWork(f"r{i}", p, 0, t, True, GREEDY) for i, (p, t) in enumerate(zip(prompts, tables))]
+    works = [SequenceWork(f"r{i}", p, 0, t, True, GREEDY)
+             for i, (p, t) in enumerate(zip(prompts, tables, strict=True))]
     next_ids = runner.compute_logits_for_test(StepBatch(0, works)).argmax(-1).tolist()
     positions = [len(p) for p in prompts]
     for step in range(1, 6):
@@ -179,7 +181,7 @@ def test_vectorized_step_inputs_match_the_per_token_reference() -> None:
         decodes = [w for w in works if len(w.token_ids) == 1]
         if decodes:
             assert inputs.meta.decode_context_lens.tolist() == [w.start_pos + 1 for w in decodes]
-            for row, w in zip(inputs.meta.decode_block_tables.tolist(), decodes):
+            for row, w in zip(inputs.meta.decode_block_tables.tolist(), decodes, strict=True):
                 needed = -(-(w.start_pos + 1) // block_size)
                 assert row[:needed] == w.block_ids[:needed]
         prefills = [w for w in works if len(w.token_ids) > 1]
@@ -261,10 +263,128 @@ def test_cuda_graph_logits_match_eager_logits_on_cuda(tiny_checkpoints) -> None:
     assert runner.decode_graphs is not None and runner.decode_graphs.graphs
     prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
     tables = [list(range(8 * i, 8 * i + 8)) for i in range(3)]
-    works = [SequenceWork(f"r{i}", p, 0, t, True, GREEDY) for i, (p, t) in enumerate(zip(prompts, tables))]
+    works = [SequenceWork(f"r{i}", p, 0, t, True, GREEDY)
+             for i, (p, t) in enumerate(zip(prompts, tables, strict=True))]
     next_ids = runner.compute_logits_for_test(StepBatch(0, works)).argmax(-1).tolist()
     works = [SequenceWork(f"r{i}", [next_ids[i]], len(p), tables[i], True, GREEDY)
              for i, p in enumerate(prompts)]
     eager = runner.compute_logits_for_test(StepBatch(1, works))
     graph = runner.decode_graphs.run(works).float()
     assert torch.allclose(graph, eager, atol=1e-4, rtol=1e-4)
+
+
+@needs_cuda
+def test_steps_do_not_synchronise_with_the_host_before_sampling(tiny_checkpoints) -> None:
+    """Inputs, forward and LM head of eager (mixed) and graph (decode) steps run under
+    sync-debug "error": any host synchronisation there raises. The sampler's .tolist() after
+    them is the step's only one."""
+    runner = ModelRunner(EngineConfig(model=str(tiny_checkpoints["llama"]), device="cuda", dtype="bfloat16",
+                                      block_size=4, num_kv_blocks=64, max_num_seqs=8), SINGLE_DEVICE)
+    first = [SequenceWork("a", [5, 6, 7, 8, 9], 0, [0, 1], True, GREEDY)]
+    runner.execute(StepBatch(0, first))  # warm-up, and "a" has 5 tokens cached
+    mixed = [SequenceWork("a", [10], 5, [0, 1], True, GREEDY),
+             SequenceWork("b", [11, 12, 13], 0, [2], True, GREEDY),
+             SequenceWork("c", [14, 15], 2, [3], True, GREEDY)]  # a chunk with a cached prefix
+    decodes = [SequenceWork("a", [16], 6, [0, 1], True, GREEDY),
+               SequenceWork("b", [17], 3, [2], True, GREEDY)]
+    runner.execute(StepBatch(1, mixed))  # warm-up of the eager kernels
+    assert runner.decode_graphs is not None
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.inference_mode():
+            inputs = build_step_inputs(StepBatch(2, mixed), runner.block_size, runner.device)
+            hidden = runner.model(inputs.token_ids, inputs.positions, runner.kv_caches, inputs.meta)
+            eager_logits = runner.model.compute_logits(hidden[inputs.sample_rows])
+            graph_logits = runner.decode_graphs.run(decodes)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert eager_logits.shape[0] == 3 and graph_logits.shape[0] == 2
+
+
+# -- the capture sequence and the runner's graph path, with CUDA faked ----------------------
+
+
+class _FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph: replay() re-runs, eagerly, the forward it "captured"."""
+
+    def __init__(self) -> None:
+        self.replay_fn = None
+        self.num_replays = 0
+
+    def pool(self) -> str:
+        return "the-pool"
+
+    def replay(self) -> None:
+        self.num_replays += 1
+        self.replay_fn()
+
+
+@pytest.fixture
+def fake_cuda_graphs(monkeypatch) -> list:
+    """torch.cuda.graph / CUDAGraph / synchronize faked on CPU; returns the pools passed to captures."""
+    import contextlib
+    import inspect
+
+    # The real context manager takes the arguments capture() passes.
+    assert {"pool", "capture_error_mode"} <= set(inspect.signature(torch.cuda.graph).parameters)
+    pools = []
+    last_forward = {}
+    forward = DecodeGraphs._forward
+
+    def recording_forward(self, size):
+        last_forward["call"] = lambda: forward(self, size)
+        return forward(self, size)
+
+    @contextlib.contextmanager
+    def fake_graph(graph, pool=None, capture_error_mode="global"):
+        assert capture_error_mode == "thread_local"
+        pools.append(pool)
+        yield
+        graph.replay_fn = last_forward["call"]
+
+    monkeypatch.setattr(DecodeGraphs, "_forward", recording_forward)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", fake_graph)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    return pools
+
+
+def test_capture_records_every_size_largest_first_in_one_pool(tiny_checkpoints, fake_cuda_graphs) -> None:
+    runner = _runner(tiny_checkpoints["qwen2"])
+    graphs = DecodeGraphs(runner.model, runner.kv_caches, block_size=4, max_model_len=runner.max_model_len,
+                          scratch_block=runner.num_kv_blocks, max_batch_size=12, device=runner.device)
+    graphs.capture()
+    assert list(graphs.graphs) == [12, 8, 4, 2, 1]
+    assert fake_cuda_graphs == [None] + ["the-pool"] * 4  # the first capture's pool, shared by the rest
+    assert graphs.logits.shape[0] == 12  # one output buffer, allocated before any capture
+
+    tables = [list(range(8 * i, 8 * i + 8)) for i in range(3)]
+    works = [SequenceWork(f"r{i}", [7 + i], 0, tables[i], True, GREEDY) for i in range(3)]
+    graph_logits = graphs.run(works).clone()
+    assert graphs.graphs[4].num_replays == 1 and graph_logits.shape[0] == 3
+    eager = runner.compute_logits_for_test(StepBatch(0, works))
+    assert float((graph_logits - eager).abs().max() / eager.abs().max()) < 1e-5
+
+
+def test_engine_on_the_graph_path_gives_the_eager_greedy_tokens(tiny_checkpoints, fake_cuda_graphs,
+                                                                monkeypatch) -> None:
+    """The runner's whole graph branch (capture at load, replay of padded decode batches, sampling
+    of the graph's logits) inside the real engine, against an engine that never uses it."""
+    from scheduler.engine import LLMEngine
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(3, 30))] for _ in range(7)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    config = dict(model=str(tiny_checkpoints["llama"]), dtype="float32", device="cpu", block_size=4,
+                  num_kv_blocks=256, max_num_seqs=6)
+    with LLMEngine(EngineConfig(**config)) as engine:
+        assert engine.executor.runner.decode_graphs is None
+        expected = [r.token_ids for r in engine.generate(prompts, greedy)]
+    monkeypatch.setattr("workers.model_runner.use_cuda_graphs", lambda config, device: True)
+    with LLMEngine(EngineConfig(**config, cuda_graph_max_batch_size=4)) as engine:
+        graphs = engine.executor.runner.decode_graphs
+        assert graphs is not None and list(graphs.graphs) == [4, 2, 1]
+        results = [r.token_ids for r in engine.generate(prompts, greedy)]
+        assert sum(g.num_replays for g in graphs.graphs.values()) > 0  # batches of 5-6 ran eagerly
+    assert results == expected

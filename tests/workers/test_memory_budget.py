@@ -10,7 +10,7 @@ import pytest
 from shared.config import EngineConfig
 from shared.errors import ModelLoadError
 from shared.sampling import SamplingParams
-from workers.model_runner import ModelRunner
+from workers.model_runner import ModelRunner, format_bytes
 from workers.parallel import SINGLE_DEVICE, TensorParallel
 
 
@@ -41,7 +41,7 @@ def test_budget_below_the_whole_model_is_refused_at_tp1_before_loading(tiny_chec
     with pytest.raises(ModelLoadError, match="max_weight_bytes_per_rank") as info:
         ModelRunner(_config(folder, max_weight_bytes_per_rank=budget), SINGLE_DEVICE)
     message = str(info.value)
-    assert "tp=1" in message and f"{full / 1e9:.2f} GB" in message and f"{budget / 1e9:.2f} GB" in message
+    assert "tp=1" in message and format_bytes(full) in message and format_bytes(budget) in message
 
 
 def test_same_budget_admits_each_tp2_shard(tiny_checkpoints) -> None:

@@ -60,11 +60,15 @@ class PagedAttention(nn.Module):
         # q: [num_decodes, num_heads, head_dim] -> same shape
         tables = meta.decode_block_tables
         num_decodes = q.shape[0]
+        mask = meta.decode_mask
+        if mask is None:  # built on the device from the lengths: no host round trip
+            key_pos = torch.arange(tables.shape[1] * meta.block_size, device=q.device)
+            mask = (key_pos[None, :] < meta.decode_context_lens[:, None]).view(num_decodes, 1, 1, -1)
         # [num_decodes, max_blocks, block_size, kv_heads, head_dim] -> [n, kv_heads, L, head_dim]
         keys = k_cache[tables].view(num_decodes, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
         values = v_cache[tables].view(num_decodes, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
         attn = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=self.scale,
+            q.unsqueeze(2), keys, values, attn_mask=mask, scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )  # [num_decodes, num_heads, 1, head_dim]
         return attn.squeeze(2)

@@ -1,0 +1,159 @@
+"""CUDA graphs of decode-only steps: the model forward plus the LM head, one graph per
+batch size, replayed with no kernel-launch or Python overhead.
+
+A decode-only step of n sequences runs the graph of the smallest captured size >= n. The
+graphs read fixed device buffers (token ids, positions, slot mapping, context lengths, and
+block tables padded to max_model_len / block_size columns), which each step fills with one
+pinned, non-blocking copy. Rows n..size-1 are padding that must do no harm: they write their
+K/V into a scratch block that the scheduler never hands out (the runner allocates one block
+more than it reports) and attend over that block alone (context length 1). The Triton decode
+kernel takes its loop bound from the context lengths only, so the fixed table width costs
+nothing. Sampling stays outside the graph.
+
+Everything else (steps with a prefill chunk, batches above the largest size, CPU) runs
+eagerly. All ranks of a TP group capture the same sizes in the same order, and pick graph or
+eager from the batch alone, so their collectives always line up.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from shared.config import EngineConfig
+from shared.step import SequenceWork
+from workers.attention_metadata import AttentionMetadata
+from workers.layers import triton_decode
+from workers.step_inputs import flat_ids, pad_block_tables, upload
+
+
+def use_cuda_graphs(config: EngineConfig, device: torch.device) -> bool:
+    """Decode graphs run only on CUDA, with the Triton decode kernel, when the config asks."""
+    return (config.cuda_graphs and config.cuda_graph_max_batch_size > 0 and device.type == "cuda"
+            and triton_decode.triton is not None)
+
+
+def capture_sizes(max_batch_size: int) -> list[int]:
+    """1, 2, 4, then every multiple of 8, up to max_batch_size (always included)."""
+    sizes = [s for s in (1, 2, 4) if s < max_batch_size] + list(range(8, max_batch_size, 8))
+    return sizes + [max_batch_size]
+
+
+class DecodeGraphs:
+    def __init__(
+        self, model: nn.Module, kv_caches: torch.Tensor, *, block_size: int, max_model_len: int,
+        scratch_block: int, max_batch_size: int, device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.scratch_block = scratch_block
+        self.sizes = capture_sizes(max_batch_size)
+        self.max_blocks = -(-max_model_len // block_size)  # block-table columns
+        self.device = device
+        size = self.sizes[-1]
+        # Static inputs; every row starts as padding (token 0 at position 0 in the scratch block).
+        self.token_ids = torch.zeros(size, dtype=torch.long, device=device)
+        self.positions = torch.zeros(size, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((size,), scratch_block * block_size, dtype=torch.long, device=device)
+        self.context_lens = torch.ones(size, dtype=torch.int32, device=device)
+        self.block_tables = torch.full((size, self.max_blocks), scratch_block, dtype=torch.long,
+                                       device=device)
+        self.logits: torch.Tensor | None = None  # [size, vocab], written by every graph
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # batch size -> its graph
+
+    # -- which steps ----------------------------------------------------------------
+
+    def padded_size(self, num_seqs: int) -> int | None:
+        """The captured size a batch of num_seqs runs at; None when it is too big."""
+        for size in self.sizes:
+            if size >= num_seqs:
+                return size
+        return None
+
+    def can_run(self, works: list[SequenceWork]) -> bool:
+        """Decode-only, every row sampled, small enough, and within the table's columns."""
+        if not works or len(works) > self.sizes[-1]:
+            return False
+        limit = self.max_blocks * self.block_size
+        return all(len(w.token_ids) == 1 and w.is_sampled and w.start_pos < limit for w in works)
+
+    # -- capture and replay -----------------------------------------------------------
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size], num_decode_tokens=size,
+            decode_block_tables=self.block_tables[:size], decode_context_lens=self.context_lens[:size],
+            decode_mask=None, prefills=[], block_size=self.block_size,
+        )
+
+    def _forward(self, size: int) -> torch.Tensor:
+        # -> logits [size, vocab], written into self.logits so that one buffer serves every size
+        hidden = self.model(self.token_ids[:size], self.positions[:size], self.kv_caches, self._meta(size))
+        logits = self.model.compute_logits(hidden)
+        if self.logits is None:
+            self.logits = torch.empty((self.sizes[-1], logits.shape[-1]), dtype=logits.dtype,
+                                      device=logits.device)
+        self.logits[:size].copy_(logits)
+        return self.logits[:size]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first, all in one memory pool (only one runs at a time)."""
+        self._forward(self.sizes[-1])  # allocates self.logits outside any graph's pool
+        torch.cuda.synchronize(self.device)
+        pool = None
+        for size in reversed(self.sizes):
+            self._forward(size)  # warm-up: Triton compile, cuBLAS plans for this shape
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: a NCCL watchdog thread polling its events must not break the capture.
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                self._forward(size)
+            pool = graph.pool() if pool is None else pool
+            self.graphs[size] = graph
+        torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def run(self, works: list[SequenceWork]) -> torch.Tensor:
+        """Logits [len(works), vocab] of a decode-only batch (check can_run first)."""
+        num_seqs = len(works)
+        size = self.padded_size(num_seqs)
+        self._load_inputs(works, size)
+        if self.graphs:
+            self.graphs[size].replay()
+        else:  # not captured (CPU tests): the same forward over the same buffers, eagerly
+            self._forward(size)
+        return self.logits[:num_seqs]
+
+    def _load_inputs(self, works: list[SequenceWork], size: int) -> None:
+        """Fill rows [0, size) of the static buffers; rows past len(works) become padding."""
+        num_seqs = len(works)
+        bs = self.block_size
+        token_ids = np.zeros(size, dtype=np.int64)
+        positions = np.zeros(size, dtype=np.int64)
+        slots = np.full(size, self.scratch_block * bs, dtype=np.int64)
+        context_lens = np.ones(size, dtype=np.int64)
+        token_ids[:num_seqs] = [w.token_ids[0] for w in works]
+        positions[:num_seqs] = [w.start_pos for w in works]
+        context_lens[:num_seqs] = positions[:num_seqs] + 1
+        blocks, num_blocks, block_starts = flat_ids([w.block_ids for w in works])
+        needed = -(-context_lens[:num_seqs] // bs)
+        if (num_blocks < needed).any():
+            bad = works[int(np.flatnonzero(num_blocks < needed)[0])]
+            raise ValueError(f"{bad.req_id}: its block table does not cover position {bad.start_pos}")
+        slots[:num_seqs] = blocks[block_starts + positions[:num_seqs] // bs] * bs + positions[:num_seqs] % bs
+        # Only the columns this step reads are copied; stale columns past them are never read.
+        width = int(needed.max())
+        tables = np.full((size, width), self.scratch_block, dtype=np.int64)
+        tables[:num_seqs] = pad_block_tables(blocks, block_starts, needed, width, pad=self.scratch_block)
+
+        staged = upload(np.concatenate([token_ids, positions, slots, context_lens, tables.reshape(-1)]),
+                        self.device)
+        d_tokens, d_positions, d_slots, d_lens, d_tables = torch.split(staged, [size] * 4 + [size * width])
+        self.token_ids[:size].copy_(d_tokens)
+        self.positions[:size].copy_(d_positions)
+        self.slot_mapping[:size].copy_(d_slots)
+        self.context_lens[:size].copy_(d_lens)  # int64 -> int32, on the device
+        self.block_tables[:size, :width].copy_(d_tables.view(size, width))
