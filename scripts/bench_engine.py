@@ -320,6 +320,9 @@ def print_table(
             print(f"  WARNING: {m.name} got only {m.cpu_share:.0%} of the cores: another process "
                   "competed for them; re-run on a quiet machine before quoting this figure")
 
+    disturbed = [m.name for m in measurements if m.cpu_share < MIN_CPU_SHARE]
+    if disturbed:
+        caption += f"; NOT QUOTABLE: {', '.join(disturbed)} shared the cores"
     print(f"\nMarkdown ({caption}):\n")
     print("| system | wall s | useful output tok/s | total tok/s | vs transformers | of compute floor |")
     print("|---|---:|---:|---:|---:|---:|")

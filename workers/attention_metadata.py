@@ -32,3 +32,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None
     prefills: list[PrefillChunk]
     block_size: int
+    # CPU decode path only: per decoding sequence, (its blocks as a slice when they are
+    # consecutive, else as an index tensor; its context length), so each sequence reads
+    # just its own blocks.
+    decode_host: list[tuple[slice | torch.Tensor, int]] | None = None

@@ -100,9 +100,10 @@ def build_step_inputs(batch: StepBatch, block_size: int, device: torch.device) -
         block_size=block_size,
     )
     if num_decodes and device.type != "cuda":
-        # The PyTorch decode path's mask, once per step rather than once per layer.
-        key_pos = torch.arange(width * block_size, device=device)
-        meta.decode_mask = (key_pos[None, :] < d_lens[:, None]).view(num_decodes, 1, 1, -1)
+        meta.decode_host = [
+            (_blocks_selector(ordered[i].block_ids[: int(needed[i])]), int(context_lens[i]))
+            for i in range(num_decodes)
+        ]
     return StepInputs(d_token_ids, d_positions, meta, d_sample_rows, [works[i] for i in sampled])
 
 
@@ -119,3 +120,11 @@ def _prefill_chunks(
                                    prefill_blocks[offset : offset + n]))
         offset += n
     return chunks
+
+
+def _blocks_selector(block_ids: list[int]) -> slice | torch.Tensor:
+    """A slice (a view, no copy) when the blocks are consecutive, else an index tensor."""
+    first = block_ids[0]
+    if block_ids == list(range(first, first + len(block_ids))):
+        return slice(first, first + len(block_ids))
+    return torch.tensor(block_ids)
