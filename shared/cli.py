@@ -80,7 +80,59 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(sched, "max-deliveries", type=int, default=3, help="deliveries before an entry is dead-lettered")
     _flag(sched, "result-ttl-s", type=int, default=24 * 3600, help="how long tf:res:{id} records live")
     _flag(sched, "key-prefix", default="tf:", help="prefix of every Redis key")
+    _add_gateway_parser(commands)
     return parser
+
+
+def _list_flag(parser: argparse.ArgumentParser, name: str, **kwargs) -> None:
+    """A repeatable --name; TOKENFLEET_NAME (comma-separated) stands in when none is given."""
+    parser.add_argument(f"--{name}", action="append", default=None, **kwargs)
+
+
+def _list_value(args: argparse.Namespace, name: str) -> list[str]:
+    given = getattr(args, name.replace("-", "_"))
+    if given:
+        return given
+    env = env_default(name)
+    return [item.strip() for item in env.split(",") if item.strip()] if env else []
+
+
+def _add_gateway_parser(commands) -> None:
+    gw = commands.add_parser("gateway", help="the OpenAI-compatible HTTP gateway in front of the schedulers")
+    _flag(gw, "redis-url", default="redis://127.0.0.1:6379/0",
+          help="redis://[:password@]host:port/db, or rediss:// for TLS")
+    _flag(gw, "host", default="127.0.0.1", help="address to listen on")
+    _flag(gw, "port", type=int, default=8000)
+    _list_flag(gw, "model", help="model folder it fronts: tokenizer, chat template (repeatable; "
+                                 "default: the default model)")
+    _list_flag(gw, "model-name", help="served name of the --model at the same position "
+                                      "(default: its folder's name)")
+    _list_flag(gw, "api-key", help="accepted Bearer key (repeatable; none: the gateway is open)")
+    _flag(gw, "max-queue", type=int, default=1024, help="waiting requests per model before 429 (0: no limit)")
+    _flag(gw, "max-n", type=int, default=8, help="cap on n (choices per request)")
+    _flag(gw, "max-body-bytes", type=int, default=4 << 20, help="largest request body accepted")
+    _flag(gw, "key-prefix", default="tf:", help="prefix of every Redis key")
+
+
+def _cmd_gateway(args: argparse.Namespace) -> int:
+    from gateway.server import serve
+    from gateway.settings import GatewaySettings, ModelSpec
+    from shared.errors import InvalidRequestError
+
+    paths = _list_value(args, "model") or [_resolve_model(None)]
+    names = _list_value(args, "model-name")
+    if len(names) > len(paths):
+        raise InvalidRequestError(f"{len(names)} --model-name for {len(paths)} --model", param="model-name")
+    for name, value in (("port", args.port), ("max-n", args.max_n), ("max-body-bytes", args.max_body_bytes)):
+        if value < 1:
+            raise InvalidRequestError(f"--{name} must be >= 1, got {value}", param=name)
+    models = [ModelSpec.from_path(path, names[i] if i < len(names) else None) for i, path in enumerate(paths)]
+    serve(GatewaySettings(
+        redis_url=args.redis_url, models=models, host=args.host, port=args.port,
+        api_keys=tuple(_list_value(args, "api-key")), key_prefix=args.key_prefix, max_queue=args.max_queue,
+        max_n=args.max_n, max_body_bytes=args.max_body_bytes,
+    ))
+    return 0
 
 
 def _resolve_model(path: str | None) -> str:
@@ -167,7 +219,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": _cmd_generate, "model": _cmd_model_fetch, "scheduler": _cmd_scheduler}
+COMMANDS = {"generate": _cmd_generate, "model": _cmd_model_fetch, "scheduler": _cmd_scheduler,
+            "gateway": _cmd_gateway}
 
 
 def main(argv: list[str] | None = None) -> int:

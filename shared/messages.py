@@ -8,6 +8,7 @@ recognised as such instead of half-understood.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from dataclasses import dataclass, field
@@ -57,6 +58,12 @@ def _check_type(value: object, annotation: object, name: str) -> None:
         raise MessageDecodeError(f"field {name!r}: expected {annotation}, got {value!r}")
 
 
+@functools.cache
+def _type_hints(cls: type) -> dict[str, object]:
+    """Resolved once per class: resolving them is most of the cost of a decode."""
+    return typing.get_type_hints(cls)
+
+
 class _Message:
     """Mixin: `encode()` to msgpack bytes, `decode(bytes)` back, strictly."""
 
@@ -74,7 +81,7 @@ class _Message:
         version = raw.pop("v", None)
         if version != WIRE_VERSION:
             raise MessageDecodeError(f"wire version {version!r}, this build speaks {WIRE_VERSION}")
-        hints = typing.get_type_hints(cls)
+        hints = _type_hints(cls)
         fields = {f.name: f for f in dataclasses.fields(cls)}
         unknown = set(raw) - set(fields)
         if unknown:

@@ -1,0 +1,94 @@
+"""The app factory: routes, middlewares, and every shared resource in a cleanup_ctx."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import redis.asyncio as aioredis
+from aiohttp import web
+
+from gateway.appkeys import FLEET, METRICS, MODELS, REDIS, ROUTER, SETTINGS, STORE, TASKS
+from gateway.fleet import Fleet
+from gateway.metrics import GatewayMetrics
+from gateway.middlewares import auth_middleware, error_middleware, request_id_middleware
+from gateway.models import ModelRegistry
+from gateway.openapi import openapi_document
+from gateway.pubsub import EventRouter
+from gateway.routes import ROUTES
+from gateway.settings import GatewaySettings
+from gateway.store import GatewayKeys, RequestStore
+from gateway.tasks import TaskSet
+from shared.logging import get_logger
+
+log = get_logger("tokenfleet.gateway")
+
+
+async def _models_ctx(app: web.Application) -> AsyncIterator[None]:
+    # Tokenizers load for a while: off the event loop. A bad folder fails startup, clearly.
+    app[MODELS] = await asyncio.to_thread(ModelRegistry.load, app[SETTINGS].models)
+    yield
+
+
+async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
+    settings = app[SETTINGS]
+    # Not pinged here: a gateway may start before Redis; /ready and 503s tell the difference.
+    # A blocking pool: a burst of requests waits for a connection instead of failing.
+    pool = aioredis.BlockingConnectionPool.from_url(
+        settings.redis_url, max_connections=settings.redis_max_connections, timeout=10, socket_timeout=5,
+        socket_connect_timeout=2, health_check_interval=30)
+    client = aioredis.Redis(connection_pool=pool)
+    app[REDIS] = client
+    app[STORE] = RequestStore(client, GatewayKeys(settings.key_prefix), result_ttl_s=settings.result_ttl_s,
+                              cancel_ttl_s=settings.cancel_ttl_s,
+                              idempotency_ttl_s=settings.idempotency_ttl_s)
+    yield
+    await client.aclose()
+    await pool.aclose()
+
+
+async def _tasks_ctx(app: web.Application) -> AsyncIterator[None]:
+    app[TASKS] = TaskSet()
+    yield
+    await app[TASKS].close()  # before Redis closes: cancels on their way out still get sent
+
+
+async def _router_ctx(app: web.Application) -> AsyncIterator[None]:
+    router = EventRouter(app[SETTINGS].redis_url, GatewayKeys(app[SETTINGS].key_prefix))
+    await router.start()
+    app[ROUTER] = router
+    yield
+    await router.close()
+
+
+async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
+    settings = app[SETTINGS]
+    fleet = Fleet(app[REDIS], GatewayKeys(settings.key_prefix), app[STORE], app[METRICS], app[MODELS].names,
+                  grace_s=settings.scheduler_grace_s, refresh_s=settings.fleet_refresh_s)
+    app[FLEET] = fleet
+    stop = asyncio.Event()
+    task = asyncio.create_task(fleet.run(stop), name="fleet-refresh")
+    yield
+    stop.set()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+def create_app(settings: GatewaySettings) -> web.Application:
+    app = web.Application(
+        middlewares=[request_id_middleware, error_middleware, auth_middleware],
+        client_max_size=settings.max_body_bytes,
+    )
+    app[SETTINGS] = settings
+    app[METRICS] = GatewayMetrics()
+    # Opened in this order, closed in reverse: tasks close while Redis and the router live.
+    app.cleanup_ctx.extend([_models_ctx, _redis_ctx, _router_ctx, _tasks_ctx, _fleet_ctx])
+    for route in ROUTES:
+        app.router.add_route(route.method, route.path, route.handler)
+    document = openapi_document(secured=bool(settings.api_keys))
+
+    async def openapi(request: web.Request) -> web.Response:
+        return web.json_response(document)
+
+    app.router.add_get("/openapi.json", openapi)
+    return app

@@ -1,0 +1,23 @@
+"""Typed keys of what the app shares between handlers (opened and closed in cleanup_ctx)."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+from aiohttp import web
+
+from gateway.fleet import Fleet
+from gateway.metrics import GatewayMetrics
+from gateway.models import ModelRegistry
+from gateway.pubsub import EventRouter
+from gateway.settings import GatewaySettings
+from gateway.store import RequestStore
+from gateway.tasks import TaskSet
+
+SETTINGS = web.AppKey("settings", GatewaySettings)
+METRICS = web.AppKey("metrics", GatewayMetrics)
+MODELS = web.AppKey("models", ModelRegistry)
+REDIS = web.AppKey("redis", aioredis.Redis)
+STORE = web.AppKey("store", RequestStore)
+ROUTER = web.AppKey("router", EventRouter)
+FLEET = web.AppKey("fleet", Fleet)
+TASKS = web.AppKey("tasks", TaskSet)

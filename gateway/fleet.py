@@ -1,0 +1,108 @@
+"""What the gateway knows of the fleet: which schedulers are alive (their `tf:sched:*`
+heartbeats) and how deep each fronted model's queue is. Refreshed in the background, so a
+request pays for no SCAN; a model that looks unserved is re-checked once before a 503."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from gateway.errors import Unavailable
+from gateway.metrics import GatewayMetrics
+from gateway.store import RequestStore
+from shared.keys import Keys
+from shared.logging import get_logger
+
+log = get_logger("tokenfleet.gateway.fleet")
+
+
+@dataclass
+class SchedulerInfo:
+    scheduler_id: str
+    model: str
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    max_num_seqs: int
+    updated_at: float
+
+    @classmethod
+    def parse(cls, scheduler_id: str, raw: dict[bytes, bytes]) -> SchedulerInfo | None:
+        try:
+            return cls(scheduler_id, raw[b"model"].decode(), int(raw.get(b"num_running", 0)),
+                       int(raw.get(b"num_waiting", 0)), float(raw.get(b"kv_usage", 0.0)),
+                       int(raw.get(b"max_num_seqs", 0)), float(raw.get(b"updated_at", 0.0)))
+        except (KeyError, ValueError):
+            return None  # a half-written or foreign hash: not a scheduler we understand
+
+
+class Fleet:
+    def __init__(self, client: aioredis.Redis, keys: Keys, store: RequestStore, metrics: GatewayMetrics,
+                 model_names: list[str], *, grace_s: float, refresh_s: float) -> None:
+        self.client = client
+        self.keys = keys
+        self.store = store
+        self.metrics = metrics
+        self.model_names = model_names
+        self.grace_s = grace_s
+        self.refresh_s = refresh_s
+        self.schedulers: dict[str, SchedulerInfo] = {}  # scheduler id -> last heartbeat
+        self._last_seen: dict[str, float] = {}  # model -> monotonic time a heartbeat was last seen
+        self.queue_depths: dict[str, int] = {}  # fronted model -> entries not yet taken
+
+    async def refresh(self) -> None:
+        keys = [key async for key in self.client.scan_iter(match=self.keys.scheduler_pattern, count=200)]
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hgetall(key)
+        raws = await pipe.execute() if keys else []
+        prefix = len(self.keys.scheduler(""))
+        schedulers = {}
+        for key, raw in zip(keys, raws, strict=True):
+            info = SchedulerInfo.parse(key.decode()[prefix:], raw) if raw else None
+            if info is not None:
+                schedulers[info.scheduler_id] = info
+        self.schedulers = schedulers
+        now = time.monotonic()
+        for info in schedulers.values():
+            self._last_seen[info.model] = now
+        for model in self.model_names:
+            live = sum(1 for s in schedulers.values() if s.model == model)
+            self.metrics.live_schedulers.labels(model).set(live)
+            self.queue_depths[model] = await self.store.queue_depth(model)
+            self.metrics.queue_depth.labels(model).set(self.queue_depths[model])
+
+    def is_served(self, model: str) -> bool:
+        seen = self._last_seen.get(model)
+        return seen is not None and time.monotonic() - seen <= self.grace_s
+
+    @property
+    def served_models(self) -> list[str]:
+        return [m for m in self.model_names if self.is_served(m)]
+
+    async def require(self, model: str) -> None:
+        """503 unless a live scheduler serves the model (re-read once before saying so)."""
+        if self.is_served(model):
+            return
+        await self.refresh()
+        if not self.is_served(model):
+            raise Unavailable(f"no scheduler serves the model {model!r} right now", param="model",
+                              code="no_scheduler", headers={"Retry-After": "5"})
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Refresh until stop is set. (Cancelling alone is not enough: redis-py may turn a
+        cancellation in the middle of a command into a ConnectionError.)"""
+        while not stop.is_set():
+            try:
+                await self.refresh()
+            except (RedisError, OSError) as exc:
+                if stop.is_set():
+                    break
+                log.warning("fleet_refresh_failed", error=str(exc))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.refresh_s)

@@ -1,0 +1,40 @@
+"""Prometheus metrics of one gateway process (its own registry, so apps never collide)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.http_requests = Counter("tokenfleet_gateway_http_requests", "HTTP requests by route and status",
+                                     ["method", "route", "status"], registry=r)
+        self.requests = Counter("tokenfleet_gateway_requests", "generation requests by model and end state",
+                                ["model", "status"], registry=r)
+        self.queue_time = Histogram("tokenfleet_gateway_queue_time_seconds",
+                                    "queued until a scheduler started it", ["model"],
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("tokenfleet_gateway_time_to_first_token_seconds",
+                              "request received until its first token left", ["model"],
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("tokenfleet_gateway_inter_token_latency_seconds",
+                             "between two token deliveries of one stream", ["model"],
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("tokenfleet_gateway_e2e_request_latency_seconds",
+                             "request received until its last token left", ["model"],
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.active_streams = Gauge("tokenfleet_gateway_active_streams", "SSE responses open now",
+                                    registry=r)
+        self.queue_depth = Gauge("tokenfleet_gateway_queue_depth",
+                                 "entries of a model's interactive stream not yet taken", ["model"],
+                                 registry=r)
+        self.live_schedulers = Gauge("tokenfleet_gateway_live_schedulers",
+                                     "schedulers with a live heartbeat, per model", ["model"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

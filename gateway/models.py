@@ -1,0 +1,117 @@
+"""The models a gateway fronts: tokenizer, chat template and context window of each.
+
+Tokenization happens here, in the gateway, so schedulers only ever see token ids and a
+too-long prompt is refused before it is queued.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.errors import BadRequest, ModelNotFound
+from gateway.settings import ModelSpec
+from scheduler.engine import load_tokenizer
+from shared.errors import ModelLoadError
+from workers.model_config import load_model_config
+
+
+@functools.lru_cache(maxsize=16)
+def _load_tokenizer(path: str) -> Any:
+    """Loaded once per process: tokenizers are read-only here, and loading one takes a while."""
+    tokenizer = load_tokenizer(path)
+    if tokenizer is None:
+        raise ModelLoadError(f"model folder {path!r} has no tokenizer; the gateway tokenizes prompts")
+    return tokenizer
+
+
+@dataclass
+class ServedModel:
+    name: str
+    path: str
+    tokenizer: Any
+    context_window: int  # prompt + output tokens
+    vocab_size: int
+    created: int = field(default_factory=lambda: int(time.time()))
+    _token_texts: dict[int, str] = field(default_factory=dict)  # token id -> its text (logprobs)
+
+    @classmethod
+    def load(cls, spec: ModelSpec) -> ServedModel:
+        config = load_model_config(spec.path)
+        return cls(spec.name, spec.path, _load_tokenizer(spec.path), config.context_window,
+                   config.vocab_size)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def encode_text(self, text: str, *, param: str = "prompt") -> list[int]:
+        ids = self.tokenizer(text).input_ids
+        if not ids:
+            raise BadRequest("the prompt is empty", param=param)
+        return ids
+
+    def check_token_ids(self, ids: list[int], *, param: str = "prompt") -> list[int]:
+        if not ids:
+            raise BadRequest("the prompt is empty", param=param)
+        bad = next((t for t in ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise BadRequest(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param=param)
+        return ids
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
+        """The chat template's text (ending with the assistant's turn opening) and its ids."""
+        if not self.has_chat_template:
+            raise BadRequest(f"model {self.name!r} has no chat template; use /v1/completions",
+                             param="messages")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # noqa: BLE001 - a template may raise anything (jinja raise_exception)
+            raise BadRequest(f"the chat template refused the messages: {exc}", param="messages") from None
+        ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        if not ids:
+            raise BadRequest("the messages make an empty prompt", param="messages")
+        return text, ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+class ModelRegistry:
+    def __init__(self, models: list[ServedModel]) -> None:
+        self._models = {m.name: m for m in models}  # served name -> model
+
+    @classmethod
+    def load(cls, specs: list[ModelSpec]) -> ModelRegistry:
+        if not specs:
+            raise ModelLoadError("the gateway needs at least one --model")
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ModelLoadError(f"two models are served under one name: {names}")
+        return cls([ServedModel.load(spec) for spec in specs])
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._models)
+
+    def __iter__(self):
+        return iter(self._models.values())
+
+    def get(self, name: str | None) -> ServedModel:
+        if name is None:
+            if len(self._models) == 1:
+                return next(iter(self._models.values()))
+            raise BadRequest(f"model is required (served: {', '.join(self._models)})", param="model")
+        model = self._models.get(name)
+        if model is None:
+            raise ModelNotFound(f"the model {name!r} does not exist (served: {', '.join(self._models)})",
+                                param="model")
+        return model

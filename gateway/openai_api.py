@@ -1,0 +1,158 @@
+"""POST /v1/chat/completions and /v1/completions: one queued request per choice, answered
+as one JSON object or as SSE chunks ending with `data: [DONE]`."""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from gateway.appkeys import METRICS, MODELS, SETTINGS, STORE, TASKS
+from gateway.errors import BadRequest, UpstreamFailed
+from gateway.follow import Watch
+from gateway.metrics import GatewayMetrics
+from gateway.openai_format import ChoiceOutput, ChunkMaker, chat_completion, text_completion
+from gateway.params import Plan, plan_chat, plan_completion
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.serving import (
+    ClientGone,
+    EventStream,
+    admit,
+    client_gone,
+    following,
+    new_req_id,
+    read_body,
+    submissions,
+)
+from gateway.store import RequestStore
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    body, _ = await read_body(request, ChatCompletionRequest)
+    model = request.app[MODELS].get(body.model)
+    return await _serve(request, plan_chat(body, model, request.app[SETTINGS]), "chatcmpl-")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    body, _ = await read_body(request, CompletionRequest)
+    model = request.app[MODELS].get(body.model)
+    return await _serve(request, plan_completion(body, model, request.app[SETTINGS]), "cmpl-")
+
+
+class _Timer:
+    """Latency metrics of one call, observed as its tokens leave."""
+
+    def __init__(self, metrics: GatewayMetrics, model: str, num_choices: int, started: float) -> None:
+        self.metrics = metrics
+        self.model = model
+        self.started = started
+        self.first_token_at: float | None = None
+        self.last_token_at: list[float | None] = [None] * num_choices  # choice -> last delivery
+
+    def tokens(self, index: int, num_tokens: int) -> None:
+        if not num_tokens:
+            return
+        now = time.monotonic()
+        if self.first_token_at is None:
+            self.first_token_at = now
+            self.metrics.ttft.labels(self.model).observe(now - self.started)
+        last = self.last_token_at[index]
+        if last is not None:
+            self.metrics.itl.labels(self.model).observe((now - last) / num_tokens)
+        self.last_token_at[index] = now
+
+    def finished(self, outputs: list[ChoiceOutput]) -> None:
+        self.metrics.e2e.labels(self.model).observe(time.monotonic() - self.started)
+        for out in outputs:
+            self.metrics.requests.labels(self.model, out.state or "unknown").inc()
+
+
+async def _observe_queue_time(store: RequestStore, metrics: GatewayMetrics, model: str,
+                              req_ids: list[str]) -> None:
+    for queued_at, started_at in await store.timings(req_ids):
+        if queued_at is not None and started_at is not None:
+            metrics.queue_time.labels(model).observe(max(0.0, started_at - queued_at))
+
+
+async def _serve(request: web.Request, plan: Plan, id_prefix: str) -> web.StreamResponse:
+    started = time.monotonic()
+    await admit(request, plan.model.name, len(plan.choices))
+    req_ids = [new_req_id() for _ in plan.choices]
+    response_id = id_prefix + req_ids[0]
+    timer = _Timer(request.app[METRICS], plan.model.name, len(req_ids), started)
+    async with following(request, plan.model, req_ids) as watch:
+        await request.app[STORE].submit(submissions(plan, req_ids))
+        if plan.stream:
+            response = await _stream(request, plan, response_id, watch, timer)
+        else:
+            response = await _collect(request, plan, response_id, watch, timer)
+    request.app[TASKS].spawn(_observe_queue_time(request.app[STORE], request.app[METRICS], plan.model.name,
+                                                 req_ids), name="queue-time")
+    return response
+
+
+def _raise_for(outputs: list[ChoiceOutput]) -> None:
+    """A request that failed in the fleet (not one that was cancelled) fails the call."""
+    for out in outputs:
+        if out.state in ("failed", "expired") and out.error is not None:
+            message = out.error.get("message", "the request failed")
+            if str(message).startswith("invalid:"):  # the scheduler refused the input itself
+                raise BadRequest(message.removeprefix("invalid:").strip(), code="invalid_request")
+            raise UpstreamFailed(message, code=out.error.get("code", "request_failed"))
+
+
+async def _collect(request: web.Request, plan: Plan, response_id: str, watch: Watch,
+                   timer: _Timer) -> web.StreamResponse:
+    outputs = [ChoiceOutput(choice.index) for choice in plan.choices]
+    async for index, delta in watch.deltas():
+        if delta is None:
+            if client_gone(request):
+                raise ClientGone()
+            continue
+        outputs[index].add(delta)
+        timer.tokens(index, len(delta.token_ids))
+    timer.finished(outputs)
+    _raise_for(outputs)
+    build = chat_completion if plan.api == "chat" else text_completion
+    return web.json_response(build(plan, response_id, outputs))
+
+
+async def _stream(request: web.Request, plan: Plan, response_id: str, watch: Watch,
+                  timer: _Timer) -> web.StreamResponse:
+    stream = EventStream(request)
+    await stream.open()
+    chunks = ChunkMaker(plan, response_id)
+    outputs = [ChoiceOutput(choice.index) for choice in plan.choices]
+    keepalive_s = request.app[SETTINGS].keepalive_s
+    last_write = time.monotonic()
+    try:
+        for index in range(len(plan.choices)):
+            opening = chunks.opening(index)
+            if opening is not None:
+                await stream.send(opening)
+        async for index, delta in watch.deltas():
+            if delta is None:
+                if time.monotonic() - last_write >= keepalive_s:
+                    await stream.comment()
+                    last_write = time.monotonic()
+                continue
+            outputs[index].add(delta)
+            timer.tokens(index, len(delta.token_ids))
+            chunk = chunks.delta(index, delta)
+            if chunk is not None:
+                await stream.send(chunk)
+                last_write = time.monotonic()
+            if delta.is_final and delta.state in ("failed", "expired") and delta.error is not None:
+                error = UpstreamFailed(delta.error.get("message", "the request failed"),
+                                       code=delta.error.get("code"))
+                await stream.send({"error": {"message": error.message, "type": error.error_type,
+                                             "param": None, "code": error.code}})
+        timer.finished(outputs)
+        if plan.include_usage:
+            await stream.send(chunks.usage([o.num_tokens for o in outputs]))
+        await stream.send("[DONE]")
+    except ConnectionError:
+        pass  # the client left; following() cancels what has not ended
+    finally:
+        await stream.close()
+    return stream.response

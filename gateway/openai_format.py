@@ -1,0 +1,161 @@
+"""OpenAI's response shapes: chat.completion(.chunk), text_completion, logprobs, usage.
+
+Built as plain dicts (a stream writes one per token); gateway/responses.py describes the
+same shapes for /openapi.json, and the tests check one against the other.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from gateway.models import ServedModel
+from gateway.params import Plan
+from gateway.records import Delta
+
+MISSING_LOGPROB = -9999.0  # what vLLM reports for -inf or an unknown logprob (JSON has no -inf)
+
+
+def _logprob(value: float | None) -> float:
+    return MISSING_LOGPROB if value is None or not math.isfinite(value) else float(value)
+
+
+def chat_logprobs(model: ServedModel, entries: list, top_n: int) -> list[dict]:
+    """Wire entries [token_id, logprob, [[id, logprob], ...]] -> chat "content" items."""
+    items = []
+    for token_id, logprob, top in entries:
+        token = model.token_text(token_id)
+        items.append({
+            "token": token, "logprob": _logprob(logprob), "bytes": list(token.encode()),
+            "top_logprobs": [
+                {"token": (t := model.token_text(tid)), "logprob": _logprob(lp), "bytes": list(t.encode())}
+                for tid, lp in (top or [])[:top_n]
+            ],
+        })
+    return items
+
+
+def completion_logprobs(model: ServedModel, entries: list, top_n: int, text_offset: int) -> dict:
+    """The legacy completions shape; text_offset is where the first token's text starts."""
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    for token_id, logprob, top in entries:
+        token = model.token_text(token_id)
+        tokens.append(token)
+        token_logprobs.append(_logprob(logprob))
+        tops.append({model.token_text(tid): _logprob(lp) for tid, lp in (top or [])[:top_n]}
+                    if top_n else None)
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+@dataclass
+class ChoiceOutput:
+    """One choice's output, gathered delta by delta."""
+
+    index: int
+    text: str = ""
+    num_tokens: int = 0
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    error: dict | None = None
+    state: str | None = None
+
+    def add(self, delta: Delta) -> None:
+        self.text += delta.text
+        self.num_tokens += len(delta.token_ids)
+        if delta.logprobs:
+            self.logprobs += delta.logprobs
+        if delta.is_final:
+            self.state = delta.state
+            self.error = delta.error
+            self.finish_reason = delta.finish_reason or ("abort" if delta.state != "completed" else "stop")
+
+
+def usage(plan: Plan, num_tokens: list[int]) -> dict:
+    prompt = sum(plan.num_prompt_tokens)
+    completion = sum(num_tokens)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def chat_completion(plan: Plan, response_id: str, outputs: list[ChoiceOutput]) -> dict:
+    choices = []
+    for out in outputs:
+        logprobs = None
+        if plan.logprobs is not None:
+            logprobs = {"content": chat_logprobs(plan.model, out.logprobs, plan.logprobs)}
+        choices.append({"index": out.index, "message": {"role": "assistant", "content": out.text},
+                        "logprobs": logprobs, "finish_reason": out.finish_reason})
+    return {"id": response_id, "object": "chat.completion", "created": plan.created, "model": plan.model.name,
+            "system_fingerprint": None, "choices": choices,
+            "usage": usage(plan, [o.num_tokens for o in outputs])}
+
+
+def text_completion(plan: Plan, response_id: str, outputs: list[ChoiceOutput]) -> dict:
+    choices = []
+    for out in outputs:
+        prefix = plan.prompt_texts[plan.choices[out.index].prompt_index] if plan.echo else ""
+        logprobs = None
+        if plan.logprobs is not None:
+            logprobs = completion_logprobs(plan.model, out.logprobs, plan.logprobs, len(prefix))
+        choices.append({"index": out.index, "text": prefix + out.text, "logprobs": logprobs,
+                        "finish_reason": out.finish_reason})
+    return {"id": response_id, "object": "text_completion", "created": plan.created, "model": plan.model.name,
+            "system_fingerprint": None, "choices": choices,
+            "usage": usage(plan, [o.num_tokens for o in outputs])}
+
+
+class ChunkMaker:
+    """The chunks of one streamed call, choice by choice, delta by delta."""
+
+    def __init__(self, plan: Plan, response_id: str) -> None:
+        self.plan = plan
+        self.response_id = response_id
+        is_chat = plan.api == "chat"
+        self.object = "chat.completion.chunk" if is_chat else "text_completion"
+        self.text_offsets = [0] * len(plan.choices)  # choice -> characters sent (completions logprobs)
+
+    def _chunk(self, choice: dict) -> dict:
+        chunk = {"id": self.response_id, "object": self.object, "created": self.plan.created,
+                 "model": self.plan.model.name, "system_fingerprint": None, "choices": [choice]}
+        if self.plan.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def opening(self, index: int) -> dict | None:
+        """What a choice starts with: the assistant role (chat) or the echoed prompt."""
+        if self.plan.api == "chat":
+            return self._chunk({"index": index, "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None, "finish_reason": None})
+        if self.plan.echo:
+            prefix = self.plan.prompt_texts[self.plan.choices[index].prompt_index]
+            self.text_offsets[index] = len(prefix)
+            return self._chunk({"index": index, "text": prefix, "logprobs": None, "finish_reason": None})
+        return None
+
+    def delta(self, index: int, delta: Delta) -> dict | None:
+        """The chunk of one delta; None when it carries nothing a client would see."""
+        finish = None
+        if delta.is_final:
+            finish = delta.finish_reason or ("abort" if delta.state != "completed" else "stop")
+        wants_logprobs = self.plan.logprobs is not None and bool(delta.logprobs)
+        if not delta.text and finish is None and not wants_logprobs:
+            return None
+        logprobs = None
+        if self.plan.api == "chat":
+            if wants_logprobs:
+                logprobs = {"content": chat_logprobs(self.plan.model, delta.logprobs, self.plan.logprobs)}
+            content = {"content": delta.text} if delta.text or finish is None else {}
+            return self._chunk({"index": index, "delta": content, "logprobs": logprobs,
+                                "finish_reason": finish})
+        if wants_logprobs:
+            logprobs = completion_logprobs(self.plan.model, delta.logprobs, self.plan.logprobs,
+                                           self.text_offsets[index])
+        self.text_offsets[index] += len(delta.text)
+        return self._chunk({"index": index, "text": delta.text, "logprobs": logprobs,
+                            "finish_reason": finish})
+
+    def usage(self, num_tokens: list[int]) -> dict:
+        return {"id": self.response_id, "object": self.object, "created": self.plan.created,
+                "model": self.plan.model.name, "system_fingerprint": None, "choices": [],
+                "usage": usage(self.plan, num_tokens)}

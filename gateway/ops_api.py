@@ -1,0 +1,68 @@
+"""GET /health, /ready, /metrics, /v1/models, /openapi.json."""
+
+from __future__ import annotations
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+from redis.exceptions import RedisError
+
+from gateway.appkeys import FLEET, METRICS, MODELS, REDIS, STORE
+from gateway.errors import NotFound
+from gateway.models import ServedModel
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    """200 when Redis answers and a live scheduler serves a model this gateway fronts."""
+    fleet = request.app[FLEET]
+    try:
+        await request.app[REDIS].ping()
+        await fleet.refresh()
+    except (RedisError, OSError) as exc:
+        return web.json_response({"status": "not_ready", "redis": False, "models": [],
+                                  "reason": f"redis unreachable: {exc}"}, status=503)
+    served = fleet.served_models
+    if not served:
+        return web.json_response({"status": "not_ready", "redis": True, "models": [],
+                                  "reason": "no live scheduler serves a model this gateway fronts"},
+                                 status=503)
+    return web.json_response({"status": "ready", "redis": True, "models": served})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    app = request.app
+    for model in app[MODELS].names:  # queue depths as of now, not as of the last refresh
+        try:
+            app[METRICS].queue_depth.labels(model).set(await app[STORE].queue_depth(model))
+        except (RedisError, OSError):
+            break
+    body = app[METRICS].render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def _card(model: ServedModel) -> dict:
+    return {"id": model.name, "object": "model", "created": model.created, "owned_by": "tokenfleet",
+            "max_model_len": model.context_window}
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """The fronted models that a live scheduler serves now."""
+    fleet = request.app[FLEET]
+    await fleet.refresh()
+    served = set(fleet.served_models)
+    cards = [_card(m) for m in request.app[MODELS] if m.name in served]
+    return web.json_response({"object": "list", "data": cards})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    name = request.match_info["model"]
+    model = request.app[MODELS].get(name)
+    fleet = request.app[FLEET]
+    await fleet.refresh()
+    if not fleet.is_served(model.name):
+        raise NotFound(f"no live scheduler serves the model {name!r}", param="model", code="model_not_found")
+    return web.json_response(_card(model))
+

@@ -1,0 +1,167 @@
+"""A validated body -> what to queue: one (prompt ids, SamplingParams) per choice.
+
+The rules that need the model live here: the chat template, prompt length against the
+context window, token ids against the vocabulary, n and the number of prompts against the
+gateway's caps, and one seed per choice (seed + index) so that n > 1 with a seed gives n
+different, repeatable choices.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from gateway.errors import BadRequest
+from gateway.models import ServedModel
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.settings import GatewaySettings
+from shared.sampling import SamplingParams
+
+
+@dataclass
+class ChoicePlan:
+    index: int  # OpenAI's choice index: prompt_index * n + i
+    prompt_index: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+
+
+@dataclass
+class Plan:
+    """Everything the handlers need to queue a request and shape its answer."""
+
+    api: str  # "chat" or "completion"
+    model: ServedModel
+    choices: list[ChoicePlan]
+    prompt_texts: list[str]  # per prompt, for echo
+    num_prompt_tokens: list[int]  # per prompt
+    priority: int = 0
+    deadline: float | None = None
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None  # None: none; N: the chosen token's and the top N
+    echo: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _choice_seed(seed: int | None, index: int) -> int | None:
+    if seed is None or index == 0:
+        return seed
+    wrapped = (seed + index) % 2**64  # stays an int64, as the wire expects
+    return wrapped - 2**64 if wrapped >= 2**63 else wrapped
+
+
+def _check_n(body: SamplingFields, settings: GatewaySettings) -> None:
+    if body.n > settings.max_n:
+        raise BadRequest(f"n must be at most {settings.max_n} on this server, got {body.n}", param="n")
+
+
+def _check_length(model: ServedModel, num_prompt: int, max_tokens: int | None, *, prompt_param: str,
+                  max_param: str) -> int:
+    """max_tokens (the rest of the context when None), after checking prompt + output fits."""
+    window = model.context_window
+    if num_prompt >= window:
+        raise BadRequest(f"this model's maximum context length is {window} tokens; the prompt has "
+                         f"{num_prompt} tokens", param=prompt_param, code="context_length_exceeded")
+    if max_tokens is None:
+        return window - num_prompt
+    if num_prompt + max_tokens > window:
+        raise BadRequest(f"this model's maximum context length is {window} tokens; you asked for "
+                         f"{num_prompt + max_tokens} ({num_prompt} in the prompt, {max_tokens} to "
+                         f"generate)", param=max_param, code="context_length_exceeded")
+    return max_tokens
+
+
+def _sampling(body: SamplingFields, max_tokens: int, logprobs: int | None,
+              seed: int | None) -> SamplingParams:
+    top_k = body.top_k if body.top_k is not None and body.top_k > 0 else None
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=top_k,
+        min_p=body.min_p or 0.0,
+        seed=seed,
+        stop=body.stop_strings,
+        stop_token_ids=list(body.stop_token_ids or []),
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        logprobs=logprobs,
+        ignore_eos=body.ignore_eos,
+    ).validate()
+
+
+def _choices(body: SamplingFields, prompts: list[list[int]], max_tokens: list[int],
+             logprobs: int | None) -> list[ChoicePlan]:
+    choices = []
+    for p, ids in enumerate(prompts):
+        for i in range(body.n):
+            index = p * body.n + i
+            sampling = _sampling(body, max_tokens[p], logprobs, _choice_seed(body.seed, i))
+            choices.append(ChoicePlan(index, p, ids, sampling))
+    return choices
+
+
+def plan_chat(body: ChatCompletionRequest, model: ServedModel, settings: GatewaySettings) -> Plan:
+    _check_n(body, settings)
+    if body.max_tokens is not None and body.max_completion_tokens is not None \
+            and body.max_tokens != body.max_completion_tokens:
+        raise BadRequest("give max_completion_tokens or max_tokens, not both", param="max_tokens")
+    max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    messages = []
+    for message in body.messages:
+        entry = {"role": message.role, "content": message.text}
+        if message.name is not None:
+            entry["name"] = message.name
+        messages.append(entry)
+    text, ids = model.encode_chat(messages)
+    max_tokens = _check_length(model, len(ids), body.max_completion_tokens or body.max_tokens,
+                               prompt_param="messages", max_param=max_param)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    return Plan(
+        "chat", model, _choices(body, [ids], [max_tokens], logprobs), [text], [len(ids)],
+        priority=body.priority, stream=body.stream,
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        logprobs=logprobs,
+    )
+
+
+def _prompt_list(prompt: str | list) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
+def plan_completion(body: CompletionRequest, model: ServedModel, settings: GatewaySettings) -> Plan:
+    _check_n(body, settings)
+    prompts = _prompt_list(body.prompt)
+    if not prompts:
+        raise BadRequest("the prompt is empty", param="prompt")
+    if len(prompts) > settings.max_prompts:
+        raise BadRequest(f"at most {settings.max_prompts} prompts per request, got {len(prompts)}",
+                         param="prompt")
+    if body.echo and body.logprobs is not None:
+        raise BadRequest("echo with logprobs needs prompt logprobs, which this server does not compute",
+                         param="echo")
+    prompt_ids, texts, max_tokens = [], [], []
+    for p, prompt in enumerate(prompts):
+        param = "prompt" if len(prompts) == 1 else f"prompt[{p}]"
+        if isinstance(prompt, str):
+            ids = model.encode_text(prompt, param=param) if prompt else model.check_token_ids([], param=param)
+            text = prompt
+        else:
+            ids = model.check_token_ids(list(prompt), param=param)
+            text = model.decode(ids) if body.echo else ""
+        max_tokens.append(_check_length(model, len(ids), body.max_tokens, prompt_param=param,
+                                        max_param="max_tokens"))
+        prompt_ids.append(ids)
+        texts.append(text)
+    return Plan(
+        "completion", model, _choices(body, prompt_ids, max_tokens, body.logprobs), texts,
+        [len(ids) for ids in prompt_ids], priority=body.priority, stream=body.stream,
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        logprobs=body.logprobs, echo=body.echo,
+    )

@@ -1,0 +1,230 @@
+"""Submit-and-poll: POST /v1/requests, GET / DELETE /v1/requests/{id}, and the resumable
+event stream GET /v1/requests/{id}/events (SSE with `id: <seq>`, Last-Event-ID)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import re
+import time
+
+from aiohttp import web
+from pydantic import TypeAdapter
+
+from gateway.appkeys import MODELS, SETTINGS, STORE
+from gateway.errors import BadRequest, Conflict, NotFound
+from gateway.follow import EXPIRED_MESSAGE
+from gateway.models import ServedModel
+from gateway.openai_format import ChoiceOutput, chat_completion, chat_logprobs, text_completion
+from gateway.params import Plan, plan_chat, plan_completion
+from gateway.records import Delta, ResultRecord
+from gateway.schemas import SubmitChat, SubmitRequest
+from gateway.serving import EventStream, admit, following, new_req_id, read_body, submissions
+
+SUBMIT = TypeAdapter(SubmitRequest)
+_REQ_ID = re.compile(r"^[0-9a-f]{32}$")
+MAX_IDEMPOTENCY_KEY = 255
+
+
+def _plan(request: web.Request, body: SubmitChat | object) -> tuple[Plan, float | None]:
+    settings = request.app[SETTINGS]
+    model = request.app[MODELS].get(body.model)
+    for name, ok in (("stream", not body.stream), ("n", body.n == 1)):
+        if not ok:
+            raise BadRequest(f"{name} is not available on /v1/requests (one request per id; stream its "
+                             "tokens with GET /v1/requests/{id}/events)", param=name)
+    if isinstance(body, SubmitChat):
+        plan = plan_chat(body, model, settings)
+    else:
+        if body.echo:
+            raise BadRequest("echo is not available on /v1/requests", param="echo")
+        plan = plan_completion(body, model, settings)
+        if len(plan.choices) != 1:
+            raise BadRequest("one prompt per request on /v1/requests", param="prompt")
+    if body.deadline is not None and body.timeout is not None:
+        raise BadRequest("give deadline or timeout, not both", param="timeout")
+    deadline = body.deadline if body.timeout is None else time.time() + body.timeout
+    return plan, deadline
+
+
+def _links(req_id: str) -> dict:
+    return {"self": f"/v1/requests/{req_id}", "events": f"/v1/requests/{req_id}/events"}
+
+
+async def submit(request: web.Request) -> web.Response:
+    """202 + Location. With an Idempotency-Key, a retry (even one that would now be refused
+    for a full queue) answers the request the first attempt created."""
+    body, raw = await read_body(request, SUBMIT)
+    plan, deadline = _plan(request, body)
+    store = request.app[STORE]
+    req_id = new_req_id()
+    idempotency = None
+    if "Idempotency-Key" in request.headers:
+        idem_key = request.headers["Idempotency-Key"]
+        if not 0 < len(idem_key) <= MAX_IDEMPOTENCY_KEY:
+            raise BadRequest(f"Idempotency-Key must have 1 to {MAX_IDEMPOTENCY_KEY} characters",
+                             param="Idempotency-Key")
+        fingerprint = hashlib.sha256(json.dumps(json.loads(raw), sort_keys=True).encode()).hexdigest()
+        idempotency = (store.idempotency_key(request.get("api_key"), idem_key), fingerprint)
+        existing = await store.find_idempotency(idempotency[0])
+        if existing is not None:
+            return await _replay(request, plan, existing, fingerprint)
+    await admit(request, plan.model.name, 1)
+    if idempotency is not None:
+        existing = await store.reserve_idempotency(idempotency[0], req_id, idempotency[1])
+        if existing is not None:  # a concurrent retry got there first
+            return await _replay(request, plan, existing, idempotency[1])
+    try:
+        await store.submit(submissions(plan, [req_id], deadline))
+    except BaseException:
+        if idempotency is not None:
+            await asyncio.shield(store.release_idempotency(idempotency[0], req_id, idempotency[1]))
+        raise
+    return web.json_response(_queued_view(req_id, plan, deadline), status=202,
+                             headers={"Location": _links(req_id)["self"]})
+
+
+async def _replay(request: web.Request, plan: Plan, existing: dict, fingerprint: str) -> web.Response:
+    if existing["fingerprint"] != fingerprint:
+        raise Conflict("this Idempotency-Key was used with another body", param="Idempotency-Key",
+                       code="idempotency_key_reused")
+    record = await request.app[STORE].read(existing["id"])
+    view = _view(record, plan.model) if record is not None else _queued_view(existing["id"], plan)
+    return web.json_response(view, status=202, headers={"Location": _links(existing["id"])["self"],
+                                                        "Idempotent-Replayed": "true"})
+
+
+def _queued_view(req_id: str, plan: Plan, deadline: float | None = None) -> dict:
+    return {"id": req_id, "object": "request", "kind": plan.api, "model": plan.model.name, "status": "queued",
+            "created": time.time(), "deadline": deadline, "links": _links(req_id)}
+
+
+async def _record(request: web.Request) -> tuple[str, ResultRecord, ServedModel]:
+    req_id = request.match_info["req_id"]
+    record = await request.app[STORE].read(req_id) if _REQ_ID.match(req_id) else None
+    if record is None:
+        raise NotFound(f"no request {req_id!r} (unknown, or its record expired)", code="request_not_found")
+    try:
+        model = request.app[MODELS].get(record.model)
+    except NotFound:
+        raise NotFound(f"request {req_id!r} is for a model this gateway does not front",
+                       code="request_not_found") from None
+    return req_id, record, model
+
+
+def _timings(record: ResultRecord) -> dict:
+    def since(a: float | None, b: float | None) -> float | None:
+        return round(b - a, 6) if a is not None and b is not None else None
+
+    return {"queued_at": record.queued_at, "started_at": record.started_at,
+            "first_token_at": record.first_token_at, "finished_at": record.finished_at,
+            "queue_s": since(record.queued_at, record.started_at),
+            "time_to_first_token_s": since(record.queued_at, record.first_token_at),
+            "total_s": since(record.queued_at, record.finished_at)}
+
+
+def _result(record: ResultRecord, model: ServedModel) -> dict | None:
+    """The finished request in the shape its OpenAI endpoint would have answered."""
+    if record.state != "completed":
+        return None
+    plan = Plan(record.api or "completion", model, [], [""], [record.prompt_tokens],
+                logprobs=record.top_logprobs, created=int(record.queued_at or time.time()))
+    out = ChoiceOutput(0, record.text, len(record.token_ids), record.logprobs or [], record.finish_reason,
+                       state=record.state)
+    if plan.api == "chat":
+        return chat_completion(plan, "chatcmpl-" + record.req_id, [out])
+    return text_completion(plan, "cmpl-" + record.req_id, [out])
+
+
+def _view(record: ResultRecord, model: ServedModel) -> dict:
+    return {
+        "id": record.req_id, "object": "request", "kind": record.api, "model": record.model,
+        "status": record.state, "created": record.queued_at, "deadline": record.deadline,
+        "output": {"text": record.text, "num_tokens": len(record.token_ids),
+                   "finish_reason": record.finish_reason},
+        "usage": record.final_usage() if record.is_terminal else None,
+        "error": record.error, "timings": _timings(record), "last_event_id": record.seq,
+        "result": _result(record, model), "links": _links(record.req_id),
+    }
+
+
+async def get_request(request: web.Request) -> web.Response:
+    _, record, model = await _record(request)
+    if record.state == "queued" and record.owner is None and record.deadline is not None \
+            and time.time() > record.deadline:
+        await request.app[STORE].finish_unclaimed(record, "expired", EXPIRED_MESSAGE)
+        record = await request.app[STORE].read(record.req_id) or record
+    return web.json_response(_view(record, model))
+
+
+async def cancel_request(request: web.Request) -> web.Response:
+    """Cancel (a no-op on an ended request); answers the state reached within cancel_wait_s."""
+    req_id, record, model = await _record(request)
+    store = request.app[STORE]
+    if not record.is_terminal:
+        if not await store.finish_unclaimed(record, "cancelled", "cancelled by the client"):
+            await store.cancel([req_id])
+        deadline = time.monotonic() + request.app[SETTINGS].cancel_wait_s
+        while True:
+            record = await store.read(req_id) or record
+            if record.is_terminal or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.02)
+    return web.json_response(_view(record, model))
+
+
+def _last_event_id(request: web.Request) -> int:
+    raw = request.headers.get("Last-Event-ID", request.query.get("last_event_id", "0")).strip() or "0"
+    if not raw.isdigit():
+        raise BadRequest(f"Last-Event-ID must be a sequence number, got {raw!r}", param="Last-Event-ID")
+    return int(raw)
+
+
+async def events(request: web.Request) -> web.StreamResponse:
+    """`id: <seq>` on every event; resumes after Last-Event-ID with nothing repeated or missing."""
+    after = _last_event_id(request)
+    req_id, record, model = await _record(request)  # 404 before any stream starts
+    top_n = record.top_logprobs or 0
+    stream = EventStream(request)
+    keepalive_s = request.app[SETTINGS].keepalive_s
+    async with following(request, model, [req_id], after_seq=after, cancel_unfinished=False) as watch:
+        # Subscribed first, then the record: whatever the record lacks arrives as events.
+        catch_up = await watch.catch_up()
+        await stream.open()
+        last_write = time.monotonic()
+        try:
+            for _, delta in catch_up:
+                await _send(stream, req_id, delta, model, top_n)
+            async for _, delta in watch.deltas():
+                if delta is None:
+                    if time.monotonic() - last_write >= keepalive_s:
+                        await stream.comment()
+                        last_write = time.monotonic()
+                    continue
+                await _send(stream, req_id, delta, model, top_n)
+                last_write = time.monotonic()
+            await stream.send("[DONE]", event="done")
+        except ConnectionError:
+            pass  # the client left: the request runs on (re-attach with Last-Event-ID)
+        finally:
+            await stream.close()
+    return stream.response
+
+
+async def _send(stream: EventStream, req_id: str, delta: Delta, model: ServedModel, top_n: int) -> None:
+    await stream.send(_event_data(req_id, delta, model, top_n), event_id=delta.seq, event=_kind(delta))
+
+
+def _kind(delta: Delta) -> str:
+    return "error" if delta.error is not None and delta.finish_reason is None else "token"
+
+
+def _event_data(req_id: str, delta: Delta, model: ServedModel, top_n: int) -> dict:
+    data = {"id": req_id, "seq": delta.seq, "text": delta.text, "token_ids": delta.token_ids,
+            "finish_reason": delta.finish_reason, "status": delta.state, "usage": delta.usage}
+    if delta.logprobs:
+        data["logprobs"] = chat_logprobs(model, delta.logprobs, top_n)
+    if delta.error is not None:
+        data["error"] = delta.error
+    return data

@@ -1,0 +1,65 @@
+"""Every route, once: the app registers them and /openapi.json describes them from this table."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from pydantic import BaseModel, TypeAdapter
+
+from gateway import ops_api, requests_api, responses
+from gateway.openai_api import chat_completions, completions
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+REQ_ID_PARAM = {"name": "req_id", "in": "path", "required": True,
+                "schema": {"type": "string", "pattern": "^[0-9a-f]{32}$"}}
+
+
+@dataclass
+class Route:
+    method: str
+    path: str
+    handler: Handler
+    summary: str
+    body: type[BaseModel] | tuple[str, TypeAdapter] | None = None  # a TypeAdapter comes with its name
+    response: type[BaseModel] | None = None
+    status: int = 200
+    sse: bool = False  # answers text/event-stream (always, or when the body says stream: true)
+    sse_only: bool = False
+    errors: tuple[int, ...] = (400, 401, 404, 413, 429, 503)
+    parameters: list[dict] = field(default_factory=list)
+
+
+ROUTES = [
+    Route("POST", "/v1/chat/completions", chat_completions, "Chat completion (SSE with stream: true)",
+          ChatCompletionRequest, responses.ChatCompletion, sse=True),
+    Route("POST", "/v1/completions", completions, "Text completion (SSE with stream: true)",
+          CompletionRequest, responses.Completion, sse=True),
+    Route("GET", "/v1/models", ops_api.list_models, "Models that a live scheduler serves",
+          response=responses.ModelList, errors=(401, 503)),
+    Route("GET", "/v1/models/{model}", ops_api.get_model, "One served model", response=responses.ModelCard,
+          errors=(401, 404, 503),
+          parameters=[{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]),
+    Route("POST", "/v1/requests", requests_api.submit,
+          "Submit a request (202 + Location); Idempotency-Key makes retries safe",
+          ("SubmitRequest", requests_api.SUBMIT), responses.RequestStatus, status=202,
+          errors=(400, 401, 404, 409, 413, 429, 503),
+          parameters=[{"name": "Idempotency-Key", "in": "header", "required": False,
+                       "schema": {"type": "string", "minLength": 1, "maxLength": 255}}]),
+    Route("GET", "/v1/requests/{req_id}", requests_api.get_request,
+          "Status, output so far, usage and timings of a submitted request", response=responses.RequestStatus,
+          errors=(401, 404, 503), parameters=[REQ_ID_PARAM]),
+    Route("DELETE", "/v1/requests/{req_id}", requests_api.cancel_request, "Cancel a submitted request",
+          response=responses.RequestStatus, errors=(401, 404, 503), parameters=[REQ_ID_PARAM]),
+    Route("GET", "/v1/requests/{req_id}/events", requests_api.events,
+          "The request's tokens as SSE (id: <seq>); resumes after Last-Event-ID", sse=True, sse_only=True,
+          errors=(400, 401, 404, 503),
+          parameters=[REQ_ID_PARAM, {"name": "Last-Event-ID", "in": "header", "required": False,
+                                     "schema": {"type": "string", "pattern": "^[0-9]+$"}}]),
+    Route("GET", "/health", ops_api.health, "The process is up", response=responses.Health, errors=()),
+    Route("GET", "/ready", ops_api.ready, "Redis answers and a live scheduler serves a fronted model",
+          response=responses.Ready, errors=(503,)),
+    Route("GET", "/metrics", ops_api.metrics, "Prometheus metrics", errors=()),
+]

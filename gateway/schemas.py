@@ -1,0 +1,187 @@
+"""Request bodies, validated by pydantic v2 (strict: no "5" for 5) and described in /openapi.json.
+
+Every OpenAI parameter we run is declared; a parameter we do not run is either absent (an
+unknown field is rejected by extra="forbid") or declared so that only its no-op value is
+accepted (`tools: []`, `logit_bias: {}`...), so nothing a client asks for is silently ignored.
+Cross-field rules raise BadRequest (which pydantic lets through) to name their field.
+Rules that need the model (context window, vocabulary) live in gateway/params.py.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from gateway.errors import BadRequest
+from shared.sampling import MAX_TOP_LOGPROBS
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_STOP_STRINGS = 16
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+
+
+def _only_default(name: str, value: Any, allowed: tuple = (None,)) -> Any:
+    """A parameter we accept only with the value that asks for nothing."""
+    if value in allowed or value == {} or value == []:
+        return value
+    raise ValueError(f"{name} is not supported by this server")
+
+
+class SamplingFields(StrictModel):
+    """What /v1/completions and /v1/chat/completions share."""
+
+    model: str | None = Field(None, description="served model name; may be omitted when only one is served")
+    temperature: float | None = Field(None, ge=0, le=2, description="0 is greedy; default 1")
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1, description="choices to generate (capped by the gateway's --max-n)")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = Field(None, description="up to 16 strings; the text ends before them")
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = Field(None, description="only {} (not supported)",
+                                                json_schema_extra={"maxProperties": 0})
+    user: str | None = Field(None, description="an end-user tag, for logs")
+    # Extras that vLLM users know.
+    top_k: int | None = Field(None, ge=-1, description="-1 or 0: no top-k cut")
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    priority: int = Field(0, ge=-(2**31), lt=2**31, description="lower runs first")
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        strings = [value] if isinstance(value, str) else value or []
+        if len(strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(not s for s in strings):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict | None) -> dict | None:
+        return _only_default("logit_bias", value)
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise BadRequest("stream_options is only allowed when stream is true", param="stream_options")
+        return self
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class TextPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(StrictModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("content"), list):
+            for part in data["content"]:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(f"content part of type {kind!r} is not supported; only 'text'")
+        if isinstance(data, dict) and data.get("tool_calls"):
+            raise ValueError("tool_calls are not supported by this server")
+        return data
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="deprecated name of max_completion_tokens")
+    max_completion_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = Field(None, description="only [] (not supported)",
+                                               json_schema_extra={"maxItems": 0})
+    tool_choice: Literal["none"] | None = None
+    functions: list[dict[str, Any]] | None = Field(None, description="only [] (not supported)",
+                                                   json_schema_extra={"maxItems": 0})
+    function_call: Literal["none"] | None = None
+    parallel_tool_calls: bool | None = Field(None, description="no effect: tools are not supported")
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, value: list | None, info) -> list | None:
+        return _only_default(info.field_name, value)
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+        return self
+
+
+PromptType = Annotated[
+    str | list[Annotated[int, Field(ge=0)]] | list[str] | list[list[Annotated[int, Field(ge=0)]]],
+    Field(description="a string, a list of token ids, or a list of either (one choice set each)"),
+]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: PromptType
+    max_tokens: int = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="top-N logprobs per token")
+    echo: bool = Field(False, description="prepend the prompt text to each choice's text")
+    best_of: int | None = Field(None, ge=1, description="only equal to n (no server-side ranking)")
+    suffix: str | None = Field(None, description="not supported: only null")
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        return _only_default("suffix", value, (None, ""))
+
+    @model_validator(mode="after")
+    def _best_of_is_n(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise BadRequest("best_of must equal n (choices are not ranked on the server)", param="best_of")
+        return self
+
+
+class SubmitFields(StrictModel):
+    deadline: float | None = Field(None, description="unix time; expires if still queued after it")
+    timeout: float | None = Field(None, gt=0, description="seconds from now; sets the deadline")
+
+
+class SubmitChat(ChatCompletionRequest, SubmitFields):
+    kind: Literal["chat"]
+
+
+class SubmitCompletion(CompletionRequest, SubmitFields):
+    kind: Literal["completion"]
+
+
+SubmitRequest = Annotated[SubmitChat | SubmitCompletion, Field(discriminator="kind")]

@@ -1,0 +1,128 @@
+"""What every generating route does: read the body, admit the request, queue it, follow it,
+and write Server-Sent Events."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TypeVar
+
+from aiohttp import web
+from pydantic import TypeAdapter
+
+from gateway.appkeys import FLEET, METRICS, ROUTER, SETTINGS, STORE, TASKS
+from gateway.errors import BadRequest, RateLimited
+from gateway.follow import Watch
+from gateway.models import ServedModel
+from gateway.params import Plan
+from gateway.store import Submission
+from shared.messages import RequestMessage
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client closed its connection while we were waiting for its request."""
+
+
+def new_req_id() -> str:
+    return uuid.uuid4().hex  # server-made: safe inside Redis keys
+
+
+def dumps(value: object) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+async def read_body(request: web.Request, schema: type[T] | TypeAdapter) -> tuple[T, bytes]:
+    """The validated body (strict JSON) and its bytes; 400 naming the field otherwise."""
+    raw = await request.read()  # 413 past the app's client_max_size
+    if not raw.strip():
+        raise BadRequest("the body must be a JSON object", code="invalid_json")
+    if isinstance(schema, TypeAdapter):
+        return schema.validate_json(raw), raw
+    return schema.model_validate_json(raw), raw
+
+
+async def admit(request: web.Request, model: str, num_requests: int) -> None:
+    """503 when no scheduler serves the model, 429 when its queue is full."""
+    settings = request.app[SETTINGS]
+    await request.app[FLEET].require(model)
+    if settings.max_queue > 0:
+        depth = await request.app[STORE].queue_depth(model)
+        if depth + num_requests > settings.max_queue:
+            raise RateLimited(
+                f"the queue of model {model!r} is full ({depth} waiting, limit {settings.max_queue}); "
+                "retry later", code="queue_full", headers={"Retry-After": str(settings.retry_after_s)})
+
+
+def submissions(plan: Plan, req_ids: list[str], deadline: float | None = None) -> list[Submission]:
+    now = time.time()
+    return [
+        Submission(req_id, RequestMessage.make(req_id, plan.model.name, choice.prompt_ids, choice.sampling,
+                                               priority=plan.priority, arrival_time=now, deadline=deadline),
+                   plan.api, plan.logprobs)
+        for req_id, choice in zip(req_ids, plan.choices, strict=True)
+    ]
+
+
+@contextlib.asynccontextmanager
+async def following(request: web.Request, model: ServedModel, req_ids: list[str], *, after_seq: int = 0,
+                    cancel_unfinished: bool = True) -> AsyncIterator[Watch]:
+    """Subscribed to the requests' events while inside. Leaving early (the client left, an
+    error) cancels the requests that have not ended, end to end, when cancel_unfinished."""
+    app = request.app
+    watch = Watch(app[STORE], app[ROUTER], req_ids, decode=model.decode, poll_s=app[SETTINGS].poll_s,
+                  after_seq=after_seq)
+    await watch.open()
+    try:
+        yield watch
+    finally:
+        unfinished = watch.unfinished
+        if cancel_unfinished and unfinished:
+            app[TASKS].spawn(app[STORE].cancel(unfinished), name="cancel-abandoned")
+        app[TASKS].spawn(watch.close(), name="unsubscribe")
+
+
+def client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+class EventStream:
+    """A text/event-stream response."""
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.response = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no", "X-Request-Id": request.get("request_id", ""),
+        })
+        self._metrics = request.app[METRICS]
+        self._is_open = False
+
+    async def open(self) -> None:
+        await self.response.prepare(self.request)
+        self._metrics.active_streams.inc()
+        self._is_open = True
+
+    async def send(self, data: object, *, event_id: int | None = None, event: str | None = None) -> None:
+        lines = []
+        if event_id is not None:
+            lines.append(f"id: {event_id}\n")
+        if event is not None:
+            lines.append(f"event: {event}\n")
+        lines.append(f"data: {data if isinstance(data, str) else dumps(data)}\n\n")
+        await self.response.write("".join(lines).encode())
+
+    async def comment(self, text: str = "keep-alive") -> None:
+        await self.response.write(f": {text}\n\n".encode())
+
+    async def close(self) -> None:
+        if self._is_open:
+            self._is_open = False
+            self._metrics.active_streams.dec()
+            with contextlib.suppress(ConnectionError):
+                await self.response.write_eof()

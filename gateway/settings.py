@@ -1,0 +1,40 @@
+"""What one gateway process is told: where Redis is, which models it fronts, its limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    path: str  # Hugging Face model folder (tokenizer, chat template, config.json)
+    name: str  # served model name: what clients put in "model"
+
+    @classmethod
+    def from_path(cls, path: str, name: str | None = None) -> ModelSpec:
+        return cls(str(path), name or Path(path).name)
+
+
+@dataclass
+class GatewaySettings:
+    redis_url: str
+    models: list[ModelSpec]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: tuple[str, ...] = ()  # none: the gateway is open
+    key_prefix: str = "tf:"
+    max_queue: int = 1024  # per model: waiting entries beyond this answer 429
+    max_n: int = 8  # cap on "n" (choices per request)
+    max_prompts: int = 16  # cap on prompts in one /v1/completions call
+    max_body_bytes: int = 4 << 20
+    redis_max_connections: int = 64  # commands beyond this many at once wait for a connection
+    retry_after_s: int = 1  # Retry-After of a 429
+    result_ttl_s: int = 24 * 3600  # of the tf:res:{id} record the gateway creates
+    cancel_ttl_s: int = 3600  # of tf:cancelled:{id}
+    idempotency_ttl_s: int = 24 * 3600
+    poll_s: float = 2.0  # a follower with no event for this long re-reads tf:res
+    keepalive_s: float = 15.0  # SSE comment lines on idle streams, at most this far apart
+    scheduler_grace_s: float = 10.0  # a scheduler seen this recently still counts as live
+    fleet_refresh_s: float = 1.0  # how often heartbeats and queue depths are read
+    cancel_wait_s: float = 2.0  # DELETE waits this long for the terminal state

@@ -1,0 +1,198 @@
+"""The gateway's Redis writes and reads: queue a request, cancel it, read its record,
+remember an Idempotency-Key, measure a model's queue.
+
+Queueing is one Lua call per request (all pipelined into one round trip): the `tf:res:{id}`
+record is created in state "queued" *before* the stream entry exists, so a poll never
+finds nothing, and the record learns its entry id, so a cancel before any scheduler took
+the request removes it from the queue.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from gateway.records import ResultRecord
+from shared.keys import CONSUMER_GROUP, Keys
+from shared.messages import ErrorEvent, RequestMessage
+
+# KEYS: result hash, request stream.  ARGV: ttl, message, then field/value pairs.
+_SUBMIT_SCRIPT = """
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+local entry = redis.call('XADD', KEYS[2], '*', 'm', ARGV[2])
+redis.call('HSET', KEYS[1], 'entry_id', entry)
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
+return entry
+"""
+
+# A request nobody has claimed yet ends here, in the gateway (cancel, or a passed deadline):
+# the same record and event a scheduler would write, and the entry leaves the queue.
+# A scheduler that already read the entry finds the terminal state on claim and just acks.
+# KEYS: result hash, request stream.  ARGV: state, finished_at, error json, channel, event.
+_FINISH_UNCLAIMED_SCRIPT = """
+if redis.call('HEXISTS', KEYS[1], 'owner') == 1 then return 0 end
+if redis.call('HGET', KEYS[1], 'state') ~= 'queued' then return 0 end
+redis.call('HSET', KEYS[1], 'state', ARGV[1], 'finished_at', ARGV[2], 'error', ARGV[3], 'seq', 1)
+redis.call('PUBLISH', ARGV[4], ARGV[5])
+local entry = redis.call('HGET', KEYS[1], 'entry_id')
+if entry then redis.call('XDEL', KEYS[2], entry) end
+return 1
+"""
+
+# Delete an idempotency key only if it still maps to the request we failed to queue.
+_RELEASE_SCRIPT = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+QUEUE_KIND = "interactive"  # what the gateway writes; the batch ingester writes "batch"
+
+
+class GatewayKeys(Keys):
+    """shared.keys.Keys plus the one key only the gateway uses."""
+
+    def idempotency(self, digest: str) -> str:
+        return f"{self.prefix}idem:{digest}"
+
+
+@dataclass
+class Submission:
+    req_id: str
+    message: RequestMessage
+    api: str  # "chat" or "completion"
+    top_logprobs: int | None = None
+
+
+class RequestStore:
+    def __init__(self, client: aioredis.Redis, keys: GatewayKeys, *, result_ttl_s: int, cancel_ttl_s: int,
+                 idempotency_ttl_s: int) -> None:
+        self.client = client
+        self.keys = keys
+        self.result_ttl_s = result_ttl_s
+        self.cancel_ttl_s = cancel_ttl_s
+        self.idempotency_ttl_s = idempotency_ttl_s
+        self._submit = client.register_script(_SUBMIT_SCRIPT)
+        self._finish_unclaimed = client.register_script(_FINISH_UNCLAIMED_SCRIPT)
+        self._release = client.register_script(_RELEASE_SCRIPT)
+
+    # -- queueing ---------------------------------------------------------------------
+
+    async def submit(self, submissions: list[Submission]) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for sub in submissions:
+            message = sub.message
+            fields: dict[str, object] = {
+                "state": "queued", "model": message.model, "api": sub.api, "queued_at": message.arrival_time,
+                "prompt_tokens": len(message.prompt_token_ids),
+            }
+            if message.deadline is not None:
+                fields["deadline"] = message.deadline
+            if sub.top_logprobs is not None:
+                fields["top_logprobs"] = sub.top_logprobs
+            args: list[object] = [self.result_ttl_s, message.encode()]
+            for name, value in fields.items():
+                args += [name, value]
+            stream = self.keys.request_stream(message.model, QUEUE_KIND)
+            await self._submit(keys=[self.keys.result(sub.req_id), stream], args=args, client=pipe)
+        await pipe.execute()
+
+    async def queue_depth(self, model: str) -> int:
+        """Entries of the model's interactive stream that no scheduler has taken yet."""
+        stream = self.keys.request_stream(model, QUEUE_KIND)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.xlen(stream)
+        pipe.xpending(stream, CONSUMER_GROUP)
+        length, pending = await pipe.execute(raise_on_error=False)
+        if isinstance(length, Exception):
+            raise length
+        taken = 0 if isinstance(pending, ResponseError) else int(pending["pending"])
+        return max(0, int(length) - taken)
+
+    # -- cancelling -------------------------------------------------------------------
+
+    async def cancel(self, req_ids: list[str]) -> None:
+        """End to end: the flag (for a scheduler that missed the message) and the message."""
+        if not req_ids:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for req_id in req_ids:
+            pipe.set(self.keys.cancelled(req_id), 1, ex=self.cancel_ttl_s)
+            pipe.publish(self.keys.cancel_channel, req_id)
+        await pipe.execute()
+
+    async def finish_unclaimed(self, record: ResultRecord, state: str, message: str) -> bool:
+        """End a request no scheduler has claimed (cancel, expiry); False if one has."""
+        if record.model is None:
+            return False
+        error = json.dumps({"code": state, "message": message})
+        event = ErrorEvent(record.req_id, 1, state, message).encode()
+        stream = self.keys.request_stream(record.model, QUEUE_KIND)
+        done = await self._finish_unclaimed(
+            keys=[self.keys.result(record.req_id), stream],
+            args=[state, time.time(), error, self.keys.events(record.req_id), event],
+        )
+        return bool(done)
+
+    # -- reading ----------------------------------------------------------------------
+
+    async def read(self, req_id: str) -> ResultRecord | None:
+        return ResultRecord.parse(req_id, await self.client.hgetall(self.keys.result(req_id)))
+
+    async def read_many(self, req_ids: list[str]) -> list[ResultRecord | None]:
+        pipe = self.client.pipeline(transaction=False)
+        for req_id in req_ids:
+            pipe.hgetall(self.keys.result(req_id))
+        raws = await pipe.execute()
+        return [ResultRecord.parse(r, raw) for r, raw in zip(req_ids, raws, strict=True)]
+
+    async def progress(self, req_ids: list[str]) -> list[tuple[str | None, int, bool]]:
+        """(state, seq, is past its deadline unclaimed) of each request: a cheap look first."""
+        pipe = self.client.pipeline(transaction=False)
+        for req_id in req_ids:
+            pipe.hmget(self.keys.result(req_id), ["state", "seq", "owner", "deadline"])
+        rows = await pipe.execute()
+        now = time.time()
+        out = []
+        for state, seq, owner, deadline in rows:
+            state = state.decode() if state else None
+            is_due = state == "queued" and owner is None and bool(deadline) and now > float(deadline)
+            out.append((state, int(seq or 0), is_due))
+        return out
+
+    async def timings(self, req_ids: list[str]) -> list[tuple[float | None, float | None]]:
+        """(queued_at, started_at) of each request, for the queue-time histogram."""
+        pipe = self.client.pipeline(transaction=False)
+        for req_id in req_ids:
+            pipe.hmget(self.keys.result(req_id), ["queued_at", "started_at"])
+        rows = await pipe.execute()
+        return [tuple(float(v) if v else None for v in row) for row in rows]
+
+    # -- idempotency ------------------------------------------------------------------
+
+    def idempotency_key(self, api_key: str | None, key: str) -> str:
+        digest = hashlib.sha256(f"{api_key or ''}\0{key}".encode()).hexdigest()
+        return self.keys.idempotency(digest)
+
+    async def find_idempotency(self, redis_key: str) -> dict | None:
+        value = await self.client.get(redis_key)
+        return json.loads(value) if value is not None else None
+
+    async def reserve_idempotency(self, redis_key: str, req_id: str, fingerprint: str) -> dict | None:
+        """Map the key to req_id unless it is taken; then return what it maps to."""
+        value = json.dumps({"id": req_id, "fingerprint": fingerprint})
+        if await self.client.set(redis_key, value, nx=True, ex=self.idempotency_ttl_s):
+            return None
+        existing = await self.client.get(redis_key)
+        if existing is None:  # expired in between: take it
+            await self.client.set(redis_key, value, ex=self.idempotency_ttl_s)
+            return None
+        return json.loads(existing)
+
+    async def release_idempotency(self, redis_key: str, req_id: str, fingerprint: str) -> None:
+        value = json.dumps({"id": req_id, "fingerprint": fingerprint})
+        await self._release(keys=[redis_key], args=[value])

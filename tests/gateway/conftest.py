@@ -1,0 +1,93 @@
+"""Fixtures of the gateway tests: an app factory on a real Redis, a fake scheduler for the
+fast tests, and one real SmolLM2 scheduler shared by a module's slow tests."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+
+import pytest
+
+from gateway.app import create_app
+from gateway.settings import GatewaySettings, ModelSpec
+from tests.gateway.fake_scheduler import FakeScheduler
+from tests.redis_server import RedisServer
+
+MODEL = "SmolLM2-135M-Instruct"  # the default model's served name (its folder's name)
+
+
+@pytest.fixture
+def settings(redis_server, smollm2) -> GatewaySettings:
+    return GatewaySettings(redis_url=redis_server.url, models=[ModelSpec.from_path(str(smollm2))], poll_s=0.5)
+
+
+@pytest.fixture
+def make_client(settings, aiohttp_client):
+    """make_client(**overrides) -> an aiohttp test client of a gateway app."""
+
+    async def make(**overrides):
+        app = create_app(replace(settings, **overrides))
+        client = await aiohttp_client(app)
+        client.gateway_app = app
+        return client
+
+    return make
+
+
+@pytest.fixture
+def tokenizer(smollm2):
+    from gateway.models import _load_tokenizer
+
+    return _load_tokenizer(str(smollm2))
+
+
+@pytest.fixture
+def fake_scheduler(redis_server, tokenizer):
+    with FakeScheduler(redis_server.url, MODEL, tokenizer) as fake:
+        yield fake
+
+
+class RealScheduler:
+    """scheduler.service.SchedulerService on SmolLM2 (float32, CPU), looping in a thread."""
+
+    def __init__(self, url: str, folder) -> None:
+        from scheduler.engine import LLMEngine
+        from scheduler.service import SchedulerService, ServiceSettings
+        from shared.config import EngineConfig
+
+        self.engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", num_kv_blocks=256,
+                                             max_num_seqs=16, max_num_batched_tokens=512))
+        self.service = SchedulerService(self.engine, url, ServiceSettings(MODEL, "real-1", heartbeat_s=0.5))
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.service.run, args=(self.stop,), daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=60)
+        self.engine.close()
+
+
+@pytest.fixture(scope="module")
+def module_redis(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def real_scheduler(module_redis, smollm2):
+    scheduler = RealScheduler(module_redis.url, smollm2)
+    yield scheduler
+    scheduler.close()
+
+
+@pytest.fixture
+def real_client(module_redis, real_scheduler, smollm2, aiohttp_client):
+    async def make(**overrides):
+        settings = GatewaySettings(redis_url=module_redis.url, models=[ModelSpec.from_path(str(smollm2))],
+                                   poll_s=0.5, **overrides)
+        return await aiohttp_client(create_app(settings))
+
+    return make

@@ -1,0 +1,144 @@
+"""A stand-in scheduler for the gateway's fast tests: it speaks the real Redis contract
+(consumer group, claim, the fenced ResultStore write that mirrors and publishes, heartbeats,
+cancellation) but "generates" a fixed reply, one token per event, without a model.
+
+It also writes the proposed `offsets` field (see gateway/records.py), unless told not to.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import msgpack
+import redis
+
+from scheduler.result_store import ResultStore, ResultUpdate, terminal_fields
+from shared.keys import CONSUMER_GROUP, Keys
+from shared.messages import RequestMessage, TokenEvent
+
+REPLY = "The quick brown fox jumps over the lazy dog, again and again and again."
+
+
+class FakeScheduler:
+    def __init__(self, url: str, model: str, tokenizer, *, scheduler_id: str = "fake-1",
+                 token_delay_s: float = 0.0, consume: bool = True, write_offsets: bool = True,
+                 max_reply_tokens: int | None = None) -> None:
+        self.client = redis.Redis.from_url(url)
+        self.keys = Keys()
+        self.model = model
+        self.scheduler_id = scheduler_id
+        self.reply_ids = tokenizer(REPLY, add_special_tokens=False).input_ids
+        self.tokenizer = tokenizer
+        self.token_delay_s = token_delay_s
+        self.consume = consume
+        self.write_offsets = write_offsets
+        self.max_reply_tokens = max_reply_tokens  # ends longer requests early, as "length"
+        self.results = ResultStore(self.client, self.keys, scheduler_id, 600)
+        self.stream = self.keys.request_stream(model, "interactive")
+        self.seen: list[RequestMessage] = []  # every request taken, in order
+        self.cancelled: list[str] = []  # requests it stopped because of a cancel
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> FakeScheduler:
+        try:
+            self.client.xgroup_create(self.stream, CONSUMER_GROUP, id="0", mkstream=True)
+        except redis.ResponseError:
+            pass
+        self._heartbeat()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        try:
+            self.client.delete(self.keys.scheduler(self.scheduler_id))
+        except redis.ConnectionError:
+            pass
+
+    def _heartbeat(self) -> None:
+        key = self.keys.scheduler(self.scheduler_id)
+        self.client.hset(key, mapping={"model": self.model, "num_running": 0, "num_waiting": 0,
+                                       "kv_usage": 0.0, "max_num_seqs": 8, "updated_at": time.time()})
+        self.client.expire(key, 3)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._loop()
+            except (redis.ConnectionError, redis.TimeoutError):
+                self._stop.wait(0.1)  # Redis restarts in some tests: carry on when it is back
+
+    def _loop(self) -> None:
+        next_beat = 0.0
+        while not self._stop.is_set():
+            if time.monotonic() > next_beat:
+                self._heartbeat()
+                next_beat = time.monotonic() + 0.5
+            if not self.consume:
+                self._stop.wait(0.05)
+                continue
+            response = self.client.xreadgroup(CONSUMER_GROUP, self.scheduler_id, {self.stream: ">"},
+                                              count=1, block=50)
+            for _, entries in response or []:
+                for entry_id, fields in entries:
+                    self._serve(entry_id.decode(), RequestMessage.decode(fields[b"m"]))
+
+    def _is_cancelled(self, req_id: str) -> bool:
+        return bool(self.client.exists(self.keys.cancelled(req_id)))
+
+    def _serve(self, entry_id: str, message: RequestMessage) -> None:
+        self.seen.append(message)
+        req_id = message.req_id
+        progress = self.results.claim(req_id)
+        if progress.state in ("completed", "failed", "cancelled", "expired"):
+            self.results.write([ResultUpdate(req_id, self.stream, {}, ack_entry_id=entry_id)])
+            return
+        sampling = message.sampling_params()
+        prompt = len(message.prompt_token_ids)
+        self.results.write([ResultUpdate(req_id, self.stream, {
+            "state": "running", "model": self.model, "started_at": time.time(), "prompt_tokens": prompt})])
+        ids = (self.reply_ids * 50)[:min(sampling.max_tokens, self.max_reply_tokens or sampling.max_tokens)]
+        tokens: list[int] = []
+        text = ""
+        logprobs: list = []
+        offsets: list = []
+        for seq, token_id in enumerate(ids, start=1):
+            if self.token_delay_s:
+                time.sleep(self.token_delay_s)
+            finished = seq == len(ids) or self._is_cancelled(req_id)
+            aborted = self._is_cancelled(req_id)
+            new = [] if aborted else [token_id]
+            tokens += new
+            delta = self.tokenizer.decode(tokens)[len(text):] if new else ""
+            text += delta
+            offsets.append([len(tokens), len(text)])
+            fields: dict = {"seq": seq, "text": text, "token_ids": msgpack.packb(tokens)}
+            if self.write_offsets:
+                fields["offsets"] = msgpack.packb(offsets)
+            event_logprobs = None
+            if sampling.logprobs is not None and new:
+                top = [[token_id, -0.25]] + [[t, -2.0 - i] for i, t in enumerate(range(10, 10 + 20))]
+                event_logprobs = [[token_id, -0.25, top[:sampling.logprobs] if sampling.logprobs else None]]
+                logprobs += event_logprobs
+                fields["logprobs"] = msgpack.packb(logprobs)
+            if seq == 1:
+                fields["first_token_at"] = time.time()
+            event = TokenEvent(req_id, seq, new, delta, event_logprobs)
+            ack = None
+            if finished:
+                reason = "abort" if aborted else "length"
+                usage = {"prompt_tokens": prompt, "completion_tokens": len(tokens),
+                         "total_tokens": prompt + len(tokens)}
+                event.finish_reason, event.usage = reason, usage
+                state = "cancelled" if aborted else "completed"
+                fields.update(terminal_fields(state, finish_reason=reason, usage=json.dumps(usage)))
+                ack = entry_id
+                if aborted:
+                    self.cancelled.append(req_id)
+            self.results.write([ResultUpdate(req_id, self.stream, fields, event.encode(), ack)])
+            if finished:
+                return

@@ -1,0 +1,153 @@
+"""Streams and waits against the fake scheduler: one pub/sub connection for all of them,
+records that fill lost events, and clients that leave cancel their requests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from gateway.appkeys import ROUTER
+from shared.keys import Keys
+from tests.gateway.conftest import MODEL
+from tests.gateway.fake_scheduler import FakeScheduler
+
+pytestmark = pytest.mark.asyncio
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+
+
+def chunks_of(text: str) -> list:
+    lines = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+async def test_many_concurrent_streams_share_one_pubsub_connection(make_client, fake_scheduler, redis_server):
+    client = await make_client()
+
+    async def one() -> str:
+        response = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        return "".join(c["choices"][0]["delta"].get("content", "") for c in chunks_of(await response.text()))
+
+    texts = await asyncio.gather(*(one() for _ in range(20)))
+    assert len(set(texts)) == 1 and texts[0].startswith("The quick")
+    clients = redis_server.client().client_list()
+    subscribers = [c for c in clients if int(c.get("sub", 0)) + int(c.get("psub", 0)) > 0]
+    assert len(subscribers) == 1  # this gateway's one pub/sub connection
+    await asyncio.sleep(0.1)
+    assert client.gateway_app[ROUTER].num_channels == 0  # every channel unsubscribed
+
+
+async def test_stream_and_non_stream_agree_and_end_with_usage_and_done(make_client, fake_scheduler):
+    client = await make_client()
+    plain = await (await client.post("/v1/chat/completions", json={**CHAT, "n": 2})).json()
+    streamed = chunks_of(await (await client.post("/v1/chat/completions", json={
+        **CHAT, "n": 2, "stream": True, "stream_options": {"include_usage": True}})).text())
+    texts = {0: "", 1: ""}
+    for chunk in streamed[:-1]:
+        assert chunk["usage"] is None
+        (choice,) = chunk["choices"]
+        texts[choice["index"]] += choice["delta"].get("content", "")
+    assert [texts[0], texts[1]] == [c["message"]["content"] for c in plain["choices"]]
+    assert streamed[-1]["choices"] == [] and streamed[-1]["usage"] == plain["usage"]
+    assert plain["usage"]["completion_tokens"] == 16  # 2 choices x 8; the prompt counted once
+    finishes = [c["choices"][0]["finish_reason"] for c in streamed[:-1] if c["choices"][0]["finish_reason"]]
+    assert finishes == ["length", "length"]
+
+
+async def test_completions_echo_and_several_prompts(make_client, fake_scheduler):
+    client = await make_client()
+    body = {"model": MODEL, "prompt": ["Hello", "Goodbye"], "max_tokens": 3, "n": 2, "echo": True}
+    response = await (await client.post("/v1/completions", json=body)).json()
+    assert [c["index"] for c in response["choices"]] == [0, 1, 2, 3]
+    assert [c["text"].split(" ")[0] for c in response["choices"]] == ["HelloThe", "HelloThe", "GoodbyeThe",
+                                                                     "GoodbyeThe"]
+    seeds = [m.sampling_params().seed for m in fake_scheduler.seen]
+    assert seeds == [None] * 4
+
+
+async def test_seeds_are_derived_per_choice(make_client, fake_scheduler):
+    client = await make_client()
+    await client.post("/v1/chat/completions", json={**CHAT, "n": 3, "seed": 41})
+    assert sorted(m.sampling_params().seed for m in fake_scheduler.seen) == [41, 42, 43]
+
+
+async def test_every_parameter_reaches_the_scheduler(make_client, fake_scheduler):
+    client = await make_client()
+    body = {**CHAT, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.05, "seed": 3, "stop": "END",
+            "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2, "ignore_eos": True,
+            "stop_token_ids": [7], "priority": -2, "logprobs": True, "top_logprobs": 4,
+            "max_completion_tokens": 8, "user": "u1", "response_format": {"type": "text"}, "tools": []}
+    assert (await client.post("/v1/chat/completions", json=body)).status == 200
+    (message,) = fake_scheduler.seen
+    sp = message.sampling_params()
+    assert (sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.seed, sp.stop) == (0.7, 0.9, 5, 0.05, 3, ["END"])
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.5, -0.5, 1.2)
+    assert (sp.ignore_eos, sp.stop_token_ids, sp.logprobs, sp.max_tokens) == (True, [7], 4, 8)
+    assert message.priority == -2
+
+
+async def test_chat_default_max_tokens_is_the_rest_of_the_context(make_client, fake_scheduler, tokenizer):
+    client = await make_client()
+    body = {k: v for k, v in CHAT.items() if k != "max_tokens"}
+    await client.post("/v1/chat/completions", json={**body, "stream": True})
+    (message,) = fake_scheduler.seen
+    assert message.sampling_params().max_tokens == 8192 - len(message.prompt_token_ids)
+
+
+async def test_lost_events_are_filled_from_the_record(make_client, redis_server, tokenizer, monkeypatch):
+    """Pub/sub is never the only copy: a scheduler whose events all vanish still completes."""
+    from scheduler import result_store
+
+    real_write = result_store.ResultStore.write
+
+    def write_without_events(self, updates):
+        for update in updates:
+            update.event = None
+        return real_write(self, updates)
+
+    monkeypatch.setattr(result_store.ResultStore, "write", write_without_events)
+    with FakeScheduler(redis_server.url, MODEL, tokenizer):
+        client = await make_client(poll_s=0.1)
+        plain = await (await client.post("/v1/chat/completions", json=CHAT)).json()
+        streamed = chunks_of(await (await client.post("/v1/chat/completions",
+                                                      json={**CHAT, "stream": True})).text())
+    assert plain["choices"][0]["message"]["content"].startswith("The quick")
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in streamed)
+    assert text == plain["choices"][0]["message"]["content"]
+
+
+async def _wait_cancelled(fake: FakeScheduler, redis_server, timeout_s: float = 10) -> str:
+    for _ in range(int(timeout_s / 0.02)):
+        if fake.cancelled:
+            return fake.cancelled[0]
+        await asyncio.sleep(0.02)
+    raise TimeoutError("the request was not cancelled")
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streaming", "waiting"])
+async def test_a_client_that_disconnects_cancels_its_request(make_client, redis_server, tokenizer, stream):
+    with FakeScheduler(redis_server.url, MODEL, tokenizer, token_delay_s=0.05) as fake:
+        client = await make_client()
+        url = client.make_url("/v1/chat/completions")
+        async with aiohttp.ClientSession() as session:
+            if stream:
+                response = await session.post(url, json={**CHAT, "max_tokens": 500, "stream": True})
+                for _ in range(3):
+                    await response.content.readline()
+                response.close()  # drops the connection
+            else:
+                task = asyncio.ensure_future(session.post(url, json={**CHAT, "max_tokens": 500}))
+                while not fake.seen:
+                    await asyncio.sleep(0.02)
+                await asyncio.sleep(0.2)
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        req_id = await _wait_cancelled(fake, redis_server)
+    record = redis_server.client().hgetall(Keys().result(req_id))
+    assert record[b"state"] == b"cancelled"
+    assert redis_server.client().exists(Keys().cancelled(req_id))
+    assert len(json.loads(record[b"usage"])) == 3 and json.loads(record[b"usage"])["completion_tokens"] < 500
