@@ -81,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(sched, "result-ttl-s", type=int, default=24 * 3600, help="how long tf:res:{id} records live")
     _flag(sched, "key-prefix", default="tf:", help="prefix of every Redis key")
     _add_gateway_parser(commands)
+    _add_up_parser(commands)
     return parser
 
 
@@ -95,6 +96,22 @@ def _list_value(args: argparse.Namespace, name: str) -> list[str]:
         return given
     env = env_default(name)
     return [item.strip() for item in env.split(",") if item.strip()] if env else []
+
+
+def _add_up_parser(commands) -> None:
+    up = commands.add_parser("up", help="the whole fleet on this machine: Redis, Ray, schedulers, gateway")
+    _flag(up, "host", default="127.0.0.1", help="gateway address")
+    _flag(up, "port", type=int, default=8000, help="gateway port")
+    _flag(up, "model", help="model folder (default: SmolLM2-135M-Instruct, fetched once)")
+    _flag(up, "model-name", help="served model name (default: the model folder's name)")
+    _flag(up, "tp", type=int, default=1, help="tensor-parallel size of each replica")
+    _flag(up, "replicas", type=int, default=1, help="schedulers (each with its worker group)")
+    _flag(up, "redis-url", help="use this Redis instead of starting one")
+    _flag(up, "redis-port", type=int, help="port of the Redis started here (default: a free one)")
+    _flag(up, "ray-address", help="use this Ray cluster instead of starting a local one")
+    _flag(up, "dtype", help="float32, bfloat16 or float16 (default: by device)")
+    _flag(up, "num-kv-blocks", type=int, help="KV cache blocks per replica (default: from memory)")
+    _flag(up, "max-num-seqs", type=int, default=256, help="cap on running sequences per replica")
 
 
 def _add_gateway_parser(commands) -> None:
@@ -219,8 +236,45 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_up(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+    from pathlib import Path
+
+    from shared.errors import InvalidRequestError
+    from shared.fleet import Fleet, FleetOptions, curl_example
+
+    for name in ("port", "tp", "replicas"):
+        if getattr(args, name) < 1:
+            raise InvalidRequestError(f"--{name} must be >= 1, got {getattr(args, name)}", param=name)
+    model = _resolve_model(args.model)
+    scheduler_args = ["--max-num-seqs", str(args.max_num_seqs)]
+    if args.dtype:
+        scheduler_args += ["--dtype", args.dtype]
+    if args.num_kv_blocks:
+        scheduler_args += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    options = FleetOptions(
+        model=model, model_name=args.model_name or Path(model).name, host=args.host, port=args.port,
+        tp=args.tp, replicas=args.replicas, redis_url=args.redis_url, redis_port=args.redis_port,
+        ray_address=args.ray_address, scheduler_args=scheduler_args,
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    fleet = Fleet(options)
+    try:
+        fleet.start()
+        print(f"tokenfleet is up: {fleet.gateway_url} serving {options.model_name!r} "
+              f"({options.replicas} replica(s), TP={options.tp}; Redis {fleet.redis_url})")
+        print("try:")
+        print(curl_example(fleet.gateway_url, options.model_name), flush=True)
+        return fleet.wait(stop.is_set)
+    finally:
+        fleet.stop()
+
+
 COMMANDS = {"generate": _cmd_generate, "model": _cmd_model_fetch, "scheduler": _cmd_scheduler,
-            "gateway": _cmd_gateway}
+            "gateway": _cmd_gateway, "up": _cmd_up}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,7 +28,7 @@ from shared.errors import TokenfleetError
 from shared.logging import get_logger
 
 READY_TIMEOUT_S = 600.0
-STOP_TIMEOUT_S = 20.0
+STOP_TIMEOUT_S = 10.0
 
 
 def free_port() -> int:

@@ -1,0 +1,52 @@
+"""docker-compose.yml and the Dockerfile, checked for consistency (no Docker engine here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shared.cli import build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+SERVICES = COMPOSE["services"]
+
+
+def test_compose_has_every_service_of_the_fleet() -> None:
+    assert {"redis", "ray-head", "ray-worker", "scheduler", "gateway"} <= set(SERVICES)
+    assert "--appendonly" in SERVICES["redis"]["command"]
+    assert SERVICES["gateway"]["ports"] == ["8000:8000"]
+    for name, service in SERVICES.items():
+        assert service.get("restart"), f"{name} has no restart policy"
+
+
+@pytest.mark.parametrize("name", ["scheduler", "gateway"])
+def test_tokenfleet_services_run_real_commands_with_real_flags(name: str) -> None:
+    command = SERVICES[name]["command"]
+    args = build_parser().parse_args(command)  # exits (fails the test) on an unknown flag
+    assert args.command == name
+    assert args.redis_url == "redis://redis:6379/0"  # the compose service named redis
+    models = args.model if isinstance(args.model, list) else [args.model]  # the gateway's repeats
+    assert all(Path(m).parent.as_posix() == "/data/models" for m in models)  # the shared volume
+    assert "models:/data" in SERVICES[name]["volumes"]
+
+
+def test_services_point_at_each_other() -> None:
+    scheduler = build_parser().parse_args(SERVICES["scheduler"]["command"])
+    assert scheduler.ray_address == "ray-head:6379"
+    assert "--port=6379" in SERVICES["ray-head"]["command"]
+    assert "--address=ray-head:6379" in SERVICES["ray-worker"]["command"]
+    for name in ("scheduler", "gateway"):
+        assert "redis" in SERVICES[name]["depends_on"]
+    assert SERVICES["scheduler"]["depends_on"]["ray-head"]["condition"] == "service_healthy"
+    gateway = build_parser().parse_args(SERVICES["gateway"]["command"])
+    assert (gateway.host, gateway.port) == ("0.0.0.0", 8000)
+
+
+def test_dockerfile_installs_the_project_and_runs_tokenfleet() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    for package in ("gateway", "scheduler", "workers", "shared"):
+        assert f"COPY {package} {package}" in dockerfile
+    assert 'ENTRYPOINT ["tokenfleet"]' in dockerfile

@@ -1,0 +1,68 @@
+"""`tokenfleet up`: the whole fleet from one command, answering, then gone after SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import psutil
+import pytest
+
+from shared.fleet import free_port
+
+pytestmark = pytest.mark.slow
+
+
+def _processes_mentioning(text: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if text in " ".join(proc.info["cmdline"] or []):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def test_up_serves_a_chat_completion_and_leaves_nothing_after_sigterm(smollm2, tmp_path):
+    port = free_port()
+    env = {**os.environ, "TOKENFLEET_HOME": str(tmp_path / "home")}
+    up = subprocess.Popen(
+        [sys.executable, "-m", "shared.cli", "up", "--port", str(port), "--model", str(smollm2),
+         "--num-kv-blocks", "256", "--dtype", "float32"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    descendants: list[psutil.Process] = []
+    try:
+        lines = []
+        deadline = time.monotonic() + 300
+        while not any("tokenfleet is up" in line for line in lines):
+            assert up.poll() is None, "".join(lines)
+            assert time.monotonic() < deadline, "".join(lines)
+            lines.append(up.stdout.readline())
+        curl = up.stdout.readline() + up.stdout.readline()
+        assert f"http://127.0.0.1:{port}/v1/chat/completions" in curl
+        fleet = json.loads((tmp_path / "home" / "fleet.json").read_text())
+        assert fleet["gateway_url"] == f"http://127.0.0.1:{port}"
+        descendants = psutil.Process(up.pid).children(recursive=True)
+        assert len(descendants) >= 4  # redis, ray, scheduler, gateway (and their children)
+        body = json.dumps({"model": smollm2.name, "max_tokens": 16, "temperature": 0,
+                           "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body.encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            answer = json.loads(response.read())
+        assert "Paris" in answer["choices"][0]["message"]["content"]
+    finally:
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=120) == 0
+    time.sleep(1)
+    alive = [p for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, [p.cmdline() for p in alive]
+    assert not _processes_mentioning(str(tmp_path / "home"))
+    assert not (tmp_path / "home" / "fleet.json").exists()
