@@ -1,0 +1,601 @@
+"""One gateway process holding many concurrent SSE streams: its memory per stream, and the
+inter-token latency that the gateway + pub/sub path adds over the scheduler's own step time.
+Run by hand (not a test); prints one table, the baseline measured in the same run:
+
+    .venv/bin/python scripts/bench_gateway.py [--streams 1000] [--max-tokens 64] [--port P]
+
+Processes: a real Redis (tests/redis_server.py), one `tokenfleet scheduler` and one
+`tokenfleet gateway` (each its own process), a raw-socket listener process that
+PSUBSCRIBEs tf:ev:* and only timestamps the bytes Redis sends it, and this process, whose
+asyncio + aiohttp clients open --streams streaming /v1/chat/completions at once (spread
+over --ramp-s), greedy, EOS ignored, --max-tokens each. The model is a tiny random llama
+(2 layers, hidden 64) with SmolLM2's tokenizer and chat template, so the gateway does its
+real work (chat template, tokenizer, detokenized text) while the model costs little.
+
+Measured in one run:
+- errors: a status other than 200, a chunk that is not a well-formed chat.completion.chunk,
+  no `data: [DONE]`, a finish_reason other than "length" or usage.completion_tokens other
+  than --max-tokens, or any client exception;
+- gateway memory: RSS after a warm-up, before the streams open, and its peak while they
+  run (sampled every 10 ms, and the kernel's VmHWM after resetting it); per stream =
+  (peak - before) / streams;
+- the baseline: the scheduler's step interval as seen directly on Redis pub/sub (gaps
+  between consecutive events of one request at the listener);
+- client inter-token latency: gaps between consecutive content chunks of one stream (and
+  its median minus the step interval's median: what the path adds to the cadence itself);
+- added latency: for each content chunk, its arrival at the SSE client minus the arrival of
+  the same event at the listener (matched by request id, the chunk id minus "chatcmpl-",
+  and by how much text has arrived: a chunk carries the text of its event); both clocks
+  are this machine's CLOCK_MONOTONIC. It includes the client's own read of the chunk, and
+  grows with --streams: one gateway process turns a step's events into chunks one by one;
+- the gateway's CPU time (user + system) per streamed token, request setup included.
+Every token of the run counts, the ramp-up included. --profile-gateway FILE runs the
+gateway under cProfile (slower; for finding where its time goes).
+Goal (issue 5): no errors, under 100 KiB per stream, under 2 ms added at the median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import bisect
+import contextlib
+import io
+import itertools
+import json
+import math
+import multiprocessing
+import os
+import pickle
+import resource
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import msgpack
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from shared.logging import configure_logging  # noqa: E402
+from tests.redis_server import RedisServer  # noqa: E402
+
+MODEL_NAME = "tiny"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                   "special_tokens_map.json")
+READY_TIMEOUT_S = 180.0
+PROMPT_TOKENS_BOUND = 64  # the chat-templated prompts below stay under this many tokens
+GOAL_KIB_PER_STREAM = 100.0
+GOAL_ADDED_MS = 2.0
+
+
+# -- processes -------------------------------------------------------------------------------------
+
+def make_tiny_model(folder: Path) -> Path:
+    """A tiny random llama with SmolLM2's vocabulary, tokenizer and chat template."""
+    from tests.checkpoints import make_tiny_checkpoint
+    from workers.default_model import fetch_default_model
+
+    source = fetch_default_model()
+    with contextlib.redirect_stderr(io.StringIO()):  # transformers' progress bar
+        make_tiny_checkpoint("llama", folder, vocab_size=49152, num_hidden_layers=2)
+    for name in TOKENIZER_FILES:
+        if (source / name).exists():
+            shutil.copy(source / name, folder / name)
+    return folder
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Children:
+    """The scheduler and gateway processes, each in its own session; stopped in reverse order."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the child
+        env = {**os.environ, "TOKENFLEET_LOG_LEVEL": os.environ.get("TOKENFLEET_LOG_LEVEL", "WARNING")}
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                                start_new_session=True)
+        self.procs.append((name, proc))
+        return proc
+
+    def check(self) -> None:
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.tail(name)}")
+
+    def tail(self, name: str, num_chars: int = 3000) -> str:
+        path = self.log_dir / f"{name}.log"
+        return path.read_text(errors="replace")[-num_chars:] if path.exists() else ""
+
+    def stop(self) -> None:
+        for _, proc in reversed(self.procs):
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        for _, proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(timeout=5)
+        self.procs = []
+
+
+def wait_ready(url: str, children: Children) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while True:
+        children.check()
+        try:
+            with urllib.request.urlopen(f"{url}/ready", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (OSError, urllib.error.HTTPError):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the gateway was not ready within {READY_TIMEOUT_S:.0f} s")
+        time.sleep(0.2)
+
+
+# -- the direct pub/sub listener (its own process) -------------------------------------------------
+
+def _resp_command(*parts: bytes) -> bytes:
+    return b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts)
+
+
+def listen(port: int, pattern: str, out_path: str, ready, stop) -> None:
+    """PSUBSCRIBE on a bare socket and keep (arrival time, bytes) of every recv; parse later,
+    so the timestamps are when Redis's bytes reached a process that does nothing else."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us
+    chunks: list[tuple[float, bytes]] = []
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        sock.sendall(_resp_command(b"PSUBSCRIBE", pattern.encode()))
+        first = b""
+        while b"psubscribe" not in first:
+            first += sock.recv(1 << 16)
+        chunks.append((time.monotonic(), first))
+        ready.set()
+        sock.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                data = sock.recv(1 << 20)
+            except TimeoutError:
+                continue
+            now = time.monotonic()
+            if not data:
+                break
+            chunks.append((now, data))
+    with open(out_path, "wb") as f:
+        pickle.dump(chunks, f)
+
+
+def _parse_resp(data: bytes, pos: int) -> tuple[object, int]:
+    end = data.index(b"\r\n", pos)
+    kind, value = data[pos:pos + 1], data[pos + 1:end]
+    pos = end + 2
+    if kind == b"*":
+        items = []
+        for _ in range(int(value)):
+            item, pos = _parse_resp(data, pos)
+            items.append(item)
+        return items, pos
+    if kind == b"$":
+        size = int(value)
+        if size < 0:
+            return None, pos
+        return data[pos:pos + size], pos + size + 2
+    if kind == b":":
+        return int(value), pos
+    return value, pos  # + or -
+
+
+@dataclass
+class Event:
+    t: float
+    seq: int
+    text: str
+    final: bool
+
+
+def parse_listener(chunks: list[tuple[float, bytes]]) -> dict[str, list[Event]]:
+    """req_id -> its events in arrival order; each timed by the recv that completed it."""
+    data = b"".join(c for _, c in chunks)
+    ends = list(itertools.accumulate(len(c) for _, c in chunks))
+    events: dict[str, list[Event]] = {}
+    pos = 0
+    while pos < len(data):
+        message, pos = _parse_resp(data, pos)
+        if not (isinstance(message, list) and message and message[0] == b"pmessage"):
+            continue
+        t = chunks[bisect.bisect_left(ends, pos)][0]
+        event = msgpack.unpackb(message[3], raw=False)
+        final = event.get("type") == "error" or event.get("finish_reason") is not None
+        events.setdefault(event["req_id"], []).append(
+            Event(t, event["seq"], event.get("text") or "", final))
+    return events
+
+
+# -- memory ----------------------------------------------------------------------------------------
+
+class RssSampler(threading.Thread):
+    """The gateway's RSS every interval_s, and the kernel's high-water mark (VmHWM) after a reset."""
+
+    def __init__(self, pid: int, interval_s: float = 0.01) -> None:
+        super().__init__(daemon=True)
+        self.proc = psutil.Process(pid)
+        self.pid = pid
+        self.interval_s = interval_s
+        self.peak = 0
+        self.hwm_reset = False
+        self._halt = threading.Event()
+
+    def reset_hwm(self) -> None:
+        try:
+            Path(f"/proc/{self.pid}/clear_refs").write_text("5")
+            self.hwm_reset = True
+        except OSError:
+            self.hwm_reset = False
+
+    def hwm(self) -> int | None:
+        try:
+            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return None
+
+    def rss(self) -> int:
+        return self.proc.memory_info().rss
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            try:
+                self.peak = max(self.peak, self.rss())
+            except psutil.Error:
+                return  # the gateway is gone (the run was interrupted)
+            self._halt.wait(self.interval_s)
+
+    def finish(self) -> int:
+        self._halt.set()
+        self.join()
+        peak = max(self.peak, self.rss())
+        hwm = self.hwm() if self.hwm_reset else None
+        return max(peak, hwm or 0)
+
+
+# -- clients ---------------------------------------------------------------------------------------
+
+@dataclass
+class Stream:
+    index: int
+    lines: list[tuple[float, bytes]] = field(default_factory=list)
+    status: int | None = None
+    error: str | None = None
+    req_id: str | None = None
+    chunks: list[tuple[float, str]] = field(default_factory=list)  # (arrival, content) with text
+
+
+@dataclass
+class Counter:
+    open: int = 0
+    max_open: int = 0
+
+
+def body(index: int, max_tokens: int) -> dict:
+    return {"model": MODEL_NAME, "stream": True, "stream_options": {"include_usage": True},
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "messages": [{"role": "user", "content": f"Stream {index}: tell me a long story."}]}
+
+
+async def run_stream(session: aiohttp.ClientSession, url: str, stream: Stream, max_tokens: int,
+                     delay_s: float, counter: Counter) -> None:
+    await asyncio.sleep(delay_s)
+    try:
+        async with session.post(url, json=body(stream.index, max_tokens)) as response:
+            stream.status = response.status
+            if response.status != 200:
+                stream.error = f"HTTP {response.status}: {(await response.text())[:200]}"
+                return
+            counter.open += 1
+            counter.max_open = max(counter.max_open, counter.open)
+            try:
+                async for line in response.content:
+                    if line.startswith(b"data:"):
+                        stream.lines.append((time.monotonic(), line))
+            finally:
+                counter.open -= 1
+    except Exception as exc:  # noqa: BLE001 - every failure is counted, none stops the run
+        stream.error = f"{type(exc).__name__}: {exc}"
+
+
+async def run_clients(url: str, num_streams: int, max_tokens: int, ramp_s: float,
+                      counter: Counter) -> tuple[list[Stream], float]:
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=None, connect=60, sock_read=120)
+    streams = [Stream(i) for i in range(num_streams)]
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        start = time.monotonic()
+        await asyncio.gather(*(run_stream(session, url, s, max_tokens, ramp_s * s.index / num_streams,
+                                          counter) for s in streams))
+        return streams, time.monotonic() - start
+
+
+def check_stream(stream: Stream, max_tokens: int) -> None:
+    """Parse the stream's data lines into stream.chunks; set stream.error on anything wrong."""
+    if stream.error is not None:
+        return
+    done = False
+    finish_reason = None
+    completion_tokens = None
+    for t, line in stream.lines:
+        payload = line[5:].strip()
+        if done:
+            stream.error = "data after [DONE]"
+            return
+        if payload == b"[DONE]":
+            done = True
+            continue
+        try:
+            chunk = json.loads(payload)
+            assert chunk["object"] == "chat.completion.chunk" and chunk["id"].startswith("chatcmpl-")
+            req_id = chunk["id"].removeprefix("chatcmpl-")
+            assert stream.req_id in (None, req_id)
+            stream.req_id = req_id
+            if chunk.get("usage") is not None:
+                completion_tokens = chunk["usage"]["completion_tokens"]
+            choices = chunk["choices"]
+            if not choices:
+                continue
+            assert len(choices) == 1 and choices[0]["index"] == 0
+            content = choices[0]["delta"].get("content")
+            assert content is None or isinstance(content, str)
+            if content:
+                stream.chunks.append((t, content))
+            finish_reason = choices[0]["finish_reason"] or finish_reason
+        except (ValueError, KeyError, TypeError, AssertionError, AttributeError):
+            stream.error = f"malformed chunk: {payload[:200]!r}"
+            return
+    if not done:
+        stream.error = "no data: [DONE]"
+    elif finish_reason != "length":
+        stream.error = f"finish_reason {finish_reason!r}"
+    elif completion_tokens != max_tokens:
+        stream.error = f"usage.completion_tokens {completion_tokens} != {max_tokens}"
+
+
+# -- analysis --------------------------------------------------------------------------------------
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def latencies(streams: list[Stream], events: dict[str, list[Event]]) -> tuple[list, list, list, int, int]:
+    """(client ITL gaps, step intervals at the listener, added latencies, matched, unmatched)."""
+    client_gaps, step_gaps, added = [], [], []
+    matched = unmatched = 0
+    for stream in streams:
+        if stream.error is not None or stream.req_id is None:
+            continue
+        client_gaps += [b[0] - a[0] for a, b in zip(stream.chunks, stream.chunks[1:], strict=False)]
+        evs = sorted(events.get(stream.req_id, []), key=lambda e: e.seq)
+        step_gaps += [b.t - a.t for a, b in zip(evs, evs[1:], strict=False)]
+        at_length: dict[int, float] = {}  # text length so far -> arrival of the event that reached it
+        length = 0
+        for ev in evs:
+            if ev.text:
+                length += len(ev.text)
+                at_length[length] = ev.t
+        length = 0
+        for t, content in stream.chunks:
+            length += len(content)
+            t_event = at_length.get(length)
+            if t_event is None:
+                unmatched += 1
+            else:
+                matched += 1
+                added.append(t - t_event)
+    return client_gaps, step_gaps, added, matched, unmatched
+
+
+def ms(value: float) -> str:
+    return "n/a" if math.isnan(value) else f"{value * 1e3:.2f}"
+
+
+def spread(values: list[float]) -> str:
+    return " / ".join(ms(percentile(values, q)) for q in (50, 90, 99))
+
+
+# -- main ------------------------------------------------------------------------------------------
+
+def raise_fd_limit(needed: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard == resource.RLIM_INFINITY else min(hard, max(soft, needed))
+    if want > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft < needed:
+        print(f"warning: RLIMIT_NOFILE is {soft}, below the ~{needed} descriptors this run needs")
+
+
+def run(args: argparse.Namespace, tmp: Path, children: Children) -> None:
+    raise_fd_limit(4 * args.streams + 256)  # children inherit it: the gateway holds every stream too
+    model = make_tiny_model(tmp / "tiny")
+    redis_server = RedisServer(tmp / "redis")
+    redis_server.start()
+    try:
+        _run_with_redis(args, tmp, children, model, redis_server)
+    finally:
+        # A second Ctrl-C (or SIGTERM) must not cut the cleanup short.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        children.stop()
+        try:
+            redis_server.stop()
+        except subprocess.TimeoutExpired:
+            redis_server.process.kill()
+            redis_server.process.wait(timeout=5)
+
+
+def _run_with_redis(args: argparse.Namespace, tmp: Path, children: Children, model: Path,
+                    redis_server: RedisServer) -> None:
+    blocks_per_seq = math.ceil((PROMPT_TOKENS_BOUND + args.max_tokens) / 16) + 1
+    num_kv_blocks = args.streams * blocks_per_seq + 64
+    cli = [sys.executable, "-m", "shared.cli"]
+    sched_argv = [*cli, "scheduler", "--redis-url", redis_server.url, "--model", str(model),
+                  "--model-name", MODEL_NAME, "--dtype", "float32",
+                  "--max-num-seqs", str(max(args.streams, 8)), "--max-num-batched-tokens", "4096",
+                  "--num-kv-blocks", str(num_kv_blocks)]
+    if args.scheduler_threads:
+        sched_argv += ["--num-threads", str(args.scheduler_threads)]
+    children.spawn("scheduler", sched_argv)
+    port = args.port or free_port()
+    profile = []
+    if args.profile_gateway:
+        profile = ["-m", "cProfile", "-o", str(Path(args.profile_gateway).resolve())]
+    gateway = children.spawn("gateway", [
+        sys.executable, *profile, "-m", "shared.cli", "gateway", "--redis-url", redis_server.url,
+        "--port", str(port), "--model", str(model), "--model-name", MODEL_NAME, "--max-queue", "0"])
+    base = f"http://127.0.0.1:{port}"
+    wait_ready(base, children)
+    url = f"{base}/v1/chat/completions"
+
+    # Warm-up: the first requests pay for imports, the chat template's compilation, pools.
+    counter = Counter()
+    warm, _ = asyncio.run(run_clients(url, args.warmup_streams, 8, 0.0, counter))
+    for s in warm:
+        check_stream(s, 8)
+    if any(s.error for s in warm):
+        raise RuntimeError(f"warm-up failed: {[s.error for s in warm if s.error][:3]}\n"
+                           f"{children.tail('gateway')}\n{children.tail('scheduler')}")
+    time.sleep(1.0)
+
+    ctx = multiprocessing.get_context("fork")
+    ready, stop = ctx.Event(), ctx.Event()
+    listener_out = tmp / "listener.pickle"
+    listener = ctx.Process(target=listen, args=(redis_server.port, "tf:ev:*", str(listener_out), ready, stop),
+                           daemon=True)
+    listener.start()
+    try:
+        if not ready.wait(10):
+            raise RuntimeError("the pub/sub listener did not subscribe")
+        sampler = RssSampler(gateway.pid)
+        before = statistics.median(sampler.rss() for _ in range(5))
+        cpu_before = sampler.proc.cpu_times()
+        sampler.reset_hwm()
+        sampler.start()
+        counter = Counter()
+        streams, wall_s = asyncio.run(run_clients(url, args.streams, args.max_tokens, args.ramp_s, counter))
+        peak = sampler.finish()
+        cpu_after = sampler.proc.cpu_times()
+        children.check()
+        time.sleep(0.5)  # the listener has every event by now
+    finally:
+        stop.set()
+        listener.join(10)
+        if listener.is_alive():
+            listener.terminate()
+            listener.join(5)
+    with open(listener_out, "rb") as f:
+        events = parse_listener(pickle.load(f))
+
+    for s in streams:
+        check_stream(s, args.max_tokens)
+    errors = [s for s in streams if s.error is not None]
+    client_gaps, step_gaps, added, matched, unmatched = latencies(streams, events)
+    num_tokens = args.streams * args.max_tokens
+    user_s, sys_s = cpu_after.user - cpu_before.user, cpu_after.system - cpu_before.system
+    per_token_us = 1e6 / max(num_tokens, 1)
+    kib_per_stream = (peak - before) / args.streams / 1024
+    added_median = percentile(added, 50)
+    itl_diff_ms = (percentile(client_gaps, 50) - percentile(step_gaps, 50)) * 1e3
+
+    print(f"\n| one gateway, {args.streams} concurrent SSE streams x {args.max_tokens} tokens "
+          f"(tiny model, float32) | value | goal |")
+    print("| --- | --- | --- |")
+    print(f"| streams: errors / held open at once | {len(errors)} / {counter.max_open} | 0 errors |")
+    print(f"| gateway RSS before streams / peak, MiB | {before / 2**20:.1f} / {peak / 2**20:.1f} | |")
+    print(f"| gateway memory per stream, KiB | {kib_per_stream:.1f} | < {GOAL_KIB_PER_STREAM:.0f} |")
+    print(f"| scheduler step interval on pub/sub (baseline), median / p90 / p99 ms | {spread(step_gaps)} | |")
+    print(f"| inter-token latency at the SSE client, median / p90 / p99 ms | {spread(client_gaps)} | |")
+    print(f"| added by gateway + pub/sub (client - listener), median / p90 / p99 ms | {spread(added)} "
+          f"| < {GOAL_ADDED_MS:.0f} at the median |")
+    print(f"| client ITL median - step interval median, ms | {itl_diff_ms:.2f} | |")
+    print(f"| gateway CPU per streamed token, user + system (request setup included), us "
+          f"| {user_s * per_token_us:.0f} + {sys_s * per_token_us:.0f} | |")
+    print(f"| wall time, s / output tok/s | {wall_s:.1f} / {num_tokens / wall_s:.0f} | |")
+    goals = [not errors, kib_per_stream < GOAL_KIB_PER_STREAM,
+             not math.isnan(added_median) and added_median * 1e3 < GOAL_ADDED_MS]
+    print(f"\nchunks matched to listener events: {matched} ({unmatched} unmatched); "
+          f"peak RSS {'sampled every 10 ms and VmHWM' if sampler.hwm_reset else 'sampled every 10 ms'}")
+    print(f"goals met: {'yes' if all(goals) else 'no'} (errors {'ok' if goals[0] else 'FAIL'}, "
+          f"memory {'ok' if goals[1] else 'FAIL'}, added latency {'ok' if goals[2] else 'FAIL'})")
+    if counter.max_open < args.streams:
+        print(f"warning: only {counter.max_open} of {args.streams} streams were open at once "
+              "(raise --max-tokens or lower --ramp-s)")
+    for s in errors[:5]:
+        print(f"  stream {s.index}: {s.error}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--streams", type=int, default=1000, help="concurrent SSE streams")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per stream (EOS ignored)")
+    parser.add_argument("--port", type=int, default=0, help="gateway port (default: a free one)")
+    parser.add_argument("--ramp-s", type=float, default=0.0,
+                        help="spread the stream starts over this long (default: all at once)")
+    parser.add_argument("--warmup-streams", type=int, default=8)
+    parser.add_argument("--profile-gateway", metavar="FILE",
+                        help="run the gateway under cProfile and write its stats here (slows it down)")
+    parser.add_argument("--scheduler-threads", type=int, default=1,
+                        help="torch threads of the scheduler (0: torch's default)")
+    args = parser.parse_args()
+    if args.streams < 1 or args.max_tokens < 1 or args.max_tokens > 400:
+        parser.error("--streams must be >= 1 and --max-tokens in [1, 400] (the tiny model's window is 512)")
+    print("command:", " ".join([sys.executable, *sys.argv]))
+    configure_logging("WARNING")
+
+    def terminate(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminate)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with SIGINT ignored
+    with tempfile.TemporaryDirectory(prefix="bench_gateway-") as tmp:
+        children = Children(Path(tmp))
+        try:
+            run(args, Path(tmp), children)
+        except KeyboardInterrupt:
+            print("interrupted; every process stopped", file=sys.stderr)
+            sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()
