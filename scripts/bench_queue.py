@@ -4,30 +4,42 @@ through the in-process engine, in one run. Run by hand (not a test):
     .venv/bin/python scripts/bench_queue.py [--num-requests 64] [--dtype float32]
 
 Workload (random.Random(0)): prompts of 32-256 random token ids, 32-128 output tokens,
-greedy, EOS ignored, SmolLM2-135M-Instruct. The queue path is timed from the first XADD
-to the last terminal state in tf:res, the in-process path around `generate`; both engines
-are loaded before timing. Goal: queue throughput >= 0.9 of in-process.
+greedy, EOS ignored, SmolLM2-135M-Instruct. The queue path runs `tokenfleet scheduler` as its own
+process (as deployed) and is timed from the first XADD to the last terminal state in
+tf:res; the in-process path is timed around `generate`; both engines are loaded and warm
+before timing. Goal: queue throughput >= 0.9 of in-process.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from scheduler.engine import LLMEngine  # noqa: E402
-from scheduler.service import SchedulerService, ServiceSettings  # noqa: E402
 from shared.config import EngineConfig  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
-from tests.scheduler.service_client import submit, token_ids, wait_terminal  # noqa: E402
+from tests.scheduler.service_client import TERMINAL, submit, token_ids, wait_terminal  # noqa: E402
 from workers.default_model import fetch_default_model  # noqa: E402
+
+
+def _wait_done(client, ids: list[str]) -> None:
+    """Poll only the state field, rarely: the waiting must not steal the scheduler's cores."""
+    pending = list(ids)
+    while pending:
+        time.sleep(0.25)
+        pipe = client.pipeline()
+        for req_id in pending:
+            pipe.hget(f"tf:res:{req_id}", "state")
+        states = pipe.execute()
+        pending = [r for r, s in zip(pending, states, strict=True) if s not in TERMINAL]
 
 
 def main() -> None:
@@ -54,21 +66,30 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         server = RedisServer(Path(tmp) / "redis")
         server.start()
-        engine = LLMEngine(config)
-        engine.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2))
-        service = SchedulerService(engine, server.url, ServiceSettings("smol", "bench"))
-        stop = threading.Event()
-        thread = threading.Thread(target=service.run, args=(stop,), daemon=True)
-        thread.start()
+        # The scheduler as deployed: its own process, its loop on the main thread.
+        scheduler = subprocess.Popen(
+            [sys.executable, "-m", "shared.cli", "scheduler", "--redis-url", server.url, "--model", model,
+             "--model-name", "smol", "--scheduler-id", "bench", "--dtype", args.dtype,
+             "--num-kv-blocks", "2048"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
         client = server.client()
-        start = time.perf_counter()
-        ids = [submit(client, "smol", p, sp) for p, sp in zip(prompts, params, strict=True)]
-        records = wait_terminal(client, ids, timeout_s=3600)
-        queue_s = time.perf_counter() - start
-        stop.set()
-        thread.join()
-        engine.close()
-        server.stop()
+        try:
+            while not client.exists("tf:sched:bench"):  # loaded and looping
+                if scheduler.poll() is not None:
+                    raise SystemExit(f"the scheduler exited with {scheduler.returncode}")
+                time.sleep(0.2)
+            warmup = [submit(client, "smol", p, SamplingParams(temperature=0.0, max_tokens=2))
+                      for p in prompts[:2]]
+            _wait_done(client, warmup)
+            start = time.perf_counter()
+            ids = [submit(client, "smol", p, sp) for p, sp in zip(prompts, params, strict=True)]
+            _wait_done(client, ids)
+            queue_s = time.perf_counter() - start
+            records = wait_terminal(client, ids, timeout_s=60)
+        finally:
+            scheduler.terminate()
+            scheduler.wait(timeout=60)
+            server.stop()
     same = all(token_ids(records[i]) == r.token_ids for i, r in zip(ids, direct, strict=True))
     print(f"\n| path ({args.num_requests} requests, {num_output} output tokens, {args.dtype}) "
           "| seconds | output tok/s |")
