@@ -25,6 +25,12 @@ class MessageDecodeError(ValueError):
 
 
 def _check_type(value: object, annotation: object, name: str) -> None:
+    # Fast paths for what every token event carries (this runs once per event per stream).
+    if annotation is str or annotation is int:
+        if type(value) is annotation:
+            return
+    elif annotation == list[int] and type(value) is list and all(type(x) is int for x in value):
+        return
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(annotation)
