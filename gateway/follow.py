@@ -15,10 +15,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from gateway.pubsub import RESYNC, EventRouter, Listener
-from gateway.records import Delta, ResultRecord, decode_event
+from gateway.records import Delta, ResultRecord
 from gateway.store import RequestStore
 from shared.logging import get_logger
-from shared.messages import MessageDecodeError
+from shared.messages import MessageDecodeError, decode_event
 
 log = get_logger("tokenfleet.gateway.follow")
 EXPIRED_MESSAGE = "the deadline passed while it was queued"

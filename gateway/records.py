@@ -11,49 +11,14 @@ produces) and the text boundary is where the decoded tokens stop matching the st
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import json
-import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgpack
 
-from shared.messages import WIRE_VERSION, ErrorEvent, MessageDecodeError, TokenEvent, _check_type
-
-TERMINAL_STATES = ("completed", "failed", "cancelled", "expired")
-STATES = ("queued", "running", *TERMINAL_STATES)
-
-
-@functools.cache
-def _schema(cls: type) -> tuple[dict, dict]:
-    return typing.get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls)}
-
-
-def decode_event(data: bytes) -> TokenEvent | ErrorEvent:
-    """shared.messages.decode_event with the same strict rules, but with each class's type
-    hints resolved once: the shared one resolves them per call (~95 us), which dominates the
-    gateway's cost per streamed token. Drop this once shared/messages.py caches them."""
-    try:
-        raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated types
-        raise MessageDecodeError(f"not msgpack: {exc}") from None
-    if not isinstance(raw, dict):
-        raise MessageDecodeError(f"expected a map, got {type(raw).__name__}")
-    if raw.pop("v", None) != WIRE_VERSION:
-        raise MessageDecodeError(f"not wire version {WIRE_VERSION}")
-    cls = ErrorEvent if raw.get("type") == "error" else TokenEvent
-    hints, fields = _schema(cls)
-    unknown = set(raw) - set(fields)
-    if unknown:
-        raise MessageDecodeError(f"unknown fields {sorted(unknown)} in {cls.__name__}")
-    for name, f in fields.items():
-        if name in raw:
-            _check_type(raw[name], hints[name], name)
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise MessageDecodeError(f"{cls.__name__} lacks the field {name!r}")
-    return cls(**raw)
+from shared.messages import REQUEST_STATES as STATES
+from shared.messages import TERMINAL_STATES, ErrorEvent, TokenEvent
 
 
 @dataclass

@@ -18,8 +18,6 @@ import redis
 
 from shared.keys import CONSUMER_GROUP, Keys
 
-TERMINAL_STATES = ("completed", "failed", "cancelled", "expired")
-
 # KEYS: result hash, request stream.  ARGV: owner, channel ('' = none), event, ttl,
 # entry id to acknowledge ('' = none), then field/value pairs.
 _WRITE_SCRIPT = """

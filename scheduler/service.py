@@ -27,7 +27,14 @@ from scheduler.scheduler import RequestOutput
 from shared.errors import InvalidRequestError
 from shared.keys import CONSUMER_GROUP, REQUEST_KINDS, Keys
 from shared.logging import get_logger
-from shared.messages import DeadLetter, ErrorEvent, MessageDecodeError, RequestMessage, TokenEvent
+from shared.messages import (
+    TERMINAL_STATES,
+    DeadLetter,
+    ErrorEvent,
+    MessageDecodeError,
+    RequestMessage,
+    TokenEvent,
+)
 
 MAX_BACKOFF_S = 5.0
 
@@ -181,7 +188,7 @@ class SchedulerService:
         flight = InFlight(message.req_id, stream, entry_id, len(message.prompt_token_ids),
                           seq=progress.seq, token_ids=list(progress.token_ids), text=progress.text,
                           offsets=list(progress.offsets), deadline=message.deadline)
-        if progress.state in ("completed", "failed", "cancelled", "expired"):
+        if progress.state in TERMINAL_STATES:
             self._pending.append(ResultUpdate(message.req_id, stream, {}, ack_entry_id=entry_id))
             return
         if self.client.exists(self.keys.cancelled(message.req_id)):

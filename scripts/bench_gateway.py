@@ -69,6 +69,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from shared.fleet import free_port  # noqa: E402
 from shared.logging import configure_logging  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
@@ -95,12 +96,6 @@ def make_tiny_model(folder: Path) -> Path:
         if (source / name).exists():
             shutil.copy(source / name, folder / name)
     return folder
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Children:

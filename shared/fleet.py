@@ -31,9 +31,10 @@ READY_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 10.0
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on now, on `host` ("" = every interface)."""
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 

@@ -19,6 +19,10 @@ from shared.sampling import SamplingParams
 
 WIRE_VERSION = 1
 
+# A request's state in tf:res:{id}; the last four are terminal.
+TERMINAL_STATES = ("completed", "failed", "cancelled", "expired")
+REQUEST_STATES = ("queued", "running", *TERMINAL_STATES)
+
 
 class MessageDecodeError(ValueError):
     """Bytes that are not a message of the expected type and version."""
@@ -70,6 +74,25 @@ def _type_hints(cls: type) -> dict[str, object]:
     return typing.get_type_hints(cls)
 
 
+@functools.cache
+def _fields(cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def _unpack(data: bytes) -> dict:
+    """msgpack bytes -> the message's map, without its version (checked here)."""
+    try:
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise MessageDecodeError(f"not msgpack: {exc}") from None
+    if not isinstance(raw, dict):
+        raise MessageDecodeError(f"expected a map, got {type(raw).__name__}")
+    version = raw.pop("v", None)
+    if version != WIRE_VERSION:
+        raise MessageDecodeError(f"wire version {version!r}, this build speaks {WIRE_VERSION}")
+    return raw
+
+
 class _Message:
     """Mixin: `encode()` to msgpack bytes, `decode(bytes)` back, strictly."""
 
@@ -78,27 +101,21 @@ class _Message:
 
     @classmethod
     def decode(cls, data: bytes):
-        try:
-            raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
-        except Exception as exc:  # msgpack raises several unrelated types
-            raise MessageDecodeError(f"not msgpack: {exc}") from None
-        if not isinstance(raw, dict):
-            raise MessageDecodeError(f"expected a map, got {type(raw).__name__}")
-        version = raw.pop("v", None)
-        if version != WIRE_VERSION:
-            raise MessageDecodeError(f"wire version {version!r}, this build speaks {WIRE_VERSION}")
+        return cls.from_map(_unpack(data))
+
+    @classmethod
+    def from_map(cls, raw: dict):
+        """Build from an unpacked map (its `v` already checked), strictly."""
         hints = _type_hints(cls)
-        fields = {f.name: f for f in dataclasses.fields(cls)}
+        fields = _fields(cls)
         unknown = set(raw) - set(fields)
         if unknown:
             raise MessageDecodeError(f"unknown fields {sorted(unknown)} in {cls.__name__}")
         for name, f in fields.items():
-            has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
-            if name not in raw:
-                if not has_default:
-                    raise MessageDecodeError(f"{cls.__name__} lacks the field {name!r}")
-                continue
-            _check_type(raw[name], hints[name], name)
+            if name in raw:
+                _check_type(raw[name], hints[name], name)
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise MessageDecodeError(f"{cls.__name__} lacks the field {name!r}")
         return cls(**raw)
 
 
@@ -155,11 +172,9 @@ class ErrorEvent(_Message):
 
 
 def decode_event(data: bytes) -> TokenEvent | ErrorEvent:
-    try:
-        kind = msgpack.unpackb(data, raw=False).get("type")
-    except Exception as exc:  # noqa: BLE001
-        raise MessageDecodeError(f"not an event: {exc}") from None
-    return ErrorEvent.decode(data) if kind == "error" else TokenEvent.decode(data)
+    """A token or error event, by its `type` field; unpacked once (this runs per token)."""
+    raw = _unpack(data)
+    return (ErrorEvent if raw.get("type") == "error" else TokenEvent).from_map(raw)
 
 
 @dataclass

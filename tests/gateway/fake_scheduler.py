@@ -16,7 +16,7 @@ import redis
 
 from scheduler.result_store import ResultStore, ResultUpdate, terminal_fields
 from shared.keys import CONSUMER_GROUP, Keys
-from shared.messages import RequestMessage, TokenEvent
+from shared.messages import TERMINAL_STATES, RequestMessage, TokenEvent
 
 REPLY = "The quick brown fox jumps over the lazy dog, again and again and again."
 
@@ -94,7 +94,7 @@ class FakeScheduler:
         self.seen.append(message)
         req_id = message.req_id
         progress = self.results.claim(req_id)
-        if progress.state in ("completed", "failed", "cancelled", "expired"):
+        if progress.state in TERMINAL_STATES:
             self.results.write([ResultUpdate(req_id, self.stream, {}, ack_entry_id=entry_id)])
             return
         sampling = message.sampling_params()
