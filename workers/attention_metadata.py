@@ -24,15 +24,22 @@ class PrefillChunk:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long: block_id * block_size + offset
     num_decode_tokens: int  # the first rows, one token per decoding sequence
-    # Decoding sequences as one padded batch (None when there is none):
-    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long
-    decode_context_lens: torch.Tensor | None  # [num_decodes] int32 (incl. the new token)
-    # [num_decodes, 1, 1, max_blocks * block_size] bool, for the PyTorch decode path; None:
-    # that path derives it from decode_context_lens (CUDA-graph steps leave it out).
-    decode_mask: torch.Tensor | None
-    prefills: list[PrefillChunk]
+    # Every sequence of the step, decodes first (what the CUDA kernel reads):
+    block_tables: torch.Tensor  # [num_seqs, width] long; entries past a sequence's blocks are never read
+    seq_lens: torch.Tensor  # [num_seqs] long: tokens cached before the step + this step's tokens
+    query_start_loc: torch.Tensor  # [num_seqs + 1] long: sequence s owns rows [start[s], start[s+1])
+    max_query_len: int  # 1: a decode-only step
+    prefills: list[PrefillChunk]  # the CPU path attends chunk by chunk
     block_size: int
     # CPU decode path only: per decoding sequence, (its blocks as a slice when they are
     # consecutive, else as an index tensor; its context length), so each sequence reads
     # just its own blocks.
     decode_host: list[tuple[slice | torch.Tensor, int]] | None = None
+
+    @property
+    def decode_block_tables(self) -> torch.Tensor:  # [num_decodes, width]
+        return self.block_tables[: self.num_decode_tokens]
+
+    @property
+    def decode_context_lens(self) -> torch.Tensor:  # [num_decodes] long
+        return self.seq_lens[: self.num_decode_tokens]

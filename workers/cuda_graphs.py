@@ -6,7 +6,7 @@ graphs read fixed device buffers (token ids, positions, slot mapping, context le
 block tables padded to max_model_len / block_size columns), which each step fills with one
 pinned, non-blocking copy. Rows n..size-1 are padding that must do no harm: they write their
 K/V into a scratch block that the scheduler never hands out (the runner allocates one block
-more than it reports) and attend over that block alone (context length 1). The Triton decode
+more than it reports) and attend over that block alone (context length 1). The Triton attention
 kernel takes its loop bound from the context lengths only, so the fixed table width costs
 nothing. Sampling stays outside the graph.
 
@@ -24,14 +24,14 @@ from torch import nn
 from shared.config import EngineConfig
 from shared.step import SequenceWork
 from workers.attention_metadata import AttentionMetadata
-from workers.layers import triton_decode
+from workers.layers import triton_attention
 from workers.step_inputs import flat_ids, pad_block_tables, upload
 
 
 def use_cuda_graphs(config: EngineConfig, device: torch.device) -> bool:
-    """Decode graphs run only on CUDA, with the Triton decode kernel, when the config asks."""
+    """Decode graphs run only on CUDA, with the Triton attention kernel, when the config asks."""
     return (config.cuda_graphs and config.cuda_graph_max_batch_size > 0 and device.type == "cuda"
-            and triton_decode.triton is not None)
+            and triton_attention.triton is not None)
 
 
 def capture_sizes(max_batch_size: int) -> list[int]:
@@ -57,7 +57,8 @@ class DecodeGraphs:
         self.token_ids = torch.zeros(size, dtype=torch.long, device=device)
         self.positions = torch.zeros(size, dtype=torch.long, device=device)
         self.slot_mapping = torch.full((size,), scratch_block * block_size, dtype=torch.long, device=device)
-        self.context_lens = torch.ones(size, dtype=torch.int32, device=device)
+        self.context_lens = torch.ones(size, dtype=torch.long, device=device)
+        self.query_start_loc = torch.arange(size + 1, dtype=torch.long, device=device)  # one token each
         self.block_tables = torch.full((size, self.max_blocks), scratch_block, dtype=torch.long,
                                        device=device)
         self.logits: torch.Tensor | None = None  # [size, vocab], written by every graph
@@ -84,8 +85,9 @@ class DecodeGraphs:
     def _meta(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:size], num_decode_tokens=size,
-            decode_block_tables=self.block_tables[:size], decode_context_lens=self.context_lens[:size],
-            decode_mask=None, prefills=[], block_size=self.block_size,
+            block_tables=self.block_tables[:size], seq_lens=self.context_lens[:size],
+            query_start_loc=self.query_start_loc[: size + 1], max_query_len=1, prefills=[],
+            block_size=self.block_size,
         )
 
     def _forward(self, size: int) -> torch.Tensor:
@@ -155,5 +157,5 @@ class DecodeGraphs:
         self.token_ids[:size].copy_(d_tokens)
         self.positions[:size].copy_(d_positions)
         self.slot_mapping[:size].copy_(d_slots)
-        self.context_lens[:size].copy_(d_lens)  # int64 -> int32, on the device
+        self.context_lens[:size].copy_(d_lens)
         self.block_tables[:size, :width].copy_(d_tables.view(size, width))

@@ -78,30 +78,34 @@ def build_step_inputs(batch: StepBatch, block_size: int, device: torch.device) -
     sampled = [i for i, w in enumerate(works) if w.is_sampled]
     sample_rows = last_rows[sampled]
 
-    # Decodes as one padded batch, truncated to the blocks their context needs.
-    context_lens = starts[:num_decodes] + 1
-    needed = np.minimum(num_blocks[:num_decodes], -(-context_lens // block_size))
-    width = int(needed.max()) if num_decodes else 0
-    # Padding entries point at block 0; the decode paths never read past context_lens.
-    tables = pad_block_tables(blocks, block_starts[:num_decodes], needed, width, pad=0)
+    # Every sequence's table, truncated to the blocks its context needs (the decodes' rows
+    # first); padding entries point at block 0, which no kernel reads past seq_lens.
+    seq_lens = starts + lens
+    needed = -(-seq_lens // block_size)
+    width = int(needed.max()) if len(ordered) else 0
+    tables = pad_block_tables(blocks, block_starts, needed, width, pad=0)
+    query_start = np.concatenate([[0], np.cumsum(lens)])
     prefill_blocks = blocks[int(block_starts[num_decodes]):] if num_decodes < len(ordered) else blocks[:0]
 
-    parts = [token_ids, positions, slots, sample_rows, tables.reshape(-1), context_lens, prefill_blocks]
+    parts = [token_ids, positions, slots, sample_rows, tables.reshape(-1), seq_lens, query_start,
+             prefill_blocks]
     fields = torch.split(upload(np.concatenate(parts), device), [len(p) for p in parts])
-    d_token_ids, d_positions, d_slots, d_sample_rows, d_tables, d_lens, d_prefill_blocks = fields
+    (d_token_ids, d_positions, d_slots, d_sample_rows, d_tables, d_seq_lens, d_query_start,
+     d_prefill_blocks) = fields
 
     meta = AttentionMetadata(
         slot_mapping=d_slots,
         num_decode_tokens=num_decodes,
-        decode_block_tables=d_tables.view(num_decodes, width) if num_decodes else None,
-        decode_context_lens=d_lens.int() if num_decodes else None,  # int32, as the kernel takes them
-        decode_mask=None,
+        block_tables=d_tables.view(len(ordered), width),
+        seq_lens=d_seq_lens,
+        query_start_loc=d_query_start,
+        max_query_len=int(lens.max()) if len(ordered) else 0,
         prefills=_prefill_chunks(row_starts, lens, starts, num_blocks, num_decodes, d_prefill_blocks),
         block_size=block_size,
     )
     if num_decodes and device.type != "cuda":
         meta.decode_host = [
-            (_blocks_selector(ordered[i].block_ids[: int(needed[i])]), int(context_lens[i]))
+            (_blocks_selector(ordered[i].block_ids[: int(needed[i])]), int(seq_lens[i]))
             for i in range(num_decodes)
         ]
     return StepInputs(d_token_ids, d_positions, meta, d_sample_rows, [works[i] for i in sampled])

@@ -1,15 +1,11 @@
-"""Which code paths run where: CUDA graphs and the Triton decode kernel only on CUDA, so the
+"""Which code paths run where: CUDA graphs and the Triton attention kernel only on CUDA, so the
 suite stays green on CPUs; the graph path's inputs and padding, checked here by running its
 static-buffer forward eagerly; and, where a GPU is present, graphs against eager steps."""
 
 from __future__ import annotations
 
-import os
+import itertools
 import random
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,13 +14,12 @@ from shared.config import EngineConfig
 from shared.sampling import SamplingParams
 from shared.step import SequenceWork, StepBatch
 from workers.cuda_graphs import DecodeGraphs, capture_sizes, use_cuda_graphs
-from workers.layers import triton_decode
+from workers.layers import triton_attention
 from workers.model_runner import ModelRunner
 from workers.parallel import SINGLE_DEVICE
 from workers.step_inputs import build_step_inputs
 
 GREEDY = SamplingParams(temperature=0.0)
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _runner(folder, **config) -> ModelRunner:
@@ -38,14 +33,14 @@ def _runner(folder, **config) -> ModelRunner:
 def test_cuda_graphs_are_selected_only_for_cuda_devices() -> None:
     config = EngineConfig(model="unused")
     assert not use_cuda_graphs(config, torch.device("cpu"))
-    assert use_cuda_graphs(config, torch.device("cuda")) == (triton_decode.triton is not None)
+    assert use_cuda_graphs(config, torch.device("cuda")) == (triton_attention.triton is not None)
     assert not use_cuda_graphs(EngineConfig(model="unused", cuda_graphs=False), torch.device("cuda"))
     no_sizes = EngineConfig(model="unused", cuda_graph_max_batch_size=0)
     assert not use_cuda_graphs(no_sizes, torch.device("cuda"))
 
 
-def test_triton_decode_is_never_picked_for_cpu_tensors() -> None:
-    assert not triton_decode.is_available(torch.zeros(2, 4, 16))
+def test_triton_attention_is_never_picked_for_cpu_tensors() -> None:
+    assert not triton_attention.is_available(torch.zeros(2, 4, 16))
 
 
 def test_runner_on_cpu_runs_eagerly_and_keeps_a_scratch_block(tiny_checkpoints) -> None:
@@ -186,6 +181,16 @@ def test_vectorized_step_inputs_match_the_per_token_reference() -> None:
                 assert row[:needed] == w.block_ids[:needed]
         prefills = [w for w in works if len(w.token_ids) > 1]
         assert [c.block_table.tolist() for c in inputs.meta.prefills] == [w.block_ids for w in prefills]
+        # What the CUDA kernel reads: every sequence, decodes first.
+        ordered = decodes + prefills
+        meta = inputs.meta
+        assert meta.seq_lens.tolist() == [w.start_pos + len(w.token_ids) for w in ordered]
+        query_lens = [len(w.token_ids) for w in ordered]
+        assert meta.query_start_loc.tolist() == [0] + list(itertools.accumulate(query_lens))
+        assert meta.max_query_len == max(len(w.token_ids) for w in ordered)
+        for row, w in zip(meta.block_tables.tolist(), ordered, strict=True):
+            needed = -(-(w.start_pos + len(w.token_ids)) // block_size)
+            assert row[:needed] == w.block_ids[:needed]
 
 
 def test_step_inputs_refuse_a_block_table_that_does_not_cover_the_step() -> None:
@@ -194,48 +199,9 @@ def test_step_inputs_refuse_a_block_table_that_does_not_cover_the_step() -> None
         build_step_inputs(StepBatch(0, [work]), 4, torch.device("cpu"))
 
 
-# -- the Triton kernel on graph-shaped inputs, in Triton's interpreter ---------------------
-
-_INTERPRETER_CHECK = textwrap.dedent("""
-    import torch
-    from workers.attention_metadata import AttentionMetadata
-    from workers.layers import triton_decode
-    from workers.layers.attention import PagedAttention
-
-    torch.manual_seed(0)
-    block_size, num_blocks, heads, kv_heads, dim, width = 4, 12, 8, 2, 32, 16
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim)
-    v_cache = torch.randn_like(k_cache)
-    scratch = num_blocks - 1
-    # Graph-shaped: full-width tables, padding rows on the scratch block with length 1, and
-    # garbage (out-of-range block ids) past each row's context that must never be read.
-    tables = torch.full((4, width), 10**6, dtype=torch.long)
-    tables[0, :2] = torch.tensor([3, 5]); tables[1, :3] = torch.tensor([0, 1, 2])
-    tables[2:, 0] = scratch
-    lens = torch.tensor([6, 12, 1, 1])
-    q = torch.randn(4, heads, dim)
-    out = triton_decode.paged_decode(q, k_cache, v_cache, tables, lens, dim**-0.5)
-    safe = torch.where(tables >= num_blocks, scratch, tables)
-    meta = AttentionMetadata(None, 4, safe, lens, None, [], block_size)
-    ref = PagedAttention(heads, kv_heads, dim)._attend_decodes(q, k_cache, v_cache, meta)
-    assert torch.isfinite(out).all()
-    assert (out - ref).abs().max() < 1e-4, (out - ref).abs().max()
-    print("ok")
-""")
-
-
-@pytest.mark.skipif(triton_decode.triton is None or torch.cuda.is_available(),
-                    reason="needs Triton installed; on CUDA hosts the real kernel is tested instead")
-def test_triton_decode_reads_only_the_blocks_of_each_context_in_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETER_CHECK], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
-
-
 # -- on a GPU --------------------------------------------------------------------------------
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or triton_decode.triton is None,
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or triton_attention.triton is None,
                                 reason="needs CUDA and Triton")
 
 

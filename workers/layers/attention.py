@@ -1,12 +1,11 @@
 """Attention over the paged KV cache, for steps that mix prefill chunks and decodes.
 
 The cache of one layer is [2, num_blocks, block_size, num_kv_heads, head_dim]. Each step
-first writes the new tokens' K/V into their slots, then attends:
-- decodes as one padded batch over the blocks their tables name,
+first writes the new tokens' K/V into their slots, then attends. On CUDA one Triton kernel
+(`triton_attention`) serves every token of the step, decodes and prefill chunks alike, each
+over its own sequence's pages. Elsewhere the portable PyTorch path runs:
+- decodes as one padded batch over the blocks their tables name (or per sequence on CPU),
 - each prefill chunk over its cached prefix plus itself, causally.
-Decodes run the fused Triton kernel on CUDA (`triton_decode`) and the portable PyTorch
-path elsewhere; prefill chunks use PyTorch's scaled-dot-product attention, which picks
-flash attention on CUDA for chunks with nothing cached before them.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.attention_metadata import AttentionMetadata, PrefillChunk
-from workers.layers import triton_decode
+from workers.layers import triton_attention
 
 
 class PagedAttention(nn.Module):
@@ -40,15 +39,17 @@ class PagedAttention(nn.Module):
         k_cache.view(-1, self.num_kv_heads, self.head_dim)[meta.slot_mapping] = k
         v_cache.view(-1, self.num_kv_heads, self.head_dim)[meta.slot_mapping] = v
 
+        if triton_attention.is_available(q):
+            out = triton_attention.paged_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                meta.max_query_len, self.scale,
+            )
+            return out.view(q.shape[0], self.num_heads * self.head_dim)
+
         out = torch.empty_like(q)
-        if meta.num_decode_tokens:
-            n = meta.num_decode_tokens
-            if triton_decode.is_available(q):
-                out[:n] = triton_decode.paged_decode(
-                    q[:n], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
-                )
-            else:
-                out[:n] = self._attend_decodes(q[:n], k_cache, v_cache, meta)
+        n = meta.num_decode_tokens
+        if n:
+            out[:n] = self._attend_decodes(q[:n], k_cache, v_cache, meta)
         for chunk in meta.prefills:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
             out[rows] = self._attend_prefill(q[rows], k[rows], v[rows], k_cache, v_cache, chunk)
@@ -62,10 +63,9 @@ class PagedAttention(nn.Module):
             return self._attend_decodes_per_sequence(q, k_cache, v_cache, meta)
         tables = meta.decode_block_tables
         num_decodes = q.shape[0]
-        mask = meta.decode_mask
-        if mask is None:  # built on the device from the lengths: no host round trip
-            key_pos = torch.arange(tables.shape[1] * meta.block_size, device=q.device)
-            mask = (key_pos[None, :] < meta.decode_context_lens[:, None]).view(num_decodes, 1, 1, -1)
+        # Built on the device from the lengths: no host round trip.
+        key_pos = torch.arange(tables.shape[1] * meta.block_size, device=q.device)
+        mask = (key_pos[None, :] < meta.decode_context_lens[:, None]).view(num_decodes, 1, 1, -1)
         # [num_decodes, max_blocks, block_size, kv_heads, head_dim] -> [n, kv_heads, L, head_dim]
         keys = k_cache[tables].view(num_decodes, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
         values = v_cache[tables].view(num_decodes, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)

@@ -1,0 +1,232 @@
+"""Paged attention on CUDA (Triton), one kernel for every step: decodes and prefill chunks alike.
+
+Every query token attends over its own sequence's keys in the paged KV cache, causally by
+position (the step's own K/V are already written there). Tokens are laid out sequence after
+sequence; sequence s owns rows query_start_loc[s] .. query_start_loc[s+1] and its last query
+token sits at position seq_lens[s] - 1.
+
+A program takes BLOCK_Q query tokens of one sequence times the query heads of one KV head
+(grouped-query attention), so its M dimension is BLOCK_Q * GROUP_PAD rows and each K/V tile
+is read once for all of them. Keys come in tiles of BLOCK_N, gathered through the block
+table (a tile spans several pages), both products on the tensor cores, online softmax in
+float32. Decode-only batches have too few programs to fill the GPU at small batch sizes, so
+they can split each sequence's keys over NUM_SEGMENTS programs and combine the partial
+results in a second small kernel (split-K).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the PyTorch path is used instead
+    triton = None
+
+BLOCK_N = 64  # keys per inner iteration: 4 pages of 16
+MIXED_BLOCK_M = 64  # query rows (tokens x heads of a group) per program in steps with prefills
+DECODE_BLOCK_M = 16  # the smallest M of a tensor-core product: one decode token's group, padded
+MAX_SEGMENTS = 16
+
+
+def is_available(q: torch.Tensor) -> bool:
+    return triton is not None and q.is_cuda
+
+
+if triton is not None:
+
+    @triton.jit
+    def _find_sequence(query_start_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
+        """The sequence whose query blocks include program `pid`: sequence s owns programs
+        query_start[s] // BLOCK_Q + s onwards (an upper bound that needs no prefix sum of
+        per-sequence block counts); binary search for the last s at or before pid."""
+        lo = 0
+        hi = num_seqs - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            first = tl.load(query_start_ptr + mid) // BLOCK_Q + mid
+            lo = tl.where(first <= pid, mid, lo)
+            hi = tl.where(first <= pid, hi, mid - 1)
+        return lo
+
+    @triton.jit
+    def _paged_attention_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+        block_tables_ptr, seq_lens_ptr, query_start_ptr, num_seqs, scale,
+        stride_q_tok, stride_q_head,
+        stride_cache_block, stride_cache_token, stride_cache_head,
+        stride_table_seq,
+        stride_out_tok, stride_out_head,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+        PAGE_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+        NUM_SEGMENTS: tl.constexpr, DECODE_ONLY: tl.constexpr, IEEE_DOT: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        segment = tl.program_id(2)
+        if DECODE_ONLY:  # one query token per sequence: program = sequence
+            seq = pid
+            q_block = 0
+        else:
+            seq = _find_sequence(query_start_ptr, num_seqs, pid, BLOCK_Q)
+            q_block = pid - (tl.load(query_start_ptr + seq) // BLOCK_Q + seq)
+        q_start = tl.load(query_start_ptr + seq)
+        q_len = tl.load(query_start_ptr + seq + 1) - q_start
+        if q_block * BLOCK_Q >= q_len:  # a spare program of the upper-bound grid
+            return
+        seq_len = tl.load(seq_lens_ptr + seq)
+        first_pos = seq_len - q_len  # position of the sequence's first query token
+
+        BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+        rows = tl.arange(0, BLOCK_M)
+        q_tok = q_block * BLOCK_Q + rows // GROUP_PAD  # within the sequence
+        head = kv_head * GROUP + rows % GROUP_PAD
+        row_ok = (q_tok < q_len) & (rows % GROUP_PAD < GROUP)
+        d = tl.arange(0, HEAD_DIM_PAD)
+        d_ok = d < HEAD_DIM
+        q_rows = (q_start + q_tok).to(tl.int64)
+        q = tl.load(q_ptr + q_rows[:, None] * stride_q_tok + head[:, None] * stride_q_head + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_PAD]
+        q_pos = first_pos + q_tok
+
+        # Keys this block of queries can see: up to its last token's position.
+        last_tok = tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len) - 1
+        kv_len = first_pos + last_tok + 1
+        num_tiles = tl.cdiv(kv_len, BLOCK_N)
+        tiles_per_segment = tl.cdiv(num_tiles, NUM_SEGMENTS)
+        tile_begin = segment * tiles_per_segment
+        tile_end = tl.minimum(tile_begin + tiles_per_segment, num_tiles)
+
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        denom = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+        table = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
+        n = tl.arange(0, BLOCK_N)
+        for tile in range(tile_begin, tile_end):
+            key_pos = tile * BLOCK_N + n
+            key_ok = key_pos < kv_len
+            page = tl.load(table + key_pos // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
+            key_off = page * stride_cache_block + (key_pos % PAGE_SIZE) * stride_cache_token \
+                + kv_head * stride_cache_head  # [BLOCK_N]
+            kv_mask = key_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_cache_ptr + key_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + key_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if IEEE_DOT:
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                scores = tl.dot(q, tl.trans(k))
+            scores = scores * scale  # [BLOCK_M, BLOCK_N]
+            visible = key_ok[None, :] & (key_pos[None, :] <= q_pos[:, None])
+            scores = tl.where(visible, scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            # A row that sees no key of this tile (causal, or a padding row) keeps m = -inf;
+            # subtracting 0 instead keeps its exponentials at 0 rather than NaN.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(scores - m_safe[:, None])
+            alpha = tl.exp(m - m_safe)
+            denom = denom * alpha + tl.sum(p, axis=1)
+            if IEEE_DOT:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+
+        if NUM_SEGMENTS == 1:
+            out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+            out_offs = q_rows[:, None] * stride_out_tok + head[:, None] * stride_out_head + d[None, :]
+            out_mask = row_ok[:, None] & d_ok[None, :]
+            tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            # Partials [num_tokens, num_heads, NUM_SEGMENTS (, HEAD_DIM_PAD)], unnormalised.
+            part = (q_rows * tl.num_programs(1) * GROUP + head) * NUM_SEGMENTS + segment
+            tl.store(part_max_ptr + part, m, mask=row_ok)
+            tl.store(part_sum_ptr + part, denom, mask=row_ok)
+            tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + d[None, :], acc, mask=row_ok[:, None])
+
+    @triton.jit
+    def _combine_segments_kernel(
+        part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, stride_out_tok, stride_out_head,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+    ):
+        tok = tl.program_id(0)
+        head = tl.program_id(1)
+        base = (tok.to(tl.int64) * tl.num_programs(1) + head) * NUM_SEGMENTS
+        s = tl.arange(0, NUM_SEGMENTS)
+        d = tl.arange(0, HEAD_DIM_PAD)
+        seg_max = tl.load(part_max_ptr + base + s)
+        seg_sum = tl.load(part_sum_ptr + base + s)
+        total_max = tl.max(seg_max, axis=0)
+        weight = tl.exp(seg_max - total_max)  # segments that saw no key: exp(-inf) = 0
+        acc = tl.load(part_acc_ptr + (base + s)[:, None] * HEAD_DIM_PAD + d[None, :])
+        out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(seg_sum * weight, axis=0)
+        out_offs = tok * stride_out_tok + head * stride_out_head + d
+        tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def decode_segments(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """How many programs share one decode sequence's keys: enough for ~2 programs per SM."""
+    if device.type != "cuda":
+        return 4  # the interpreter: exercise the split path
+    target = 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    segments = 1
+    while segments < MAX_SEGMENTS and num_seqs * num_kv_heads * segments * 2 <= target:
+        segments *= 2
+    return segments
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
+    num_segments: int | None = None,
+) -> torch.Tensor:
+    """q: [num_tokens, num_heads, head_dim]; caches: [num_blocks, page_size, kv_heads, head_dim];
+    block_tables: [num_seqs, width]; seq_lens: [num_seqs] int32 (cached + this step's tokens);
+    query_start_loc: [num_seqs + 1] int32; max_query_len: the longest sequence's query count
+    (1 means decode-only, known on the host) -> [num_tokens, num_heads, head_dim]"""
+    num_tokens, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    out = torch.empty_like(q)
+    if num_tokens == 0:
+        return out
+    decode_only = max_query_len == 1
+    block_q = max(1, (DECODE_BLOCK_M if decode_only else MIXED_BLOCK_M) // group_pad)
+    if num_segments is None:
+        num_segments = decode_segments(num_seqs, num_kv_heads, q.device) if decode_only else 1
+    num_programs = num_seqs if decode_only else num_tokens // block_q + num_seqs
+    if num_segments > 1:
+        part_acc = torch.empty((num_tokens, num_heads, num_segments, head_dim_pad), dtype=torch.float32,
+                               device=q.device)
+        part_max = torch.empty((num_tokens, num_heads, num_segments), dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_acc = part_max = part_sum = out  # never touched
+    _paged_attention_kernel[(num_programs, num_kv_heads, num_segments)](
+        q, k_cache, v_cache, out, part_acc, part_max, part_sum,
+        block_tables, seq_lens, query_start_loc, num_seqs, scale,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        PAGE_SIZE=page_size, BLOCK_Q=block_q, BLOCK_N=BLOCK_N, NUM_SEGMENTS=num_segments,
+        DECODE_ONLY=decode_only, IEEE_DOT=q.dtype == torch.float32,
+        num_warps=4, num_stages=2,
+    )
+    if num_segments > 1:
+        _combine_segments_kernel[(num_tokens, num_heads)](
+            part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SEGMENTS=num_segments,
+        )
+    return out
