@@ -2,10 +2,13 @@
 hand on a GPU machine (one call, ~3 minutes):
 
     python3 scripts/profile_gpu.py [--num-requests 500]
+    python3 scripts/profile_gpu.py --kernels        # the attention kernel alone, ~1 minute
 
 Prints: time per step kind (decode-only CUDA-graph steps, mixed prefill+decode steps) with
 their counts and token totals, and the top CUDA kernels and CPU ops of a few steps of each
-kind under torch.profiler.
+kind under torch.profiler. With --kernels: the Triton paged-attention kernel on one layer of
+Llama-3-8B-shaped steps, per tile shape / warps / pipeline depth, as time and as K/V bytes
+read per second (the bound: K/V bytes over the copy bandwidth).
 """
 
 from __future__ import annotations
@@ -29,11 +32,60 @@ from shared.config import EngineConfig  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 
 
+def attention_step(query_lens: list[int], cached: list[int], page_size: int = 16) -> dict:
+    """One layer's kernel inputs on the GPU, Llama-3-8B heads (32 query, 8 KV, dim 128), bf16."""
+    from tests.workers.test_triton_attention import make_step
+
+    step = make_step(query_lens, cached, num_heads=32, num_kv_heads=8, head_dim=128, page_size=page_size,
+                     dtype=torch.bfloat16, device="cuda")
+    step["block_tables"] = step["block_tables"].clamp(max=step["k_cache"].shape[0] - 1)
+    return step
+
+
+def bench_kernels() -> None:
+    """Times the attention kernel per config on decode and mixed steps shaped like the workload."""
+    import random
+
+    import triton
+
+    from workers.layers import triton_attention as ta
+
+    rng = random.Random(0)
+    steps = {
+        "decode b=256, ctx 16..1500": ([1] * 256, [rng.randint(16, 1500) for _ in range(256)]),
+        "decode b=64, ctx 16..1500": ([1] * 64, [rng.randint(16, 1500) for _ in range(64)]),
+        "decode b=1, ctx 256": ([1], [255]),
+        "mixed 100 dec + 30 prefills": ([1] * 100 + [rng.randint(16, 500) for _ in range(30)],
+                                        [rng.randint(16, 1000) for _ in range(100)] + [0] * 30),
+    }
+    configs = [(64, 4, 2), (32, 4, 2), (128, 4, 2), (64, 8, 2), (64, 4, 3), (64, 4, 1), (128, 8, 3)]
+    print("| step | BLOCK_N | warps | stages | us | K/V GB/s |\n| --- | ---: | ---: | ---: | ---: | ---: |")
+    for name, (query_lens, cached) in steps.items():
+        step = attention_step(query_lens, cached)
+        kv_bytes = sum(c + n for c, n in zip(cached, query_lens, strict=True)) * 8 * 128 * 2 * 2
+        args = (step["q"], step["k_cache"], step["v_cache"], step["block_tables"], step["seq_lens"],
+                step["query_start_loc"], max(query_lens), 128**-0.5)
+        for block_n, warps, stages in configs:
+            ta.BLOCK_N, ta.NUM_WARPS, ta.NUM_STAGES = block_n, warps, stages
+            row = f"| {name} | {block_n} | {warps} | {stages} |"
+            try:
+                ms = triton.testing.do_bench(lambda args=args: ta.paged_attention(*args), warmup=50, rep=200,
+                                             return_mode="median")
+                print(f"{row} {ms * 1e3:.1f} | {kv_bytes / ms / 1e6:,.0f} |", flush=True)
+            except Exception as exc:  # noqa: BLE001 - a config that does not compile is a row too
+                print(f"{row} failed: {type(exc).__name__} | |", flush=True)
+    ta.BLOCK_N, ta.NUM_WARPS, ta.NUM_STAGES = 64, 4, 2
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--num-requests", type=int, default=500)
+    parser.add_argument("--kernels", action="store_true", help="time the attention kernel alone")
     args = parser.parse_args()
     print("command:", " ".join(sys.argv), flush=True)
+    if args.kernels:
+        bench_kernels()
+        return
     device = torch.device("cuda")
     model = build_model(LLAMA3_8B, device)
     folder = checkpoint_folder(16 << 30)

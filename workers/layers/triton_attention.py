@@ -30,6 +30,8 @@ BLOCK_N = 64  # keys per inner iteration: 4 pages of 16
 MIXED_BLOCK_M = 64  # query rows (tokens x heads of a group) per program in steps with prefills
 DECODE_BLOCK_M = 16  # the smallest M of a tensor-core product: one decode token's group, padded
 MAX_SEGMENTS = 16
+NUM_WARPS = 4
+NUM_STAGES = 2  # software pipelining of the K/V tile loads
 
 
 def is_available(q: torch.Tensor) -> bool:
@@ -222,7 +224,7 @@ def paged_attention(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         PAGE_SIZE=page_size, BLOCK_Q=block_q, BLOCK_N=BLOCK_N, NUM_SEGMENTS=num_segments,
         DECODE_ONLY=decode_only, IEEE_DOT=q.dtype == torch.float32,
-        num_warps=4, num_stages=2,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     if num_segments > 1:
         _combine_segments_kernel[(num_tokens, num_heads)](
