@@ -8,7 +8,9 @@ from collections.abc import AsyncIterator
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from gateway.appkeys import FLEET, METRICS, MODELS, REDIS, ROUTER, SETTINGS, STORE, TASKS
+from gateway.appkeys import FLEET, JOBS, METRICS, MODELS, REDIS, ROUTER, SETTINGS, STORE, TASKS
+from gateway.batch_ingester import BatchIngester
+from gateway.batch_jobs import JobStore
 from gateway.fleet import Fleet
 from gateway.metrics import GatewayMetrics
 from gateway.middlewares import auth_middleware, error_middleware, request_id_middleware
@@ -42,6 +44,7 @@ async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
     app[STORE] = RequestStore(client, GatewayKeys(settings.key_prefix), result_ttl_s=settings.result_ttl_s,
                               cancel_ttl_s=settings.cancel_ttl_s,
                               idempotency_ttl_s=settings.idempotency_ttl_s)
+    app[JOBS] = JobStore(client, GatewayKeys(settings.key_prefix), record_ttl_s=settings.result_ttl_s)
     yield
     await client.aclose()
     await pool.aclose()
@@ -74,6 +77,20 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
     await asyncio.gather(task, return_exceptions=True)
 
 
+async def _batch_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The batch ingester of this process (gateway/batch_ingester.py), unless turned off."""
+    settings = app[SETTINGS]
+    if not settings.batch_ingester:
+        yield
+        return
+    ingester = BatchIngester(app[REDIS], GatewayKeys(settings.key_prefix), app[MODELS], settings)
+    stop = asyncio.Event()
+    task = asyncio.create_task(ingester.run(stop), name="batch-ingester")
+    yield
+    stop.set()
+    await asyncio.gather(task, return_exceptions=True)
+
+
 def create_app(settings: GatewaySettings) -> web.Application:
     app = web.Application(
         middlewares=[request_id_middleware, error_middleware, auth_middleware],
@@ -82,7 +99,7 @@ def create_app(settings: GatewaySettings) -> web.Application:
     app[SETTINGS] = settings
     app[METRICS] = GatewayMetrics()
     # Opened in this order, closed in reverse: tasks close while Redis and the router live.
-    app.cleanup_ctx.extend([_models_ctx, _redis_ctx, _router_ctx, _tasks_ctx, _fleet_ctx])
+    app.cleanup_ctx.extend([_models_ctx, _redis_ctx, _router_ctx, _tasks_ctx, _fleet_ctx, _batch_ctx])
     for route in ROUTES:
         app.router.add_route(route.method, route.path, route.handler)
     document = openapi_document(secured=bool(settings.api_keys))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import redis.asyncio as aioredis
 from aiohttp import web
 
+from gateway.batch_jobs import JobStore
 from gateway.fleet import Fleet
 from gateway.metrics import GatewayMetrics
 from gateway.models import ModelRegistry
@@ -21,3 +22,4 @@ STORE = web.AppKey("store", RequestStore)
 ROUTER = web.AppKey("router", EventRouter)
 FLEET = web.AppKey("fleet", Fleet)
 TASKS = web.AppKey("tasks", TaskSet)
+JOBS = web.AppKey("jobs", JobStore)

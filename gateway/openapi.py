@@ -37,6 +37,8 @@ def _operation(route: Route, components: _Components) -> dict:
     if route.body is not None:
         schema = components.ref(route.body)
         op["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema}}}
+    if route.form is not None:
+        op["requestBody"] = {"required": True, "content": {"multipart/form-data": {"schema": route.form}}}
     content: dict = {}
     if route.response is not None and not route.sse_only:
         content["application/json"] = {"schema": components.ref(route.response)}

@@ -8,13 +8,21 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from pydantic import BaseModel, TypeAdapter
 
-from gateway import ops_api, requests_api, responses
+from gateway import batches_api, files_api, ops_api, requests_api, responses
 from gateway.openai_api import chat_completions, completions
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from shared.keys import JOB_ID_PATTERN
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 REQ_ID_PARAM = {"name": "req_id", "in": "path", "required": True,
                 "schema": {"type": "string", "pattern": "^[0-9a-f]{32}$"}}
+
+FILE_ID_PARAM = {"name": "file_id", "in": "path", "required": True,
+                 "schema": {"type": "string", "pattern": files_api.FILE_ID_PATTERN}}
+BATCH_ID_PARAM = {"name": "batch_id", "in": "path", "required": True,
+                  "schema": {"type": "string", "pattern": JOB_ID_PATTERN}}
+UPLOAD_FORM = {"type": "object", "required": ["file", "purpose"], "properties": {
+    "file": {"type": "string", "format": "binary"}, "purpose": {"type": "string", "enum": ["batch"]}}}
 
 
 @dataclass
@@ -30,6 +38,7 @@ class Route:
     sse_only: bool = False
     errors: tuple[int, ...] = (400, 401, 404, 413, 429, 503)
     parameters: list[dict] = field(default_factory=list)
+    form: dict | None = None  # a multipart/form-data body: its JSON schema
 
 
 ROUTES = [
@@ -58,6 +67,29 @@ ROUTES = [
           errors=(400, 401, 404, 503),
           parameters=[REQ_ID_PARAM, {"name": "Last-Event-ID", "in": "header", "required": False,
                                      "schema": {"type": "string", "pattern": "^[0-9]+$"}}]),
+    Route("POST", "/v1/files", files_api.upload, "Upload a batch job's input (JSONL, purpose 'batch')",
+          response=files_api.FileObject, form=UPLOAD_FORM, errors=(400, 401, 413, 503)),
+    Route("GET", "/v1/files", files_api.list_files, "Uploaded files, newest first",
+          response=files_api.FileList, errors=(401, 503)),
+    Route("GET", "/v1/files/{file_id}", files_api.retrieve, "One file's description",
+          response=files_api.FileObject, errors=(401, 404, 503), parameters=[FILE_ID_PARAM]),
+    Route("GET", "/v1/files/{file_id}/content", files_api.content,
+          "A file's content (a finished batch's results: file-{batch}-output / -errors)",
+          errors=(401, 404, 503), parameters=[FILE_ID_PARAM]),
+    Route("DELETE", "/v1/files/{file_id}", files_api.delete, "Delete an uploaded file",
+          response=files_api.FileDeleted, errors=(401, 404, 503), parameters=[FILE_ID_PARAM]),
+    Route("POST", "/v1/batches", batches_api.create, "Create a batch job from an uploaded file",
+          batches_api.BatchCreate, batches_api.BatchObject, errors=(400, 401, 404, 413, 503)),
+    Route("GET", "/v1/batches", batches_api.list_batches, "Batch jobs, newest first",
+          response=batches_api.BatchList, errors=(400, 401, 503),
+          parameters=[{"name": "limit", "in": "query", "required": False,
+                       "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
+                      {"name": "after", "in": "query", "required": False, "schema": {"type": "string"}}]),
+    Route("GET", "/v1/batches/{batch_id}", batches_api.retrieve, "One batch job: status and request counts",
+          response=batches_api.BatchObject, errors=(401, 404, 503), parameters=[BATCH_ID_PARAM]),
+    Route("POST", "/v1/batches/{batch_id}/cancel", batches_api.cancel,
+          "Cancel a batch job: queued lines are cancelled, unqueued ones written off",
+          response=batches_api.BatchObject, errors=(401, 404, 409, 503), parameters=[BATCH_ID_PARAM]),
     Route("GET", "/health", ops_api.health, "The process is up", response=responses.Health, errors=()),
     Route("GET", "/ready", ops_api.ready, "Redis answers and a live scheduler serves a fronted model",
           response=responses.Ready, errors=(503,)),

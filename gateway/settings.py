@@ -38,3 +38,9 @@ class GatewaySettings:
     scheduler_grace_s: float = 10.0  # a scheduler seen this recently still counts as live
     fleet_refresh_s: float = 1.0  # how often heartbeats and queue depths are read
     cancel_wait_s: float = 2.0  # DELETE waits this long for the terminal state
+    # Batch jobs (gateway/batch_ingester.py, /v1/files, /v1/batches).
+    batch_ingester: bool = True  # run a batch ingester inside this process
+    batch_max_inflight: int = 1024  # per job: lines queued whose output is not written yet
+    batch_max_lines: int = 1_000_000  # per job
+    batch_lease_s: float = 10.0  # a job entry or notice pending this long is taken over
+    max_file_bytes: int = 512 << 20  # an uploaded file (Redis caps a value at 512 MiB)

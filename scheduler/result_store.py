@@ -5,6 +5,10 @@ round trip) checks that this scheduler still owns the request, mirrors the new s
 the hash, publishes the event on `tf:ev:{id}` and, for a terminal state, acknowledges the
 stream entry. Ownership fencing is what makes takeover safe: once a successor has claimed
 a request, a slow predecessor's writes are refused instead of interleaving.
+
+A batch item's terminal write also appends a notice to `tf:batch:done`, in the same call and
+only on the first terminal write, so the batch ingesters learn of every finished item exactly
+when (and as surely as) its result exists.
 """
 
 from __future__ import annotations
@@ -17,19 +21,27 @@ import msgpack
 import redis
 
 from shared.keys import CONSUMER_GROUP, Keys
+from shared.messages import TERMINAL_STATES
 
-# KEYS: result hash, request stream.  ARGV: owner, channel ('' = none), event, ttl,
-# entry id to acknowledge ('' = none), then field/value pairs.
+# KEYS: result hash, request stream, [batch notice stream].  ARGV: owner, channel ('' = none),
+# event, ttl, entry id to acknowledge ('' = none), notice req id ('' = none), notice job id,
+# then field/value pairs.
 _WRITE_SCRIPT = """
 local owner = redis.call('HGET', KEYS[1], 'owner')
 if owner and owner ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'owner', ARGV[1], unpack(ARGV, 6))
+local notify = false
+if ARGV[6] ~= '' then
+  local state = redis.call('HGET', KEYS[1], 'state')
+  notify = not (state == 'completed' or state == 'failed' or state == 'cancelled' or state == 'expired')
+end
+redis.call('HSET', KEYS[1], 'owner', ARGV[1], unpack(ARGV, 8))
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
 if ARGV[2] ~= '' then redis.call('PUBLISH', ARGV[2], ARGV[3]) end
 if ARGV[5] ~= '' then
   redis.call('XACK', KEYS[2], 'GROUP', ARGV[5])
   redis.call('XDEL', KEYS[2], ARGV[5])
 end
+if notify then redis.call('XADD', KEYS[3], '*', 'req', ARGV[6], 'job', ARGV[7]) end
 return 1
 """.replace("'GROUP'", f"'{CONSUMER_GROUP}'")
 
@@ -53,6 +65,7 @@ class ResultUpdate:
     fields: dict[str, object]  # hash fields to set (values: str, int, float or bytes)
     event: bytes | None = None  # published on tf:ev:{id} when given
     ack_entry_id: str | None = None  # acknowledged (and deleted) with a terminal state
+    batch_job_id: str | None = None  # a batch item's terminal write notifies the ingesters
 
 
 class ResultStore:
@@ -76,9 +89,15 @@ class ResultStore:
                 self.ttl_s,
                 update.ack_entry_id or "",
             ]
+            keys = [self.keys.result(update.req_id), update.stream]
+            if update.batch_job_id is not None and update.fields.get("state") in TERMINAL_STATES:
+                args += [update.req_id, update.batch_job_id]
+                keys.append(self.keys.batch_done)
+            else:
+                args += ["", ""]
             for name, value in update.fields.items():
                 args += [name, value]
-            self._write(keys=[self.keys.result(update.req_id), update.stream], args=args, client=pipe)
+            self._write(keys=keys, args=args, client=pipe)
         return [bool(ok) for ok in pipe.execute()]
 
     def claim(self, req_id: str) -> StoredProgress:

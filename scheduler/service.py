@@ -37,6 +37,9 @@ from shared.messages import (
 )
 
 MAX_BACKOFF_S = 5.0
+# A batch item's priority in the engine: below every interactive request (whose priority is
+# an int32), so an interactive arrival preempts batch work when slots or blocks are short.
+BATCH_PRIORITY_OFFSET = 2**32
 
 
 @dataclass
@@ -69,6 +72,11 @@ class InFlight:
     deadline: float | None = None
     first_token_at: float | None = None
     abort_state: str = "cancelled"  # what an abort means for it: cancelled or expired
+    batch_job_id: str | None = None  # a batch item: written only when it ends, nobody streams it
+
+    @property
+    def is_batch(self) -> bool:
+        return self.batch_job_id is not None
 
 
 class SchedulerService:
@@ -146,21 +154,27 @@ class SchedulerService:
 
     # -- admission ------------------------------------------------------------------------
 
-    def _capacity(self) -> int:
+    def _capacity(self) -> tuple[int, int]:
+        """(interactive, batch) entries to read now. Batch items fill free slots only; an
+        interactive request may also take a slot a batch item holds (the engine preempts it)."""
         scheduler = self.engine.scheduler
         in_engine = scheduler.num_running_requests + scheduler.num_waiting_requests
-        return self.engine.config.max_num_seqs - in_engine
+        num_batch = sum(1 for flight in self.inflight.values() if flight.is_batch)
+        max_num_seqs = self.engine.config.max_num_seqs
+        return max_num_seqs - (in_engine - num_batch), max_num_seqs - in_engine
 
     def _admit(self, *, block: bool) -> None:
-        capacity = self._capacity()
-        if capacity <= 0:
+        interactive_room, batch_room = self._capacity()
+        if interactive_room <= 0:
             return
-        entries: list[tuple[str, str, dict]] = []
-        for stream in self.streams:  # interactive first, then batch
-            if len(entries) < capacity:
-                entries += self._read({stream: ">"}, capacity - len(entries), None)
+        interactive, batch = self.streams
+        entries: list[tuple[str, str, dict]] = self._read({interactive: ">"}, interactive_room, None)
+        batch_room -= len(entries)
+        if batch_room > 0:
+            entries += self._read({batch: ">"}, batch_room, None)
         if not entries and block:
-            entries = self._read({s: ">" for s in self.streams}, capacity, self.settings.idle_block_ms)
+            entries = self._read({s: ">" for s in self.streams}, max(1, batch_room),
+                                 self.settings.idle_block_ms)
         for stream, entry_id, fields in entries:
             self._admit_entry(stream, entry_id, fields, num_deliveries=1)
 
@@ -182,15 +196,16 @@ class SchedulerService:
             return  # ours already (claimed back from ourselves)
         if num_deliveries > self.settings.max_deliveries:
             self._dead_letter(stream, entry_id, f"delivered {num_deliveries} times", num_deliveries,
-                              payload, message.req_id)
+                              payload, message.req_id, message.batch_job_id)
             return
         progress = self.results.claim(message.req_id)
         flight = InFlight(message.req_id, stream, entry_id, len(message.prompt_token_ids),
                           seq=progress.seq, token_ids=list(progress.token_ids), text=progress.text,
-                          offsets=list(progress.offsets), deadline=message.deadline)
+                          offsets=list(progress.offsets), deadline=message.deadline,
+                          batch_job_id=message.batch_job_id)
         if progress.state in TERMINAL_STATES:
             self._pending.append(ResultUpdate(message.req_id, stream, {}, ack_entry_id=entry_id))
-            return
+            return  # (no notice: the write that made it terminal sent one)
         if self.client.exists(self.keys.cancelled(message.req_id)):
             self._finish_unrun(flight, "cancelled", "cancelled", "cancelled before it started")
             return
@@ -200,14 +215,16 @@ class SchedulerService:
         try:
             sampling = message.sampling_params()
             flight.wants_logprobs = sampling.logprobs is not None
+            priority = message.priority + (BATCH_PRIORITY_OFFSET if flight.is_batch else 0)
             self.engine.add_request(
-                message.prompt_token_ids, sampling, priority=message.priority, req_id=message.req_id,
+                message.prompt_token_ids, sampling, priority=priority, req_id=message.req_id,
                 arrival_time=message.arrival_time, output_token_ids=progress.token_ids,
                 output_text=progress.text,
             )
         except (InvalidRequestError, MessageDecodeError) as exc:
             text = getattr(exc, "message", str(exc))
-            self._dead_letter(stream, entry_id, f"invalid: {text}", num_deliveries, payload, message.req_id)
+            self._dead_letter(stream, entry_id, f"invalid: {text}", num_deliveries, payload, message.req_id,
+                              message.batch_job_id)
             return
         self.inflight[message.req_id] = flight
         resumed = {"resumed_from_seq": progress.seq} if progress.seq else {}
@@ -226,10 +243,11 @@ class SchedulerService:
         fields = terminal_fields(state, error_code=code, error_message=message, seq=flight.seq,
                                  offsets=msgpack.packb(flight.offsets))
         self._pending.append(ResultUpdate(flight.req_id, flight.stream, fields, event=event,
-                                          ack_entry_id=flight.entry_id))
+                                          ack_entry_id=flight.entry_id, batch_job_id=flight.batch_job_id))
 
     def _dead_letter(self, stream: str, entry_id: str, reason: str, num_deliveries: int,
-                     payload: bytes | None, req_id: str | None = None) -> None:
+                     payload: bytes | None, req_id: str | None = None,
+                     batch_job_id: str | None = None) -> None:
         """Set a poison entry aside in tf:dead (with a failed result when it names a request)."""
         self.log.warning("dead_letter", stream=stream, entry_id=entry_id, reason=reason, req_id=req_id)
         letter = DeadLetter(stream, entry_id, reason, num_deliveries, req_id, payload or b"")
@@ -239,7 +257,7 @@ class SchedulerService:
             progress = self.results.claim(req_id)
             flight = InFlight(req_id, stream, entry_id, 0, seq=progress.seq,
                               token_ids=list(progress.token_ids), text=progress.text,
-                              offsets=list(progress.offsets))
+                              offsets=list(progress.offsets), batch_job_id=batch_job_id)
             self._finish_unrun(flight, "failed", "dead_letter", reason)
         else:
             pipe = self.client.pipeline()
@@ -262,17 +280,15 @@ class SchedulerService:
             flight.token_ids += out.new_token_ids
             flight.text += out.text_delta
             flight.offsets.append([len(flight.token_ids), len(flight.text)])
-            fields: dict[str, object] = {"seq": flight.seq, "text": flight.text,
-                                         "token_ids": msgpack.packb(flight.token_ids),
-                                         "offsets": msgpack.packb(flight.offsets)}
             if out.new_token_ids and flight.first_token_at is None:
                 flight.first_token_at = now
-                fields["first_token_at"] = now
             logprobs = None
             if flight.wants_logprobs and out.logprobs:
                 logprobs = [[lp.token_id, lp.logprob, lp.top_logprobs] for lp in out.logprobs]
                 flight.logprobs += logprobs
-                fields["logprobs"] = msgpack.packb(flight.logprobs)
+            if flight.is_batch and not out.finished:
+                continue  # nobody streams a batch item: its record is written once, at the end
+            fields = self._progress_fields(flight)
             event = TokenEvent(out.req_id, flight.seq, out.new_token_ids, out.text_delta, logprobs)
             ack = None
             if out.finished:
@@ -288,8 +304,22 @@ class SchedulerService:
                     fields["stop_reason"] = str(out.stop_reason)
                 ack = flight.entry_id
                 del self.inflight[out.req_id]
-            updates.append(ResultUpdate(out.req_id, flight.stream, fields, event.encode(), ack))
+            updates.append(ResultUpdate(out.req_id, flight.stream, fields,
+                                        None if flight.is_batch else event.encode(), ack,
+                                        batch_job_id=flight.batch_job_id))
         return updates
+
+    @staticmethod
+    def _progress_fields(flight: InFlight) -> dict[str, object]:
+        """Everything delivered so far, as tf:res fields (a successor resumes from them)."""
+        fields: dict[str, object] = {"seq": flight.seq, "text": flight.text,
+                                     "token_ids": msgpack.packb(flight.token_ids),
+                                     "offsets": msgpack.packb(flight.offsets)}
+        if flight.first_token_at is not None:
+            fields["first_token_at"] = flight.first_token_at
+        if flight.logprobs:
+            fields["logprobs"] = msgpack.packb(flight.logprobs)
+        return fields
 
     # -- maintenance ---------------------------------------------------------------------
 

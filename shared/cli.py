@@ -82,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(sched, "key-prefix", default="tf:", help="prefix of every Redis key")
     _add_gateway_parser(commands)
     _add_up_parser(commands)
+    _add_batch_parser(commands)
     return parser
 
 
@@ -112,6 +113,45 @@ def _add_up_parser(commands) -> None:
     _flag(up, "dtype", help="float32, bfloat16 or float16 (default: by device)")
     _flag(up, "num-kv-blocks", type=int, help="KV cache blocks per replica (default: from memory)")
     _flag(up, "max-num-seqs", type=int, default=256, help="cap on running sequences per replica")
+
+
+def _add_batch_parser(commands) -> None:
+    batch = commands.add_parser("batch", help="batch jobs: submit, status, cancel, results; the ingester")
+    actions = batch.add_subparsers(dest="batch_command", required=True)
+    submit = actions.add_parser("submit",
+                                help="submit a JSONL file (OpenAI Batch input lines); print the job id")
+    submit.add_argument("file", metavar="FILE.jsonl")
+    _flag(submit, "model", help="the job's model (default: the lines' body.model)")
+    _flag(submit, "endpoint", help="every line's url must be this (/v1/chat/completions or /v1/completions)")
+    _flag(submit, "job-id", help="the job's id (default: batch_<random>)")
+    _flag(submit, "completion-window", default="24h", help="the job expires after this (24h, 90m, 3600s)")
+    _flag(submit, "metadata", help="a JSON object kept with the job")
+    _flag(submit, "wait", action="store_true", help="follow the job with a progress bar until it ends")
+    _flag(submit, "output", help="with --wait: write the result lines to this file")
+    for name, text in (("status", "the job as a JSON object (OpenAI's Batch)"),
+                       ("cancel", "cancel the job: queued lines are cancelled, the rest written off"),
+                       ("results", "the job's output lines (JSONL), as far as written")):
+        action = actions.add_parser(name, help=text)
+        action.add_argument("job", metavar="JOB")
+        if name == "results":
+            _flag(action, "output", help="write them to this file instead of stdout")
+    ingester = actions.add_parser("ingester", help="a batch ingester alone (the gateway runs one too)")
+    _list_flag(ingester, "model",
+               help="model folder whose jobs it takes (repeatable; default: the default model)")
+    _flag(ingester, "max-inflight", type=int, default=1024, help="per job: queued lines not yet written")
+    _flag(ingester, "lease-s", type=float, default=10.0,
+          help="work a dead ingester left is taken over after this")
+    for action in (submit, ingester, *(actions.choices[n] for n in ("status", "cancel", "results"))):
+        _flag(action, "redis-url", help="Redis (default: the fleet's from $TOKENFLEET_HOME/fleet.json)")
+        _flag(action, "key-prefix", default="tf:", help="prefix of every Redis key")
+
+
+def _cmd_batch(args: argparse.Namespace) -> int:
+    from gateway.batch_cli import run_batch_command
+
+    if args.batch_command == "ingester":
+        args.model_paths = _list_value(args, "model") or [_resolve_model(None)]
+    return run_batch_command(args)
 
 
 def _add_gateway_parser(commands) -> None:
@@ -274,7 +314,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"generate": _cmd_generate, "model": _cmd_model_fetch, "scheduler": _cmd_scheduler,
-            "gateway": _cmd_gateway, "up": _cmd_up}
+            "gateway": _cmd_gateway, "up": _cmd_up, "batch": _cmd_batch}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ from shared.config import EngineConfig
 from shared.sampling import SamplingParams
 from shared.step import SequenceWork, StepBatch
 from workers.cuda_graphs import DecodeGraphs, capture_sizes, use_cuda_graphs
-from workers.layers import triton_attention
+from workers.layers import triton_attention, triton_fused
 from workers.model_runner import ModelRunner
 from workers.parallel import SINGLE_DEVICE
 from workers.step_inputs import build_step_inputs
@@ -39,8 +39,9 @@ def test_cuda_graphs_are_selected_only_for_cuda_devices() -> None:
     assert not use_cuda_graphs(no_sizes, torch.device("cuda"))
 
 
-def test_triton_attention_is_never_picked_for_cpu_tensors() -> None:
+def test_triton_kernels_are_never_picked_for_cpu_tensors() -> None:
     assert not triton_attention.is_available(torch.zeros(2, 4, 16))
+    assert not triton_fused.is_available(torch.zeros(2, 4, 16))
 
 
 def test_runner_on_cpu_runs_eagerly_and_keeps_a_scratch_block(tiny_checkpoints) -> None:

@@ -121,6 +121,17 @@ def test_random_steps_match_reference_on_cuda() -> None:
         assert relative_error(step, max_query_len=max(query_lens)) < 1e-2, (query_lens, cached)
 
 
+@needs_cuda
+def test_steps_of_more_sequences_than_one_search_vector_on_cuda() -> None:
+    query_lens, cached = [1] * 150 + [40, 300, 7], list(range(0, 600, 4)) + [0, 100, 9]
+    step = make_step(query_lens, cached, num_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+                     dtype=torch.bfloat16, device="cuda")
+    assert relative_error(step, max_query_len=300) < 1e-2
+    decodes = make_step([1] * 300, list(range(300)), num_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+                        dtype=torch.bfloat16, device="cuda")
+    assert relative_error(decodes, max_query_len=1) < 1e-2
+
+
 # -- in Triton's interpreter, on CPU hosts -------------------------------------------------
 
 _INTERPRETER_CHECK = """

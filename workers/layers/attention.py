@@ -1,7 +1,8 @@
 """Attention over the paged KV cache, for steps that mix prefill chunks and decodes.
 
 The cache of one layer is [2, num_blocks, block_size, num_kv_heads, head_dim]. Each step
-first writes the new tokens' K/V into their slots, then attends. On CUDA one Triton kernel
+first applies the rotary embedding to q and k and writes the new tokens' K/V into their
+slots (one fused kernel on CUDA, `triton_fused.rope_and_store`), then attends. On CUDA one Triton kernel
 (`triton_attention`) serves every token of the step, decodes and prefill chunks alike, each
 over its own sequence's pages. Elsewhere the portable PyTorch path runs:
 - decodes as one padded batch over the blocks their tables name (or per sequence on CPU),
@@ -15,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.attention_metadata import AttentionMetadata, PrefillChunk
-from workers.layers import triton_attention
+from workers.layers import triton_attention, triton_fused
+from workers.layers.rotary import RotaryEmbedding
 
 
 class PagedAttention(nn.Module):
@@ -28,16 +30,24 @@ class PagedAttention(nn.Module):
 
     def forward(
         self,
+        positions: torch.Tensor,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        rotary: RotaryEmbedding,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        # positions: [num_tokens]; q: [num_tokens, num_heads, head_dim] and k, v:
+        # [num_tokens, num_kv_heads, head_dim], before the rotary embedding -> [num_tokens, heads * dim]
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        k_cache.view(-1, self.num_kv_heads, self.head_dim)[meta.slot_mapping] = k
-        v_cache.view(-1, self.num_kv_heads, self.head_dim)[meta.slot_mapping] = v
+        if triton_fused.is_available(q):
+            q = triton_fused.rope_and_store(q, k, v, positions, rotary.cos, rotary.sin, k_cache, v_cache,
+                                            meta.slot_mapping)
+        else:
+            q, k = rotary(positions, q, k)
+            k_cache.view(-1, self.num_kv_heads, self.head_dim)[meta.slot_mapping] = k
+            v_cache.view(-1, self.num_kv_heads, self.head_dim)[meta.slot_mapping] = v
 
         if triton_attention.is_available(q):
             out = triton_attention.paged_attention(

@@ -41,18 +41,18 @@ def is_available(q: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _find_sequence(query_start_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
+    def _find_sequence(query_start_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr, SEARCH: tl.constexpr):
         """The sequence whose query blocks include program `pid`: sequence s owns programs
         query_start[s] // BLOCK_Q + s onwards (an upper bound that needs no prefix sum of
-        per-sequence block counts); binary search for the last s at or before pid."""
-        lo = 0
-        hi = num_seqs - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            first = tl.load(query_start_ptr + mid) // BLOCK_Q + mid
-            lo = tl.where(first <= pid, mid, lo)
-            hi = tl.where(first <= pid, hi, mid - 1)
-        return lo
+        per-sequence block counts), which increases with s; so s is the number of sequences
+        starting at or before pid, less one. Counted SEARCH sequences per vector load: a
+        binary search would be ~8 dependent loads per program."""
+        count = 0
+        for base in range(0, num_seqs, SEARCH):
+            s = base + tl.arange(0, SEARCH)
+            first = tl.load(query_start_ptr + s, mask=s < num_seqs, other=1 << 40) // BLOCK_Q + s
+            count += tl.sum((first <= pid).to(tl.int32), axis=0)
+        return count - 1
 
     @triton.jit
     def _paged_attention_kernel(
@@ -73,7 +73,7 @@ if triton is not None:
             seq = pid
             q_block = 0
         else:
-            seq = _find_sequence(query_start_ptr, num_seqs, pid, BLOCK_Q)
+            seq = _find_sequence(query_start_ptr, num_seqs, pid, BLOCK_Q, 128)
             q_block = pid - (tl.load(query_start_ptr + seq) // BLOCK_Q + seq)
         q_start = tl.load(query_start_ptr + seq)
         q_len = tl.load(query_start_ptr + seq + 1) - q_start

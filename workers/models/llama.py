@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.attention_metadata import AttentionMetadata
+from workers.layers import triton_fused
 from workers.layers.attention import PagedAttention
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from workers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -52,8 +53,7 @@ class LlamaAttention(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         q, k, v = self.project_qkv(x)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+        return self.o_proj(self.attn(positions, q, k, v, self.rotary, kv_cache, meta))
 
 
 class LlamaMLP(nn.Module):
@@ -64,7 +64,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
+        if triton_fused.is_available(gate_up):
+            return self.down_proj(triton_fused.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

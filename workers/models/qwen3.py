@@ -27,8 +27,8 @@ class Qwen3Attention(LlamaAttention):
         self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         q, k, v = self.project_qkv(x)
-        q, k = self.rotary(positions, self.q_norm(q), self.k_norm(k))
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+        q, k = self.q_norm(q), self.k_norm(k)
+        return self.o_proj(self.attn(positions, q, k, v, self.rotary, kv_cache, meta))
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):

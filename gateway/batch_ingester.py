@@ -1,0 +1,452 @@
+"""The batch ingester: takes jobs from `tf:batch:in`, queues their lines as batch requests,
+and writes each line's result to `tf:batch:{job}:out`. It runs inside every gateway process
+(and alone, as `tokenfleet batch ingester`); any number run side by side.
+
+Four loops:
+- intake: one entry of `tf:batch:in` (consumer group "ingesters") -> the job checked line by
+  line, its lines staged, then committed in one atomic step (gateway/batch_jobs.py);
+- feed: every active job is topped up to `batch_max_inflight` queued-but-unwritten lines,
+  a compare-and-set per chunk, so that a million-line job holds at most that many requests
+  in Redis at once;
+- collect: the schedulers append a notice to `tf:batch:done` with each batch item's terminal
+  state; the line's output is built (the same response object the REST route answers) and
+  appended once (a bitmap per job makes a repeat a no-op);
+- maintenance: entries and notices a dead ingester left pending are taken over after
+  `batch_lease_s`; jobs past their window expire; stopping jobs have their queued items
+  cancelled and their unqueued lines written off; finished jobs are finalized.
+Nothing is acknowledged before its effect is written, so a killed ingester loses nothing: a
+successor redoes what was pending, and the atomic steps make the redo harmless.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import socket
+import time
+import uuid
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from gateway.batch_jobs import Job, JobStore, is_written, item_req_id, parse_item_req_id
+from gateway.batch_lines import (
+    URLS,
+    LineItem,
+    check_lines,
+    error_line,
+    output_line,
+    parse_line,
+    refusal_of,
+    refused_line,
+    split_lines,
+)
+from gateway.errors import GatewayError
+from gateway.models import ModelRegistry
+from gateway.openai_format import ChoiceOutput, chat_completion, text_completion
+from gateway.params import Plan, plan_chat, plan_completion
+from gateway.records import ResultRecord
+from gateway.settings import GatewaySettings
+from shared.keys import INGESTER_GROUP, JOB_ID_PATTERN, Keys
+from shared.logging import get_logger
+from shared.messages import RequestMessage
+
+ENTRY_FIELDS = ("job_id", "model", "lines", "input_file_id", "endpoint", "completion_window", "metadata")
+FEED_CHUNK = 128  # lines queued per compare-and-set
+WINDOW_PATTERN = re.compile(r"^([1-9][0-9]{0,6})([smhd])$")
+WINDOW_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+log = get_logger("tokenfleet.batch")
+
+
+def parse_window(text: str) -> float:
+    """"24h" -> seconds; ValueError naming the accepted forms otherwise."""
+    match = WINDOW_PATTERN.match(text)
+    if match is None:
+        raise ValueError(f"completion_window {text!r} is not a duration such as 24h, 90m or 3600s")
+    return int(match.group(1)) * WINDOW_UNITS[match.group(2)]
+
+
+def job_id_for_entry(entry_id: str) -> str:
+    """A job submitted without a job_id is named after its entry, so a retried intake finds it."""
+    return "batch_" + entry_id.replace("-", "_")
+
+
+class JobRefused(Exception):
+    def __init__(self, code: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.error = {"code": code, "message": message, "param": param, "line": None}
+
+
+class BatchIngester:
+    def __init__(self, client: aioredis.Redis, keys: Keys, models: ModelRegistry, settings: GatewaySettings,
+                 consumer: str | None = None) -> None:
+        self.client = client
+        self.keys = keys
+        self.models = models
+        self.settings = settings
+        self.jobs = JobStore(client, keys, record_ttl_s=settings.result_ttl_s)
+        self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self._wake_feeder = asyncio.Event()
+        self._lease_ms = int(settings.batch_lease_s * 1000)
+
+    # -- the loops ----------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        loops = [self._intake_loop, self._feed_loop, self._collect_loop, self._maintenance_loop]
+        tasks = [asyncio.create_task(self._guarded(loop, stop), name=f"batch-{loop.__name__}")
+                 for loop in loops]
+        log.info("batch_ingester_started", consumer=self.consumer)
+        try:
+            await stop.wait()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _guarded(self, loop, stop: asyncio.Event) -> None:
+        """Run a loop forever: Redis outages back off, other errors are logged, not fatal."""
+        backoff = 0.1
+        while not stop.is_set():
+            try:
+                await self._ensure_groups()
+                await loop(stop)
+            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                log.warning("batch_redis_unreachable", loop=loop.__name__, error=str(exc), retry_in_s=backoff)
+            except Exception as exc:  # noqa: BLE001 - one bad job must not stop the others
+                log.exception("batch_loop_failed", loop=loop.__name__, error=repr(exc))
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
+
+    async def _ensure_groups(self) -> None:
+        for stream in (self.keys.batch_in, self.keys.batch_done):
+            try:
+                await self.client.xgroup_create(stream, INGESTER_GROUP, id="0", mkstream=True)
+            except ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    async def _intake_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            response = await self.client.xreadgroup(INGESTER_GROUP, self.consumer, {self.keys.batch_in: ">"},
+                                                    count=1, block=1000)
+            for _, entries in response or []:
+                for entry_id, fields in entries:
+                    await self.intake(entry_id.decode(), fields or {})
+
+    async def _feed_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(self._wake_feeder.wait(), timeout=0.2)
+            except TimeoutError:
+                pass
+            self._wake_feeder.clear()
+            for job_id in await self.jobs.active():
+                while await self.feed(job_id):
+                    pass
+
+    async def _collect_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            response = await self.client.xreadgroup(INGESTER_GROUP, self.consumer,
+                                                    {self.keys.batch_done: ">"}, count=512, block=1000)
+            for _, entries in response or []:
+                await self.collect(entries)
+
+    async def _maintenance_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self.maintain()
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=max(0.2, self.settings.batch_lease_s / 4))
+            except TimeoutError:
+                pass
+
+    # -- intake -------------------------------------------------------------------------
+
+    async def intake(self, entry_id: str, raw_fields: dict) -> str:
+        """Take one job in; returns its id. Safe to repeat for the same entry."""
+        fields = {k.decode() if isinstance(k, bytes) else k: v for k, v in raw_fields.items()}
+        text = {k: (v.decode(errors="replace") if isinstance(v, bytes) else str(v))
+                for k, v in fields.items() if k != "lines"}
+        job_id = text.get("job_id") or job_id_for_entry(entry_id)
+        problems: list[dict] = []
+        if not re.match(JOB_ID_PATTERN, job_id):
+            problems.append(JobRefused("invalid_job_id",
+                                       f"job_id {job_id[:80]!r} must match {JOB_ID_PATTERN}", "job_id").error)
+            job_id = job_id_for_entry(entry_id)
+        described = {k: text[k] for k in ENTRY_FIELDS if k in text and k not in ("job_id", "lines")}
+        existing = await self.jobs.begin(job_id, entry_id, described)
+        if existing is not None and existing.fields.get("entry_id") != entry_id:
+            problems.append(JobRefused("duplicate_job_id",
+                                       f"job_id {job_id!r} is already taken by another job", "job_id").error)
+            job_id = job_id_for_entry(entry_id)
+            existing = await self.jobs.begin(job_id, entry_id, described)
+        if existing is not None and existing.fields.get("committed"):
+            await self.jobs.commit(job_id, entry_id, existing.total, existing.expires_at or 0)  # acks only
+            return job_id
+        try:
+            if problems:
+                raise JobRefused(problems[0]["code"], problems[0]["message"], problems[0]["param"])
+            items, model, expires_at = await self._check(fields, text)
+        except JobRefused as exc:
+            await self.jobs.refuse(job_id, entry_id, [exc.error])
+            log.info("batch_job_refused", job_id=job_id, error=exc.error["message"])
+            return job_id
+        await self.client.hset(self.keys.batch_job(job_id), "model", model or "")
+        await self.jobs.stage(job_id, [item.pack() for item in items])
+        await self.jobs.commit(job_id, entry_id, len(items), expires_at)
+        log.info("batch_job_started", job_id=job_id, lines=len(items), model=model,
+                 refused_lines=sum(1 for item in items if item.error))
+        self._wake_feeder.set()
+        return job_id
+
+    async def _check(self, fields: dict, text: dict) -> tuple[list[LineItem], str | None, float]:
+        unknown = sorted(set(fields) - set(ENTRY_FIELDS))
+        if unknown:
+            raise JobRefused("unknown_field",
+                             f"unknown fields {unknown}; a job entry may have {list(ENTRY_FIELDS)}",
+                             unknown[0])
+        try:
+            window = parse_window(text.get("completion_window", "24h"))
+        except ValueError as exc:
+            raise JobRefused("invalid_completion_window", str(exc), "completion_window") from None
+        if "metadata" in text:
+            try:
+                metadata = json.loads(text["metadata"])
+            except json.JSONDecodeError:
+                metadata = None
+            if not isinstance(metadata, dict):
+                raise JobRefused("invalid_metadata", "metadata must be a JSON object", "metadata")
+        endpoint = text.get("endpoint")
+        if endpoint is not None and endpoint not in URLS:
+            raise JobRefused("invalid_endpoint", f"endpoint {endpoint!r} is not one of {list(URLS)}",
+                             "endpoint")
+        content = await self._content(fields, text)
+        raws = split_lines(content)
+        if not raws:
+            raise JobRefused("empty_job", "the job has no lines", "lines")
+        if len(raws) > self.settings.batch_max_lines:
+            raise JobRefused("too_many_lines", f"the job has {len(raws)} lines; at most "
+                             f"{self.settings.batch_max_lines} are allowed", "lines")
+        items, model = await asyncio.to_thread(check_lines, raws, endpoint=endpoint, model=text.get("model"))
+        if model is not None:
+            try:
+                self.models.get(model)
+            except GatewayError as exc:
+                raise JobRefused("model_not_found", exc.message, "model") from None
+        elif len(self.models.names) == 1 and any(item.error is None for item in items):
+            model = self.models.names[0]
+        return items, model, time.time() + window
+
+    async def _content(self, fields: dict, text: dict) -> str:
+        has_lines, has_file = "lines" in fields, "input_file_id" in text
+        if has_lines == has_file:
+            raise JobRefused("missing_input", "give the job's lines in 'lines' or an uploaded file in "
+                             "'input_file_id', one of the two", "lines")
+        if has_lines:
+            raw = fields["lines"]
+        else:
+            raw = await self.client.hget(self.keys.file(text["input_file_id"]), "content")
+            if raw is None:
+                raise JobRefused("file_not_found", f"no file {text['input_file_id']!r}", "input_file_id")
+        try:
+            return raw.decode() if isinstance(raw, bytes) else str(raw)
+        except UnicodeDecodeError as exc:
+            raise JobRefused("invalid_encoding", f"the job's lines are not UTF-8: {exc}", "lines") from None
+
+    # -- feeding --------------------------------------------------------------------------
+
+    async def feed(self, job_id: str) -> bool:
+        """Queue (or, for a stopping job, write off) the next chunk; True if more may follow."""
+        job = await self.jobs.get(job_id)
+        if job is None or job.status not in ("in_progress", "cancelling"):
+            return False
+        remaining = job.total - job.next_index
+        if remaining <= 0:
+            return False
+        if job.ending:
+            count = min(FEED_CHUNK * 8, remaining)
+        else:
+            count = min(FEED_CHUNK, remaining, self.settings.batch_max_inflight - job.in_flight)
+        if count <= 0:
+            return False
+        raws = await self.jobs.head_lines(job_id, count)
+        items = [LineItem.unpack(raw) for raw in raws]
+        if job.ending:
+            args = [self._written_off(job, item) for item in items]
+        else:
+            args = [arg for item in items for arg in self._queue_item(job, item)]
+        mode = "end" if job.ending else "run"
+        result = await self.jobs.feed(job, job.model or "", len(items), args, mode=mode)
+        return result == 1 or result == -2  # -2: another ingester moved first; look again
+
+    def _written_off(self, job: Job, item: LineItem) -> list[object]:
+        code = f"batch_{job.ending}"
+        message = "the job was cancelled before this line ran" if job.ending == "cancelled" else \
+            "the job's completion window ended before this line ran"
+        return ["E", item.index, item.custom_id or "",
+                error_line(item.custom_id, item_req_id(job.id, item.index, 0), code, message)]
+
+    def _queue_item(self, job: Job, item: LineItem) -> list[object]:
+        req0 = item_req_id(job.id, item.index, 0)
+        if item.error is not None:
+            return ["E", item.index, item.custom_id or "", refused_line(item.custom_id, req0, item.error)]
+        try:
+            line, plan = self._plan(job, item)
+        except GatewayError as exc:
+            refused = refused_line(item.custom_id, req0, refusal_of(exc))
+            return ["E", item.index, item.custom_id or "", refused]
+        now = time.time()
+        args: list[object] = []
+        for c, choice in enumerate(plan.choices):
+            req_id = item_req_id(job.id, item.index, c)
+            message = RequestMessage.make(req_id, plan.model.name, choice.prompt_ids, choice.sampling,
+                                          kind="batch", priority=plan.priority, arrival_time=now,
+                                          batch_job_id=job.id, custom_id=line.custom_id)
+            record = {"state": "queued", "model": plan.model.name, "api": plan.api, "queued_at": now,
+                      "prompt_tokens": len(choice.prompt_ids), "batch_job": job.id, "batch_index": item.index,
+                      "batch_n": len(plan.choices), "batch_line": item.raw, "custom_id": line.custom_id}
+            if plan.logprobs is not None:
+                record["top_logprobs"] = plan.logprobs
+            args += ["R", self.keys.result(req_id), message.encode(), len(record)]
+            for name, value in record.items():
+                args += [name, value]
+        return args
+
+    def _plan(self, job: Job, item: LineItem) -> tuple[object, Plan]:
+        line, body = parse_line(item.raw)
+        model = self.models.get(job.model)
+        if line.url == "/v1/chat/completions":
+            return line, plan_chat(body, model, self.settings)
+        return line, plan_completion(body, model, self.settings)
+
+    # -- collecting -----------------------------------------------------------------------
+
+    async def collect(self, notices: list) -> None:
+        """Write the output of every line whose notices arrived (once all its choices ended)."""
+        lines: dict[tuple[str, int], None] = {}
+        for _, fields in notices:
+            try:
+                job_id, index, _ = parse_item_req_id(fields[b"req"].decode())
+            except (KeyError, ValueError):
+                continue  # not ours to understand; acknowledged below so it does not loop
+            lines[(job_id, index)] = None
+        jobs: dict[str, Job | None] = {}
+        for job_id, index in lines:
+            if job_id not in jobs:
+                jobs[job_id] = await self.jobs.get(job_id)
+            job = jobs[job_id]
+            if job is not None:
+                await self._collect_line(job, index)
+        if notices:
+            entry_ids = [entry_id for entry_id, _ in notices]
+            pipe = self.client.pipeline(transaction=False)
+            pipe.xack(self.keys.batch_done, INGESTER_GROUP, *entry_ids)
+            pipe.xdel(self.keys.batch_done, *entry_ids)
+            await pipe.execute()
+        self._wake_feeder.set()
+
+    async def _collect_line(self, job: Job, index: int) -> bool:
+        first_key = self.keys.result(item_req_id(job.id, index, 0))
+        first = await self.client.hgetall(first_key)
+        if not first:
+            return False  # written and cleaned up already
+        n = int(first.get(b"batch_n", b"1"))
+        req_ids = [item_req_id(job.id, index, c) for c in range(n)]
+        pipe = self.client.pipeline(transaction=False)
+        for req_id in req_ids[1:]:
+            pipe.hgetall(self.keys.result(req_id))
+        raws = [first, *await pipe.execute()]
+        records = [ResultRecord.parse(r, raw) for r, raw in zip(req_ids, raws, strict=True)]
+        if any(record is None or not record.is_terminal for record in records):
+            return False  # the last choice's notice will bring it here again
+        custom_id = first.get(b"custom_id", b"").decode() or None
+        ok, line = self._output(job, LineItem(index, first[b"batch_line"].decode(), custom_id), records)
+        record_keys = [self.keys.result(r) for r in req_ids]
+        return await self.jobs.collect(job.id, index, custom_id, ok, line, record_keys)
+
+    def _output(self, job: Job, item: LineItem, records: list[ResultRecord]) -> tuple[bool, str]:
+        req0 = records[0].req_id
+        refused = next((r for r in records if r.state == "failed" and r.error
+                        and str(r.error.get("message", "")).startswith("invalid:")), None)
+        if refused is not None:  # the scheduler itself refused the input: what the REST route says
+            refusal = {"status_code": 400, "code": "invalid_request", "param": None,
+                       "message": refused.error["message"].removeprefix("invalid:").strip()}
+            return False, refused_line(item.custom_id, req0, refusal)
+        stopped = next((r for r in records if r.state in ("cancelled", "expired")), None)
+        if stopped is not None:
+            code = f"batch_{job.ending}" if job.ending else stopped.state
+            message = f"the request was {stopped.state} before it ended"
+            return False, error_line(item.custom_id, req0, code, message)
+        failed = next((r for r in records if r.state == "failed"), None)
+        if failed is not None:
+            error = failed.error or {}
+            return False, error_line(item.custom_id, req0, error.get("code", "request_failed"),
+                                     error.get("message", "the request failed"))
+        try:
+            _, plan = self._plan(job, item)
+        except GatewayError as exc:  # cannot happen for a line that was queued, but never lose it
+            return False, error_line(item.custom_id, req0, exc.code or "invalid_value", exc.message)
+        outputs = [ChoiceOutput(c) for c in range(len(records))]
+        for out, record in zip(outputs, records, strict=True):
+            out.add(record.delta_after(0, plan.model.decode))
+        if plan.api == "chat":
+            body = chat_completion(plan, "chatcmpl-" + req0, outputs)
+        else:
+            body = text_completion(plan, "cmpl-" + req0, outputs)
+        return True, output_line(item.custom_id, req0, body)
+
+    # -- maintenance ----------------------------------------------------------------------
+
+    async def maintain(self) -> None:
+        await self._take_over_pending()
+        for job_id in await self.jobs.active():
+            job = await self.jobs.get(job_id)
+            if job is None:
+                await self.client.srem(self.keys.batch_active, job_id)
+                continue
+            if job.status == "finalizing":
+                if await self.jobs.finalize(job_id):
+                    log.info("batch_job_ended", job_id=job_id, status=job.ending or "completed",
+                             total=job.total, failed=int(job.fields.get("failed") or 0))
+                continue
+            if not job.ending and job.expires_at is not None and time.time() > job.expires_at:
+                await self.jobs.stop(job_id, "expired")
+                job = await self.jobs.get(job_id)
+            if job is not None and job.ending:
+                await self._cancel_queued(job)
+                self._wake_feeder.set()
+
+    async def _take_over_pending(self) -> None:
+        """What an ingester that died left pending: after the lease, someone else does it."""
+        _, entries, *_ = await self.client.xautoclaim(self.keys.batch_in, INGESTER_GROUP, self.consumer,
+                                                      self._lease_ms, "0-0", count=4)
+        for entry_id, fields in entries:
+            log.info("batch_entry_taken_over", entry_id=entry_id.decode())
+            await self.intake(entry_id.decode(), fields or {})
+        _, notices, *_ = await self.client.xautoclaim(self.keys.batch_done, INGESTER_GROUP, self.consumer,
+                                                      self._lease_ms, "0-0", count=512)
+        if notices:
+            await self.collect(notices)
+
+    async def _cancel_queued(self, job: Job) -> None:
+        """Every queued line of a stopping job, cancelled end to end (the flag survives a
+        scheduler that has not read the entry yet: it finds the flag and ends it unrun)."""
+        bits = await self.jobs.written_bits(job.id)
+        pending = [i for i in range(job.next_index) if not is_written(bits, i)]
+        if not pending:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for index in pending:
+            pipe.hget(self.keys.result(item_req_id(job.id, index, 0)), "batch_n")
+        counts = await pipe.execute()
+        pipe = self.client.pipeline(transaction=False)
+        for index, n in zip(pending, counts, strict=True):
+            for c in range(int(n or 1)):
+                req_id = item_req_id(job.id, index, c)
+                pipe.set(self.keys.cancelled(req_id), 1, ex=self.settings.cancel_ttl_s)
+                pipe.publish(self.keys.cancel_channel, req_id)
+        await pipe.execute()

@@ -1,0 +1,387 @@
+"""A batch job's state in Redis, and the atomic steps that move it.
+
+`tf:batch:{job}` (hash) holds the job: status, counts, timestamps, model, endpoint...
+Its lines wait in `tf:batch:{job}:lines` (a list, consumed from the head) until they are
+queued; each result is appended to `tf:batch:{job}:out` (a stream) exactly once, which the
+bitmap `tf:batch:{job}:written` enforces: a line's bit is set in the same Lua call that
+appends its output, so a step retried after a crash, or done twice by two ingesters, writes
+nothing twice. Queueing is a compare-and-set on `next_index`, so two ingesters never queue
+one line twice either, and the number of queued-but-unwritten lines never passes the
+in-flight bound.
+
+Status: validating -> in_progress -> finalizing -> completed; failed (intake refused the
+job); cancelling -> cancelled; expired (past its completion window). Every line is
+accounted for in the counts: completed + failed == total when the job ends, whatever way.
+
+The scripts touch the records of the requests they queue (tf:res:{id}) without declaring
+them in KEYS: fine on one Redis server, which is what tokenfleet runs on.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from shared.keys import INGESTER_GROUP, Keys
+
+TERMINAL_JOB_STATES = ("completed", "failed", "cancelled", "expired")
+JOB_STATES = ("validating", "in_progress", "finalizing", "cancelling", *TERMINAL_JOB_STATES)
+
+# Shared by the scripts that write outputs: when every line is written, the job is finalizing.
+_FINISH_CHECK = """
+local h = redis.call('HMGET', KEYS[1], 'total', 'next_index', 'completed', 'failed', 'status')
+local total = tonumber(h[1] or '-1')
+if total >= 0 and tonumber(h[2] or '0') >= total
+   and tonumber(h[3] or '0') + tonumber(h[4] or '0') >= total
+   and (h[5] == 'in_progress' or h[5] == 'cancelling') then
+  redis.call('HSET', KEYS[1], 'status', 'finalizing', 'finalizing_at', ARGV[3])
+end
+"""
+
+# Queue the next lines of a job, or write them off as error lines.
+# KEYS: job, lines, request stream, out, written.
+# ARGV: expected next_index, number of lines consumed, now, record ttl, 'run' | 'end',
+#       then items: 'E', index, custom_id, output line  |  'R', record key, message, n, n field/value pairs.
+_FEED_SCRIPT = """
+local status = redis.call('HGET', KEYS[1], 'status')
+local ending = redis.call('HGET', KEYS[1], 'ending')
+if ARGV[5] == 'run' and (status ~= 'in_progress' or ending) then return -1 end
+if ARGV[5] == 'end' and not ending then return -1 end
+if tonumber(redis.call('HGET', KEYS[1], 'next_index') or '0') ~= tonumber(ARGV[1]) then return -2 end
+local failed = 0
+local i = 6
+while i <= #ARGV do
+  if ARGV[i] == 'E' then
+    if redis.call('SETBIT', KEYS[5], ARGV[i + 1], 1) == 0 then
+      redis.call('XADD', KEYS[4], '*', 'index', ARGV[i + 1], 'custom_id', ARGV[i + 2], 'ok', '0',
+                 'line', ARGV[i + 3])
+      failed = failed + 1
+    end
+    i = i + 4
+  else
+    local key, n = ARGV[i + 1], tonumber(ARGV[i + 3])
+    redis.call('HSET', key, unpack(ARGV, i + 4, i + 3 + 2 * n))
+    local entry = redis.call('XADD', KEYS[3], '*', 'm', ARGV[i + 2])
+    redis.call('HSET', key, 'entry_id', entry)
+    redis.call('EXPIRE', key, tonumber(ARGV[4]))
+    i = i + 4 + 2 * n
+  end
+end
+redis.call('LTRIM', KEYS[2], tonumber(ARGV[2]), -1)
+redis.call('HINCRBY', KEYS[1], 'next_index', tonumber(ARGV[2]))
+if failed > 0 then redis.call('HINCRBY', KEYS[1], 'failed', failed) end
+""" + _FINISH_CHECK + """
+return 1
+"""
+
+# Write one line's output, once. KEYS: job, out, written, then the line's request records
+# (deleted: the output holds what they held).  ARGV: index, custom_id, now, ok ('1'/'0'), line.
+_COLLECT_SCRIPT = """
+if redis.call('SETBIT', KEYS[3], ARGV[1], 1) == 1 then return 0 end
+redis.call('XADD', KEYS[2], '*', 'index', ARGV[1], 'custom_id', ARGV[2], 'ok', ARGV[4], 'line', ARGV[5])
+redis.call('HINCRBY', KEYS[1], ARGV[4] == '1' and 'completed' or 'failed', 1)
+for k = 4, #KEYS do redis.call('DEL', KEYS[k]) end
+""" + _FINISH_CHECK + """
+return 1
+"""
+
+# Intake is done: the staged lines become the job's, the job starts, the entry leaves tf:batch:in.
+# KEYS: job, staging, lines, tf:batch:in, active set.  ARGV: entry id, total, now, job id, expires_at.
+_COMMIT_SCRIPT = """
+if redis.call('HGET', KEYS[1], 'committed') then
+  redis.call('XACK', KEYS[4], '""" + INGESTER_GROUP + """', ARGV[1])
+  redis.call('XDEL', KEYS[4], ARGV[1])
+  return 0
+end
+if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('RENAME', KEYS[2], KEYS[3]) end
+local status = redis.call('HGET', KEYS[1], 'status')
+if status == 'validating' then status = 'in_progress' end
+redis.call('HSET', KEYS[1], 'committed', 1, 'status', status, 'total', ARGV[2], 'next_index', 0,
+           'completed', 0, 'failed', 0, 'in_progress_at', ARGV[3], 'expires_at', ARGV[5])
+redis.call('SADD', KEYS[5], ARGV[4])
+redis.call('XACK', KEYS[4], '""" + INGESTER_GROUP + """', ARGV[1])
+redis.call('XDEL', KEYS[4], ARGV[1])
+return 1
+"""
+
+# A job that intake refused. KEYS: job, tf:batch:in.  ARGV: entry id, now, errors json.
+_REFUSE_SCRIPT = """
+redis.call('HSET', KEYS[1], 'status', 'failed', 'failed_at', ARGV[2], 'errors', ARGV[3], 'committed', 1,
+           'total', 0, 'completed', 0, 'failed', 0)
+redis.call('XACK', KEYS[2], '""" + INGESTER_GROUP + """', ARGV[1])
+redis.call('XDEL', KEYS[2], ARGV[1])
+return 1
+"""
+
+# A job submitted through the gateway or the CLI: its entry in tf:batch:in and its record in
+# validating, atomically, so it can be read back at once.  KEYS: tf:batch:in, job, jobs zset.
+# ARGV: job id, now, then the entry's field/value pairs.
+_CREATE_SCRIPT = """
+local entry = redis.call('XADD', KEYS[1], '*', 'job_id', ARGV[1], unpack(ARGV, 3))
+redis.call('HSET', KEYS[2], 'id', ARGV[1], 'status', 'validating', 'created_at', ARGV[2], 'entry_id', entry)
+for i = 3, #ARGV, 2 do
+  if ARGV[i] ~= 'lines' then redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
+end
+redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1])
+return entry
+"""
+
+# Stop a job: ARGV[1] is 'cancelled' (a client asked) or 'expired'; ARGV[2] now.  KEYS: job.
+_STOP_SCRIPT = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if redis.call('HGET', KEYS[1], 'ending') then return 0 end
+if status ~= 'validating' and status ~= 'in_progress' then return 0 end
+redis.call('HSET', KEYS[1], 'ending', ARGV[1])
+if ARGV[1] == 'cancelled' then
+  redis.call('HSET', KEYS[1], 'status', 'cancelling', 'cancelling_at', ARGV[2])
+end
+return 1
+"""
+
+# The last step: the end state, and the job's working keys go.  KEYS: job, lines, written, active.
+# ARGV: job id, now.
+_FINALIZE_SCRIPT = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'finalizing' then return 0 end
+local final = redis.call('HGET', KEYS[1], 'ending') or 'completed'
+redis.call('HSET', KEYS[1], 'status', final, final .. '_at', ARGV[2])
+redis.call('DEL', KEYS[2], KEYS[3])
+redis.call('SREM', KEYS[4], ARGV[1])
+return 1
+"""
+
+
+def new_job_id() -> str:
+    return f"batch_{uuid.uuid4().hex}"
+
+
+def item_req_id(job_id: str, index: int, choice: int) -> str:
+    """A batch item's request id: made from server-checked parts, so safe inside keys."""
+    return f"{job_id}.{index}.{choice}"
+
+
+def parse_item_req_id(req_id: str) -> tuple[str, int, int]:
+    job_id, index, choice = req_id.rsplit(".", 2)
+    return job_id, int(index), int(choice)
+
+
+@dataclass
+class Job:
+    """A parsed tf:batch:{job} hash."""
+
+    id: str
+    fields: dict[str, str]
+
+    @classmethod
+    def parse(cls, job_id: str, raw: dict[bytes, bytes]) -> Job | None:
+        if not raw:
+            return None
+        return cls(job_id, {k.decode(): v.decode() for k, v in raw.items()})
+
+    def _int(self, name: str) -> int:
+        return int(self.fields.get(name) or 0)
+
+    def _time(self, name: str) -> int | None:
+        value = self.fields.get(name)
+        return int(float(value)) if value else None
+
+    @property
+    def status(self) -> str:
+        return self.fields.get("status", "validating")
+
+    @property
+    def ending(self) -> str | None:
+        return self.fields.get("ending")
+
+    @property
+    def model(self) -> str | None:
+        return self.fields.get("model") or None
+
+    @property
+    def total(self) -> int:
+        return self._int("total")
+
+    @property
+    def next_index(self) -> int:
+        return self._int("next_index")
+
+    @property
+    def num_written(self) -> int:
+        return self._int("completed") + self._int("failed")
+
+    @property
+    def in_flight(self) -> int:
+        """Lines queued whose output is not written yet."""
+        return self.next_index - self.num_written
+
+    @property
+    def expires_at(self) -> float | None:
+        value = self.fields.get("expires_at")
+        return float(value) if value else None
+
+    def to_openai(self) -> dict:
+        """The OpenAI Batch object."""
+        errors = json.loads(self.fields["errors"]) if self.fields.get("errors") else None
+        done = self.status in TERMINAL_JOB_STATES
+        return {
+            "id": self.id, "object": "batch", "endpoint": self.fields.get("endpoint") or None,
+            "model": self.model,
+            "errors": {"object": "list", "data": errors} if errors else None,
+            "input_file_id": self.fields.get("input_file_id") or None,
+            "completion_window": self.fields.get("completion_window", "24h"),
+            "status": self.status,
+            "output_file_id": output_file_id(self.id) if done and self._int("completed") else None,
+            "error_file_id": error_file_id(self.id) if done and self._int("failed") else None,
+            "created_at": self._time("created_at"), "in_progress_at": self._time("in_progress_at"),
+            "expires_at": self._time("expires_at"), "finalizing_at": self._time("finalizing_at"),
+            "completed_at": self._time("completed_at"), "failed_at": self._time("failed_at"),
+            "expired_at": self._time("expired_at"), "cancelling_at": self._time("cancelling_at"),
+            "cancelled_at": self._time("cancelled_at"),
+            "request_counts": {"total": self.total, "completed": self._int("completed"),
+                               "failed": self._int("failed")},
+            "metadata": json.loads(self.fields["metadata"]) if self.fields.get("metadata") else None,
+            "entry_id": self.fields.get("entry_id") or None,
+        }
+
+
+def output_file_id(job_id: str) -> str:
+    return f"file-{job_id}-output"
+
+
+def error_file_id(job_id: str) -> str:
+    return f"file-{job_id}-errors"
+
+
+class JobStore:
+    """The Redis side of batch jobs, for the ingester, the HTTP routes and the CLI alike."""
+
+    def __init__(self, client: aioredis.Redis, keys: Keys, *, record_ttl_s: int = 24 * 3600) -> None:
+        self.client = client
+        self.keys = keys
+        self.record_ttl_s = record_ttl_s
+        self._feed = client.register_script(_FEED_SCRIPT)
+        self._collect = client.register_script(_COLLECT_SCRIPT)
+        self._commit = client.register_script(_COMMIT_SCRIPT)
+        self._refuse = client.register_script(_REFUSE_SCRIPT)
+        self._stop = client.register_script(_STOP_SCRIPT)
+        self._finalize = client.register_script(_FINALIZE_SCRIPT)
+        self._create = client.register_script(_CREATE_SCRIPT)
+
+    # -- reading ----------------------------------------------------------------------
+
+    async def get(self, job_id: str) -> Job | None:
+        return Job.parse(job_id, await self.client.hgetall(self.keys.batch_job(job_id)))
+
+    async def list(self, *, limit: int, after: str | None = None) -> tuple[list[Job], bool]:
+        """Newest first; `after` is the id of the last job of the previous page."""
+        start = 0
+        if after is not None:
+            rank = await self.client.zrevrank(self.keys.batch_jobs, after)
+            start = 0 if rank is None else rank + 1
+        ids = await self.client.zrevrange(self.keys.batch_jobs, start, start + limit)
+        has_more = len(ids) > limit
+        pipe = self.client.pipeline(transaction=False)
+        for job_id in ids[:limit]:
+            pipe.hgetall(self.keys.batch_job(job_id.decode()))
+        jobs = [Job.parse(i.decode(), raw) for i, raw in zip(ids, await pipe.execute(), strict=False)]
+        return [job for job in jobs if job is not None], has_more
+
+    async def outputs(self, job_id: str, *, ok: bool | None = None) -> list[str]:
+        """The job's output lines in the order they were written (ok: only those / only not)."""
+        lines = []
+        last = "-"
+        while True:
+            entries = await self.client.xrange(self.keys.batch_out(job_id), min=last, count=1000)
+            if last != "-":
+                entries = entries[1:]
+            if not entries:
+                return lines
+            for _, fields in entries:
+                if ok is None or (fields[b"ok"] == b"1") == ok:
+                    lines.append(fields[b"line"].decode())
+            last = entries[-1][0].decode()
+
+    # -- intake -----------------------------------------------------------------------
+
+    async def create(self, job_id: str, entry_fields: dict[str, object]) -> str:
+        """Submit a job (what a plain Redis client does with one XADD), readable at once."""
+        args: list[object] = [job_id, time.time()]
+        for name, value in entry_fields.items():
+            args += [name, value]
+        keys = [self.keys.batch_in, self.keys.batch_job(job_id), self.keys.batch_jobs]
+        entry = await self._create(keys=keys, args=args)
+        return entry.decode() if isinstance(entry, bytes) else str(entry)
+
+    async def begin(self, job_id: str, entry_id: str, fields: dict[str, object]) -> Job | None:
+        """Create the job in `validating` unless it exists; the existing job otherwise."""
+        key = self.keys.batch_job(job_id)
+        now = time.time()
+        if not await self.client.hsetnx(key, "id", job_id):
+            return await self.get(job_id)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(key, mapping={"status": "validating", "created_at": now, "entry_id": entry_id, **fields})
+        pipe.zadd(self.keys.batch_jobs, {job_id: now})
+        pipe.set(self.keys.batch_entry(entry_id), job_id)
+        await pipe.execute()
+        return None
+
+    async def stage(self, job_id: str, packed_items: list[bytes], chunk: int = 1000) -> None:
+        staging = self.keys.batch_staging(job_id)
+        await self.client.delete(staging)  # a retried intake starts over
+        for start in range(0, len(packed_items), chunk):
+            await self.client.rpush(staging, *packed_items[start:start + chunk])
+
+    async def commit(self, job_id: str, entry_id: str, total: int, expires_at: float) -> bool:
+        keys = [self.keys.batch_job(job_id), self.keys.batch_staging(job_id), self.keys.batch_lines(job_id),
+                self.keys.batch_in, self.keys.batch_active]
+        return bool(await self._commit(keys=keys, args=[entry_id, total, time.time(), job_id, expires_at]))
+
+    async def refuse(self, job_id: str, entry_id: str, errors: list[dict]) -> None:
+        await self._refuse(keys=[self.keys.batch_job(job_id), self.keys.batch_in],
+                           args=[entry_id, time.time(), json.dumps(errors)])
+
+    # -- running ----------------------------------------------------------------------
+
+    async def head_lines(self, job_id: str, count: int) -> list[bytes]:
+        return await self.client.lrange(self.keys.batch_lines(job_id), 0, count - 1)
+
+    async def feed(self, job: Job, model: str, num_lines: int, items: list[list[object]], *,
+                   mode: str) -> int:
+        """Queue/write off the next num_lines lines: 1 done, -1 wrong state, -2 someone else did."""
+        keys = [self.keys.batch_job(job.id), self.keys.batch_lines(job.id),
+                self.keys.request_stream(model, "batch"), self.keys.batch_out(job.id),
+                self.keys.batch_written(job.id)]
+        args: list[object] = [job.next_index, num_lines, time.time(), self.record_ttl_s, mode]
+        for item in items:
+            args += item
+        return int(await self._feed(keys=keys, args=args))
+
+    async def collect(self, job_id: str, index: int, custom_id: str | None, ok: bool, line: str,
+                      record_keys: list[str]) -> bool:
+        keys = [self.keys.batch_job(job_id), self.keys.batch_out(job_id), self.keys.batch_written(job_id),
+                *record_keys]
+        return bool(await self._collect(keys=keys, args=[index, custom_id or "", time.time(),
+                                                         "1" if ok else "0", line]))
+
+    async def written_bits(self, job_id: str) -> bytes:
+        return await self.client.get(self.keys.batch_written(job_id)) or b""
+
+    async def stop(self, job_id: str, ending: str) -> bool:
+        return bool(await self._stop(keys=[self.keys.batch_job(job_id)], args=[ending, time.time()]))
+
+    async def finalize(self, job_id: str) -> bool:
+        keys = [self.keys.batch_job(job_id), self.keys.batch_lines(job_id), self.keys.batch_written(job_id),
+                self.keys.batch_active]
+        return bool(await self._finalize(keys=keys, args=[job_id, time.time()]))
+
+    async def active(self) -> list[str]:
+        return sorted(m.decode() for m in await self.client.smembers(self.keys.batch_active))
+
+
+def is_written(bits: bytes, index: int) -> bool:
+    """Redis bitmaps count bits from the most significant end of each byte."""
+    byte = index >> 3
+    return byte < len(bits) and bool(bits[byte] & (0x80 >> (index & 7)))

@@ -1,0 +1,121 @@
+"""/v1/batches: OpenAI's batch API over tokenfleet's batch jobs (create from an uploaded file,
+retrieve, list, cancel). A job created here is the same thing as one written straight into
+`tf:batch:in` by any Redis client; this route just writes that entry (and the job's record,
+in one atomic step, so the job can be read back at once: JobStore.create)."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Literal
+
+from aiohttp import web
+from pydantic import Field
+
+from gateway.appkeys import JOBS, REDIS
+from gateway.batch_ingester import parse_window
+from gateway.batch_jobs import new_job_id
+from gateway.errors import BadRequest, Conflict, NotFound
+from gateway.responses import Shape
+from gateway.schemas import StrictModel
+from gateway.serving import read_body
+from shared.keys import JOB_ID_PATTERN
+
+
+class BatchCreate(StrictModel):
+    input_file_id: str = Field(pattern=r"^file-[A-Za-z0-9_-]{1,80}$")
+    endpoint: Literal["/v1/chat/completions", "/v1/completions"]
+    completion_window: str = Field("24h", description="a duration: 24h (OpenAI's only value), 90m, 3600s...")
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+
+
+class RequestCounts(Shape):
+    total: int
+    completed: int
+    failed: int
+
+
+class BatchObject(Shape):
+    id: str
+    object: Literal["batch"]
+    endpoint: str | None
+    status: Literal["validating", "in_progress", "finalizing", "completed", "failed", "cancelling",
+                    "cancelled", "expired"]
+    input_file_id: str | None
+    completion_window: str
+    output_file_id: str | None
+    error_file_id: str | None
+    created_at: int | None
+    request_counts: RequestCounts
+    metadata: dict | None
+
+
+class BatchList(Shape):
+    object: Literal["list"]
+    data: list[BatchObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+def _job_id(request: web.Request) -> str:
+    job_id = request.match_info["batch_id"]
+    if not re.match(JOB_ID_PATTERN, job_id):
+        raise NotFound(f"no batch {job_id[:100]!r}", param="batch_id")
+    return job_id
+
+
+async def create(request: web.Request) -> web.Response:
+    body, _ = await read_body(request, BatchCreate)
+    try:
+        parse_window(body.completion_window)
+    except ValueError as exc:
+        raise BadRequest(str(exc), param="completion_window") from None
+    jobs = request.app[JOBS]
+    if not await request.app[REDIS].exists(jobs.keys.file(body.input_file_id)):
+        raise NotFound(f"no file {body.input_file_id!r}", param="input_file_id")
+    job_id = new_job_id()
+    fields = {"input_file_id": body.input_file_id, "endpoint": body.endpoint,
+              "completion_window": body.completion_window}
+    if body.metadata:
+        fields["metadata"] = json.dumps(body.metadata)
+    await jobs.create(job_id, fields)
+    job = await jobs.get(job_id)
+    return web.json_response(job.to_openai())
+
+
+async def retrieve(request: web.Request) -> web.Response:
+    job_id = _job_id(request)
+    job = await request.app[JOBS].get(job_id)
+    if job is None:
+        raise NotFound(f"no batch {job_id!r}", param="batch_id")
+    return web.json_response(job.to_openai())
+
+
+async def list_batches(request: web.Request) -> web.Response:
+    try:
+        limit = int(request.query.get("limit", "20"))
+    except ValueError:
+        raise BadRequest("limit must be an integer", param="limit") from None
+    if not 1 <= limit <= 100:
+        raise BadRequest(f"limit must be between 1 and 100, got {limit}", param="limit")
+    after = request.query.get("after")
+    jobs, has_more = await request.app[JOBS].list(limit=limit, after=after)
+    data = [job.to_openai() for job in jobs]
+    return web.json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                              "last_id": data[-1]["id"] if data else None, "has_more": has_more})
+
+
+async def cancel(request: web.Request) -> web.Response:
+    job_id = _job_id(request)
+    jobs = request.app[JOBS]
+    job = await jobs.get(job_id)
+    if job is None:
+        raise NotFound(f"no batch {job_id!r}", param="batch_id")
+    if not await jobs.stop(job_id, "cancelled"):
+        job = await jobs.get(job_id)
+        if job.ending != "cancelled":
+            raise Conflict(f"batch {job_id!r} is {job.status}; only a validating or in-progress batch can be "
+                           "cancelled", param="batch_id", code="batch_not_cancellable")
+    job = await jobs.get(job_id)
+    return web.json_response(job.to_openai())
