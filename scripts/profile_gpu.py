@@ -58,7 +58,7 @@ def bench_kernels() -> None:
         "mixed 100 dec + 30 prefills": ([1] * 100 + [rng.randint(16, 500) for _ in range(30)],
                                         [rng.randint(16, 1000) for _ in range(100)] + [0] * 30),
     }
-    configs = [(64, 4, 2), (32, 4, 2), (128, 4, 2), (64, 8, 2), (64, 4, 3), (64, 4, 1), (128, 8, 3)]
+    configs = [(64, 4, 2), (128, 4, 2), (64, 4, 3), (128, 4, 3), (32, 4, 3)]
     print("| step | BLOCK_N | warps | stages | us | K/V GB/s |\n| --- | ---: | ---: | ---: | ---: | ---: |")
     for name, (query_lens, cached) in steps.items():
         step = attention_step(query_lens, cached)
@@ -66,7 +66,8 @@ def bench_kernels() -> None:
         args = (step["q"], step["k_cache"], step["v_cache"], step["block_tables"], step["seq_lens"],
                 step["query_start_loc"], max(query_lens), 128**-0.5)
         for block_n, warps, stages in configs:
-            ta.BLOCK_N, ta.NUM_WARPS, ta.NUM_STAGES = block_n, warps, stages
+            ta.DECODE_BLOCK_N = ta.MIXED_BLOCK_N = block_n
+            ta.NUM_WARPS, ta.NUM_STAGES = warps, stages
             row = f"| {name} | {block_n} | {warps} | {stages} |"
             try:
                 ms = triton.testing.do_bench(lambda args=args: ta.paged_attention(*args), warmup=50, rep=200,
@@ -74,7 +75,6 @@ def bench_kernels() -> None:
                 print(f"{row} {ms * 1e3:.1f} | {kv_bytes / ms / 1e6:,.0f} |", flush=True)
             except Exception as exc:  # noqa: BLE001 - a config that does not compile is a row too
                 print(f"{row} failed: {type(exc).__name__} | |", flush=True)
-    ta.BLOCK_N, ta.NUM_WARPS, ta.NUM_STAGES = 64, 4, 2
 
 
 def main() -> None:
