@@ -276,7 +276,7 @@ class BatchIngester:
         raws = await self.jobs.head_lines(job_id, count)
         items = [LineItem.unpack(raw) for raw in raws]
         if job.ending:
-            args = [self._written_off(job, item) for item in items]
+            args = [arg for item in items for arg in self._written_off(job, item)]
         else:
             args = [arg for item in items for arg in self._queue_item(job, item)]
         mode = "end" if job.ending else "run"

@@ -348,15 +348,13 @@ class JobStore:
     async def head_lines(self, job_id: str, count: int) -> list[bytes]:
         return await self.client.lrange(self.keys.batch_lines(job_id), 0, count - 1)
 
-    async def feed(self, job: Job, model: str, num_lines: int, items: list[list[object]], *,
-                   mode: str) -> int:
-        """Queue/write off the next num_lines lines: 1 done, -1 wrong state, -2 someone else did."""
+    async def feed(self, job: Job, model: str, num_lines: int, items: list[object], *, mode: str) -> int:
+        """Queue/write off the next num_lines lines (items: the script's flat item list):
+        1 done, -1 the job is not in that state, -2 another ingester moved first."""
         keys = [self.keys.batch_job(job.id), self.keys.batch_lines(job.id),
                 self.keys.request_stream(model, "batch"), self.keys.batch_out(job.id),
                 self.keys.batch_written(job.id)]
-        args: list[object] = [job.next_index, num_lines, time.time(), self.record_ttl_s, mode]
-        for item in items:
-            args += item
+        args = [job.next_index, num_lines, time.time(), self.record_ttl_s, mode, *items]
         return int(await self._feed(keys=keys, args=args))
 
     async def collect(self, job_id: str, index: int, custom_id: str | None, ok: bool, line: str,

@@ -1,0 +1,123 @@
+"""What the batch tests run on: a tiny random-weight Llama that speaks SmolLM2's tokenizer and
+chat template (so the gateway's real tokenization and templates apply, while a step costs
+milliseconds), real schedulers on it (threads, or `tokenfleet scheduler` processes that a
+test can kill), and job files in the OpenAI Batch input format."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import redis
+
+from tests.checkpoints import make_tiny_checkpoint
+
+TINY_CHAT = "tiny-chat"  # the served name of the model (its folder's name)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")
+
+
+def make_tiny_chat_model(smollm2: Path, folder: Path) -> Path:
+    """A tiny llama with SmolLM2's vocabulary size and tokenizer files."""
+    make_tiny_checkpoint("llama", folder, vocab_size=49152, max_position_embeddings=1024, num_hidden_layers=2,
+                         bos_token_id=1, eos_token_id=2)
+    for name in TOKENIZER_FILES:
+        if (smollm2 / name).exists():
+            shutil.copy(smollm2 / name, folder / name)
+    return folder
+
+
+def job_lines(num_lines: int, *, max_tokens: int = 6, bad: bool = True) -> tuple[list[str], dict[str, str]]:
+    """`num_lines` lines (chat and completions, greedy and seeded); with `bad`, some malformed
+    ones among them. Returns the lines and, for each bad line's custom_id, what is wrong."""
+    lines, broken = [], {}
+    for i in range(num_lines):
+        custom_id = f"req-{i}"
+        if i % 2:
+            body = {"model": TINY_CHAT, "messages": [{"role": "user", "content": f"Count to {i}."}],
+                    "max_tokens": max_tokens, "temperature": 0}
+            url = "/v1/chat/completions"
+        else:
+            body = {"model": TINY_CHAT, "prompt": f"Line {i}: once upon a time", "max_tokens": max_tokens,
+                    "temperature": 0.8, "seed": i}
+            url = "/v1/completions"
+        line = {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+        if bad and i % 97 == 13:
+            kind = ("json", "url", "field", "long", "method")[(i // 97) % 5]
+            broken[custom_id] = kind
+            if kind == "json":
+                lines.append(json.dumps(line)[:-5])  # cut short
+                continue
+            if kind == "url":
+                line["url"] = "/v1/embeddings"
+            elif kind == "field":
+                body["frobnicate"] = True
+            elif kind == "long":
+                body["max_tokens"] = 5000  # past the 1024-token context window
+            elif kind == "method":
+                line["method"] = "GET"
+        lines.append(json.dumps(line))
+    return lines, broken
+
+
+class ThreadScheduler:
+    """A SchedulerService on the tiny model, in a thread."""
+
+    def __init__(self, url: str, folder: Path, scheduler_id: str = "batch-1", max_num_seqs: int = 64) -> None:
+        from scheduler.engine import LLMEngine
+        from scheduler.service import SchedulerService, ServiceSettings
+        from shared.config import EngineConfig
+
+        self.engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", num_kv_blocks=1024,
+                                             max_num_seqs=max_num_seqs, max_num_batched_tokens=2048))
+        self.service = SchedulerService(self.engine, url, ServiceSettings(TINY_CHAT, scheduler_id,
+                                                                          heartbeat_s=0.5))
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.service.run, args=(self.stop,), daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=60)
+        self.engine.close()
+
+
+def spawn_scheduler(url: str, folder: Path, scheduler_id: str, *, lease_s: float = 2.0) -> subprocess.Popen:
+    """`tokenfleet scheduler` as its own process (so that a test can kill -9 it)."""
+    argv = [sys.executable, "-m", "shared.cli", "scheduler", "--redis-url", url, "--model", str(folder),
+            "--scheduler-id", scheduler_id, "--lease-s", str(lease_s), "--dtype", "float32",
+            "--num-kv-blocks", "1024", "--max-num-seqs", "64", "--num-threads", "1"]
+    return subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[2], env={**os.environ},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def spawn_ingester(url: str, folder: Path, *, lease_s: float = 2.0) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "shared.cli", "batch", "ingester", "--redis-url", url, "--model", str(folder),
+            "--lease-s", str(lease_s)]
+    return subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[2], env={**os.environ},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def wait_for_job(client: redis.Redis, job_id: str, *, statuses=("completed", "failed", "cancelled", "expired"),
+                 timeout_s: float = 240.0) -> dict[str, str]:
+    """The job's hash once its status is one of `statuses`, read with a plain Redis client."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job = {k.decode(): v.decode() for k, v in client.hgetall(f"tf:batch:{job_id}").items()}
+        if job.get("status") in statuses:
+            return job
+        time.sleep(0.2)
+    raise AssertionError(f"job {job_id} still {job.get('status')!r} after {timeout_s} s: {job}")
+
+
+def read_outputs(client: redis.Redis, job_id: str) -> list[dict]:
+    """Every output entry of a job, as {custom_id, ok, line (parsed)}, with a plain client."""
+    entries = client.xrange(f"tf:batch:{job_id}:out")
+    return [{"custom_id": f[b"custom_id"].decode(), "ok": f[b"ok"] == b"1", "index": int(f[b"index"]),
+             "line": json.loads(f[b"line"])} for _, f in entries]
