@@ -19,8 +19,8 @@ import redis
 from tests.checkpoints import make_tiny_checkpoint
 
 TINY_CHAT = "tiny-chat"  # the served name of the model (its folder's name)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "generation_config.json")
 
 
 def make_tiny_chat_model(smollm2: Path, folder: Path) -> Path:
@@ -33,13 +33,14 @@ def make_tiny_chat_model(smollm2: Path, folder: Path) -> Path:
     return folder
 
 
-def job_lines(num_lines: int, *, max_tokens: int = 6, bad: bool = True) -> tuple[list[str], dict[str, str]]:
+def job_lines(num_lines: int, *, max_tokens: int = 6, bad: bool = True,
+              chat_only: bool = False) -> tuple[list[str], dict[str, str]]:
     """`num_lines` lines (chat and completions, greedy and seeded); with `bad`, some malformed
     ones among them. Returns the lines and, for each bad line's custom_id, what is wrong."""
     lines, broken = [], {}
     for i in range(num_lines):
         custom_id = f"req-{i}"
-        if i % 2:
+        if i % 2 or chat_only:
             body = {"model": TINY_CHAT, "messages": [{"role": "user", "content": f"Count to {i}."}],
                     "max_tokens": max_tokens, "temperature": 0}
             url = "/v1/chat/completions"
@@ -98,14 +99,15 @@ def spawn_scheduler(url: str, folder: Path, scheduler_id: str, *, lease_s: float
 
 
 def spawn_ingester(url: str, folder: Path, *, lease_s: float = 2.0) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "shared.cli", "batch", "ingester", "--redis-url", url, "--model", str(folder),
-            "--lease-s", str(lease_s)]
+    argv = [sys.executable, "-m", "shared.cli", "batch", "ingester", "--redis-url", url, "--model",
+            str(folder), "--lease-s", str(lease_s)]
     return subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[2], env={**os.environ},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
-def wait_for_job(client: redis.Redis, job_id: str, *, statuses=("completed", "failed", "cancelled", "expired"),
-                 timeout_s: float = 240.0) -> dict[str, str]:
+def wait_for_job(client: redis.Redis, job_id: str, *,
+                 statuses=("completed", "failed", "cancelled", "expired"),
+                 timeout_s: float = 180.0) -> dict[str, str]:
     """The job's hash once its status is one of `statuses`, read with a plain Redis client."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -121,3 +123,16 @@ def read_outputs(client: redis.Redis, job_id: str) -> list[dict]:
     entries = client.xrange(f"tf:batch:{job_id}:out")
     return [{"custom_id": f[b"custom_id"].decode(), "ok": f[b"ok"] == b"1", "index": int(f[b"index"]),
              "line": json.loads(f[b"line"])} for _, f in entries]
+
+
+def num_written(client: redis.Redis, job_id: str) -> int:
+    return client.xlen(f"tf:batch:{job_id}:out")
+
+
+def wait_written(client: redis.Redis, job_id: str, at_least: int, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while num_written(client, job_id) < at_least:
+        if time.monotonic() > deadline:
+            written = num_written(client, job_id)
+            raise AssertionError(f"job {job_id}: {written} lines written, wanted {at_least}")
+        time.sleep(0.05)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from tests.gateway.batch_fleet import (
     spawn_ingester,
     spawn_scheduler,
     wait_for_job,
+    wait_written,
 )
 from tests.redis_server import RedisServer
 
@@ -63,8 +63,8 @@ def plain(batch_redis) -> redis.Redis:
 
 @pytest.fixture
 def gateway_settings(batch_redis, tiny_chat) -> GatewaySettings:
-    return GatewaySettings(redis_url=batch_redis.url, models=[ModelSpec.from_path(str(tiny_chat))], poll_s=0.5,
-                           batch_lease_s=2.0)
+    return GatewaySettings(redis_url=batch_redis.url, models=[ModelSpec.from_path(str(tiny_chat))],
+                           poll_s=0.5, batch_lease_s=2.0)
 
 
 @pytest_asyncio.fixture
@@ -72,7 +72,8 @@ async def gateway(gateway_settings, aiohttp_client):
     return await aiohttp_client(create_app(gateway_settings))
 
 
-def check_exactly_once(outputs: list[dict], num_lines: int, broken: dict[str, str]) -> None:
+def check_exactly_once(outputs: list[dict], num_lines: int, broken: dict[str, str],
+                       max_tokens: int = 6) -> None:
     """One output per line, each custom_id once; good lines answered, bad ones refused."""
     assert len(outputs) == num_lines, f"{len(outputs)} outputs for {num_lines} lines"
     by_index = {o["index"]: o for o in outputs}
@@ -93,7 +94,8 @@ def check_exactly_once(outputs: list[dict], num_lines: int, broken: dict[str, st
             assert line["response"]["status_code"] == 200
             body = line["response"]["body"]
             assert body["object"] in ("chat.completion", "text_completion")
-            assert body["usage"]["completion_tokens"] == 6 or body["choices"][0]["finish_reason"] == "stop"
+            finish = body["choices"][0]["finish_reason"]
+            assert body["usage"]["completion_tokens"] == max_tokens or finish == "stop"
 
 
 @pytest.mark.asyncio
@@ -122,7 +124,226 @@ async def test_a_1000_line_job_from_a_plain_redis_client_comes_back_exactly_once
     rest = await gateway.post("/v1/chat/completions", json=line["body"])
     assert rest.status == 200
     batch_body = by_index[1]["response"]["body"]
-    assert batch_body["choices"][0]["message"]["content"] == (await rest.json())["choices"][0]["message"]["content"]
+    rest_body = await rest.json()
+    assert batch_body["choices"][0]["message"]["content"] == rest_body["choices"][0]["message"]["content"]
     # The job's working keys are gone; nothing is left queued.
     assert not plain.exists("tf:batch:plain-1:lines", "tf:batch:plain-1:written", "tf:res:plain-1.1.0")
     assert not plain.sismember("tf:batch:active", "plain-1")
+
+
+@pytest.mark.asyncio
+async def test_the_same_job_through_the_openai_clients_files_and_batches_calls(scheduler, gateway, plain):
+    lines, broken = job_lines(1000, chat_only=True)
+    sdk = openai.AsyncOpenAI(base_url=str(gateway.make_url("/v1")), api_key="unused", max_retries=0)
+    try:
+        uploaded = await sdk.files.create(file=("job.jsonl", ("\n".join(lines)).encode()), purpose="batch")
+        assert uploaded.bytes > 0 and uploaded.purpose == "batch"
+        assert (await sdk.files.retrieve(uploaded.id)).filename == "job.jsonl"
+        batch = await sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                         completion_window="24h", metadata={"team": "evals"})
+        assert batch.status == "validating" and batch.metadata == {"team": "evals"}
+        deadline = time.monotonic() + 180
+        while batch.status not in ("completed", "failed", "cancelled", "expired"):
+            assert time.monotonic() < deadline, batch
+            await asyncio.sleep(0.3)
+            batch = await sdk.batches.retrieve(batch.id)
+        assert batch.status == "completed", batch
+        counts = batch.request_counts
+        assert (counts.total, counts.completed, counts.failed) == (1000, 1000 - len(broken), len(broken))
+        assert batch.completed_at and batch.in_progress_at and batch.finalizing_at
+        good = (await sdk.files.content(batch.output_file_id)).text.splitlines()
+        bad = (await sdk.files.content(batch.error_file_id)).text.splitlines()
+        assert len(good) == 1000 - len(broken) and len(bad) == len(broken)
+        outputs = [json.loads(line) for line in good + bad]
+        ids = [o["custom_id"] for o in outputs if o["custom_id"]]
+        assert len(ids) == len(set(ids))
+        assert all(json.loads(line)["response"]["body"]["object"] == "chat.completion" for line in good)
+        listed = await sdk.batches.list(limit=100)
+        assert batch.id in [b.id for b in listed.data]
+        with pytest.raises(openai.ConflictError):
+            await sdk.batches.cancel(batch.id)  # a completed batch cannot be cancelled
+        with pytest.raises(openai.NotFoundError):
+            await sdk.batches.retrieve("batch_nope")
+        with pytest.raises(openai.NotFoundError):
+            await sdk.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions",
+                                     completion_window="24h")
+        with pytest.raises(openai.BadRequestError):
+            await sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings",
+                                     completion_window="24h")
+        await sdk.files.delete(uploaded.id)
+        with pytest.raises(openai.NotFoundError):
+            await sdk.files.retrieve(uploaded.id)
+    finally:
+        await sdk.close()
+
+
+@pytest.mark.asyncio
+async def test_cancelling_a_running_job_accounts_for_every_line_once(scheduler, gateway, plain):
+    lines, _ = job_lines(1000, bad=False, max_tokens=24)
+    plain.xadd("tf:batch:in", {"job_id": "cancel-1", "lines": "\n".join(lines)})
+    await asyncio.to_thread(wait_written, plain, "cancel-1", 50)
+    response = await gateway.post("/v1/batches/cancel-1/cancel")
+    assert response.status == 200
+    assert (await response.json())["status"] in ("cancelling", "cancelled")
+    job = await asyncio.to_thread(wait_for_job, plain, "cancel-1")
+    assert job["status"] == "cancelled" and job.get("cancelled_at")
+    outputs = read_outputs(plain, "cancel-1")
+    assert sorted(o["index"] for o in outputs) == list(range(1000))
+    assert int(job["completed"]) + int(job["failed"]) == 1000
+    codes = {o["line"]["error"]["code"] for o in outputs if not o["ok"]}
+    assert codes == {"batch_cancelled"}
+    assert 50 <= int(job["completed"]) < 1000
+    assert not plain.exists("tf:batch:cancel-1:lines")
+    again = await gateway.post("/v1/batches/cancel-1/cancel")  # cancelling twice is harmless
+    assert again.status == 200 and (await again.json())["status"] == "cancelled"
+
+
+@pytest.mark.asyncio
+async def test_a_job_past_its_completion_window_expires_with_every_line_accounted_for(scheduler, gateway,
+                                                                                     plain):
+    lines, _ = job_lines(1000, bad=False, max_tokens=24)
+    plain.xadd("tf:batch:in", {"job_id": "expire-1", "lines": "\n".join(lines), "completion_window": "2s"})
+    job = await asyncio.to_thread(wait_for_job, plain, "expire-1")
+    assert job["status"] == "expired" and job.get("expired_at")
+    outputs = read_outputs(plain, "expire-1")
+    assert sorted(o["index"] for o in outputs) == list(range(1000))
+    assert {o["line"]["error"]["code"] for o in outputs if not o["ok"]} == {"batch_expired"}
+    assert int(job["failed"]) > 0
+
+
+@pytest.mark.asyncio
+async def test_jobs_that_cannot_run_fail_with_an_error_that_names_the_problem(scheduler, gateway, plain):
+    good = job_lines(2, bad=False)[0]
+    cases = {
+        "no-model": ({"lines": "\n".join(good), "model": "gpt-17"}, "gpt-17"),
+        "bad-field": ({"lines": "\n".join(good), "priority": "high"}, "priority"),
+        "empty": ({"lines": "\n\n"}, "no lines"),
+        "no-input": ({"model": TINY_CHAT}, "lines"),
+        "bad-window": ({"lines": "\n".join(good), "completion_window": "soon"}, "completion_window"),
+        "bad-metadata": ({"lines": "\n".join(good), "metadata": "[1]"}, "metadata"),
+        "bad-endpoint": ({"lines": "\n".join(good), "endpoint": "/v1/embeddings"}, "endpoint"),
+        "no-file": ({"input_file_id": "file-missing"}, "file-missing"),
+    }
+    for job_id, (fields, _) in cases.items():
+        plain.xadd("tf:batch:in", {"job_id": job_id, **fields})
+    bad_id_entry = plain.xadd("tf:batch:in", {"job_id": "bad id!", "lines": good[0]}).decode()
+    for job_id, (_, word) in cases.items():
+        job = await asyncio.to_thread(wait_for_job, plain, job_id, timeout_s=30)
+        assert job["status"] == "failed", (job_id, job)
+        errors = json.loads(job["errors"])
+        assert word in errors[0]["message"], (job_id, errors)
+        response = await gateway.get(f"/v1/batches/{job_id}")
+        assert (await response.json())["errors"]["data"][0]["message"] == errors[0]["message"]
+    # An unusable job_id: the job is named after its entry, findable from the entry id.
+    derived = await asyncio.to_thread(_entry_job, plain, bad_id_entry)
+    job = await asyncio.to_thread(wait_for_job, plain, derived, timeout_s=30)
+    assert job["status"] == "failed" and "job_id" in json.loads(job["errors"])[0]["message"]
+    # The same job_id twice: the second entry is refused, the first runs.
+    plain.xadd("tf:batch:in", {"job_id": "twice", "lines": "\n".join(good)})
+    second = plain.xadd("tf:batch:in", {"job_id": "twice", "lines": "\n".join(good)}).decode()
+    assert (await asyncio.to_thread(wait_for_job, plain, "twice"))["status"] == "completed"
+    refused = await asyncio.to_thread(wait_for_job, plain, await asyncio.to_thread(_entry_job, plain, second))
+    assert refused["status"] == "failed" and "already taken" in refused["errors"]
+    # Duplicate custom_ids: the later line is refused, the earlier one runs.
+    line = json.loads(good[0])
+    plain.xadd("tf:batch:in", {"job_id": "dups", "lines": "\n".join([json.dumps(line)] * 2)})
+    assert (await asyncio.to_thread(wait_for_job, plain, "dups"))["status"] == "completed"
+    outputs = sorted(read_outputs(plain, "dups"), key=lambda o: o["index"])
+    assert [o["ok"] for o in outputs] == [True, False]
+    assert outputs[1]["line"]["response"]["body"]["error"]["code"] == "duplicate_custom_id"
+
+
+def _entry_job(client: redis.Redis, entry_id: str, timeout_s: float = 30) -> str:
+    """The id of the job an entry of tf:batch:in became (what a plain client looks up)."""
+    deadline = time.monotonic() + timeout_s
+    while (job_id := client.get(f"tf:batch:entry:{entry_id}")) is None:
+        assert time.monotonic() < deadline, f"entry {entry_id} never became a job"
+        time.sleep(0.1)
+    return job_id.decode()
+
+
+@pytest.mark.asyncio
+async def test_cli_submit_waits_with_a_progress_bar_and_writes_the_results(scheduler, gateway, plain,
+                                                                           batch_redis, tmp_path):
+    lines, broken = job_lines(200)
+    source = tmp_path / "job.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    cli = [sys.executable, "-m", "shared.cli", "batch"]
+    url = ["--redis-url", batch_redis.url]
+    submit = [*cli, "submit", str(source), "--wait", "--output", str(out), "--job-id", "cli-1", *url]
+    done = await asyncio.to_thread(subprocess.run, submit,
+                                   cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "cli-1"
+    assert "200/200" in done.stderr and "completed" in done.stderr
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(results) == 200
+    status = await asyncio.to_thread(subprocess.run, [*cli, "status", "cli-1", *url],
+                                     cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert json.loads(status.stdout)["request_counts"] == {"total": 200, "completed": 200 - len(broken),
+                                                           "failed": len(broken)}
+    missing = await asyncio.to_thread(subprocess.run, [*cli, "status", "nope", *url],
+                                      cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 1 and "no batch job 'nope'" in missing.stderr
+
+
+# -- crash safety: own Redis; schedulers and ingesters as processes that get killed --------
+
+
+@pytest.fixture
+def own_redis(tmp_path):
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    yield server
+    server.stop()
+
+
+def _kill(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+
+
+@pytest.mark.asyncio
+async def test_a_scheduler_killed_mid_job_and_the_job_completes_exactly_once(own_redis, tiny_chat,
+                                                                             aiohttp_client):
+    client = redis.Redis.from_url(own_redis.url)
+    settings = GatewaySettings(redis_url=own_redis.url, models=[ModelSpec.from_path(str(tiny_chat))],
+                               batch_lease_s=2.0)
+    await aiohttp_client(create_app(settings))  # its ingester feeds and collects
+    schedulers = [spawn_scheduler(own_redis.url, tiny_chat, f"s{i}") for i in range(2)]
+    try:
+        lines, broken = job_lines(1000, max_tokens=24)
+        client.xadd("tf:batch:in", {"job_id": "crash-1", "lines": "\n".join(lines)})
+        await asyncio.to_thread(wait_written, client, "crash-1", 250, 240)
+        _kill(schedulers[0])
+        job = await asyncio.to_thread(wait_for_job, client, "crash-1", timeout_s=240)
+        assert job["status"] == "completed", job
+        check_exactly_once(read_outputs(client, "crash-1"), 1000, broken, max_tokens=24)
+        assert int(job["failed"]) == len(broken)
+    finally:
+        for process in schedulers:
+            _kill(process)
+
+
+@pytest.mark.asyncio
+async def test_an_ingester_killed_mid_job_and_a_new_one_finishes_it_exactly_once(own_redis, tiny_chat):
+    client = redis.Redis.from_url(own_redis.url)
+    scheduler = ThreadScheduler(own_redis.url, tiny_chat)
+    first = spawn_ingester(own_redis.url, tiny_chat)
+    second = None
+    try:
+        lines, broken = job_lines(1000, max_tokens=24)
+        client.xadd("tf:batch:in", {"job_id": "crash-2", "lines": "\n".join(lines)})
+        await asyncio.to_thread(wait_written, client, "crash-2", 300, 240)
+        _kill(first)
+        second = spawn_ingester(own_redis.url, tiny_chat)
+        job = await asyncio.to_thread(wait_for_job, client, "crash-2", timeout_s=240)
+        assert job["status"] == "completed", job
+        check_exactly_once(read_outputs(client, "crash-2"), 1000, broken, max_tokens=24)
+    finally:
+        for process in (first, second):
+            if process is not None:
+                _kill(process)
+        scheduler.close()

@@ -173,3 +173,50 @@ def test_expired_and_pre_cancelled_requests_never_run(tiny_checkpoints, redis_se
     assert records[expired][b"state"] == b"expired"
     assert records[cancelled][b"state"] == b"cancelled"
     assert 0 < client.ttl(KEYS.result(expired)) <= 600
+
+
+def test_an_interactive_arrival_preempts_batch_items_holding_every_slot(tiny_checkpoints, redis_server):
+    """Batch items fill the engine; an interactive request still gets read (batch items do not
+    count against it) and runs in the next step, a batch item preempted for its slot. Batch
+    items publish no per-token events and notify the ingesters when they end."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    engine = _engine(tiny_checkpoints["llama"], max_num_seqs=4)
+    service = _service(engine, redis_server.url)
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    batch_ids = [submit(client, MODEL, prompt, long, kind="batch", req_id=f"job1.{i}.0", batch_job_id="job1",
+                        custom_id=f"c{i}") for i, prompt in enumerate(_prompts(6))]
+    recorder = EventRecorder(redis_server.url)
+    try:
+        while engine.scheduler.num_running_requests < 4:
+            service.tick()
+        assert {f.req_id for f in service.inflight.values()} <= set(batch_ids)
+        interactive = submit(client, MODEL, _prompts(1, seed=9)[0], GREEDY)
+        service.tick()  # reads it although the engine is full, and runs it in this step
+        request = engine.scheduler.get_request(interactive)
+        assert request is not None and request.status.name == "RUNNING"
+        assert engine.scheduler.num_running_requests == 4
+        preempted = [r for r in batch_ids if (q := engine.scheduler.get_request(r)) is not None
+                     and q.status.name == "PREEMPTED"]
+        assert len(preempted) == 1
+        records = wait_terminal_ticking(service, client, [interactive, *batch_ids])
+        assert all(rec[b"state"] == b"completed" for rec in records.values())
+        assert all(len(token_ids(records[r])) == 40 for r in batch_ids)
+        notices = client.xrange(KEYS.batch_done)
+        assert sorted(f[b"req"].decode() for _, f in notices) == sorted(batch_ids)  # one each
+        time.sleep(0.3)
+        assert interactive in recorder.events and not set(batch_ids) & set(recorder.events)
+    finally:
+        recorder.close()
+        engine.close()
+
+
+def wait_terminal_ticking(service, client, req_ids, timeout_s: float = 120) -> dict[str, dict]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        service.tick()
+        records = {r: client.hgetall(KEYS.result(r)) for r in req_ids}
+        if all(rec.get(b"state") in (b"completed", b"failed", b"cancelled") for rec in records.values()):
+            return records
+    raise TimeoutError("requests did not end")
