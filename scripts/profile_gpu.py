@@ -51,30 +51,45 @@ def bench_kernels() -> None:
     from workers.layers import triton_attention as ta
 
     rng = random.Random(0)
-    steps = {
+    decode_steps = {
         "decode b=256, ctx 16..1500": ([1] * 256, [rng.randint(16, 1500) for _ in range(256)]),
         "decode b=64, ctx 16..1500": ([1] * 64, [rng.randint(16, 1500) for _ in range(64)]),
-        "decode b=1, ctx 256": ([1], [255]),
+    }
+    mixed_steps = {
         "mixed 100 dec + 30 prefills": ([1] * 100 + [rng.randint(16, 500) for _ in range(30)],
                                         [rng.randint(16, 1000) for _ in range(100)] + [0] * 30),
+        "mixed 250 dec + 2 prefills": ([1] * 250 + [300, 180],
+                                       [rng.randint(16, 1000) for _ in range(250)] + [0, 0]),
+        "prefill 8 x 1000": ([1000] * 8, [0] * 8),
     }
-    configs = [(64, 4, 2), (128, 4, 2), (64, 4, 3), (128, 4, 3), (32, 4, 3)]
-    print("| step | BLOCK_N | warps | stages | us | K/V GB/s |\n| --- | ---: | ---: | ---: | ---: | ---: |")
-    for name, (query_lens, cached) in steps.items():
-        step = attention_step(query_lens, cached)
-        kv_bytes = sum(c + n for c, n in zip(cached, query_lens, strict=True)) * 8 * 128 * 2 * 2
-        args = (step["q"], step["k_cache"], step["v_cache"], step["block_tables"], step["seq_lens"],
-                step["query_start_loc"], max(query_lens), 128**-0.5)
-        for block_n, warps, stages in configs:
-            ta.DECODE_BLOCK_N = ta.MIXED_BLOCK_N = block_n
-            ta.NUM_WARPS, ta.NUM_STAGES = warps, stages
-            row = f"| {name} | {block_n} | {warps} | {stages} |"
-            try:
-                ms = triton.testing.do_bench(lambda args=args: ta.paged_attention(*args), warmup=50, rep=200,
-                                             return_mode="median")
-                print(f"{row} {ms * 1e3:.1f} | {kv_bytes / ms / 1e6:,.0f} |", flush=True)
-            except Exception as exc:  # noqa: BLE001 - a config that does not compile is a row too
-                print(f"{row} failed: {type(exc).__name__} | |", flush=True)
+    # module setting -> value; each config is applied over the defaults
+    decode_configs = [{}, {"DECODE_BLOCK_N": 64}, {"NUM_STAGES": 3}, {"NUM_WARPS": 8}]
+    mixed_configs = [{}, {"SPLIT_MIXED": False}, {"MIXED_BLOCK_N": 32}, {"MIXED_BLOCK_M": 128},
+                     {"MIXED_BLOCK_M": 128, "MIXED_NUM_WARPS": 8},
+                     {"MIXED_BLOCK_M": 128, "MIXED_BLOCK_N": 32}, {"NUM_STAGES": 3}]
+    settings = ("DECODE_BLOCK_N", "MIXED_BLOCK_N", "MIXED_BLOCK_M", "NUM_WARPS", "MIXED_NUM_WARPS",
+                "NUM_STAGES", "SPLIT_MIXED")
+    defaults = {name: getattr(ta, name) for name in settings}
+    print("| step | config | us | K/V GB/s |\n| --- | --- | ---: | ---: |")
+    for steps, configs in ((decode_steps, decode_configs), (mixed_steps, mixed_configs)):
+        for name, (query_lens, cached) in steps.items():
+            step = attention_step(query_lens, cached)
+            kv_bytes = sum(c + n for c, n in zip(cached, query_lens, strict=True)) * 8 * 128 * 2 * 2
+            num_decodes = next((i for i, n in enumerate(query_lens) if n > 1), len(query_lens))
+            args = (step["q"], step["k_cache"], step["v_cache"], step["block_tables"], step["seq_lens"],
+                    step["query_start_loc"], max(query_lens), 128**-0.5, num_decodes)
+            for config in configs:
+                for setting, value in {**defaults, **config}.items():
+                    setattr(ta, setting, value)
+                row = f"| {name} | {config or 'default'} |"
+                try:
+                    ms = triton.testing.do_bench(lambda args=args: ta.paged_attention(*args), warmup=50,
+                                                 rep=200, return_mode="median")
+                    print(f"{row} {ms * 1e3:.1f} | {kv_bytes / ms / 1e6:,.0f} |", flush=True)
+                except Exception as exc:  # noqa: BLE001 - a config that does not compile is a row too
+                    print(f"{row} failed: {type(exc).__name__}: {str(exc)[:80]} | |", flush=True)
+    for setting, value in defaults.items():
+        setattr(ta, setting, value)
 
 
 def main() -> None:
@@ -101,38 +116,58 @@ def main() -> None:
         engine.generate([workload.prompts[0][:16]], warm)
         for prompt, num_out in zip(workload.prompts, workload.max_tokens, strict=True):
             engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=num_out, ignore_eos=True))
-        stats = {"decode": [0, 0.0, 0], "mixed": [0, 0.0, 0]}  # kind -> [steps, seconds, tokens]
+        # kind -> [steps, seconds in execute, tokens]; a step is "mixed" when any work has a
+        # prefill chunk (then it runs eagerly), else "decode" (a CUDA-graph replay).
+        stats = {"decode": [0, 0.0, 0], "mixed": [0, 0.0, 0]}
         profiled = {"decode": 0, "mixed": 0}
         prof_tables = {}
-        start = time.perf_counter()
-        while engine.has_unfinished_requests():
-            sched = engine.scheduler
-            # Peek: a step is decode-only when every running request has computed its prompt.
-            kind = "mixed" if sched.num_waiting_requests or any(
-                r.num_tokens - r.num_computed_tokens > 1 for r in sched._running) else "decode"
-            do_profile = profiled[kind] < 3 and stats[kind][0] >= 5
+        mixed_sizes = []  # (prefill tokens, decodes) per mixed step
+        execute = engine.executor.execute
+
+        def timed_execute(batch):
+            kind = "mixed" if any(len(w.token_ids) > 1 for w in batch.works) else "decode"
+            num_tokens = sum(len(w.token_ids) for w in batch.works)
+            if kind == "mixed":
+                num_decodes = sum(len(w.token_ids) == 1 for w in batch.works)
+                mixed_sizes.append((num_tokens - num_decodes, num_decodes))
+            do_profile = profiled[kind] < 3 and stats[kind][0] >= 20
+            torch.cuda.synchronize()
             t0 = time.perf_counter()
             if do_profile:
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    engine.step()
+                    result = execute(batch)
                     torch.cuda.synchronize()
                 profiled[kind] += 1
-                prof_tables.setdefault(kind, []).append(prof)
+                prof_tables.setdefault(kind, []).append((prof, num_tokens))
             else:
-                engine.step()
+                result = execute(batch)
             torch.cuda.synchronize()
-            elapsed = time.perf_counter() - t0
             stats[kind][0] += 1
-            stats[kind][1] += elapsed
+            stats[kind][1] += time.perf_counter() - t0
+            stats[kind][2] += num_tokens
+            return result
+
+        engine.executor.execute = timed_execute
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
         total = time.perf_counter() - start
-        print(f"\ntotal {total:.1f} s for {args.num_requests} requests", flush=True)
-        print("| step kind | steps | seconds | ms per step |\n| --- | ---: | ---: | ---: |")
-        for kind, (steps, seconds, _) in stats.items():
-            print(f"| {kind} | {steps} | {seconds:.1f} | {1e3 * seconds / max(steps, 1):.1f} |")
+        print(f"\ntotal {total:.1f} s, {args.num_requests} requests (each execute synchronised)", flush=True)
+        print("| step kind | steps | seconds in execute | ms per step | tokens per step |\n"
+              "| --- | ---: | ---: | ---: | ---: |")
+        for kind, (steps, seconds, tokens) in stats.items():
+            print(f"| {kind} | {steps} | {seconds:.1f} | {1e3 * seconds / max(steps, 1):.1f} | "
+                  f"{tokens / max(steps, 1):.0f} |")
+        print(f"| scheduler and the rest | | {total - stats['decode'][1] - stats['mixed'][1]:.1f} | | |")
+        if mixed_sizes:
+            sizes = sorted(mixed_sizes)
+            print("mixed steps (prefill tokens, decodes): min", sizes[0], "median", sizes[len(sizes) // 2],
+                  "max", sizes[-1], flush=True)
         for kind, profs in prof_tables.items():
-            print(f"\n## {kind} steps under the profiler (last of {len(profs)})")
-            print(profs[-1].key_averages().table(sort_by="cuda_time_total", row_limit=15))
-            print(profs[-1].key_averages().table(sort_by="cpu_time_total", row_limit=12))
+            prof, num_tokens = profs[-1]
+            print(f"\n## {kind} steps under the profiler (last of {len(profs)}: {num_tokens} tokens)")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+            print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12))
         engine.close()
     finally:
         shutil.rmtree(folder, ignore_errors=True)

@@ -68,11 +68,13 @@ def reference(step: dict, scale: float) -> torch.Tensor:
     return out
 
 
-def relative_error(step: dict, *, max_query_len: int, num_segments: int | None = None) -> float:
+def relative_error(step: dict, *, max_query_len: int, num_decodes: int = 0,
+                   num_segments: int | None = None) -> float:
     head_dim = step["q"].shape[2]
     out = triton_attention.paged_attention(
         step["q"], step["k_cache"], step["v_cache"], step["block_tables"], step["seq_lens"],
-        step["query_start_loc"], max_query_len, head_dim**-0.5, num_segments=num_segments,
+        step["query_start_loc"], max_query_len, head_dim**-0.5, num_decodes=num_decodes,
+        num_segments=num_segments,
     )
     ref = reference(step, head_dim**-0.5)
     return float((out.double().cpu() - ref).norm() / ref.norm())
@@ -91,12 +93,14 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or triton_attentio
 @needs_cuda
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(32, 8, 128), (9, 3, 64), (4, 4, 16)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("segments", [None, 4])
-def test_mixed_step_matches_reference_on_cuda(num_heads, num_kv_heads, head_dim, dtype, segments) -> None:
+@pytest.mark.parametrize(("num_decodes", "segments"), [(0, None), (3, None), (3, 4)])
+def test_mixed_step_matches_reference_on_cuda(num_heads, num_kv_heads, head_dim, dtype, num_decodes,
+                                              segments) -> None:
+    """num_decodes 0: one launch for every row; 3: the decodes in a launch of their own."""
     step = make_step(**MIXED, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                      page_size=16, dtype=dtype, device="cuda")
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    assert relative_error(step, max_query_len=70, num_segments=segments) < tol
+    assert relative_error(step, max_query_len=70, num_decodes=num_decodes, num_segments=segments) < tol
 
 
 @needs_cuda
@@ -118,7 +122,9 @@ def test_random_steps_match_reference_on_cuda() -> None:
         cached = [rng.choice([0, rng.randint(1, 700)]) for _ in range(n)]
         step = make_step(query_lens, cached, num_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
                          dtype=torch.bfloat16, device="cuda", seed=seed)
-        assert relative_error(step, max_query_len=max(query_lens)) < 1e-2, (query_lens, cached)
+        num_decodes = next((i for i, n in enumerate(query_lens) if n > 1), n)  # the leading decodes
+        assert relative_error(step, max_query_len=max(query_lens), num_decodes=num_decodes) < 1e-2, (
+            query_lens, cached)
 
 
 @needs_cuda
@@ -127,6 +133,7 @@ def test_steps_of_more_sequences_than_one_search_vector_on_cuda() -> None:
     step = make_step(query_lens, cached, num_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
                      dtype=torch.bfloat16, device="cuda")
     assert relative_error(step, max_query_len=300) < 1e-2
+    assert relative_error(step, max_query_len=300, num_decodes=150) < 1e-2
     decodes = make_step([1] * 300, list(range(300)), num_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
                         dtype=torch.bfloat16, device="cuda")
     assert relative_error(decodes, max_query_len=1) < 1e-2
@@ -139,7 +146,7 @@ import torch
 from tests.workers.test_triton_attention import DECODES, MIXED, make_step, relative_error
 shape = dict(num_heads=8, num_kv_heads=2, head_dim=32, page_size=4, dtype=torch.float32, device="cpu")
 mixed = relative_error(make_step(**MIXED, **shape), max_query_len=70)
-split = relative_error(make_step(**MIXED, **shape), max_query_len=70, num_segments=2)
+split = relative_error(make_step(**MIXED, **shape), max_query_len=70, num_decodes=3, num_segments=2)
 decodes = relative_error(make_step(**DECODES, **shape), max_query_len=1)  # 4 segments off CUDA
 assert max(mixed, split, decodes) < 1e-5, (mixed, split, decodes)
 print("ok")

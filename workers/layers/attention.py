@@ -52,7 +52,7 @@ class PagedAttention(nn.Module):
         if triton_attention.is_available(q):
             out = triton_attention.paged_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                meta.max_query_len, self.scale,
+                meta.max_query_len, self.scale, num_decodes=meta.num_decode_tokens,
             )
             return out.view(q.shape[0], self.num_heads * self.head_dim)
 

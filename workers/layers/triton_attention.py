@@ -34,6 +34,8 @@ MIXED_BLOCK_M = 64  # query rows (tokens x heads of a group) per program in step
 DECODE_BLOCK_M = 16  # the smallest M of a tensor-core product: one decode token's group, padded
 MAX_SEGMENTS = 16
 NUM_WARPS = 4
+MIXED_NUM_WARPS = 4
+SPLIT_MIXED = True  # mixed steps: decodes and prefill chunks as two launches
 NUM_STAGES = 2  # software pipelining of the K/V tile loads
 
 
@@ -44,16 +46,16 @@ def is_available(q: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _find_sequence(query_start_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr, SEARCH: tl.constexpr):
+    def _find_sequence(query_start_ptr, q_base, num_seqs, pid, BLOCK_Q: tl.constexpr, SEARCH: tl.constexpr):
         """The sequence whose query blocks include program `pid`: sequence s owns programs
-        query_start[s] // BLOCK_Q + s onwards (an upper bound that needs no prefix sum of
+        (query_start[s] - q_base) // BLOCK_Q + s onwards (an upper bound that needs no prefix sum of
         per-sequence block counts), which increases with s; so s is the number of sequences
         starting at or before pid, less one. Counted SEARCH sequences per vector load: a
         binary search would be ~8 dependent loads per program."""
         count = 0
         for base in range(0, num_seqs, SEARCH):
             s = base + tl.arange(0, SEARCH)
-            first = tl.load(query_start_ptr + s, mask=s < num_seqs, other=1 << 40) // BLOCK_Q + s
+            first = (tl.load(query_start_ptr + s, mask=s < num_seqs, other=1 << 40) - q_base) // BLOCK_Q + s
             count += tl.sum((first <= pid).to(tl.int32), axis=0)
         return count - 1
 
@@ -76,8 +78,10 @@ if triton is not None:
             seq = pid
             q_block = 0
         else:
-            seq = _find_sequence(query_start_ptr, num_seqs, pid, BLOCK_Q, 128)
-            q_block = pid - (tl.load(query_start_ptr + seq) // BLOCK_Q + seq)
+            # The launch may cover a tail of the step's sequences: rows count from its first.
+            q_base = tl.load(query_start_ptr)
+            seq = _find_sequence(query_start_ptr, q_base, num_seqs, pid, BLOCK_Q, 128)
+            q_block = pid - ((tl.load(query_start_ptr + seq) - q_base) // BLOCK_Q + seq)
         q_start = tl.load(query_start_ptr + seq)
         q_len = tl.load(query_start_ptr + seq + 1) - q_start
         if q_block * BLOCK_Q >= q_len:  # a spare program of the upper-bound grid
@@ -190,27 +194,52 @@ def decode_segments(num_seqs: int, num_kv_heads: int, device: torch.device) -> i
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
-    num_segments: int | None = None,
+    num_decodes: int = 0, num_segments: int | None = None,
 ) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim]; caches: [num_blocks, page_size, kv_heads, head_dim];
-    block_tables: [num_seqs, width]; seq_lens: [num_seqs] int32 (cached + this step's tokens);
-    query_start_loc: [num_seqs + 1] int32; max_query_len: the longest sequence's query count
-    (1 means decode-only, known on the host) -> [num_tokens, num_heads, head_dim]"""
-    num_tokens, num_heads, head_dim = q.shape
+    block_tables: [num_seqs, width]; seq_lens: [num_seqs] (cached + this step's tokens);
+    query_start_loc: [num_seqs + 1]; max_query_len: the longest sequence's query count (1 means
+    decode-only; known on the host); num_decodes: the first sequences, one query token each;
+    num_segments: split-K of decode-only launches (None: by occupancy)
+    -> [num_tokens, num_heads, head_dim]"""
+    out = torch.empty_like(q)
+    if q.shape[0] == 0:
+        return out
+    if max_query_len == 1:
+        _launch(q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale, decode_only=True,
+                num_tokens=q.shape[0], num_segments=num_segments)
+        return out
+    if SPLIT_MIXED and num_decodes:
+        # The decodes as their own decode-only launch (one program per sequence, wider key
+        # tiles), the prefill chunks in a second one; both write their rows of `out`.
+        _launch(q, k_cache, v_cache, out, block_tables[:num_decodes], seq_lens[:num_decodes],
+                query_start_loc[: num_decodes + 1], scale, decode_only=True, num_tokens=num_decodes,
+                num_segments=num_segments)
+        _launch(q, k_cache, v_cache, out, block_tables[num_decodes:], seq_lens[num_decodes:],
+                query_start_loc[num_decodes:], scale, decode_only=False, num_tokens=q.shape[0] - num_decodes)
+        return out
+    _launch(q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale, decode_only=False,
+            num_tokens=q.shape[0])
+    return out
+
+
+def _launch(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
+    decode_only: bool, num_tokens: int, num_segments: int | None = None,
+) -> None:
+    """One launch over the sequences given (num_tokens query rows from query_start_loc[0] on)."""
+    _, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     head_dim_pad = triton.next_power_of_2(head_dim)
-    out = torch.empty_like(q)
-    if num_tokens == 0:
-        return out
-    decode_only = max_query_len == 1
     block_q = max(1, (DECODE_BLOCK_M if decode_only else MIXED_BLOCK_M) // group_pad)
-    if num_segments is None:
+    if not decode_only or num_segments is None:
         num_segments = decode_segments(num_seqs, num_kv_heads, q.device) if decode_only else 1
     num_programs = num_seqs if decode_only else num_tokens // block_q + num_seqs
-    if num_segments > 1:
+    if num_segments > 1:  # decode-only: rows 0..num_seqs-1
         part_acc = torch.empty((num_tokens, num_heads, num_segments, head_dim_pad), dtype=torch.float32,
                                device=q.device)
         part_max = torch.empty((num_tokens, num_heads, num_segments), dtype=torch.float32, device=q.device)
@@ -226,13 +255,11 @@ def paged_attention(
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         PAGE_SIZE=page_size, BLOCK_Q=block_q, BLOCK_N=DECODE_BLOCK_N if decode_only else MIXED_BLOCK_N,
-        NUM_SEGMENTS=num_segments,
-        DECODE_ONLY=decode_only, IEEE_DOT=q.dtype == torch.float32,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        NUM_SEGMENTS=num_segments, DECODE_ONLY=decode_only, IEEE_DOT=q.dtype == torch.float32,
+        num_warps=NUM_WARPS if decode_only else MIXED_NUM_WARPS, num_stages=NUM_STAGES,
     )
     if num_segments > 1:
         _combine_segments_kernel[(num_tokens, num_heads)](
             part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SEGMENTS=num_segments,
         )
-    return out
