@@ -281,7 +281,9 @@ class BatchIngester:
             args = [arg for item in items for arg in self._queue_item(job, item)]
         mode = "end" if job.ending else "run"
         result = await self.jobs.feed(job, job.model or "", len(items), args, mode=mode)
-        return result == 1 or result == -2  # -2: another ingester moved first; look again
+        if result == 2:
+            await self._finalize(job_id)
+        return result in (1, -2)  # -2: another ingester moved first; look again
 
     def _written_off(self, job: Job, item: LineItem) -> list[object]:
         code = f"batch_{job.ending}"
@@ -339,8 +341,8 @@ class BatchIngester:
             if job_id not in jobs:
                 jobs[job_id] = await self.jobs.get(job_id)
             job = jobs[job_id]
-            if job is not None:
-                await self._collect_line(job, index)
+            if job is not None and await self._collect_line(job, index) == 2:
+                await self._finalize(job_id)
         if notices:
             entry_ids = [entry_id for entry_id, _ in notices]
             pipe = self.client.pipeline(transaction=False)
@@ -349,11 +351,11 @@ class BatchIngester:
             await pipe.execute()
         self._wake_feeder.set()
 
-    async def _collect_line(self, job: Job, index: int) -> bool:
+    async def _collect_line(self, job: Job, index: int) -> int:
         first_key = self.keys.result(item_req_id(job.id, index, 0))
         first = await self.client.hgetall(first_key)
         if not first:
-            return False  # written and cleaned up already
+            return 0  # written and cleaned up already
         n = int(first.get(b"batch_n", b"1"))
         req_ids = [item_req_id(job.id, index, c) for c in range(n)]
         pipe = self.client.pipeline(transaction=False)
@@ -362,7 +364,7 @@ class BatchIngester:
         raws = [first, *await pipe.execute()]
         records = [ResultRecord.parse(r, raw) for r, raw in zip(req_ids, raws, strict=True)]
         if any(record is None or not record.is_terminal for record in records):
-            return False  # the last choice's notice will bring it here again
+            return 0  # the last choice's notice will bring it here again
         custom_id = first.get(b"custom_id", b"").decode() or None
         ok, line = self._output(job, LineItem(index, first[b"batch_line"].decode(), custom_id), records)
         record_keys = [self.keys.result(r) for r in req_ids]
@@ -408,10 +410,8 @@ class BatchIngester:
             if job is None:
                 await self.client.srem(self.keys.batch_active, job_id)
                 continue
-            if job.status == "finalizing":
-                if await self.jobs.finalize(job_id):
-                    log.info("batch_job_ended", job_id=job_id, status=job.ending or "completed",
-                             total=job.total, failed=int(job.fields.get("failed") or 0))
+            if job.status == "finalizing":  # its last writer died before finalizing it
+                await self._finalize(job_id)
                 continue
             if not job.ending and job.expires_at is not None and time.time() > job.expires_at:
                 await self.jobs.stop(job_id, "expired")
@@ -419,6 +419,12 @@ class BatchIngester:
             if job is not None and job.ending:
                 await self._cancel_queued(job)
                 self._wake_feeder.set()
+
+    async def _finalize(self, job_id: str) -> None:
+        if await self.jobs.finalize(job_id):
+            job = await self.jobs.get(job_id)
+            log.info("batch_job_ended", job_id=job_id, status=job.status, total=job.total,
+                     failed=int(job.fields.get("failed") or 0))
 
     async def _take_over_pending(self) -> None:
         """What an ingester that died left pending: after the lease, someone else does it."""

@@ -39,6 +39,7 @@ if total >= 0 and tonumber(h[2] or '0') >= total
    and tonumber(h[3] or '0') + tonumber(h[4] or '0') >= total
    and (h[5] == 'in_progress' or h[5] == 'cancelling') then
   redis.call('HSET', KEYS[1], 'status', 'finalizing', 'finalizing_at', ARGV[3])
+  return 2
 end
 """
 
@@ -350,7 +351,8 @@ class JobStore:
 
     async def feed(self, job: Job, model: str, num_lines: int, items: list[object], *, mode: str) -> int:
         """Queue/write off the next num_lines lines (items: the script's flat item list):
-        1 done, -1 the job is not in that state, -2 another ingester moved first."""
+        1 done, 2 done and the job's last line is written, -1 the job is not in that state,
+        -2 another ingester moved first."""
         keys = [self.keys.batch_job(job.id), self.keys.batch_lines(job.id),
                 self.keys.request_stream(model, "batch"), self.keys.batch_out(job.id),
                 self.keys.batch_written(job.id)]
@@ -358,11 +360,12 @@ class JobStore:
         return int(await self._feed(keys=keys, args=args))
 
     async def collect(self, job_id: str, index: int, custom_id: str | None, ok: bool, line: str,
-                      record_keys: list[str]) -> bool:
+                      record_keys: list[str]) -> int:
+        """1 written, 0 written before, 2 written and it was the job's last line."""
         keys = [self.keys.batch_job(job_id), self.keys.batch_out(job_id), self.keys.batch_written(job_id),
                 *record_keys]
-        return bool(await self._collect(keys=keys, args=[index, custom_id or "", time.time(),
-                                                         "1" if ok else "0", line]))
+        return int(await self._collect(keys=keys, args=[index, custom_id or "", time.time(),
+                                                        "1" if ok else "0", line]))
 
     async def written_bits(self, job_id: str) -> bytes:
         return await self.client.get(self.keys.batch_written(job_id)) or b""

@@ -1,0 +1,194 @@
+"""Batch jobs on a shared fleet, in one run (run by hand, not a test):
+
+    .venv/bin/python scripts/bench_batch.py [--lines 128] [--max-tokens 32] [--max-num-seqs 16]
+
+1. Interactive time to first token on an idle fleet: `--interactive` streamed chat
+   completions, one after another, through the gateway (its own process) and one scheduler
+   (its own process), SmolLM2-135M-Instruct on this CPU.
+2. The batch job alone: `--lines` chat lines (OpenAI Batch format, greedy, EOS ignored, fixed
+   output length) written to tf:batch:in; timed from the XADD until the job is completed.
+3. The same job again, and while it saturates the scheduler (every sequence slot taken), the
+   same interactive requests: their time to first token against step 1's (goal: within 2x).
+4. The in-process engine (same engine settings) on the very same prompt token ids and
+   sampling: batch throughput through Redis against it (goal: at least 0.9).
+The ingester runs inside the gateway process, as deployed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import redis
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_gateway import Children, wait_ready  # noqa: E402
+
+from gateway.models import ServedModel  # noqa: E402
+from gateway.settings import ModelSpec  # noqa: E402
+from scheduler.engine import LLMEngine  # noqa: E402
+from shared.config import EngineConfig  # noqa: E402
+from shared.fleet import free_port  # noqa: E402
+from shared.sampling import SamplingParams  # noqa: E402
+from tests.redis_server import RedisServer  # noqa: E402
+from workers.default_model import fetch_default_model  # noqa: E402
+
+TOPICS = ["the sea", "a mountain", "autumn", "a city at night", "a robot", "the moon", "bread", "rain"]
+INTERACTIVE = ("You are a careful assistant. Read the following notes and answer briefly. Notes: the fleet "
+               "serves many users at once; batch jobs fill the idle capacity; interactive users must not "
+               "notice them. Each scheduler forms continuous batches over a paged KV cache and preempts "
+               "lower-priority work when a more important request arrives. Question {i}: in one sentence, "
+               "why should interactive requests preempt batch work?")
+
+
+def batch_lines(num_lines: int, max_tokens: int) -> list[dict]:
+    return [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": "SmolLM2-135M-Instruct", "max_tokens": max_tokens, "temperature": 0,
+                      "ignore_eos": True,
+                      "messages": [{"role": "user", "content": f"Write a short poem about {TOPICS[i % 8]} "
+                                                               f"(number {i})."}]}}
+            for i in range(num_lines)]
+
+
+def in_process(model: str, lines: list[dict], args) -> tuple[float, int]:
+    served = ServedModel.load(ModelSpec.from_path(model))
+    prompts = [served.encode_chat(line["body"]["messages"])[1] for line in lines]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    config = EngineConfig(model=model, dtype=args.dtype, num_kv_blocks=2048, max_num_seqs=args.max_num_seqs)
+    with LLMEngine(config) as engine:
+        engine.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
+        start = time.perf_counter()
+        outputs = engine.generate(prompts, params)
+        seconds = time.perf_counter() - start
+    return seconds, sum(len(o.token_ids) for o in outputs)
+
+
+async def ttft(session: aiohttp.ClientSession, url: str, i: int) -> float:
+    body = {"model": "SmolLM2-135M-Instruct", "stream": True, "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "user", "content": INTERACTIVE.format(i=i)}]}
+    start = time.perf_counter()
+    async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+        assert response.status == 200, await response.text()
+        first = None
+        async for raw in response.content:
+            line = raw.decode().strip()
+            if first is None and line.startswith("data: {"):
+                delta = json.loads(line[6:])["choices"][0]["delta"]
+                if delta.get("content"):
+                    first = time.perf_counter() - start
+    return first
+
+
+async def ttfts(url: str, count: int, pause_s: float) -> list[float]:
+    async with aiohttp.ClientSession() as session:
+        values = []
+        for i in range(count):
+            values.append(await ttft(session, url, i))
+            await asyncio.sleep(pause_s)
+        return values
+
+
+def run_job(client: redis.Redis, job_id: str, lines: list[dict]) -> float:
+    client.xadd("tf:batch:in", {"job_id": job_id, "lines": "\n".join(json.dumps(line) for line in lines)})
+    return time.perf_counter()
+
+
+def wait_job(client: redis.Redis, job_id: str, started: float) -> tuple[float, int, int]:
+    ended = (b"completed", b"failed", b"cancelled", b"expired")
+    while client.hget(f"tf:batch:{job_id}", "status") not in ended:
+        time.sleep(0.05)
+    seconds = time.perf_counter() - started
+    status = client.hget(f"tf:batch:{job_id}", "status").decode()
+    if status != "completed":
+        raise SystemExit(f"job {job_id} ended {status}")
+    tokens, failed = 0, 0
+    for _, fields in client.xrange(f"tf:batch:{job_id}:out"):
+        line = json.loads(fields[b"line"])
+        if line["response"] and line["response"]["status_code"] == 200:
+            tokens += line["response"]["body"]["usage"]["completion_tokens"]
+        else:
+            failed += 1
+    return seconds, tokens, failed
+
+
+def wait_saturated(client: redis.Redis, max_num_seqs: int, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for key in client.scan_iter("tf:sched:*"):
+            if int(client.hget(key, "num_running") or 0) >= max_num_seqs:
+                return
+        time.sleep(0.05)
+    raise SystemExit("the batch job never filled the scheduler's sequence slots")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lines", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--interactive", type=int, default=8)
+    parser.add_argument("--dtype", default="float32")
+    args = parser.parse_args()
+    print("command:", " ".join(sys.argv), flush=True)
+    model = str(fetch_default_model())
+    lines = batch_lines(args.lines, args.max_tokens)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        server = RedisServer(Path(tmp) / "redis")
+        server.start()
+        children = Children(Path(tmp))
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        try:
+            cli = [sys.executable, "-m", "shared.cli"]
+            children.spawn("scheduler", [*cli, "scheduler", "--redis-url", server.url, "--model", model,
+                                         "--dtype", args.dtype, "--num-kv-blocks", "2048",
+                                         "--max-num-seqs", str(args.max_num_seqs)])
+            children.spawn("gateway", [*cli, "gateway", "--redis-url", server.url, "--model", model,
+                                       "--port", str(port)])
+            wait_ready(url, children)
+            client = server.client()
+            asyncio.run(ttfts(url, 2, 0.1))  # warm-up
+            idle = asyncio.run(ttfts(url, args.interactive, 0.3))
+            print(f"idle TTFT: {[round(v * 1000) for v in idle]} ms", flush=True)
+            alone_s, alone_tokens, failed = wait_job(client, "alone", run_job(client, "alone", lines))
+            print(f"job alone: {alone_s:.1f} s, {alone_tokens} tokens, {failed} failed", flush=True)
+            started = run_job(client, "shared", lines)
+            wait_saturated(client, args.max_num_seqs)
+            loaded = asyncio.run(ttfts(url, args.interactive, 0.3))
+            print(f"TTFT under the job: {[round(v * 1000) for v in loaded]} ms", flush=True)
+            shared_s, shared_tokens, _ = wait_job(client, "shared", started)
+            children.check()
+        finally:
+            children.stop()
+            server.stop()
+
+    direct_s, direct_tokens = in_process(model, lines, args)
+    idle_ms, loaded_ms = statistics.median(idle) * 1000, statistics.median(loaded) * 1000
+    workload = (f"{args.lines} lines x {args.max_tokens} tokens, max_num_seqs {args.max_num_seqs}, "
+                f"{args.dtype}")
+    print(f"\n| {workload} | seconds | output tok/s |")
+    print("| --- | ---: | ---: |")
+    print(f"| in-process engine (baseline) | {direct_s:.1f} | {direct_tokens / direct_s:.1f} |")
+    print(f"| batch job through Redis, alone | {alone_s:.1f} | {alone_tokens / alone_s:.1f} |")
+    print(f"| batch job with interactive traffic | {shared_s:.1f} | {shared_tokens / shared_s:.1f} |")
+    print(f"| **batch / in-process** (goal >= 0.9) | | **{direct_s / alone_s:.2f}** |")
+    print(f"\n| interactive TTFT ({args.interactive} streamed chats, median) | ms |")
+    print("| --- | ---: |")
+    print(f"| idle fleet | {idle_ms:.0f} |")
+    print(f"| fleet saturated by the batch job | {loaded_ms:.0f} |")
+    print(f"| **saturated / idle** (goal <= 2) | **{loaded_ms / idle_ms:.2f}** |")
+
+
+if __name__ == "__main__":
+    main()
