@@ -169,6 +169,12 @@ def _add_gateway_parser(commands) -> None:
     _flag(gw, "max-n", type=int, default=8, help="cap on n (choices per request)")
     _flag(gw, "max-body-bytes", type=int, default=4 << 20, help="largest request body accepted")
     _flag(gw, "key-prefix", default="tf:", help="prefix of every Redis key")
+    _flag(gw, "no-batch-ingester", action="store_true",
+          help="run no batch ingester in this process (run `tokenfleet batch ingester` elsewhere)")
+    _flag(gw, "batch-max-inflight", type=int, default=1024,
+          help="per batch job: queued lines not yet written")
+    _flag(gw, "batch-lease-s", type=float, default=10.0,
+          help="batch work a dead ingester left is taken over after this")
 
 
 def _cmd_gateway(args: argparse.Namespace) -> int:
@@ -187,7 +193,8 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     serve(GatewaySettings(
         redis_url=args.redis_url, models=models, host=args.host, port=args.port,
         api_keys=tuple(_list_value(args, "api-key")), key_prefix=args.key_prefix, max_queue=args.max_queue,
-        max_n=args.max_n, max_body_bytes=args.max_body_bytes,
+        max_n=args.max_n, max_body_bytes=args.max_body_bytes, batch_ingester=not args.no_batch_ingester,
+        batch_max_inflight=args.batch_max_inflight, batch_lease_s=args.batch_lease_s,
     ))
     return 0
 
