@@ -59,7 +59,12 @@ if triton is not None:
             count += tl.sum((first <= pid).to(tl.int32), axis=0)
         return count - 1
 
-    @triton.jit
+    # Triton compiles a variant per 16-byte alignment of each pointer and per divisibility of
+    # each integer. These arguments differ from step to step (views into the step's one
+    # uploaded buffer, table widths, sequence counts): left specialised, a new variant would
+    # compile (~1 s) in the middle of serving.
+    @triton.jit(do_not_specialize=["num_seqs", "stride_table_seq"],
+                do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "query_start_ptr"])
     def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
         block_tables_ptr, seq_lens_ptr, query_start_ptr, num_seqs, scale,

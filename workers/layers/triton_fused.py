@@ -58,7 +58,9 @@ if triton is not None:
         out2 = ((a2 * cos).to(dtype).to(tl.float32) + (a1 * sin).to(dtype).to(tl.float32)).to(dtype)
         return out1, out2
 
-    @triton.jit
+    # positions and slots are views into the step's uploaded buffer: their alignment varies,
+    # and each variant would be another compile mid-serving.
+    @triton.jit(do_not_specialize_on_alignment=["positions_ptr", "slots_ptr"])
     def _rope_and_store_kernel(
         q_ptr, k_ptr, v_ptr, positions_ptr, cos_ptr, sin_ptr, slots_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
         stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
