@@ -93,13 +93,20 @@ async def retrieve(request: web.Request) -> web.Response:
 
 
 async def list_batches(request: web.Request) -> web.Response:
+    unknown = sorted(set(request.query) - {"limit", "after"})
+    if unknown:
+        raise BadRequest(f"unsupported query parameter: {unknown[0][:100]!r}", param=unknown[0][:100])
+    if any(len(request.query.getall(name)) > 1 for name in request.query):
+        raise BadRequest("a query parameter is given twice", param="limit")
+    after = request.query.get("after")
+    if after is not None and not re.match(JOB_ID_PATTERN, after):
+        raise BadRequest(f"after must be a batch id, got {after[:100]!r}", param="after")
     try:
         limit = int(request.query.get("limit", "20"))
     except ValueError:
         raise BadRequest("limit must be an integer", param="limit") from None
     if not 1 <= limit <= 100:
         raise BadRequest(f"limit must be between 1 and 100, got {limit}", param="limit")
-    after = request.query.get("after")
     jobs, has_more = await request.app[JOBS].list(limit=limit, after=after)
     data = [job.to_openai() for job in jobs]
     return web.json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,

@@ -13,6 +13,7 @@ import time
 import uuid
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from gateway.appkeys import JOBS, REDIS, SETTINGS
 from gateway.errors import BadRequest, NotFound
@@ -60,11 +61,8 @@ def _file_id(request: web.Request) -> str:
     return file_id
 
 
-async def upload(request: web.Request) -> web.Response:
-    if not request.content_type.startswith("multipart/"):
-        raise BadRequest("upload a file as multipart/form-data with the fields 'file' and 'purpose'",
-                         param="file", code="invalid_content_type")
-    limit = request.app[SETTINGS].max_file_bytes
+async def _read_form(request: web.Request, limit: int) -> tuple[bytes | None, str, str | None]:
+    """(file content, filename, purpose) of an upload form."""
     content, filename, purpose = None, "upload.jsonl", None
     reader = await request.multipart()
     while (part := await reader.next()) is not None:
@@ -82,6 +80,18 @@ async def upload(request: web.Request) -> web.Response:
             content = b"".join(chunks)
         else:
             raise BadRequest(f"unsupported form field {part.name!r}", param=part.name)
+    return content, filename, purpose
+
+
+async def upload(request: web.Request) -> web.Response:
+    if not request.content_type.startswith("multipart/"):
+        raise BadRequest("upload a file as multipart/form-data with the fields 'file' and 'purpose'",
+                         param="file", code="invalid_content_type")
+    try:
+        content, filename, purpose = await _read_form(request, request.app[SETTINGS].max_file_bytes)
+    except (ValueError, AssertionError, UnicodeDecodeError, HttpProcessingError) as exc:  # a broken body
+        raise BadRequest(f"the multipart body cannot be read: {exc}", param="file",
+                         code="invalid_multipart") from None
     if content is None:
         raise BadRequest("missing required parameter: file", param="file")
     if purpose not in PURPOSES:
@@ -146,6 +156,9 @@ async def content(request: web.Request) -> web.Response:
 
 
 async def list_files(request: web.Request) -> web.Response:
+    if request.query:
+        name = next(iter(request.query))[:100]
+        raise BadRequest(f"unsupported query parameter: {name!r}", param=name)
     keys = request.app[JOBS].keys
     ids = [i.decode() for i in await request.app[REDIS].zrevrange(keys.files, 0, 999)]
     pipe = request.app[REDIS].pipeline(transaction=False)
