@@ -171,7 +171,7 @@ class ModelRunner:
         if logits is None:
             return StepResult(batch.step_id, [])
         # The step's one host synchronisation: the sampler's .tolist() of the chosen ids.
-        sampled = self.sampler.sample(logits.float(), sampled_works)
+        sampled = self.sampler.sample(logits, sampled_works)  # float32 inside, where it matters
         return StepResult(batch.step_id, sampled)
 
     @torch.inference_mode()

@@ -41,6 +41,11 @@ class Sampler:
             )
         if not works:
             return []
+        if all(_is_plain_greedy(w.sampling) for w in works):
+            # The argmax of the logits as they come (bf16 -> float32 is exact and keeps the
+            # order, ties included): no float32 copy of [num_seqs, vocab] (~0.1 ms at 256 rows).
+            ids = logits.argmax(dim=-1).tolist()
+            return [SampledToken(req_id=w.req_id, token_id=t) for w, t in zip(works, ids, strict=True)]
         logits = apply_penalties(logits.float(), works)
         token_ids = self._pick_tokens(logits, works)  # [num_seqs]
         return _to_sampled_tokens(logits, token_ids, works)
@@ -92,6 +97,10 @@ class Sampler:
         if device not in self._seeded_generators:
             self._seeded_generators[device] = torch.Generator(device=device)
         return self._seeded_generators[device]
+
+
+def _is_plain_greedy(params: SamplingParams) -> bool:
+    return params.temperature < _SAMPLING_EPS and not params.has_penalties and params.logprobs is None
 
 
 def apply_penalties(logits: torch.Tensor, works: list[SequenceWork]) -> torch.Tensor:

@@ -57,6 +57,20 @@ def test_greedy_picks_argmax_and_lowest_id_on_ties() -> None:
     assert [t.req_id for t in sampled] == [w.req_id for w in works]
 
 
+def test_plain_greedy_on_bf16_logits_picks_what_float32_logits_pick() -> None:
+    """Plain greedy rows take the argmax of the logits' own dtype; rows with penalties or
+    logprobs still go through float32. Both give the float32 argmax, ties included."""
+    logits = torch.randn(8, 300, generator=torch.Generator().manual_seed(1)).bfloat16()
+    logits[3, 5] = logits[3, 200] = 50.0
+    plain = [make_work(f"r{i}", temperature=0.0) for i in range(8)]
+    expected = logits.float().argmax(dim=-1).tolist()
+    assert [t.token_id for t in Sampler().sample(logits, plain)] == expected
+    assert expected[3] == 5
+    with_logprobs = plain[:7] + [make_work("r7", temperature=0.0, logprobs=0)]
+    sampled = Sampler().sample(logits, with_logprobs)
+    assert [t.token_id for t in sampled] == expected and sampled[7].logprob is not None
+
+
 def test_temperature_near_zero_converges_to_greedy() -> None:
     logits = torch.tensor([1.0, 2.0, 1.9, -1.0])
     for temperature in (1e-2, 1e-6):  # the second is under the greedy cut-off
