@@ -29,12 +29,15 @@ def _processes_mentioning(text: str) -> list[psutil.Process]:
     return found
 
 
-def test_up_serves_a_chat_completion_and_leaves_nothing_after_sigterm(smollm2, tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_up_serves_a_chat_completion_and_leaves_nothing_after_sigterm(smollm2, tmp_path, tp):
+    """TP=1, then a Ray TP=2 group on this CPU. At TP=1 a batch job also goes through, from the
+    CLI with no flags (it finds the fleet's Redis in fleet.json)."""
     port = free_port()
     env = {**os.environ, "TOKENFLEET_HOME": str(tmp_path / "home")}
     up = subprocess.Popen(
         [sys.executable, "-m", "shared.cli", "up", "--port", str(port), "--model", str(smollm2),
-         "--num-kv-blocks", "256", "--dtype", "float32"],
+         "--num-kv-blocks", "256", "--dtype", "float32", "--tp", str(tp)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
     descendants: list[psutil.Process] = []
@@ -58,6 +61,21 @@ def test_up_serves_a_chat_completion_and_leaves_nothing_after_sigterm(smollm2, t
         with urllib.request.urlopen(request, timeout=120) as response:
             answer = json.loads(response.read())
         assert "Paris" in answer["choices"][0]["message"]["content"]
+        if tp == 2:
+            ranks = [p for p in psutil.Process(up.pid).children(recursive=True)
+                     if "RankWorker" in " ".join(p.cmdline())]
+            assert len(ranks) == 2, [p.cmdline() for p in ranks]
+        else:
+            job = tmp_path / "job.jsonl"
+            job.write_text(json.dumps({"custom_id": "paris", "method": "POST", "url": "/v1/chat/completions",
+                                       "body": json.loads(body)}) + "\n")
+            done = subprocess.run([sys.executable, "-m", "shared.cli", "batch", "submit", str(job), "--wait",
+                                   "--output", str(tmp_path / "out.jsonl")], env=env, capture_output=True,
+                                  text=True, timeout=120)
+            assert done.returncode == 0, done.stderr
+            [line] = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+            assert line["custom_id"] == "paris"
+            assert "Paris" in line["response"]["body"]["choices"][0]["message"]["content"]
     finally:
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=120) == 0
