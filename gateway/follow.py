@@ -112,8 +112,10 @@ class Watch:
         while any(not f.done for f in self.followers):
             try:
                 if self.queue.empty():
-                    index, data = await asyncio.wait_for(self.queue.get(), self.poll_s)
-                else:  # the common case under load: no timer, no task
+                    # asyncio.timeout, not wait_for: no task per token (3.11's wait_for makes one)
+                    async with asyncio.timeout(self.poll_s):
+                        index, data = await self.queue.get()
+                else:  # the common case under load: no timer at all
                     index, data = self.queue.get_nowait()
             except asyncio.TimeoutError:
                 for item in await self._poll():

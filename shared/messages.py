@@ -171,9 +171,24 @@ class ErrorEvent(_Message):
     type: str = "error"
 
 
+_PLAIN_TOKEN_FIELDS = frozenset(f.name for f in dataclasses.fields(TokenEvent))
+
+
+def _is_plain_token_event(raw: dict) -> bool:
+    """The event of almost every step (all fields, no logprobs, not the last): the same checks
+    as from_map, written out, because this runs once per token per stream."""
+    ids = raw.get("token_ids")
+    return (raw.keys() == _PLAIN_TOKEN_FIELDS and raw["type"] == "token" and raw["logprobs"] is None
+            and raw["finish_reason"] is None and raw["usage"] is None and type(raw["req_id"]) is str
+            and type(raw["seq"]) is int and type(raw["text"]) is str and type(ids) is list
+            and all(type(token) is int for token in ids))
+
+
 def decode_event(data: bytes) -> TokenEvent | ErrorEvent:
     """A token or error event, by its `type` field; unpacked once (this runs per token)."""
     raw = _unpack(data)
+    if _is_plain_token_event(raw):
+        return TokenEvent(**raw)
     return (ErrorEvent if raw.get("type") == "error" else TokenEvent).from_map(raw)
 
 
