@@ -457,7 +457,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--smoke", action="store_true", help="tiny model and workload (checks the script)")
     parser.add_argument("--num-requests", type=int, help="default 500 (24 with --smoke)")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-seqs", type=lambda text: [int(v) for v in text.split(",")], default=[256],
+                        help="cap on running sequences (and the largest CUDA graph); a comma list runs the "
+                             "engine once per value, on the same checkpoint")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--no-cuda-graphs", action="store_true", help="run every engine step eagerly")
     parser.add_argument("--engine-seconds", type=float, default=240.0, help="time limit of the engine run")
@@ -528,7 +530,7 @@ def run_all(args, shape: dict, workload: Workload, device: torch.device, bandwid
         log(f"model: {num_params / 1e9:.3f} B parameters, {weight_bytes / 1e9:.2f} GB, saved to {folder}")
         head_dim = shape["hidden_size"] // shape["num_attention_heads"]
         kv_bytes_per_token = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * 2
-        roof = roofline(num_params, weight_bytes, kv_bytes_per_token, workload, args.max_num_seqs, flops,
+        roof = roofline(num_params, weight_bytes, kv_bytes_per_token, workload, args.max_num_seqs[0], flops,
                         bandwidth)
         roof_rate = workload.num_output_tokens / roof.seconds
         num_tokens = workload.num_prompt_tokens + workload.num_output_tokens
@@ -547,24 +549,37 @@ def run_ours(args, folder: Path, workload: Workload, device: torch.device, roof_
     if args.skip_engine:
         return []
     rows = []
+    for i, max_num_seqs in enumerate(args.max_num_seqs):
+        rows += run_engine_config(args, max_num_seqs, folder, workload, device, roof_rate, floor_s,
+                                  vocab_size, measure_latency=i == 0 and not args.skip_engine_latency)
+    return rows
+
+
+def run_engine_config(args, max_num_seqs: int, folder: Path, workload: Workload, device: torch.device,
+                      roof_rate: float, floor_s: float, vocab_size: int, *,
+                      measure_latency: bool) -> list[Row]:
+    rows = []
     engine = None
     try:
         config = EngineConfig(model=str(folder), device=args.device, dtype="bfloat16",
-                              max_num_seqs=args.max_num_seqs,
+                              max_num_seqs=max_num_seqs, cuda_graph_max_batch_size=max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens,
                               cuda_graphs=not args.no_cuda_graphs)
         engine = LLMEngine(config, load_tokenizer_files=False)
         graphs = getattr(engine.executor.runner, "decode_graphs", None)
-        log(f"engine loaded: {engine.executor.num_kv_blocks} KV blocks, CUDA graphs "
-            f"{'up to batch ' + str(graphs.sizes[-1]) if graphs else 'off'}")
+        log(f"engine loaded (max_num_seqs {max_num_seqs}): {engine.executor.num_kv_blocks} KV blocks, CUDA "
+            f"graphs {'up to batch ' + str(graphs.sizes[-1]) if graphs else 'off'}")
         warm_up(engine, vocab_size)
         row = run_engine_workload(engine, workload, args.engine_seconds, device)
         row.of_roofline = f"{row.output_rate / roof_rate:.1%}"
+        if len(args.max_num_seqs) > 1:
+            row.name += f", max_num_seqs {max_num_seqs}"
+        row.notes = f"max_num_seqs {max_num_seqs}; " + row.notes
         rows.append(row)
-        log(f"engine: {row.output_rate:,.0f} output tok/s")
+        log(f"engine (max_num_seqs {max_num_seqs}): {row.output_rate:,.0f} output tok/s")
     except Exception as exc:  # noqa: BLE001 - a failed measurement is a row, not the end of the table
-        rows.append(failed_row("(a) tokenfleet engine", exc))
-    if engine is not None and not args.skip_engine_latency:
+        rows.append(failed_row(f"(a) tokenfleet engine, max_num_seqs {max_num_seqs}", exc))
+    if engine is not None and measure_latency:
         try:
             seconds = engine_decode_latency(engine, vocab_size, device)
             notes = (f"{seconds * 1e3:.2f} ms/token (128 prompt, 128 output tokens) vs bandwidth floor "
