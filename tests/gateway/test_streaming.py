@@ -93,7 +93,8 @@ async def test_every_parameter_reaches_the_scheduler(make_client, fake_scheduler
 async def test_chat_default_max_tokens_is_the_rest_of_the_context(make_client, fake_scheduler, tokenizer):
     client = await make_client()
     body = {k: v for k, v in CHAT.items() if k != "max_tokens"}
-    await client.post("/v1/chat/completions", json={**body, "stream": True})
+    response = await client.post("/v1/chat/completions", json={**body, "stream": True})
+    await response.text()  # to the end: the headers alone come before the scheduler took the entry
     (message,) = fake_scheduler.seen
     assert message.sampling_params().max_tokens == 8192 - len(message.prompt_token_ids)
 
