@@ -10,7 +10,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -67,26 +66,12 @@ def job_lines(num_lines: int, *, max_tokens: int = 6, bad: bool = True,
     return lines, broken
 
 
-class ThreadScheduler:
-    """A SchedulerService on the tiny model, in a thread."""
+def thread_scheduler(url: str, folder: Path):
+    """A real SchedulerService on the tiny chat model, in a thread (close() it)."""
+    from tests.gateway.conftest import RealScheduler
 
-    def __init__(self, url: str, folder: Path, scheduler_id: str = "batch-1", max_num_seqs: int = 64) -> None:
-        from scheduler.engine import LLMEngine
-        from scheduler.service import SchedulerService, ServiceSettings
-        from shared.config import EngineConfig
-
-        self.engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", num_kv_blocks=1024,
-                                             max_num_seqs=max_num_seqs, max_num_batched_tokens=2048))
-        self.service = SchedulerService(self.engine, url, ServiceSettings(TINY_CHAT, scheduler_id,
-                                                                          heartbeat_s=0.5))
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.service.run, args=(self.stop,), daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(timeout=60)
-        self.engine.close()
+    return RealScheduler(url, folder, model_name=TINY_CHAT, scheduler_id="batch-1", num_kv_blocks=1024,
+                         max_num_seqs=64, max_num_batched_tokens=2048)
 
 
 def spawn_scheduler(url: str, folder: Path, scheduler_id: str, *, lease_s: float = 2.0) -> subprocess.Popen:

@@ -48,16 +48,20 @@ def fake_scheduler(redis_server, tokenizer):
 
 
 class RealScheduler:
-    """scheduler.service.SchedulerService on SmolLM2 (float32, CPU), looping in a thread."""
+    """scheduler.service.SchedulerService on a real engine (float32, CPU), looping in a thread.
+    By default SmolLM2 served as MODEL; the batch tests run it on their tiny chat model."""
 
-    def __init__(self, url: str, folder) -> None:
+    def __init__(self, url: str, folder, *, model_name: str = MODEL, scheduler_id: str = "real-1",
+                 num_kv_blocks: int = 256, max_num_seqs: int = 16, max_num_batched_tokens: int = 512) -> None:
         from scheduler.engine import LLMEngine
         from scheduler.service import SchedulerService, ServiceSettings
         from shared.config import EngineConfig
 
-        self.engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", num_kv_blocks=256,
-                                             max_num_seqs=16, max_num_batched_tokens=512))
-        self.service = SchedulerService(self.engine, url, ServiceSettings(MODEL, "real-1", heartbeat_s=0.5))
+        self.engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", num_kv_blocks=num_kv_blocks,
+                                             max_num_seqs=max_num_seqs,
+                                             max_num_batched_tokens=max_num_batched_tokens))
+        self.service = SchedulerService(self.engine, url, ServiceSettings(model_name, scheduler_id,
+                                                                          heartbeat_s=0.5))
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.service.run, args=(self.stop,), daemon=True)
         self.thread.start()

@@ -21,16 +21,15 @@ from gateway.app import create_app
 from gateway.settings import GatewaySettings, ModelSpec
 from tests.gateway.batch_fleet import (
     TINY_CHAT,
-    ThreadScheduler,
     job_lines,
     make_tiny_chat_model,
     read_outputs,
     spawn_ingester,
     spawn_scheduler,
+    thread_scheduler,
     wait_for_job,
     wait_written,
 )
-from tests.redis_server import RedisServer
 
 pytestmark = [pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
@@ -42,28 +41,20 @@ def tiny_chat(smollm2, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def batch_redis(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def scheduler(batch_redis, tiny_chat):
-    scheduler = ThreadScheduler(batch_redis.url, tiny_chat)
+def scheduler(module_redis, tiny_chat):
+    scheduler = thread_scheduler(module_redis.url, tiny_chat)
     yield scheduler
     scheduler.close()
 
 
 @pytest.fixture
-def plain(batch_redis) -> redis.Redis:
-    return redis.Redis.from_url(batch_redis.url)
+def plain(module_redis) -> redis.Redis:
+    return redis.Redis.from_url(module_redis.url)
 
 
 @pytest.fixture
-def gateway_settings(batch_redis, tiny_chat) -> GatewaySettings:
-    return GatewaySettings(redis_url=batch_redis.url, models=[ModelSpec.from_path(str(tiny_chat))],
+def gateway_settings(module_redis, tiny_chat) -> GatewaySettings:
+    return GatewaySettings(redis_url=module_redis.url, models=[ModelSpec.from_path(str(tiny_chat))],
                            poll_s=0.5, batch_lease_s=2.0)
 
 
@@ -264,13 +255,13 @@ def _entry_job(client: redis.Redis, entry_id: str, timeout_s: float = 30) -> str
 
 @pytest.mark.asyncio
 async def test_cli_submit_waits_with_a_progress_bar_and_writes_the_results(scheduler, gateway, plain,
-                                                                           batch_redis, tmp_path):
+                                                                           module_redis, tmp_path):
     lines, broken = job_lines(200)
     source = tmp_path / "job.jsonl"
     source.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out.jsonl"
     cli = [sys.executable, "-m", "shared.cli", "batch"]
-    url = ["--redis-url", batch_redis.url]
+    url = ["--redis-url", module_redis.url]
     submit = [*cli, "submit", str(source), "--wait", "--output", str(out), "--job-id", "cli-1", *url]
     done = await asyncio.to_thread(subprocess.run, submit,
                                    cwd=REPO, capture_output=True, text=True, timeout=180)
@@ -288,15 +279,7 @@ async def test_cli_submit_waits_with_a_progress_bar_and_writes_the_results(sched
     assert missing.returncode == 1 and "no batch job 'nope'" in missing.stderr
 
 
-# -- crash safety: own Redis; schedulers and ingesters as processes that get killed --------
-
-
-@pytest.fixture
-def own_redis(tmp_path):
-    server = RedisServer(tmp_path / "redis")
-    server.start()
-    yield server
-    server.stop()
+# -- crash safety: a Redis of their own; schedulers and ingesters as processes that get killed --------
 
 
 def _kill(process: subprocess.Popen) -> None:
@@ -306,13 +289,13 @@ def _kill(process: subprocess.Popen) -> None:
 
 
 @pytest.mark.asyncio
-async def test_a_scheduler_killed_mid_job_and_the_job_completes_exactly_once(own_redis, tiny_chat,
+async def test_a_scheduler_killed_mid_job_and_the_job_completes_exactly_once(redis_server, tiny_chat,
                                                                              aiohttp_client):
-    client = redis.Redis.from_url(own_redis.url)
-    settings = GatewaySettings(redis_url=own_redis.url, models=[ModelSpec.from_path(str(tiny_chat))],
+    client = redis.Redis.from_url(redis_server.url)
+    settings = GatewaySettings(redis_url=redis_server.url, models=[ModelSpec.from_path(str(tiny_chat))],
                                batch_lease_s=2.0)
     await aiohttp_client(create_app(settings))  # its ingester feeds and collects
-    schedulers = [spawn_scheduler(own_redis.url, tiny_chat, f"s{i}") for i in range(2)]
+    schedulers = [spawn_scheduler(redis_server.url, tiny_chat, f"s{i}") for i in range(2)]
     try:
         lines, broken = job_lines(1000, max_tokens=24)
         client.xadd("tf:batch:in", {"job_id": "crash-1", "lines": "\n".join(lines)})
@@ -328,17 +311,17 @@ async def test_a_scheduler_killed_mid_job_and_the_job_completes_exactly_once(own
 
 
 @pytest.mark.asyncio
-async def test_an_ingester_killed_mid_job_and_a_new_one_finishes_it_exactly_once(own_redis, tiny_chat):
-    client = redis.Redis.from_url(own_redis.url)
-    scheduler = ThreadScheduler(own_redis.url, tiny_chat)
-    first = spawn_ingester(own_redis.url, tiny_chat)
+async def test_an_ingester_killed_mid_job_and_a_new_one_finishes_it_exactly_once(redis_server, tiny_chat):
+    client = redis.Redis.from_url(redis_server.url)
+    scheduler = thread_scheduler(redis_server.url, tiny_chat)
+    first = spawn_ingester(redis_server.url, tiny_chat)
     second = None
     try:
         lines, broken = job_lines(1000, max_tokens=24)
         client.xadd("tf:batch:in", {"job_id": "crash-2", "lines": "\n".join(lines)})
         await asyncio.to_thread(wait_written, client, "crash-2", 300, 240)
         _kill(first)
-        second = spawn_ingester(own_redis.url, tiny_chat)
+        second = spawn_ingester(redis_server.url, tiny_chat)
         job = await asyncio.to_thread(wait_for_job, client, "crash-2", timeout_s=240)
         assert job["status"] == "completed", job
         check_exactly_once(read_outputs(client, "crash-2"), 1000, broken, max_tokens=24)

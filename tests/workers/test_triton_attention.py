@@ -4,18 +4,13 @@ on CPU hosts, in Triton's interpreter."""
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.workers.triton_interpreter import run_interpreted
 from workers.layers import triton_attention
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_step(query_lens: list[int], cached: list[int], *, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -156,7 +151,4 @@ print("ok")
 @pytest.mark.skipif(triton_attention.triton is None or torch.cuda.is_available(),
                     reason="needs Triton installed; on CUDA hosts the compiled kernel is tested instead")
 def test_kernel_matches_reference_in_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETER_CHECK], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+    run_interpreted(_INTERPRETER_CHECK)

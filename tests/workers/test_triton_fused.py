@@ -6,20 +6,14 @@ not yet explained). Run on CUDA, and in Triton's interpreter on CPU hosts
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.workers.triton_interpreter import run_interpreted
 from workers.layers import triton_fused
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def fused_vs_pytorch(dtype: torch.dtype, device: str) -> dict[str, float]:
@@ -87,7 +81,4 @@ print("ok")
 @pytest.mark.skipif(triton_fused.triton is None or torch.cuda.is_available(),
                     reason="needs Triton installed; on CUDA hosts the compiled kernels are tested instead")
 def test_fused_kernels_match_pytorch_in_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETER_CHECK], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+    run_interpreted(_INTERPRETER_CHECK)

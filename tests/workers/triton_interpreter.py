@@ -1,0 +1,19 @@
+"""Run a check under Triton's CPU interpreter (TRITON_INTERPRET=1), in a fresh process: the
+variable is read when Triton is imported, so it cannot be turned on inside this one."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_interpreted(code: str, timeout_s: float = 300) -> None:
+    """Run `code` (which prints "ok" last when its checks pass); fail with its stderr otherwise."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout_s)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
