@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ import redis.asyncio as aioredis
 
 from gateway.batch_jobs import TERMINAL_JOB_STATES, Job, JobStore, new_job_id
 from shared.errors import InvalidRequestError, TokenfleetError
+from shared.fleet import recorded_fleet
 from shared.keys import Keys
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -25,16 +25,7 @@ BAR_WIDTH = 30
 
 def redis_url_from(flag: str | None) -> str:
     """The flag, else the running fleet's Redis (fleet.json), else the default."""
-    if flag:
-        return flag
-    home = Path(os.environ.get("TOKENFLEET_HOME", Path.home() / ".tokenfleet"))
-    fleet_file = home / "fleet.json"
-    if fleet_file.exists():
-        try:
-            return json.loads(fleet_file.read_text())["redis_url"]
-        except (json.JSONDecodeError, KeyError):
-            pass
-    return DEFAULT_REDIS_URL
+    return flag or recorded_fleet().get("redis_url") or DEFAULT_REDIS_URL
 
 
 def progress_line(job: Job) -> str:

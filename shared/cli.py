@@ -83,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_gateway_parser(commands)
     _add_up_parser(commands)
     _add_batch_parser(commands)
+    _add_bench_parser(commands)
     return parser
 
 
@@ -152,6 +153,43 @@ def _cmd_batch(args: argparse.Namespace) -> int:
     if args.batch_command == "ingester":
         args.model_paths = _list_value(args, "model") or [_resolve_model(None)]
     return run_batch_command(args)
+
+
+def _add_bench_parser(commands) -> None:
+    bench = commands.add_parser("bench",
+                                help="load generator against a running gateway: TTFT, ITL, throughput")
+    _flag(bench, "url", help="the gateway (default: the fleet's from $TOKENFLEET_HOME/fleet.json, else "
+                             "http://127.0.0.1:8000)")
+    _flag(bench, "model", help="served model name (default: the first of /v1/models)")
+    _flag(bench, "num-requests", type=int, default=100)
+    _flag(bench, "concurrency", type=int, default=16, help="requests in flight at most")
+    _flag(bench, "rate", type=float, default=0.0, help="new requests per second, Poisson (0: no pacing)")
+    _flag(bench, "prompt-words", type=int, default=64, help="words per synthetic prompt")
+    _flag(bench, "max-tokens", type=int, default=64, help="output tokens per request (EOS ignored)")
+    _flag(bench, "temperature", type=float, default=0.0)
+    _flag(bench, "completions", action="store_true", help="/v1/completions instead of chat")
+    _flag(bench, "api-key", help="Bearer key, when the gateway has --api-key")
+    _flag(bench, "seed", type=int, default=0, help="seeds the prompts and the arrivals")
+    _flag(bench, "timeout-s", type=float, default=300.0, help="a stream silent this long fails")
+    _flag(bench, "json", action="store_true", help="one JSON object instead of the table")
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from gateway.loadgen import run_bench_command
+    from shared.errors import InvalidRequestError
+    from shared.fleet import recorded_fleet
+
+    for name in ("num_requests", "concurrency", "prompt_words", "max_tokens"):
+        if getattr(args, name) < 1:
+            flag = name.replace("_", "-")
+            raise InvalidRequestError(f"--{flag} must be >= 1, got {getattr(args, name)}", param=flag)
+    if args.rate < 0 or args.timeout_s <= 0:
+        raise InvalidRequestError("--rate must be >= 0 and --timeout-s > 0", param="rate")
+    args.url = (args.url or recorded_fleet().get("gateway_url") or "http://127.0.0.1:8000").rstrip("/")
+    try:
+        return run_bench_command(args)
+    except (OSError, RuntimeError) as exc:  # aiohttp's connection errors are OSErrors
+        raise TokenfleetError(f"cannot benchmark {args.url}: {exc}") from None
 
 
 def _add_gateway_parser(commands) -> None:
@@ -321,7 +359,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"generate": _cmd_generate, "model": _cmd_model_fetch, "scheduler": _cmd_scheduler,
-            "gateway": _cmd_gateway, "up": _cmd_up, "batch": _cmd_batch}
+            "gateway": _cmd_gateway, "up": _cmd_up, "batch": _cmd_batch,
+            "bench": _cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

