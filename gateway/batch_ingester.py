@@ -146,8 +146,13 @@ class BatchIngester:
                 pass
             self._wake_feeder.clear()
             for job_id in await self.jobs.active():
-                while await self.feed(job_id):
-                    pass
+                try:
+                    while await self.feed(job_id):
+                        pass
+                except (RedisConnectionError, RedisTimeoutError, OSError):
+                    raise
+                except Exception as exc:  # noqa: BLE001 - one broken job must not starve the others
+                    log.exception("batch_feed_failed", job_id=job_id, error=repr(exc))
 
     async def _collect_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
