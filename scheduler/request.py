@@ -51,6 +51,11 @@ class TokenLogprobs:
     top_logprobs: list[tuple[int, float]] | None = None  # (token_id, logprob), best first
 
 
+# Batch work runs at this priority and above (the service adds it to a batch item's own
+# priority): below every interactive request, whose priority is an int32.
+BATCH_PRIORITY = 2**32
+
+
 # eq=False: requests compare by identity; two requests are never "equal" field by field,
 # and list.remove / `in` on the scheduler's queues stay cheap.
 @dataclass(eq=False)
@@ -58,7 +63,7 @@ class Request:
     req_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
-    priority: int = 0  # lower number = more important
+    priority: int = 0  # lower number = more important; BATCH_PRIORITY and above: batch work
     arrival_time: float = field(default_factory=time.monotonic)
     eos_token_ids: set[int] = field(default_factory=set)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from scheduler.block_manager import BlockManager, cdiv
 from scheduler.detokenizer import IncrementalDetokenizer, Tokenizer
-from scheduler.request import FinishReason, Request, RequestStatus, TokenLogprobs
+from scheduler.request import BATCH_PRIORITY, FinishReason, Request, RequestStatus, TokenLogprobs
 from shared.errors import InvalidRequestError, WorkerError
 from shared.logging import get_logger
 from shared.step import SampledToken, SequenceWork, StepBatch, StepResult
@@ -221,14 +221,20 @@ class Scheduler:
                 plan.add(request, num_new_tokens)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
+        admits_interactive = False
         while self._waiting and plan.token_budget > 0:
             request = self._waiting[0]
             if request.req_id in plan.preempted_req_ids:
                 break  # just made room for a more important one; not back in this step
+            if admits_interactive and request.priority >= BATCH_PRIORITY:
+                # Batch prompts do not share a step with an interactive prompt: the step that
+                # gives an interactive request its first token stays as short as its own prefill.
+                break
             num_new_tokens = self._num_new_tokens(request, plan.token_budget)
             if not self._make_room(request, num_new_tokens, plan):
                 break  # strict order: later requests do not jump ahead of a stuck one
             self._waiting.pop(0)
+            admits_interactive = admits_interactive or request.priority < BATCH_PRIORITY
             request.status = RequestStatus.RUNNING
             self._running.append(request)
             plan.add(request, num_new_tokens)

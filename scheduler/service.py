@@ -21,7 +21,7 @@ import msgpack
 import redis
 
 from scheduler.engine import LLMEngine
-from scheduler.request import FinishReason, RequestStatus
+from scheduler.request import BATCH_PRIORITY, FinishReason, RequestStatus
 from scheduler.result_store import ResultStore, ResultUpdate, terminal_fields
 from scheduler.scheduler import RequestOutput
 from shared.errors import InvalidRequestError
@@ -37,9 +37,6 @@ from shared.messages import (
 )
 
 MAX_BACKOFF_S = 5.0
-# A batch item's priority in the engine: below every interactive request (whose priority is
-# an int32), so an interactive arrival preempts batch work when slots or blocks are short.
-BATCH_PRIORITY_OFFSET = 2**32
 
 
 @dataclass
@@ -215,7 +212,9 @@ class SchedulerService:
         try:
             sampling = message.sampling_params()
             flight.wants_logprobs = sampling.logprobs is not None
-            priority = message.priority + (BATCH_PRIORITY_OFFSET if flight.is_batch else 0)
+            # Batch items rank below every interactive request: an interactive arrival preempts
+            # batch work when slots or blocks are short.
+            priority = message.priority + (BATCH_PRIORITY if flight.is_batch else 0)
             self.engine.add_request(
                 message.prompt_token_ids, sampling, priority=priority, req_id=message.req_id,
                 arrival_time=message.arrival_time, output_token_ids=progress.token_ids,

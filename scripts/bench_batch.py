@@ -1,6 +1,7 @@
 """Batch jobs on a shared fleet, in one run (run by hand, not a test):
 
     .venv/bin/python scripts/bench_batch.py [--lines 128] [--max-tokens 32] [--max-num-seqs 16]
+                                            [--max-num-batched-tokens 512]
 
 1. Interactive time to first token on an idle fleet: `--interactive` streamed chat
    completions, one after another, through the gateway (its own process) and one scheduler
@@ -64,7 +65,8 @@ def in_process(model: str, lines: list[dict], args) -> tuple[float, int]:
     served = ServedModel.load(ModelSpec.from_path(model))
     prompts = [served.encode_chat(line["body"]["messages"])[1] for line in lines]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    config = EngineConfig(model=model, dtype=args.dtype, num_kv_blocks=2048, max_num_seqs=args.max_num_seqs)
+    config = EngineConfig(model=model, dtype=args.dtype, num_kv_blocks=2048, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens)
     with LLMEngine(config) as engine:
         engine.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
         start = time.perf_counter()
@@ -136,6 +138,9 @@ def main() -> None:
     parser.add_argument("--lines", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512,
+                        help="tokens per step: on a CPU a step's time grows with it, and an arriving "
+                             "interactive request waits for the step in progress")
     parser.add_argument("--interactive", type=int, default=8)
     parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
@@ -153,7 +158,8 @@ def main() -> None:
             cli = [sys.executable, "-m", "shared.cli"]
             children.spawn("scheduler", [*cli, "scheduler", "--redis-url", server.url, "--model", model,
                                          "--dtype", args.dtype, "--num-kv-blocks", "2048",
-                                         "--max-num-seqs", str(args.max_num_seqs)])
+                                         "--max-num-seqs", str(args.max_num_seqs),
+                                         "--max-num-batched-tokens", str(args.max_num_batched_tokens)])
             children.spawn("gateway", [*cli, "gateway", "--redis-url", server.url, "--model", model,
                                        "--port", str(port)])
             wait_ready(url, children)
@@ -176,7 +182,7 @@ def main() -> None:
     direct_s, direct_tokens = in_process(model, lines, args)
     idle_ms, loaded_ms = statistics.median(idle) * 1000, statistics.median(loaded) * 1000
     workload = (f"{args.lines} lines x {args.max_tokens} tokens, max_num_seqs {args.max_num_seqs}, "
-                f"{args.dtype}")
+                f"max_num_batched_tokens {args.max_num_batched_tokens}, {args.dtype}")
     print(f"\n| {workload} | seconds | output tok/s |")
     print("| --- | ---: | ---: |")
     print(f"| in-process engine (baseline) | {direct_s:.1f} | {direct_tokens / direct_s:.1f} |")
