@@ -93,6 +93,7 @@ class BatchIngester:
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._wake_feeder = asyncio.Event()
         self._lease_ms = int(settings.batch_lease_s * 1000)
+        self._intaking: set[str] = set()  # entries of tf:batch:in this process is taking in now
 
     # -- the loops ----------------------------------------------------------------------
 
@@ -171,8 +172,29 @@ class BatchIngester:
 
     # -- intake -------------------------------------------------------------------------
 
-    async def intake(self, entry_id: str, raw_fields: dict) -> str:
-        """Take one job in; returns its id. Safe to repeat for the same entry."""
+    async def intake(self, entry_id: str, raw_fields: dict) -> str | None:
+        """Take one job in; returns its id (None when this process is at it already). Safe to
+        repeat for the same entry. A big job's intake outlasts the lease, so the claim on its
+        entry is renewed meanwhile: nobody else (nor this process's own takeover) starts a
+        second intake that would interleave its staging with ours."""
+        if entry_id in self._intaking:
+            return None
+        self._intaking.add(entry_id)
+        renewal = asyncio.create_task(self._renew_claim(entry_id), name="batch-renew-intake")
+        try:
+            return await self._intake(entry_id, raw_fields)
+        finally:
+            renewal.cancel()
+            await asyncio.gather(renewal, return_exceptions=True)
+            self._intaking.discard(entry_id)
+
+    async def _renew_claim(self, entry_id: str) -> None:
+        while True:
+            await asyncio.sleep(self.settings.batch_lease_s / 3)
+            await self.client.xclaim(self.keys.batch_in, INGESTER_GROUP, self.consumer, 0, [entry_id],
+                                     justid=True)
+
+    async def _intake(self, entry_id: str, raw_fields: dict) -> str:
         fields = {k.decode() if isinstance(k, bytes) else k: v for k, v in raw_fields.items()}
         text = {k: (v.decode(errors="replace") if isinstance(v, bytes) else str(v))
                 for k, v in fields.items() if k != "lines"}

@@ -330,3 +330,44 @@ async def test_an_ingester_killed_mid_job_and_a_new_one_finishes_it_exactly_once
             if process is not None:
                 _kill(process)
         scheduler.close()
+
+
+NUM_BIG = 200_000  # lines: an intake of a few seconds here, ten times the lease
+
+
+@pytest.mark.asyncio
+async def test_an_intake_longer_than_the_lease_is_not_done_twice(redis_server, tiny_chat):
+    """Two ingesters, a 0.3 s lease and a job whose intake takes seconds: the one taking it in
+    keeps its claim, so the other never starts a second intake (which would interleave the
+    staged lines). Every line is staged once, in order. No scheduler: nothing runs."""
+    import redis.asyncio as aioredis
+
+    from gateway.batch_ingester import BatchIngester
+    from gateway.batch_lines import LineItem
+    from gateway.models import ModelRegistry
+    from shared.keys import Keys
+
+    settings = GatewaySettings(redis_url=redis_server.url, models=[ModelSpec.from_path(str(tiny_chat))],
+                               batch_lease_s=0.3, batch_max_inflight=1)
+    models = ModelRegistry.load(settings.models)
+    client = aioredis.Redis.from_url(redis_server.url)
+    stop = asyncio.Event()
+    ingesters = [BatchIngester(client, Keys(), models, settings, consumer=f"i{i}") for i in range(2)]
+    tasks = [asyncio.create_task(ingester.run(stop)) for ingester in ingesters]
+    try:
+        lines, _ = job_lines(NUM_BIG, bad=False)
+        await client.xadd("tf:batch:in", {"job_id": "big", "lines": "\n".join(lines)})
+        deadline = time.monotonic() + 120
+        while await client.hget("tf:batch:big", "status") != b"in_progress":
+            assert time.monotonic() < deadline, await client.hgetall("tf:batch:big")
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0)  # a second intake, had one started, would have staged by now
+        job = {k.decode(): v.decode() for k, v in (await client.hgetall("tf:batch:big")).items()}
+        staged = [LineItem.unpack(raw).index for raw in await client.lrange("tf:batch:big:lines", 0, -1)]
+        assert int(job["total"]) == NUM_BIG
+        assert staged == list(range(int(job["next_index"]), NUM_BIG)), "a line staged twice or missing"
+        assert await client.xlen("tf:batch:in") == 0
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await client.aclose()
