@@ -33,7 +33,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from gateway.batch_jobs import Job, JobStore, is_written, item_req_id, parse_item_req_id
+from gateway.batch_jobs import Job, JobStore, item_req_id, parse_item_req_id, unwritten
 from gateway.batch_lines import (
     URLS,
     LineItem,
@@ -469,7 +469,7 @@ class BatchIngester:
         """Every queued line of a stopping job, cancelled end to end (the flag survives a
         scheduler that has not read the entry yet: it finds the flag and ends it unrun)."""
         bits = await self.jobs.written_bits(job.id)
-        pending = [i for i in range(job.next_index) if not is_written(bits, i)]
+        pending = unwritten(bits, job.next_index)
         if not pending:
             return
         pipe = self.client.pipeline(transaction=False)

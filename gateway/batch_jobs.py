@@ -24,6 +24,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import numpy as np
 import redis.asyncio as aioredis
 
 from shared.keys import INGESTER_GROUP, Keys
@@ -382,7 +383,9 @@ class JobStore:
         return sorted(m.decode() for m in await self.client.smembers(self.keys.batch_active))
 
 
-def is_written(bits: bytes, index: int) -> bool:
-    """Redis bitmaps count bits from the most significant end of each byte."""
-    byte = index >> 3
-    return byte < len(bits) and bool(bits[byte] & (0x80 >> (index & 7)))
+def unwritten(bits: bytes, count: int) -> list[int]:
+    """The indexes below `count` whose bit is not set (Redis counts bits from the most
+    significant end of each byte); numpy, since a job may have a million lines."""
+    flags = np.unpackbits(np.frombuffer(bits, dtype=np.uint8))[:count]
+    missing = np.flatnonzero(flags == 0).tolist()
+    return missing + list(range(len(flags), count))  # past the bitmap's end: not set either
