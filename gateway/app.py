@@ -83,7 +83,8 @@ async def _batch_ctx(app: web.Application) -> AsyncIterator[None]:
     if not settings.batch_ingester:
         yield
         return
-    ingester = BatchIngester(app[REDIS], GatewayKeys(settings.key_prefix), app[MODELS], settings)
+    ingester = BatchIngester(app[REDIS], GatewayKeys(settings.key_prefix), app[MODELS], settings,
+                             metrics=app[METRICS])
     stop = asyncio.Event()
     task = asyncio.create_task(ingester.run(stop), name="batch-ingester")
     yield

@@ -46,6 +46,7 @@ from gateway.batch_lines import (
     split_lines,
 )
 from gateway.errors import GatewayError
+from gateway.metrics import GatewayMetrics
 from gateway.models import ModelRegistry
 from gateway.openai_format import ChoiceOutput, chat_completion, text_completion
 from gateway.params import Plan, plan_chat, plan_completion
@@ -84,7 +85,7 @@ class JobRefused(Exception):
 
 class BatchIngester:
     def __init__(self, client: aioredis.Redis, keys: Keys, models: ModelRegistry, settings: GatewaySettings,
-                 consumer: str | None = None) -> None:
+                 consumer: str | None = None, metrics: GatewayMetrics | None = None) -> None:
         self.client = client
         self.keys = keys
         self.models = models
@@ -93,6 +94,7 @@ class BatchIngester:
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._wake_feeder = asyncio.Event()
         self._lease_ms = int(settings.batch_lease_s * 1000)
+        self.metrics = metrics or GatewayMetrics()  # the gateway's, when it runs inside one
         self._intaking: set[str] = set()  # entries of tf:batch:in this process is taking in now
 
     # -- the loops ----------------------------------------------------------------------
@@ -220,6 +222,7 @@ class BatchIngester:
             items, model, expires_at = await self._check(fields, text)
         except JobRefused as exc:
             await self.jobs.refuse(job_id, entry_id, [exc.error])
+            self.metrics.batch_jobs.labels("failed").inc()
             log.info("batch_job_refused", job_id=job_id, error=exc.error["message"])
             return job_id
         await self.client.hset(self.keys.batch_job(job_id), "model", model or "")
@@ -308,6 +311,8 @@ class BatchIngester:
             args = [arg for item in items for arg in self._queue_item(job, item)]
         mode = "end" if job.ending else "run"
         result = await self.jobs.feed(job, job.model or "", len(items), args, mode=mode)
+        if result in (1, 2):
+            self.metrics.batch_lines.labels("failed").inc(args.count("E"))
         if result == 2:
             await self._finalize(job_id)
         return result in (1, -2)  # -2: another ingester moved first; look again
@@ -395,7 +400,10 @@ class BatchIngester:
         custom_id = first.get(b"custom_id", b"").decode() or None
         ok, line = self._output(job, LineItem(index, first[b"batch_line"].decode(), custom_id), records)
         record_keys = [self.keys.result(r) for r in req_ids]
-        return await self.jobs.collect(job.id, index, custom_id, ok, line, record_keys)
+        written = await self.jobs.collect(job.id, index, custom_id, ok, line, record_keys)
+        if written:
+            self.metrics.batch_lines.labels("completed" if ok else "failed").inc()
+        return written
 
     def _output(self, job: Job, item: LineItem, records: list[ResultRecord]) -> tuple[bool, str]:
         req0 = records[0].req_id
@@ -432,7 +440,9 @@ class BatchIngester:
 
     async def maintain(self) -> None:
         await self._take_over_pending()
-        for job_id in await self.jobs.active():
+        active = await self.jobs.active()
+        self.metrics.batch_jobs_active.set(len(active))
+        for job_id in active:
             job = await self.jobs.get(job_id)
             if job is None:
                 await self.client.srem(self.keys.batch_active, job_id)
@@ -450,6 +460,7 @@ class BatchIngester:
     async def _finalize(self, job_id: str) -> None:
         if await self.jobs.finalize(job_id):
             job = await self.jobs.get(job_id)
+            self.metrics.batch_jobs.labels(job.status).inc()
             log.info("batch_job_ended", job_id=job_id, status=job.status, total=job.total,
                      failed=int(job.fields.get("failed") or 0))
 

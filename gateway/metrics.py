@@ -33,6 +33,12 @@ class GatewayMetrics:
         self.queue_depth = Gauge("tokenfleet_gateway_queue_depth",
                                  "entries of a model's interactive stream not yet taken", ["model"],
                                  registry=r)
+        self.batch_lines = Counter("tokenfleet_batch_lines", "batch lines whose output this process wrote",
+                                   ["status"], registry=r)
+        self.batch_jobs = Counter("tokenfleet_batch_jobs", "batch jobs this process ended, by end state",
+                                  ["status"], registry=r)
+        self.batch_jobs_active = Gauge("tokenfleet_batch_jobs_active", "batch jobs taken in and not ended",
+                                       registry=r)
         self.live_schedulers = Gauge("tokenfleet_gateway_live_schedulers",
                                      "schedulers with a live heartbeat, per model", ["model"], registry=r)
 

@@ -117,6 +117,10 @@ async def test_a_1000_line_job_from_a_plain_redis_client_comes_back_exactly_once
     batch_body = by_index[1]["response"]["body"]
     rest_body = await rest.json()
     assert batch_body["choices"][0]["message"]["content"] == rest_body["choices"][0]["message"]["content"]
+    metrics = await (await gateway.get("/metrics")).text()
+    assert f'tokenfleet_batch_lines_total{{status="failed"}} {float(len(broken))}' in metrics
+    assert f'tokenfleet_batch_lines_total{{status="completed"}} {float(1000 - len(broken))}' in metrics
+    assert 'tokenfleet_batch_jobs_total{status="completed"} 1.0' in metrics
     # The job's working keys are gone; nothing is left queued.
     assert not plain.exists("tf:batch:plain-1:lines", "tf:batch:plain-1:written", "tf:res:plain-1.1.0")
     assert not plain.sismember("tf:batch:active", "plain-1")
