@@ -15,10 +15,8 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import msgpack
-
 from shared.messages import REQUEST_STATES as STATES
-from shared.messages import TERMINAL_STATES, ErrorEvent, TokenEvent
+from shared.messages import TERMINAL_STATES, ErrorEvent, TokenEvent, unpack_list_chunks
 
 
 @dataclass
@@ -91,13 +89,13 @@ class ResultRecord:
         if not raw:
             return None
         state = _text(raw, "state") or "queued"
-        token_ids = msgpack.unpackb(raw[b"token_ids"]) if b"token_ids" in raw else []
+        token_ids = unpack_list_chunks(raw[b"token_ids"]) if b"token_ids" in raw else []
         top = _text(raw, "top_logprobs")
         return cls(
             req_id=req_id, state=state if state in STATES else "queued", seq=int(raw.get(b"seq", 0)),
             token_ids=token_ids, text=_text(raw, "text") or "",
-            logprobs=msgpack.unpackb(raw[b"logprobs"]) if b"logprobs" in raw else None,
-            offsets=msgpack.unpackb(raw[b"offsets"]) if b"offsets" in raw else None,
+            logprobs=unpack_list_chunks(raw[b"logprobs"]) if b"logprobs" in raw else None,
+            offsets=unpack_list_chunks(raw[b"offsets"]) if b"offsets" in raw else None,
             finish_reason=_text(raw, "finish_reason") or None,
             usage=json.loads(raw[b"usage"]) if b"usage" in raw else None,
             error=json.loads(raw[b"error"]) if b"error" in raw else None,

@@ -17,15 +17,16 @@ import json
 import time
 from dataclasses import dataclass, field
 
-import msgpack
 import redis
 
 from shared.keys import CONSUMER_GROUP, Keys
-from shared.messages import TERMINAL_STATES
+from shared.messages import TERMINAL_STATES, unpack_list_chunks
 
 # KEYS: result hash, request stream, [batch notice stream].  ARGV: owner, channel ('' = none),
 # event, ttl, entry id to acknowledge ('' = none), notice req id ('' = none), notice job id,
-# then field/value pairs.
+# number of appended fields n, seq of this update ('' = none), n field/chunk pairs to append,
+# then field/value pairs to set. The appends are skipped when the record's seq has reached
+# this update's: a flush retried after a lost connection must not append a chunk twice.
 _WRITE_SCRIPT = """
 local owner = redis.call('HGET', KEYS[1], 'owner')
 if owner and owner ~= ARGV[1] then return 0 end
@@ -34,7 +35,15 @@ if ARGV[6] ~= '' then
   local state = redis.call('HGET', KEYS[1], 'state')
   notify = not (state == 'completed' or state == 'failed' or state == 'cancelled' or state == 'expired')
 end
-redis.call('HSET', KEYS[1], 'owner', ARGV[1], unpack(ARGV, 8))
+local n = tonumber(ARGV[8])
+local first_set = 10 + 2 * n
+local applied = ARGV[9] ~= '' and tonumber(redis.call('HGET', KEYS[1], 'seq') or '0') >= tonumber(ARGV[9])
+if n > 0 and not applied then
+  for i = 10, first_set - 1, 2 do
+    redis.call('HSET', KEYS[1], ARGV[i], (redis.call('HGET', KEYS[1], ARGV[i]) or '') .. ARGV[i + 1])
+  end
+end
+redis.call('HSET', KEYS[1], 'owner', ARGV[1], unpack(ARGV, first_set))
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
 if ARGV[2] ~= '' then redis.call('PUBLISH', ARGV[2], ARGV[3]) end
 if ARGV[5] ~= '' then
@@ -66,6 +75,9 @@ class ResultUpdate:
     event: bytes | None = None  # published on tf:ev:{id} when given
     ack_entry_id: str | None = None  # acknowledged (and deleted) with a terminal state
     batch_job_id: str | None = None  # a batch item's terminal write notifies the ingesters
+    # Appended to what the field holds (text deltas, list chunks), once per seq: fields["seq"]
+    # must be given with them.
+    appends: dict[str, str | bytes] = field(default_factory=dict)
 
 
 class ResultStore:
@@ -95,6 +107,9 @@ class ResultStore:
                 keys.append(self.keys.batch_done)
             else:
                 args += ["", ""]
+            args += [len(update.appends), update.fields.get("seq", "") if update.appends else ""]
+            for name, value in update.appends.items():
+                args += [name, value]
             for name, value in update.fields.items():
                 args += [name, value]
             self._write(keys=keys, args=args, client=pipe)
@@ -112,10 +127,10 @@ class ResultStore:
         if raw:
             fields = {k.decode(): v for k, v in raw.items()}
             if b"token_ids" in raw:
-                progress.token_ids = msgpack.unpackb(raw[b"token_ids"])
+                progress.token_ids = unpack_list_chunks(raw[b"token_ids"])
             progress.text = fields.get("text", b"").decode()
             if b"offsets" in raw:
-                progress.offsets = msgpack.unpackb(raw[b"offsets"])
+                progress.offsets = unpack_list_chunks(raw[b"offsets"])
             progress.seq = int(fields.get("seq", b"0"))
             progress.state = fields["state"].decode() if "state" in fields else None
             progress.owner = fields["owner"].decode() if "owner" in fields else None

@@ -34,6 +34,7 @@ from shared.messages import (
     MessageDecodeError,
     RequestMessage,
     TokenEvent,
+    pack_list_chunk,
 )
 
 MAX_BACKOFF_S = 5.0
@@ -239,10 +240,11 @@ class SchedulerService:
         flight.seq += 1
         flight.offsets.append([len(flight.token_ids), len(flight.text)])
         event = ErrorEvent(flight.req_id, flight.seq, code, message).encode()
-        fields = terminal_fields(state, error_code=code, error_message=message, seq=flight.seq,
-                                 offsets=msgpack.packb(flight.offsets))
+        fields = terminal_fields(state, error_code=code, error_message=message, seq=flight.seq)
+        appends = {"offsets": pack_list_chunk([flight.offsets[-1]])}
         self._pending.append(ResultUpdate(flight.req_id, flight.stream, fields, event=event,
-                                          ack_entry_id=flight.entry_id, batch_job_id=flight.batch_job_id))
+                                          ack_entry_id=flight.entry_id, batch_job_id=flight.batch_job_id,
+                                          appends=appends))
 
     def _dead_letter(self, stream: str, entry_id: str, reason: str, num_deliveries: int,
                      payload: bytes | None, req_id: str | None = None,
@@ -287,7 +289,10 @@ class SchedulerService:
                 flight.logprobs += logprobs
             if flight.is_batch and not out.finished:
                 continue  # nobody streams a batch item: its record is written once, at the end
-            fields = self._progress_fields(flight)
+            if flight.is_batch:
+                fields, appends = self._progress_fields(flight), {}
+            else:
+                fields, appends = self._step_fields(flight, out.new_token_ids, out.text_delta, logprobs)
             event = TokenEvent(out.req_id, flight.seq, out.new_token_ids, out.text_delta, logprobs)
             ack = None
             if out.finished:
@@ -305,8 +310,25 @@ class SchedulerService:
                 del self.inflight[out.req_id]
             updates.append(ResultUpdate(out.req_id, flight.stream, fields,
                                         None if flight.is_batch else event.encode(), ack,
-                                        batch_job_id=flight.batch_job_id))
+                                        batch_job_id=flight.batch_job_id, appends=appends))
         return updates
+
+    @staticmethod
+    def _step_fields(flight: InFlight, new_token_ids: list[int], text_delta: str,
+                     logprobs: list | None) -> tuple[dict[str, object], dict[str, str | bytes]]:
+        """What one step adds to tf:res: the new tokens, text and offsets appended (O(new), not
+        O(everything so far)), the seq set."""
+        fields: dict[str, object] = {"seq": flight.seq}
+        if flight.first_token_at is not None:
+            fields["first_token_at"] = flight.first_token_at
+        appends: dict[str, str | bytes] = {"offsets": pack_list_chunk([flight.offsets[-1]])}
+        if new_token_ids:
+            appends["token_ids"] = pack_list_chunk(new_token_ids)
+        if text_delta:
+            appends["text"] = text_delta
+        if logprobs:
+            appends["logprobs"] = pack_list_chunk(logprobs)
+        return fields, appends
 
     @staticmethod
     def _progress_fields(flight: InFlight) -> dict[str, object]:

@@ -28,6 +28,24 @@ class MessageDecodeError(ValueError):
     """Bytes that are not a message of the expected type and version."""
 
 
+def pack_list_chunk(items: list) -> bytes:
+    """One chunk of a growing list field of tf:res (token_ids, offsets, logprobs): a scheduler
+    appends a chunk per step instead of rewriting the whole list, so a long output costs O(n)."""
+    return msgpack.packb(items, use_bin_type=True)
+
+
+def unpack_list_chunks(data: bytes) -> list:
+    """A list field of tf:res: its chunks, concatenated (one whole list is one chunk)."""
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=True)
+    unpacker.feed(data)
+    items: list = []
+    for chunk in unpacker:
+        if not isinstance(chunk, list):
+            raise MessageDecodeError(f"a list field holds a {type(chunk).__name__}")
+        items += chunk
+    return items
+
+
 def _check_type(value: object, annotation: object, name: str) -> None:
     # Fast paths for what every token event carries (this runs once per event per stream).
     if annotation is str or annotation is int:

@@ -9,11 +9,10 @@ import threading
 import time
 import uuid
 
-import msgpack
 import redis
 
 from shared.keys import Keys
-from shared.messages import RequestMessage, decode_event
+from shared.messages import RequestMessage, decode_event, unpack_list_chunks
 from shared.sampling import SamplingParams
 
 KEYS = Keys()
@@ -42,7 +41,7 @@ def wait_terminal(client: redis.Redis, req_ids: list[str], timeout_s: float = 30
 
 
 def token_ids(record: dict) -> list[int]:
-    return msgpack.unpackb(record[b"token_ids"]) if b"token_ids" in record else []
+    return unpack_list_chunks(record[b"token_ids"]) if b"token_ids" in record else []
 
 
 class EventRecorder:
