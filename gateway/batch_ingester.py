@@ -305,14 +305,13 @@ class BatchIngester:
             return False
         raws = await self.jobs.head_lines(job_id, count)
         items = [LineItem.unpack(raw) for raw in raws]
-        if job.ending:
-            args = [arg for item in items for arg in self._written_off(job, item)]
-        else:
-            args = [arg for item in items for arg in self._queue_item(job, item)]
+        make = self._written_off if job.ending else self._queue_item
+        parts = [make(job, item) for item in items]  # each: ["E", ...] written now, or ["R", ...] queued
+        args = [arg for part in parts for arg in part]
         mode = "end" if job.ending else "run"
         result = await self.jobs.feed(job, job.model or "", len(items), args, mode=mode)
         if result in (1, 2):
-            self.metrics.batch_lines.labels("failed").inc(args.count("E"))
+            self.metrics.batch_lines.labels("failed").inc(sum(1 for part in parts if part[0] == "E"))
         if result == 2:
             await self._finalize(job_id)
         return result in (1, -2)  # -2: another ingester moved first; look again
