@@ -62,7 +62,10 @@ class BatchCommands:
             if value is not None:
                 fields[name] = value
         job_id = job_id or new_job_id()
-        await self.jobs.create(job_id, fields)
+        try:
+            await self.jobs.create(job_id, fields)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param="job-id") from None
         print(job_id, flush=True)
         if not wait:
             return 0

@@ -52,6 +52,7 @@ from gateway.openai_format import ChoiceOutput, chat_completion, text_completion
 from gateway.params import Plan, plan_chat, plan_completion
 from gateway.records import ResultRecord
 from gateway.settings import GatewaySettings
+from gateway.store import GatewayKeys, RequestStore
 from shared.keys import INGESTER_GROUP, JOB_ID_PATTERN, Keys
 from shared.logging import get_logger
 from shared.messages import RequestMessage
@@ -91,6 +92,10 @@ class BatchIngester:
         self.models = models
         self.settings = settings
         self.jobs = JobStore(client, keys, record_ttl_s=settings.result_ttl_s)
+        # The gateway's own cancel (flag + message), for the queued lines of a stopping job.
+        self.requests = RequestStore(client, GatewayKeys(keys.prefix), result_ttl_s=settings.result_ttl_s,
+                                     cancel_ttl_s=settings.cancel_ttl_s,
+                                     idempotency_ttl_s=settings.idempotency_ttl_s)
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._wake_feeder = asyncio.Event()
         self._lease_ms = int(settings.batch_lease_s * 1000)
@@ -486,10 +491,6 @@ class BatchIngester:
         for index in pending:
             pipe.hget(self.keys.result(item_req_id(job.id, index, 0)), "batch_n")
         counts = await pipe.execute()
-        pipe = self.client.pipeline(transaction=False)
-        for index, n in zip(pending, counts, strict=True):
-            for c in range(int(n or 1)):
-                req_id = item_req_id(job.id, index, c)
-                pipe.set(self.keys.cancelled(req_id), 1, ex=self.settings.cancel_ttl_s)
-                pipe.publish(self.keys.cancel_channel, req_id)
-        await pipe.execute()
+        await self.requests.cancel([item_req_id(job.id, index, c)
+                                    for index, n in zip(pending, counts, strict=True)
+                                    for c in range(int(n or 1))])

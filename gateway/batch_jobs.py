@@ -20,6 +20,7 @@ them in KEYS: fine on one Redis server, which is what tokenfleet runs on.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import redis.asyncio as aioredis
 
-from shared.keys import INGESTER_GROUP, Keys
+from shared.keys import INGESTER_GROUP, JOB_ID_PATTERN, Keys
 
 TERMINAL_JOB_STATES = ("completed", "failed", "cancelled", "expired")
 JOB_STATES = ("validating", "in_progress", "finalizing", "cancelling", *TERMINAL_JOB_STATES)
@@ -121,8 +122,9 @@ return 1
 
 # A job submitted through the gateway or the CLI: its entry in tf:batch:in and its record in
 # validating, atomically, so it can be read back at once.  KEYS: tf:batch:in, job, jobs zset.
-# ARGV: job id, now, then the entry's field/value pairs.
+# ARGV: job id, now, then the entry's field/value pairs. Returns false when the id is taken.
 _CREATE_SCRIPT = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return false end
 local entry = redis.call('XADD', KEYS[1], '*', 'job_id', ARGV[1], unpack(ARGV, 3))
 redis.call('HSET', KEYS[2], 'id', ARGV[1], 'status', 'validating', 'created_at', ARGV[2], 'entry_id', entry)
 for i = 3, #ARGV, 2 do
@@ -309,12 +311,17 @@ class JobStore:
     # -- intake -----------------------------------------------------------------------
 
     async def create(self, job_id: str, entry_fields: dict[str, object]) -> str:
-        """Submit a job (what a plain Redis client does with one XADD), readable at once."""
+        """Submit a job (what a plain Redis client does with one XADD), readable at once; returns
+        its entry id. ValueError when job_id is not a usable id or another job has it."""
+        if not re.match(JOB_ID_PATTERN, job_id):
+            raise ValueError(f"job id {job_id[:80]!r} must match {JOB_ID_PATTERN}")
         args: list[object] = [job_id, time.time()]
         for name, value in entry_fields.items():
             args += [name, value]
         keys = [self.keys.batch_in, self.keys.batch_job(job_id), self.keys.batch_jobs]
         entry = await self._create(keys=keys, args=args)
+        if entry is None:
+            raise ValueError(f"job id {job_id!r} is taken by another job")
         return entry.decode() if isinstance(entry, bytes) else str(entry)
 
     async def begin(self, job_id: str, entry_id: str, fields: dict[str, object]) -> Job | None:

@@ -34,7 +34,7 @@ class InputLine(BaseModel):
 
     custom_id: str = Field(min_length=1, max_length=512)
     method: Literal["POST"]
-    url: Literal["/v1/chat/completions", "/v1/completions"]
+    url: Literal[URLS]
     body: dict
 
 

@@ -14,8 +14,10 @@ from pydantic import Field
 
 from gateway.appkeys import JOBS, REDIS
 from gateway.batch_ingester import parse_window
-from gateway.batch_jobs import new_job_id
+from gateway.batch_jobs import JOB_STATES, new_job_id
+from gateway.batch_lines import URLS
 from gateway.errors import BadRequest, Conflict, NotFound
+from gateway.files_api import FILE_ID_PATTERN
 from gateway.responses import Shape
 from gateway.schemas import StrictModel
 from gateway.serving import read_body
@@ -23,8 +25,8 @@ from shared.keys import JOB_ID_PATTERN
 
 
 class BatchCreate(StrictModel):
-    input_file_id: str = Field(pattern=r"^file-[A-Za-z0-9_-]{1,80}$")
-    endpoint: Literal["/v1/chat/completions", "/v1/completions"]
+    input_file_id: str = Field(pattern=FILE_ID_PATTERN)
+    endpoint: Literal[URLS]
     completion_window: str = Field("24h", description="a duration: 24h (OpenAI's only value), 90m, 3600s...")
     metadata: dict[str, str] | None = Field(None, max_length=16)
 
@@ -39,8 +41,7 @@ class BatchObject(Shape):
     id: str
     object: Literal["batch"]
     endpoint: str | None
-    status: Literal["validating", "in_progress", "finalizing", "completed", "failed", "cancelling",
-                    "cancelled", "expired"]
+    status: Literal[JOB_STATES]
     input_file_id: str | None
     completion_window: str
     output_file_id: str | None
@@ -96,8 +97,9 @@ async def list_batches(request: web.Request) -> web.Response:
     unknown = sorted(set(request.query) - {"limit", "after"})
     if unknown:
         raise BadRequest(f"unsupported query parameter: {unknown[0][:100]!r}", param=unknown[0][:100])
-    if any(len(request.query.getall(name)) > 1 for name in request.query):
-        raise BadRequest("a query parameter is given twice", param="limit")
+    repeated = next((name for name in request.query if len(request.query.getall(name)) > 1), None)
+    if repeated is not None:
+        raise BadRequest(f"the query parameter {repeated!r} is given twice", param=repeated)
     after = request.query.get("after")
     if after is not None and not re.match(JOB_ID_PATTERN, after):
         raise BadRequest(f"after must be a batch id, got {after[:100]!r}", param="after")

@@ -4,9 +4,10 @@ It sends `--num-requests` streamed chat (or text) completions, at most `--concur
 time and, with `--rate`, at most that many new ones per second (Poisson arrivals, seeded),
 with synthetic prompts of `--prompt-words` words and exactly `--max-tokens` output tokens
 (`ignore_eos`). From the chunks' arrival times it reports, per request: time to first token
-(TTFT), inter-token latency (ITL: the gap before each later token; a chunk of k tokens
-counts as k gaps of 1/k of its own), end-to-end latency; and for the run: requests and
-output tokens per second, and every failure with its reason.
+(TTFT), inter-token latency (ITL: the gap before each later content chunk; the gateway
+sends one chunk per scheduler step, which is one token in a plain decode, and the OpenAI
+chunk does not say how many tokens it holds), end-to-end latency; and for the run: requests
+and output tokens per second, and every failure with its reason.
 """
 
 from __future__ import annotations

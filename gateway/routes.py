@@ -22,7 +22,8 @@ FILE_ID_PARAM = {"name": "file_id", "in": "path", "required": True,
 BATCH_ID_PARAM = {"name": "batch_id", "in": "path", "required": True,
                   "schema": {"type": "string", "pattern": JOB_ID_PATTERN}}
 UPLOAD_FORM = {"type": "object", "required": ["file", "purpose"], "properties": {
-    "file": {"type": "string", "format": "binary"}, "purpose": {"type": "string", "enum": ["batch"]}}}
+    "file": {"type": "string", "format": "binary"},
+    "purpose": {"type": "string", "enum": list(files_api.PURPOSES)}}}
 
 
 @dataclass
