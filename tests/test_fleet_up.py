@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -77,6 +78,8 @@ def test_up_serves_a_chat_completion_and_leaves_nothing_after_sigterm(smollm2, t
             assert line["custom_id"] == "paris"
             assert "Paris" in line["response"]["body"]["choices"][0]["message"]["content"]
     finally:
+        with contextlib.suppress(psutil.Error):  # Ray's workers too, by now
+            descendants = psutil.Process(up.pid).children(recursive=True)
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=120) == 0
     time.sleep(1)

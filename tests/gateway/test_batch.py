@@ -304,6 +304,9 @@ async def test_a_scheduler_killed_mid_job_and_the_job_completes_exactly_once(red
         lines, broken = job_lines(1000, max_tokens=24)
         client.xadd("tf:batch:in", {"job_id": "crash-1", "lines": "\n".join(lines)})
         await asyncio.to_thread(wait_written, client, "crash-1", 250, 240)
+        taken = client.xpending_range("tf:req:tiny-chat:batch", "schedulers", "-", "+", 1000,
+                                      consumername="s0")
+        assert taken, "the scheduler to be killed holds no work"
         _kill(schedulers[0])
         job = await asyncio.to_thread(wait_for_job, client, "crash-1", timeout_s=240)
         assert job["status"] == "completed", job
@@ -365,8 +368,9 @@ async def test_an_intake_longer_than_the_lease_is_not_done_twice(redis_server, t
         while await client.hget("tf:batch:big", "status") != b"in_progress":
             assert time.monotonic() < deadline, await client.hgetall("tf:batch:big")
             await asyncio.sleep(0.1)
-        await asyncio.sleep(1.0)  # a second intake, had one started, would have staged by now
         job = {k.decode(): v.decode() for k, v in (await client.hgetall("tf:batch:big")).items()}
+        # The intake really outlasted the lease (else this test would show nothing).
+        assert float(job["in_progress_at"]) - float(job["created_at"]) > 3 * settings.batch_lease_s
         staged = [LineItem.unpack(raw).index for raw in await client.lrange("tf:batch:big:lines", 0, -1)]
         assert int(job["total"]) == NUM_BIG
         assert staged == list(range(int(job["next_index"]), NUM_BIG)), "a line staged twice or missing"

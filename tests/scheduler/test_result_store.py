@@ -27,6 +27,9 @@ def test_appended_chunks_land_once_per_seq_even_when_a_flush_is_resent(redis_ser
     assert record[b"text"] == b"abc"
     assert unpack_list_chunks(record[b"offsets"]) == [[1, 1], [2, 2]]
     assert record[b"seq"] == b"2" and record[b"owner"] == b"s1"
-    # A whole list written at once (a batch item, the fake scheduler) is one chunk.
-    client.hset("tf:res:r2", "token_ids", pack_list_chunk([1, 2, 3]))
+    # A whole list set at once (a batch item's end, the fake scheduler) is one chunk, and a later
+    # append extends it.
+    stream = "tf:req:m:interactive"
+    store.write([ResultUpdate("r2", stream, {"seq": 1, "token_ids": pack_list_chunk([1, 2])})])
+    store.write([ResultUpdate("r2", stream, {"seq": 2}, appends={"token_ids": pack_list_chunk([3])})])
     assert unpack_list_chunks(client.hget("tf:res:r2", "token_ids")) == [1, 2, 3]

@@ -172,6 +172,8 @@ def test_expired_and_pre_cancelled_requests_never_run(tiny_checkpoints, redis_se
         engine.close()
     assert records[expired][b"state"] == b"expired"
     assert records[cancelled][b"state"] == b"cancelled"
+    assert not token_ids(records[expired]) and not token_ids(records[cancelled])
+    assert b"started_at" not in records[expired] and b"started_at" not in records[cancelled]  # never ran
     assert 0 < client.ttl(KEYS.result(expired)) <= 600
 
 

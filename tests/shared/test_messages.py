@@ -38,7 +38,8 @@ def test_events_round_trip_and_dispatch_on_type() -> None:
     [
         b"\xc1garbage",  # not msgpack
         msgpack.packb([1, 2]),  # not a map
-        msgpack.packb({"v": 99, "req_id": "r"}),  # another version
+        # complete but for its version
+        msgpack.packb({"v": 99, "req_id": "r", "model": "m", "prompt_token_ids": [1], "sampling": {}}),
         msgpack.packb({"v": 1, "req_id": "r", "model": "m", "prompt_token_ids": [1], "sampling": {},
                        "surprise": 1}),  # unknown field
         msgpack.packb({"v": 1, "req_id": "r", "model": "m", "sampling": {}}),  # missing field
