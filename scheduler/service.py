@@ -17,10 +17,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import msgpack
 import redis
 
-from scheduler.engine import LLMEngine
+from scheduler.engine import LLMEngine, Usage
 from scheduler.request import BATCH_PRIORITY, FinishReason, RequestStatus
 from scheduler.result_store import ResultStore, ResultUpdate, terminal_fields
 from scheduler.scheduler import RequestOutput
@@ -110,6 +109,13 @@ class SchedulerService:
                 self.log.warning("redis_unreachable", error=str(exc), retry_in_s=backoff)
                 stop.wait(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
+            except redis.ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                # A stream lost its consumer group (FLUSHALL, a Redis restarted without its data):
+                # make the groups again instead of dying.
+                self.log.warning("consumer_group_missing", error=str(exc))
+                self._groups_ready = False
         listener.join(timeout=5)
 
     def tick(self) -> None:
@@ -281,7 +287,8 @@ class SchedulerService:
             flight.token_ids += out.new_token_ids
             flight.text += out.text_delta
             flight.offsets.append([len(flight.token_ids), len(flight.text)])
-            if out.new_token_ids and flight.first_token_at is None:
+            is_first_token = bool(out.new_token_ids) and flight.first_token_at is None
+            if is_first_token:
                 flight.first_token_at = now
             logprobs = None
             if flight.wants_logprobs and out.logprobs:
@@ -290,17 +297,17 @@ class SchedulerService:
             if flight.is_batch and not out.finished:
                 continue  # nobody streams a batch item: its record is written once, at the end
             if flight.is_batch:
-                fields, appends = self._progress_fields(flight), {}
+                fields, appends, event = self._progress_fields(flight), {}, None
             else:
-                fields, appends = self._step_fields(flight, out.new_token_ids, out.text_delta, logprobs)
-            event = TokenEvent(out.req_id, flight.seq, out.new_token_ids, out.text_delta, logprobs)
+                fields, appends = self._step_fields(flight, out.new_token_ids, out.text_delta, logprobs,
+                                                    is_first_token)
+                event = TokenEvent(out.req_id, flight.seq, out.new_token_ids, out.text_delta, logprobs)
             ack = None
             if out.finished:
-                num_out = len(flight.token_ids)
-                usage = {"prompt_tokens": flight.num_prompt_tokens, "completion_tokens": num_out,
-                         "total_tokens": flight.num_prompt_tokens + num_out}
-                event.finish_reason = out.finish_reason.value
-                event.usage = usage
+                usage = Usage(flight.num_prompt_tokens, len(flight.token_ids)).to_dict()
+                if event is not None:
+                    event.finish_reason = out.finish_reason.value
+                    event.usage = usage
                 state = flight.abort_state if out.finish_reason is FinishReason.ABORT else "completed"
                 fields.update(terminal_fields(state, finish_reason=out.finish_reason.value,
                                               usage=json.dumps(usage)))
@@ -309,17 +316,17 @@ class SchedulerService:
                 ack = flight.entry_id
                 del self.inflight[out.req_id]
             updates.append(ResultUpdate(out.req_id, flight.stream, fields,
-                                        None if flight.is_batch else event.encode(), ack,
+                                        None if event is None else event.encode(), ack,
                                         batch_job_id=flight.batch_job_id, appends=appends))
         return updates
 
     @staticmethod
-    def _step_fields(flight: InFlight, new_token_ids: list[int], text_delta: str,
-                     logprobs: list | None) -> tuple[dict[str, object], dict[str, str | bytes]]:
-        """What one step adds to tf:res: the new tokens, text and offsets appended (O(new), not
-        O(everything so far)), the seq set."""
+    def _step_fields(flight: InFlight, new_token_ids: list[int], text_delta: str, logprobs: list | None,
+                     is_first_token: bool) -> tuple[dict[str, object], dict[str, str | bytes]]:
+        """What one step adds to tf:res: the new tokens, text and offsets appended (only they are
+        packed and sent, not everything so far), the seq set."""
         fields: dict[str, object] = {"seq": flight.seq}
-        if flight.first_token_at is not None:
+        if is_first_token:
             fields["first_token_at"] = flight.first_token_at
         appends: dict[str, str | bytes] = {"offsets": pack_list_chunk([flight.offsets[-1]])}
         if new_token_ids:
@@ -334,12 +341,12 @@ class SchedulerService:
     def _progress_fields(flight: InFlight) -> dict[str, object]:
         """Everything delivered so far, as tf:res fields (a successor resumes from them)."""
         fields: dict[str, object] = {"seq": flight.seq, "text": flight.text,
-                                     "token_ids": msgpack.packb(flight.token_ids),
-                                     "offsets": msgpack.packb(flight.offsets)}
+                                     "token_ids": pack_list_chunk(flight.token_ids),
+                                     "offsets": pack_list_chunk(flight.offsets)}
         if flight.first_token_at is not None:
             fields["first_token_at"] = flight.first_token_at
         if flight.logprobs:
-            fields["logprobs"] = msgpack.packb(flight.logprobs)
+            fields["logprobs"] = pack_list_chunk(flight.logprobs)
         return fields
 
     # -- maintenance ---------------------------------------------------------------------

@@ -12,7 +12,7 @@
 | {p}batch:in                           | stream        | any Redis client        | batch ingesters       |
 | {p}batch:{job}                        | hash          | batch ingesters         | clients, CLI, gateway |
 | {p}batch:{job}:out                    | stream        | batch ingesters         | clients, CLI, gateway |
-| {p}batch:{job}:lines                  | list          | batch ingesters         | batch ingesters       |
+| {p}batch:{job}:lines, :staging        | list          | batch ingesters         | batch ingesters       |
 | {p}batch:{job}:written                | bitmap        | batch ingesters         | batch ingesters       |
 | {p}batch:done                         | stream        | scheduler               | batch ingesters       |
 | {p}batch:jobs, {p}batch:active        | zset, set     | batch ingesters         | gateway, ingesters    |

@@ -30,7 +30,8 @@ class MessageDecodeError(ValueError):
 
 def pack_list_chunk(items: list) -> bytes:
     """One chunk of a growing list field of tf:res (token_ids, offsets, logprobs): a scheduler
-    appends a chunk per step instead of rewriting the whole list, so a long output costs O(n)."""
+    appends a chunk per step instead of rewriting the whole list, so what is packed and sent
+    per step is the step's own output (Redis still copies the field to extend it)."""
     return msgpack.packb(items, use_bin_type=True)
 
 
@@ -115,7 +116,9 @@ class _Message:
     """Mixin: `encode()` to msgpack bytes, `decode(bytes)` back, strictly."""
 
     def encode(self) -> bytes:
-        return msgpack.packb({"v": WIRE_VERSION, **dataclasses.asdict(self)}, use_bin_type=True)
+        # Shallow: the fields are plain values and lists (asdict would deep-copy them per event).
+        fields = {name: getattr(self, name) for name in _fields(type(self))}
+        return msgpack.packb({"v": WIRE_VERSION, **fields}, use_bin_type=True)
 
     @classmethod
     def decode(cls, data: bytes):
