@@ -222,3 +222,22 @@ def wait_terminal_ticking(service, client, req_ids, timeout_s: float = 120) -> d
         if all(rec.get(b"state") in (b"completed", b"failed", b"cancelled") for rec in records.values()):
             return records
     raise TimeoutError("requests did not end")
+
+
+def test_a_scheduler_whose_consumer_group_vanished_makes_it_again(tiny_checkpoints, redis_server):
+    """FLUSHALL (or a Redis restarted without its data) drops the streams and their group; the
+    next submit recreates the stream without one. The scheduler must not die of NOGROUP."""
+    engine = _engine(tiny_checkpoints["llama"])
+    client = redis_server.client()
+    running = Running(_service(engine, redis_server.url))
+    try:
+        first = submit(client, MODEL, [3, 4, 5], GREEDY)
+        wait_terminal(client, [first], timeout_s=30)
+        client.flushall()
+        second = submit(client, MODEL, [3, 4, 5], GREEDY)
+        records = wait_terminal(client, [second], timeout_s=30)
+        assert records[second][b"state"] == b"completed"
+        assert running.thread.is_alive()
+    finally:
+        running.close()
+        engine.close()
