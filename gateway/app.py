@@ -9,17 +9,17 @@ import redis.asyncio as aioredis
 from aiohttp import web
 
 from gateway.appkeys import FLEET, JOBS, METRICS, MODELS, REDIS, ROUTER, SETTINGS, STORE, TASKS
-from gateway.batch_ingester import BatchIngester
-from gateway.batch_jobs import JobStore
+from gateway.batch.ingester import BatchIngester
+from gateway.batch.jobs import JobStore
 from gateway.fleet import Fleet
 from gateway.metrics import GatewayMetrics
 from gateway.middlewares import auth_middleware, error_middleware, request_id_middleware
 from gateway.models import ModelRegistry
 from gateway.openapi import openapi_document
-from gateway.pubsub import EventRouter
+from gateway.requests.pubsub import EventRouter
+from gateway.requests.store import GatewayKeys, RequestStore
 from gateway.routes import ROUTES
 from gateway.settings import GatewaySettings
-from gateway.store import GatewayKeys, RequestStore
 from gateway.tasks import TaskSet
 from shared.logging import get_logger
 

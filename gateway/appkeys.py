@@ -5,13 +5,13 @@ from __future__ import annotations
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from gateway.batch_jobs import JobStore
+from gateway.batch.jobs import JobStore
 from gateway.fleet import Fleet
 from gateway.metrics import GatewayMetrics
 from gateway.models import ModelRegistry
-from gateway.pubsub import EventRouter
+from gateway.requests.pubsub import EventRouter
+from gateway.requests.store import RequestStore
 from gateway.settings import GatewaySettings
-from gateway.store import RequestStore
 from gateway.tasks import TaskSet
 
 SETTINGS = web.AppKey("settings", GatewaySettings)

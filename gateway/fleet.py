@@ -14,7 +14,7 @@ from redis.exceptions import RedisError
 
 from gateway.errors import Unavailable
 from gateway.metrics import GatewayMetrics
-from gateway.store import RequestStore
+from gateway.requests.store import RequestStore
 from shared.keys import Keys
 from shared.logging import get_logger
 

@@ -21,7 +21,7 @@ from gateway.errors import (
     http_error_response,
     validation_error,
 )
-from gateway.serving import ClientGone
+from gateway.requests.serving import ClientGone
 from shared.errors import TokenfleetError
 from shared.logging import get_logger
 

@@ -8,9 +8,11 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from pydantic import BaseModel, TypeAdapter
 
-from gateway import batches_api, files_api, ops_api, requests_api, responses
-from gateway.openai_api import chat_completions, completions
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway import ops_api, responses
+from gateway.batch import batches_api, files_api
+from gateway.openai.api import chat_completions, completions
+from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.requests import api as requests_api
 from shared.keys import JOB_ID_PATTERN
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

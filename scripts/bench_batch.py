@@ -39,9 +39,9 @@ from gateway.models import ServedModel  # noqa: E402
 from gateway.settings import ModelSpec  # noqa: E402
 from scheduler.engine import LLMEngine  # noqa: E402
 from shared.config import EngineConfig  # noqa: E402
-from shared.fleet import free_port  # noqa: E402
+from shared.net import free_port  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
-from tests.redis_server import RedisServer  # noqa: E402
+from tokenfleet.redis_server import RedisServer  # noqa: E402
 from workers.default_model import fetch_default_model  # noqa: E402
 
 TOPICS = ["the sea", "a mountain", "autumn", "a city at night", "a robot", "the moon", "bread", "rain"]
@@ -155,7 +155,7 @@ def main() -> None:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         try:
-            cli = [sys.executable, "-m", "shared.cli"]
+            cli = [sys.executable, "-m", "tokenfleet.cli"]
             children.spawn("scheduler", [*cli, "scheduler", "--redis-url", server.url, "--model", model,
                                          "--dtype", args.dtype, "--num-kv-blocks", "2048",
                                          "--max-num-seqs", str(args.max_num_seqs),

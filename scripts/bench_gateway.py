@@ -4,7 +4,7 @@ Run by hand (not a test); prints one table, the baseline measured in the same ru
 
     .venv/bin/python scripts/bench_gateway.py [--streams 1000] [--max-tokens 64] [--port P]
 
-Processes: a real Redis (tests/redis_server.py), one `tokenfleet scheduler` and one
+Processes: a real Redis (tokenfleet/redis_server.py), one `tokenfleet scheduler` and one
 `tokenfleet gateway` (each its own process), a raw-socket listener process that
 PSUBSCRIBEs tf:ev:* and only timestamps the bytes Redis sends it, and this process, whose
 asyncio + aiohttp clients open --streams streaming /v1/chat/completions at once (spread
@@ -75,9 +75,9 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from shared.fleet import free_port  # noqa: E402
 from shared.logging import configure_logging  # noqa: E402
-from tests.redis_server import RedisServer  # noqa: E402
+from shared.net import free_port  # noqa: E402
+from tokenfleet.redis_server import RedisServer  # noqa: E402
 
 MODEL_NAME = "tiny"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
@@ -478,7 +478,7 @@ def _run_with_redis(args: argparse.Namespace, tmp: Path, children: Children, mod
                     redis_server: RedisServer) -> None:
     blocks_per_seq = math.ceil((PROMPT_TOKENS_BOUND + args.max_tokens) / 16) + 1
     num_kv_blocks = args.streams * blocks_per_seq + 64
-    cli = [sys.executable, "-m", "shared.cli"]
+    cli = [sys.executable, "-m", "tokenfleet.cli"]
     sched_argv = [*cli, "scheduler", "--redis-url", redis_server.url, "--model", str(model),
                   "--model-name", MODEL_NAME, "--dtype", "float32",
                   "--max-num-seqs", str(max(args.streams, 8)), "--max-num-batched-tokens", "4096",
@@ -491,7 +491,7 @@ def _run_with_redis(args: argparse.Namespace, tmp: Path, children: Children, mod
     if args.profile_gateway:
         profile = ["-m", "cProfile", "-o", str(Path(args.profile_gateway).resolve())]
     gateway = children.spawn("gateway", [
-        sys.executable, *profile, "-m", "shared.cli", "gateway", "--redis-url", redis_server.url,
+        sys.executable, *profile, "-m", "tokenfleet.cli", "gateway", "--redis-url", redis_server.url,
         "--port", str(port), "--model", str(model), "--model-name", MODEL_NAME, "--max-queue", "0"])
     base = f"http://127.0.0.1:{port}"
     wait_ready(base, children)

@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from scheduler.engine import LLMEngine  # noqa: E402
 from shared.config import EngineConfig  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
-from tests.redis_server import RedisServer  # noqa: E402
 from tests.scheduler.service_client import TERMINAL, submit, token_ids, wait_terminal  # noqa: E402
+from tokenfleet.redis_server import RedisServer  # noqa: E402
 from workers.default_model import fetch_default_model  # noqa: E402
 
 
@@ -68,7 +68,7 @@ def main() -> None:
         server.start()
         # The scheduler as deployed: its own process, its loop on the main thread.
         scheduler = subprocess.Popen(
-            [sys.executable, "-m", "shared.cli", "scheduler", "--redis-url", server.url, "--model", model,
+            [sys.executable, "-m", "tokenfleet.cli", "scheduler", "--redis-url", server.url, "--model", model,
              "--model-name", "smol", "--scheduler-id", "bench", "--dtype", args.dtype,
              "--num-kv-blocks", "2048"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )

@@ -63,7 +63,8 @@ def main() -> None:
         full += prefix == len(ref)
         blocks = list(range(2048, 2048 + -(-len(prompt) // 16)))  # blocks no request holds (4096 in all)
         work = SequenceWork("check", prompt, 0, blocks, True, greedy)
-        our_logits = engine.executor.runner.compute_logits_for_test(StepBatch(-1, [work]))[0].to(args.device)
+        logits, _ = engine.executor.runner.forward(StepBatch(-1, [work]), use_graphs=False)
+        our_logits = logits[0].float().to(args.device)
         rel.append(float((our_logits - ref_logits).abs().max() / ref_logits.abs().max()))
 
     question = "What is the capital of France?"

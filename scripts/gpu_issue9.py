@@ -62,10 +62,11 @@ from scheduler.engine import LLMEngine  # noqa: E402
 from shared.config import EngineConfig  # noqa: E402
 from shared.errors import ModelLoadError, WorkerError  # noqa: E402
 from shared.logging import configure_logging  # noqa: E402
+from shared.net import free_port  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 from shared.step import StepBatch, StepResult  # noqa: E402
 from workers.model_runner import format_bytes  # noqa: E402
-from workers.rank_worker import RankWorker, free_port  # noqa: E402
+from workers.rank_worker import RankWorker  # noqa: E402
 
 QWEN2_7B = dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                 intermediate_size=18944, vocab_size=152064, max_position_embeddings=8192,

@@ -27,7 +27,7 @@ def smollm2() -> Path:
 @pytest.fixture
 def redis_server(tmp_path: Path):
     """A fresh real Redis server per test (it starts in milliseconds)."""
-    from tests.redis_server import RedisServer
+    from tokenfleet.redis_server import RedisServer
 
     server = RedisServer(tmp_path / "redis")
     server.start()

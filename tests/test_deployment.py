@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shared.cli import build_parser
+from tokenfleet.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())

@@ -14,7 +14,7 @@ import urllib.request
 import psutil
 import pytest
 
-from shared.fleet import free_port
+from shared.net import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +37,7 @@ def test_up_serves_a_chat_completion_and_leaves_nothing_after_sigterm(smollm2, t
     port = free_port()
     env = {**os.environ, "TOKENFLEET_HOME": str(tmp_path / "home")}
     up = subprocess.Popen(
-        [sys.executable, "-m", "shared.cli", "up", "--port", str(port), "--model", str(smollm2),
+        [sys.executable, "-m", "tokenfleet.cli", "up", "--port", str(port), "--model", str(smollm2),
          "--num-kv-blocks", "256", "--dtype", "float32", "--tp", str(tp)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
@@ -70,9 +70,9 @@ def test_up_serves_a_chat_completion_and_leaves_nothing_after_sigterm(smollm2, t
             job = tmp_path / "job.jsonl"
             job.write_text(json.dumps({"custom_id": "paris", "method": "POST", "url": "/v1/chat/completions",
                                        "body": json.loads(body)}) + "\n")
-            done = subprocess.run([sys.executable, "-m", "shared.cli", "batch", "submit", str(job), "--wait",
-                                   "--output", str(tmp_path / "out.jsonl")], env=env, capture_output=True,
-                                  text=True, timeout=120)
+            done = subprocess.run([sys.executable, "-m", "tokenfleet.cli", "batch", "submit", str(job),
+                                   "--wait", "--output", str(tmp_path / "out.jsonl")],
+                                  env=env, capture_output=True, text=True, timeout=120)
             assert done.returncode == 0, done.stderr
             [line] = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
             assert line["custom_id"] == "paris"

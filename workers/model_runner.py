@@ -14,7 +14,7 @@ import torch
 from shared.config import EngineConfig
 from shared.errors import ModelLoadError
 from shared.logging import get_logger
-from shared.step import StepBatch, StepResult
+from shared.step import SequenceWork, StepBatch, StepResult
 from workers.cuda_graphs import DecodeGraphs, use_cuda_graphs
 from workers.device import resolve_device, resolve_dtype
 from workers.model_config import ModelConfig, load_model_config
@@ -153,17 +153,24 @@ class ModelRunner:
         return graphs
 
     @torch.inference_mode()
+    def forward(self, batch: StepBatch,
+                use_graphs: bool = True) -> tuple[torch.Tensor | None, list[SequenceWork]]:
+        """The step's forward pass: the logits of the rows to sample ([num_sampled, vocab], in
+        the model's dtype; None when no row samples) and the works they belong to. A captured
+        CUDA graph runs it when one fits and `use_graphs`; otherwise it runs eagerly."""
+        if use_graphs and self.decode_graphs is not None and self.decode_graphs.can_run(batch.works):
+            return self.decode_graphs.run(batch.works), batch.works  # every decode row samples
+        inputs = build_step_inputs(batch, self.block_size, self.device)
+        hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if not inputs.sampled_works:
+            return None, []
+        return self.model.compute_logits(hidden[inputs.sample_rows]), inputs.sampled_works
+
+    @torch.inference_mode()
     def execute(self, batch: StepBatch) -> StepResult | None:
         timer = self.tp.timer
         start = timer.start(self.device) if timer else None
-        if self.decode_graphs is not None and self.decode_graphs.can_run(batch.works):
-            logits = self.decode_graphs.run(batch.works)  # [num_works, vocab]; all are sampled
-            sampled_works = batch.works
-        else:
-            inputs = build_step_inputs(batch, self.block_size, self.device)
-            hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, inputs.meta)
-            sampled_works = inputs.sampled_works
-            logits = self.model.compute_logits(hidden[inputs.sample_rows]) if sampled_works else None
+        logits, sampled_works = self.forward(batch)
         if timer:
             timer.stop("step", start)
         if not self.tp.is_driver:
@@ -173,10 +180,3 @@ class ModelRunner:
         # The step's one host synchronisation: the sampler's .tolist() of the chosen ids.
         sampled = self.sampler.sample(logits, sampled_works)  # float32 inside, where it matters
         return StepResult(batch.step_id, sampled)
-
-    @torch.inference_mode()
-    def compute_logits_for_test(self, batch: StepBatch) -> torch.Tensor:
-        """Full-vocab logits of the sampled rows, without sampling (for correctness checks)."""
-        inputs = build_step_inputs(batch, self.block_size, self.device)
-        hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, inputs.meta)
-        return self.model.compute_logits(hidden[inputs.sample_rows]).float()

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from shared.config import EngineConfig, env_default
-from shared.fleet import free_port
 from shared.logging import configure_logging
+from shared.net import free_port
 from shared.step import StepBatch, StepResult
 from workers.device import resolve_device
 from workers.model_runner import ModelRunner

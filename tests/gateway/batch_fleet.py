@@ -76,7 +76,7 @@ def thread_scheduler(url: str, folder: Path):
 
 def spawn_scheduler(url: str, folder: Path, scheduler_id: str, *, lease_s: float = 2.0) -> subprocess.Popen:
     """`tokenfleet scheduler` as its own process (so that a test can kill -9 it)."""
-    argv = [sys.executable, "-m", "shared.cli", "scheduler", "--redis-url", url, "--model", str(folder),
+    argv = [sys.executable, "-m", "tokenfleet.cli", "scheduler", "--redis-url", url, "--model", str(folder),
             "--scheduler-id", scheduler_id, "--lease-s", str(lease_s), "--dtype", "float32",
             "--num-kv-blocks", "1024", "--max-num-seqs", "64", "--num-threads", "1"]
     return subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[2], env={**os.environ},
@@ -84,7 +84,7 @@ def spawn_scheduler(url: str, folder: Path, scheduler_id: str, *, lease_s: float
 
 
 def spawn_ingester(url: str, folder: Path, *, lease_s: float = 2.0) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "shared.cli", "batch", "ingester", "--redis-url", url, "--model",
+    argv = [sys.executable, "-m", "tokenfleet.cli", "batch", "ingester", "--redis-url", url, "--model",
             str(folder), "--lease-s", str(lease_s)]
     return subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[2], env={**os.environ},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

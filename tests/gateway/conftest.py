@@ -11,7 +11,7 @@ import pytest
 from gateway.app import create_app
 from gateway.settings import GatewaySettings, ModelSpec
 from tests.gateway.fake_scheduler import FakeScheduler
-from tests.redis_server import RedisServer
+from tokenfleet.redis_server import RedisServer
 
 MODEL = "SmolLM2-135M-Instruct"  # the default model's served name (its folder's name)
 

@@ -264,7 +264,7 @@ async def test_cli_submit_waits_with_a_progress_bar_and_writes_the_results(sched
     source = tmp_path / "job.jsonl"
     source.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out.jsonl"
-    cli = [sys.executable, "-m", "shared.cli", "batch"]
+    cli = [sys.executable, "-m", "tokenfleet.cli", "batch"]
     url = ["--redis-url", module_redis.url]
     submit = [*cli, "submit", str(source), "--wait", "--output", str(out), "--job-id", "cli-1", *url]
     done = await asyncio.to_thread(subprocess.run, submit,
@@ -349,8 +349,8 @@ async def test_an_intake_longer_than_the_lease_is_not_done_twice(redis_server, t
     staged lines). Every line is staged once, in order. No scheduler: nothing runs."""
     import redis.asyncio as aioredis
 
-    from gateway.batch_ingester import BatchIngester
-    from gateway.batch_lines import LineItem
+    from gateway.batch.ingester import BatchIngester
+    from gateway.batch.lines import LineItem
     from gateway.models import ModelRegistry
     from shared.keys import Keys
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from gateway.batch_ingester import job_id_for_entry, parse_window
-from gateway.batch_jobs import item_req_id, parse_item_req_id, unwritten
-from gateway.batch_lines import LineItem, check_lines, error_line, output_line, refused_line, split_lines
+from gateway.batch.ingester import job_id_for_entry, parse_window
+from gateway.batch.jobs import item_req_id, parse_item_req_id, unwritten
+from gateway.batch.lines import LineItem, check_lines, error_line, output_line, refused_line, split_lines
 from gateway.errors import BadRequest
 
 CHAT = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
@@ -81,7 +81,7 @@ def test_ids_windows_and_the_written_bitmap() -> None:
 
 
 def test_a_refusal_keeps_the_rest_routes_error_type() -> None:
-    from gateway.batch_lines import refusal_of
+    from gateway.batch.lines import refusal_of
 
     refusal = refusal_of(BadRequest("too long", param="messages", code="context_length_exceeded"))
     assert refusal == {"status_code": 400, "code": "context_length_exceeded", "message": "too long",

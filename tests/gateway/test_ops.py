@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from gateway.routes import ROUTES
-from shared.cli import _list_value, build_parser
 from tests.gateway.conftest import MODEL
+from tokenfleet.cli import _list_value, build_parser
 
 pytestmark = pytest.mark.asyncio
 

@@ -26,7 +26,7 @@ SAMPLING = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 def _start_scheduler(smollm2, url: str, name: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "shared.cli", "scheduler", "--redis-url", url, "--model", str(smollm2),
+        [sys.executable, "-m", "tokenfleet.cli", "scheduler", "--redis-url", url, "--model", str(smollm2),
          "--model-name", MODEL, "--scheduler-id", name, "--lease-s", "2", "--dtype", "float32",
          "--num-kv-blocks", "256", "--max-num-seqs", "8"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,

@@ -142,12 +142,12 @@ def test_static_buffer_decode_matches_eager_decode(num_seqs, tiny_checkpoints) -
     tables = [list(range(8 * i, 8 * i + 8)) for i in range(num_seqs)]  # 32 slots each
     works = [SequenceWork(f"r{i}", p, 0, t, True, GREEDY)
              for i, (p, t) in enumerate(zip(prompts, tables, strict=True))]
-    next_ids = runner.compute_logits_for_test(StepBatch(0, works)).argmax(-1).tolist()
+    next_ids = runner.forward(StepBatch(0, works), use_graphs=False)[0].float().argmax(-1).tolist()
     positions = [len(p) for p in prompts]
     for step in range(1, 6):
         works = [SequenceWork(f"r{i}", [next_ids[i]], positions[i], tables[i], True, GREEDY)
                  for i in range(num_seqs)]
-        eager = runner.compute_logits_for_test(StepBatch(step, works))  # writes the same K/V
+        eager = runner.forward(StepBatch(step, works), use_graphs=False)[0].float()  # writes the same K/V
         graph = graphs.run(works).float()
         assert graph.shape == eager.shape
         assert float((graph - eager).abs().max() / eager.abs().max()) < 1e-5
@@ -248,10 +248,10 @@ def test_cuda_graph_logits_match_eager_logits_on_cuda(tiny_checkpoints) -> None:
     tables = [list(range(8 * i, 8 * i + 8)) for i in range(3)]
     works = [SequenceWork(f"r{i}", p, 0, t, True, GREEDY)
              for i, (p, t) in enumerate(zip(prompts, tables, strict=True))]
-    next_ids = runner.compute_logits_for_test(StepBatch(0, works)).argmax(-1).tolist()
+    next_ids = runner.forward(StepBatch(0, works), use_graphs=False)[0].float().argmax(-1).tolist()
     works = [SequenceWork(f"r{i}", [next_ids[i]], len(p), tables[i], True, GREEDY)
              for i, p in enumerate(prompts)]
-    eager = runner.compute_logits_for_test(StepBatch(1, works))
+    eager = runner.forward(StepBatch(1, works), use_graphs=False)[0].float()
     graph = runner.decode_graphs.run(works).float()
     assert torch.allclose(graph, eager, atol=1e-4, rtol=1e-4)
 
@@ -346,7 +346,7 @@ def test_capture_records_every_size_largest_first_in_one_pool(tiny_checkpoints, 
     works = [SequenceWork(f"r{i}", [7 + i], 0, tables[i], True, GREEDY) for i in range(3)]
     graph_logits = graphs.run(works).clone()
     assert graphs.graphs[4].num_replays == 1 and graph_logits.shape[0] == 3
-    eager = runner.compute_logits_for_test(StepBatch(0, works))
+    eager = runner.forward(StepBatch(0, works), use_graphs=False)[0].float()
     assert float((graph_logits - eager).abs().max() / eager.abs().max()) < 1e-5
 
 

@@ -32,10 +32,10 @@ def _prefill_then_decode_logits(runner: ModelRunner, prompt: list[int], split: i
     a time (exercising chunked prefill and the decode path)."""
     blocks = list(range(-(-len(prompt) // runner.block_size)))
     first = SequenceWork("r", prompt[:split], 0, blocks, True, GREEDY)
-    rows = [runner.compute_logits_for_test(StepBatch(0, [first]))]
+    rows = [runner.forward(StepBatch(0, [first]), use_graphs=False)[0].float()]
     for pos in range(split, len(prompt)):
         work = SequenceWork("r", [prompt[pos]], pos, blocks, True, GREEDY)
-        rows.append(runner.compute_logits_for_test(StepBatch(pos, [work])))
+        rows.append(runner.forward(StepBatch(pos, [work]), use_graphs=False)[0].float())
     return torch.cat(rows)
 
 
@@ -60,7 +60,8 @@ def test_logits_match_with_legacy_rope_keys(tmp_path) -> None:
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0, -1:].float()
     blocks = list(range(-(-len(prompt) // 8)))
-    ours = runner.compute_logits_for_test(StepBatch(0, [SequenceWork("r", prompt, 0, blocks, True, GREEDY)]))
+    batch = StepBatch(0, [SequenceWork("r", prompt, 0, blocks, True, GREEDY)])
+    ours = runner.forward(batch, use_graphs=False)[0].float()
     assert _relative_error(ours, ref) < 1e-4
 
 

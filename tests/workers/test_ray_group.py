@@ -94,7 +94,7 @@ def test_tp2_on_an_existing_cluster_started_with_ray_start(smollm2, tmp_path):
             if status.returncode == 0:
                 break
             time.sleep(1)
-        common = [sys.executable, "-m", "shared.cli", "generate", "--model", str(smollm2), "--json",
+        common = [sys.executable, "-m", "tokenfleet.cli", "generate", "--model", str(smollm2), "--json",
                   "--max-tokens", "16", "--dtype", "float32", "--num-kv-blocks", "64",
                   "The capital of France is", "1, 2, 3,"]
         on_cluster = subprocess.run([*common, "--tp", "2", "--ray-address", address],

@@ -49,7 +49,7 @@ class EventRouter:
         self._is_connected = False
         self._has_home = False
         self._is_closing = False
-        self.log = get_logger("tokenfleet.gateway.pubsub")
+        self.log = get_logger("tokenfleet.gateway.requests.pubsub")
 
     @property
     def num_channels(self) -> int:

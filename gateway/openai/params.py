@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from gateway.errors import BadRequest
 from gateway.models import ServedModel
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.settings import GatewaySettings
 from shared.sampling import SamplingParams
 

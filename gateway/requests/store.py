@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from gateway.records import ResultRecord
+from gateway.requests.records import ResultRecord
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.messages import ErrorEvent, RequestMessage
 

@@ -14,13 +14,13 @@ from pydantic import TypeAdapter
 
 from gateway.appkeys import MODELS, SETTINGS, STORE
 from gateway.errors import BadRequest, Conflict, NotFound
-from gateway.follow import EXPIRED_MESSAGE
 from gateway.models import ServedModel
-from gateway.openai_format import ChoiceOutput, chat_completion, chat_logprobs, text_completion
-from gateway.params import Plan, plan_chat, plan_completion
-from gateway.records import Delta, ResultRecord
-from gateway.schemas import SubmitChat, SubmitRequest
-from gateway.serving import EventStream, admit, following, new_req_id, read_body, submissions
+from gateway.openai.format import ChoiceOutput, chat_completion, chat_logprobs, text_completion
+from gateway.openai.params import Plan, plan_chat, plan_completion
+from gateway.openai.schemas import SubmitChat, SubmitRequest
+from gateway.requests.follow import EXPIRED_MESSAGE
+from gateway.requests.records import Delta, ResultRecord
+from gateway.requests.serving import EventStream, admit, following, new_req_id, read_body, submissions
 
 SUBMIT = TypeAdapter(SubmitRequest)
 _REQ_ID = re.compile(r"^[0-9a-f]{32}$")

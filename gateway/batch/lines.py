@@ -23,7 +23,7 @@ import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.errors import BadRequest, GatewayError, error_body, validation_error
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
 
 URLS = ("/v1/chat/completions", "/v1/completions")
 BODY_SCHEMAS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}

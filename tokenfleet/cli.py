@@ -148,7 +148,7 @@ def _add_batch_parser(commands) -> None:
 
 
 def _cmd_batch(args: argparse.Namespace) -> int:
-    from gateway.batch_cli import run_batch_command
+    from tokenfleet.batch_cli import run_batch_command
 
     if args.batch_command == "ingester":
         args.model_paths = _list_value(args, "model") or [_resolve_model(None)]
@@ -175,9 +175,9 @@ def _add_bench_parser(commands) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from gateway.loadgen import run_bench_command
     from shared.errors import InvalidRequestError
-    from shared.fleet import recorded_fleet
+    from tokenfleet.bench import run_bench_command
+    from tokenfleet.up import recorded_fleet
 
     for name in ("num_requests", "concurrency", "prompt_words", "max_tokens"):
         if getattr(args, name) < 1:
@@ -327,7 +327,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from shared.errors import InvalidRequestError
-    from shared.fleet import Fleet, FleetOptions, curl_example
+    from tokenfleet.up import Fleet, FleetOptions, curl_example
 
     for name in ("port", "tp", "replicas"):
         if getattr(args, name) < 1:

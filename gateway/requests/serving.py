@@ -15,10 +15,10 @@ from pydantic import TypeAdapter
 
 from gateway.appkeys import FLEET, METRICS, ROUTER, SETTINGS, STORE, TASKS
 from gateway.errors import BadRequest, RateLimited
-from gateway.follow import Watch
 from gateway.models import ServedModel
-from gateway.params import Plan
-from gateway.store import Submission
+from gateway.openai.params import Plan
+from gateway.requests.follow import Watch
+from gateway.requests.store import Submission
 from shared.messages import RequestMessage
 
 T = TypeVar("T")

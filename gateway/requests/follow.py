@@ -14,13 +14,13 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from gateway.pubsub import RESYNC, EventRouter, Listener
-from gateway.records import Delta, ResultRecord
-from gateway.store import RequestStore
+from gateway.requests.pubsub import RESYNC, EventRouter, Listener
+from gateway.requests.records import Delta, ResultRecord
+from gateway.requests.store import RequestStore
 from shared.logging import get_logger
 from shared.messages import MessageDecodeError, decode_event
 
-log = get_logger("tokenfleet.gateway.follow")
+log = get_logger("tokenfleet.gateway.requests.follow")
 EXPIRED_MESSAGE = "the deadline passed while it was queued"
 
 

@@ -13,14 +13,14 @@ from aiohttp import web
 from pydantic import Field
 
 from gateway.appkeys import JOBS, REDIS
-from gateway.batch_ingester import parse_window
-from gateway.batch_jobs import JOB_STATES, new_job_id
-from gateway.batch_lines import URLS
+from gateway.batch.files_api import FILE_ID_PATTERN
+from gateway.batch.ingester import parse_window
+from gateway.batch.jobs import JOB_STATES, new_job_id
+from gateway.batch.lines import URLS
 from gateway.errors import BadRequest, Conflict, NotFound
-from gateway.files_api import FILE_ID_PATTERN
+from gateway.openai.schemas import StrictModel
+from gateway.requests.serving import read_body
 from gateway.responses import Shape
-from gateway.schemas import StrictModel
-from gateway.serving import read_body
 from shared.keys import JOB_ID_PATTERN
 
 

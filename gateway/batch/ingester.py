@@ -33,8 +33,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from gateway.batch_jobs import Job, JobStore, item_req_id, parse_item_req_id, unwritten
-from gateway.batch_lines import (
+from gateway.batch.jobs import Job, JobStore, item_req_id, parse_item_req_id, unwritten
+from gateway.batch.lines import (
     URLS,
     LineItem,
     check_lines,
@@ -48,11 +48,11 @@ from gateway.batch_lines import (
 from gateway.errors import GatewayError
 from gateway.metrics import GatewayMetrics
 from gateway.models import ModelRegistry
-from gateway.openai_format import ChoiceOutput, chat_completion, text_completion
-from gateway.params import Plan, plan_chat, plan_completion
-from gateway.records import ResultRecord
+from gateway.openai.format import ChoiceOutput, chat_completion, text_completion
+from gateway.openai.params import Plan, plan_chat, plan_completion
+from gateway.requests.records import ResultRecord
+from gateway.requests.store import GatewayKeys, RequestStore
 from gateway.settings import GatewaySettings
-from gateway.store import GatewayKeys, RequestStore
 from shared.keys import INGESTER_GROUP, JOB_ID_PATTERN, Keys
 from shared.logging import get_logger
 from shared.messages import RequestMessage

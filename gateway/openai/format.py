@@ -10,8 +10,8 @@ import math
 from dataclasses import dataclass, field
 
 from gateway.models import ServedModel
-from gateway.params import Plan
-from gateway.records import Delta
+from gateway.openai.params import Plan
+from gateway.requests.records import Delta
 
 MISSING_LOGPROB = -9999.0  # what vLLM reports for -inf or an unknown logprob (JSON has no -inf)
 

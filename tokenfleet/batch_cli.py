@@ -14,10 +14,10 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from gateway.batch_jobs import TERMINAL_JOB_STATES, Job, JobStore, new_job_id
+from gateway.batch.jobs import TERMINAL_JOB_STATES, Job, JobStore, new_job_id
 from shared.errors import InvalidRequestError, TokenfleetError
-from shared.fleet import recorded_fleet
 from shared.keys import Keys
+from tokenfleet.up import recorded_fleet
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 BAR_WIDTH = 30
@@ -145,7 +145,7 @@ def run_batch_command(args) -> int:
 def _run_ingester(args) -> int:
     import signal
 
-    from gateway.batch_ingester import BatchIngester
+    from gateway.batch.ingester import BatchIngester
     from gateway.models import ModelRegistry
     from gateway.settings import GatewaySettings, ModelSpec
 
