@@ -1,10 +1,11 @@
 """`tokenfleet scheduler`: the Redis service loop around one engine (scheduler core + group).
 
 One tick:
-    flush what the last tick could not write  ->  maintenance (heartbeat, renew claims,
-    take over entries of dead schedulers, cancel/expire)  ->  admit new entries, only as
-    many as the engine can take (pull-based: replicas share load without a router)
-    ->  one engine step  ->  publish + mirror every change in one round trip.
+    maintenance (heartbeat, renew claims, take over entries of dead schedulers,
+    cancel/expire)  ->  admit new entries, only as many as the engine can take
+    (pull-based: replicas share load without a router)  ->  one engine step  ->  hand every
+    change to the result writer, whose thread publishes and mirrors them in one round trip
+    while the next step runs (scheduler/result_writer.py).
 A request's stream entry is acknowledged only together with its terminal state, so a
 scheduler that dies leaves its entries pending for a successor, which resumes each from
 the tokens stored in tf:res:{id}: the client sees neither a gap nor a duplicate.
@@ -22,6 +23,7 @@ import redis
 from scheduler.engine import LLMEngine, Usage
 from scheduler.request import BATCH_PRIORITY, FinishReason, RequestStatus
 from scheduler.result_store import ResultStore, ResultUpdate, terminal_fields
+from scheduler.result_writer import ResultWriter
 from scheduler.scheduler import RequestOutput
 from shared.errors import InvalidRequestError
 from shared.keys import CONSUMER_GROUP, REQUEST_KINDS, Keys
@@ -88,7 +90,8 @@ class SchedulerService:
         self.log = get_logger("tokenfleet.scheduler", scheduler_id=settings.scheduler_id)
         self.streams = [self.keys.request_stream(settings.model_name, kind) for kind in REQUEST_KINDS]
         self.inflight: dict[str, InFlight] = {}  # req_id -> request this scheduler owns
-        self._pending: list[ResultUpdate] = []  # written on the next successful flush
+        self.writer = ResultWriter(self.results, settings.scheduler_id)
+        self._pending: list[ResultUpdate] = []  # this tick's updates, handed to the writer at its end
         self._cancel_ids: set[str] = set()  # from the tf:cancel listener thread
         self._cancel_lock = threading.Lock()
         self._next_maintenance = 0.0
@@ -106,6 +109,7 @@ class SchedulerService:
                 self.tick()
                 backoff = 0.1
             except (redis.ConnectionError, redis.TimeoutError) as exc:
+                self._flush()  # the writer keeps them, in order, until Redis is back
                 self.log.warning("redis_unreachable", error=str(exc), retry_in_s=backoff)
                 stop.wait(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
@@ -116,12 +120,16 @@ class SchedulerService:
                 # make the groups again instead of dying.
                 self.log.warning("consumer_group_missing", error=str(exc))
                 self._groups_ready = False
+        self._flush()
+        self.writer.close()
         listener.join(timeout=5)
 
     def tick(self) -> None:
+        if self.writer.error is not None:
+            raise self.writer.error  # Redis is away: pause (the writer retries what it holds)
         if not self._groups_ready:
             self._ensure_groups()
-        self._flush()  # what an outage left unwritten goes first, in order
+        self._drop_lost_requests()
         if time.monotonic() >= self._next_maintenance:
             self._maintain()
             self._next_maintenance = time.monotonic() + self.settings.heartbeat_s
@@ -129,7 +137,7 @@ class SchedulerService:
         self._admit(block=not self.engine.has_unfinished_requests())
         if self.engine.has_unfinished_requests():
             self._pending.extend(self._updates_for(self.engine.step()))
-            self._flush()
+        self._flush()
 
     def _ensure_groups(self) -> None:
         for stream in self.streams:
@@ -141,20 +149,25 @@ class SchedulerService:
         self._groups_ready = True
 
     def _flush(self) -> None:
-        if not self._pending:
-            return
+        """Hand this tick's updates to the writer thread (in order after everything before)."""
         updates, self._pending = self._pending, []
-        try:
-            owned = self.results.write(updates)
-        except (redis.ConnectionError, redis.TimeoutError):
-            self._pending = updates + self._pending
-            raise
-        for update, is_owner in zip(updates, owned, strict=True):
-            if not is_owner and update.req_id in self.inflight:
+        self.writer.submit(updates)
+
+    def flush_and_wait(self) -> None:
+        """Everything so far written to Redis (for callers that read it back at once); raises
+        the writer's error while Redis is away."""
+        self._flush()
+        while not self.writer.drain(0.5):
+            if self.writer.error is not None:
+                raise self.writer.error
+
+    def _drop_lost_requests(self) -> None:
+        for req_id in self.writer.take_lost():
+            if req_id in self.inflight:
                 # A successor claimed it while we thought we had it: stop generating it.
-                self.log.warning("ownership_lost", req_id=update.req_id)
-                self.inflight.pop(update.req_id)
-                self.engine.abort(update.req_id)
+                self.log.warning("ownership_lost", req_id=req_id)
+                self.inflight.pop(req_id)
+                self.engine.abort(req_id)
 
     # -- admission ------------------------------------------------------------------------
 
@@ -258,7 +271,7 @@ class SchedulerService:
         """Set a poison entry aside in tf:dead (with a failed result when it names a request)."""
         self.log.warning("dead_letter", stream=stream, entry_id=entry_id, reason=reason, req_id=req_id)
         letter = DeadLetter(stream, entry_id, reason, num_deliveries, req_id, payload or b"")
-        self._flush()  # keep the order of writes
+        self.flush_and_wait()  # keep the order of writes
         self.client.xadd(self.keys.dead, {"m": letter.encode()})
         if req_id is not None:
             progress = self.results.claim(req_id)

@@ -52,3 +52,9 @@ class EngineConfig:
     num_cpus_per_rank: float = 1.0  # Ray CPUs of each rank's bundle on CPU hosts
     step_timeout_s: float = 120.0  # a step slower than this means a rank is gone
     max_group_restarts: int = 3  # rebuilds of a failed worker group before giving up
+
+
+def uses_ray(executor: str, tp: int) -> bool:
+    """Whether an engine runs its ranks as a Ray group. "auto" keeps TP=1 in the scheduler's own
+    process: a Ray group there costs a hop per step and buys nothing a takeover does not."""
+    return executor == "ray" or (executor == "auto" and tp > 1)

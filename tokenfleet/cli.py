@@ -38,8 +38,14 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "max-model-len", type=int, help="cap on prompt + output tokens")
     _flag(parser, "num-kv-blocks", type=int, help="KV cache blocks (default: from memory)")
     _flag(parser, "block-size", type=int, default=16, help="tokens per KV block")
-    _flag(parser, "max-num-seqs", type=int, default=256, help="cap on running sequences")
-    _flag(parser, "max-num-batched-tokens", type=int, default=2048, help="tokens per step (chunked prefill)")
+    _flag(parser, "max-num-seqs", type=int,
+          help="cap on running sequences (default: 512 on CUDA, 256 on CPU)")
+    _flag(parser, "max-num-batched-tokens", type=int,
+          help="tokens per step, chunked prefill (default: 8192 on CUDA, 2048 on CPU)")
+    _flag(parser, "cuda-graph-max-batch-size", type=int,
+          help="largest decode batch replayed from a CUDA graph (default: --max-num-seqs)")
+    _flag(parser, "executor", default="auto",
+          help="auto (in this process at TP=1, a Ray group above), inprocess or ray")
     _flag(parser, "num-threads", type=int, help="torch threads per rank on CPU")
     _flag(parser, "ray-address", help="join this Ray cluster (default: start a local Ray when needed)")
     _flag(parser, "placement-strategy", default="STRICT_PACK",
@@ -113,7 +119,10 @@ def _add_up_parser(commands) -> None:
     _flag(up, "ray-address", help="use this Ray cluster instead of starting a local one")
     _flag(up, "dtype", help="float32, bfloat16 or float16 (default: by device)")
     _flag(up, "num-kv-blocks", type=int, help="KV cache blocks per replica (default: from memory)")
-    _flag(up, "max-num-seqs", type=int, default=256, help="cap on running sequences per replica")
+    _flag(up, "max-num-seqs", type=int,
+          help="cap on running sequences per replica (default: 512 on CUDA, 256 on CPU)")
+    _flag(up, "executor", default="auto",
+          help="auto (each scheduler's own process at TP=1, a Ray group above), inprocess or ray")
 
 
 def _add_batch_parser(commands) -> None:
@@ -246,15 +255,25 @@ def _resolve_model(path: str | None) -> str:
 
 
 def _engine_config(args: argparse.Namespace):
-    from shared.config import EngineConfig
+    from shared.config import EngineConfig, uses_ray
+    from shared.errors import InvalidRequestError
+    from workers.device import hardware_defaults, resolve_device
 
+    if args.executor not in ("auto", "inprocess", "ray"):
+        raise InvalidRequestError(f"--executor must be auto, inprocess or ray, got {args.executor!r}",
+                                  param="executor")
+    # Flags left out take what the benchmarks found best on this kind of device.
+    defaults = hardware_defaults(resolve_device(args.device))
+    max_num_seqs = args.max_num_seqs or defaults.max_num_seqs
     return EngineConfig(
         model=_resolve_model(args.model), tp=args.tp, device=args.device, dtype=args.dtype,
         max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
-        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.num_threads,
-        ray_address=args.ray_address, placement_strategy=args.placement_strategy,
-        num_cpus_per_rank=args.num_cpus_per_rank, use_ray=bool(args.ray_address),
+        block_size=args.block_size, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens or defaults.max_num_batched_tokens,
+        cuda_graph_max_batch_size=args.cuda_graph_max_batch_size or max_num_seqs,
+        num_threads=args.num_threads, ray_address=args.ray_address,
+        placement_strategy=args.placement_strategy, num_cpus_per_rank=args.num_cpus_per_rank,
+        use_ray=uses_ray(args.executor, args.tp),
     )
 
 
@@ -333,7 +352,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise InvalidRequestError(f"--{name} must be >= 1, got {getattr(args, name)}", param=name)
     model = _resolve_model(args.model)
-    scheduler_args = ["--max-num-seqs", str(args.max_num_seqs)]
+    scheduler_args = ["--executor", args.executor]
+    if args.max_num_seqs:
+        scheduler_args += ["--max-num-seqs", str(args.max_num_seqs)]
     if args.dtype:
         scheduler_args += ["--dtype", args.dtype]
     if args.num_kv_blocks:
@@ -341,7 +362,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     options = FleetOptions(
         model=model, model_name=args.model_name or Path(model).name, host=args.host, port=args.port,
         tp=args.tp, replicas=args.replicas, redis_url=args.redis_url, redis_port=args.redis_port,
-        ray_address=args.ray_address, scheduler_args=scheduler_args,
+        ray_address=args.ray_address, executor=args.executor, scheduler_args=scheduler_args,
     )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

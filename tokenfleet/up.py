@@ -22,7 +22,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
-from shared.config import tokenfleet_home
+from shared.config import tokenfleet_home, uses_ray
 from shared.errors import TokenfleetError
 from shared.logging import get_logger
 from shared.net import free_port
@@ -51,7 +51,8 @@ class FleetOptions:
     replicas: int = 1
     redis_url: str | None = None  # None: start a Redis server here
     redis_port: int | None = None  # for the Redis we start; None: a free port
-    ray_address: str | None = None  # None: start a local Ray head
+    ray_address: str | None = None  # None: start a local Ray head (when a group needs one)
+    executor: str = "auto"  # see shared.config.uses_ray
     scheduler_args: list[str] = field(default_factory=list)  # extra engine flags
     gateway_args: list[str] = field(default_factory=list)  # extra gateway flags
 
@@ -89,16 +90,22 @@ class Fleet:
     def start(self) -> None:
         if self.redis_url is None:
             self._start_redis()
-        if self.ray_address is None:
+        needs_ray = uses_ray(self.options.executor, self.options.tp)
+        if needs_ray and self.ray_address is None:
             self._start_ray()
         cli = [sys.executable, "-m", "tokenfleet.cli"]
+        ray_args = ["--ray-address", self.ray_address] if needs_ray else []
+        num_gpus = 0 if needs_ray else _num_gpus()  # Ray places ranks on GPUs itself
         for index in range(self.options.replicas):
+            env = self.env
+            if num_gpus > 1:  # one GPU per in-process replica, round robin
+                env = {**self.env, "CUDA_VISIBLE_DEVICES": str(index % num_gpus)}
             self._spawn(f"scheduler-{index}", [
-                *cli, "scheduler", "--redis-url", self.redis_url, "--ray-address", self.ray_address,
+                *cli, "scheduler", "--redis-url", self.redis_url, *ray_args,
                 "--model", self.options.model, "--model-name", self.options.model_name,
                 "--tp", str(self.options.tp), "--scheduler-id", f"{self.options.model_name}-{index}",
                 *self.options.scheduler_args,
-            ])
+            ], env=env)
         self._spawn("gateway", [
             *cli, "gateway", "--redis-url", self.redis_url, "--host", self.options.host,
             "--port", str(self.options.port), "--model", self.options.model,
@@ -205,3 +212,10 @@ def curl_example(gateway_url: str, model_name: str) -> str:
     body = json.dumps({"model": model_name, "stream": True,
                        "messages": [{"role": "user", "content": "What is the capital of France?"}]})
     return f"curl -N {gateway_url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
+
+
+def _num_gpus() -> int:
+    """CUDA devices this process may use (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -88,6 +88,7 @@ def test_cancelled_request_stops_within_one_step_and_frees_its_blocks(tiny_check
     req_id = submit(client, MODEL, _prompts(1)[0], long_run)
     while len(token_ids(client.hgetall(KEYS.result(req_id)))) < 3:
         service.tick()
+        service.flush_and_wait()
     assert engine.scheduler.block_manager.num_free_blocks < 512
     client.set(KEYS.cancelled(req_id), 1, ex=60)
     client.publish(KEYS.cancel_channel, req_id)
@@ -95,6 +96,7 @@ def test_cancelled_request_stops_within_one_step_and_frees_its_blocks(tiny_check
         time.sleep(0.01)
     before = len(token_ids(client.hgetall(KEYS.result(req_id))))
     service.tick()  # one step
+    service.flush_and_wait()
     record = client.hgetall(KEYS.result(req_id))
     stop.set()
     listener.join(timeout=5)
@@ -218,6 +220,7 @@ def wait_terminal_ticking(service, client, req_ids, timeout_s: float = 120) -> d
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         service.tick()
+        service.flush_and_wait()
         records = {r: client.hgetall(KEYS.result(r)) for r in req_ids}
         if all(rec.get(b"state") in (b"completed", b"failed", b"cancelled") for rec in records.values()):
             return records

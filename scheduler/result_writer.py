@@ -1,0 +1,117 @@
+"""Each step's results go to Redis from a thread of their own, so the engine loop never waits
+for Redis: while the GPU runs step n+1, this thread packs and writes step n.
+
+Order is kept: batches are written in the order they were submitted, one pipelined round
+trip at a time (when the writer falls behind, the batches waiting are joined into one round
+trip, which is still in order). A batch that fails to reach Redis is retried, with backoff,
+before anything after it; meanwhile `error` says so and the service pauses. The fencing
+(ownership check), exactly-once appends and acknowledgements are the store's one Lua call
+per update, unchanged; what the writer adds is only where that call runs.
+
+The engine thread waits on the GPU with the GIL released (the sampler's copy of the chosen
+ids), which is when this thread runs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+import redis
+
+from scheduler.result_store import ResultStore, ResultUpdate
+from shared.logging import get_logger
+
+MAX_BACKOFF_S = 5.0
+
+
+class ResultWriter:
+    def __init__(self, results: ResultStore, scheduler_id: str) -> None:
+        self.results = results
+        self.log = get_logger("tokenfleet.result_writer", scheduler_id=scheduler_id)
+        self._queue: deque[list[ResultUpdate]] = deque()
+        self._cond = threading.Condition()
+        self._num_writing = 0  # batches taken off the queue and not yet written
+        self._lost_req_ids: list[str] = []  # another scheduler owns them now
+        self.error: Exception | None = None  # the last failed write, until one succeeds
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="result-writer", daemon=True)
+        self._thread.start()
+
+    # -- the engine thread's side ---------------------------------------------------------
+
+    def submit(self, updates: list[ResultUpdate]) -> None:
+        if not updates:
+            return
+        with self._cond:
+            self._queue.append(updates)
+            self._cond.notify_all()
+
+    def take_lost(self) -> list[str]:
+        """Requests whose writes were refused since the last call: a successor owns them."""
+        with self._cond:
+            lost, self._lost_req_ids = self._lost_req_ids, []
+        return lost
+
+    @property
+    def num_pending(self) -> int:
+        """Batches submitted and not yet written."""
+        with self._cond:
+            return len(self._queue) + self._num_writing
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Wait until everything submitted so far is written; False on timeout."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while self._queue or self._num_writing:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+        return True
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Write what is queued (for at most timeout_s), then stop the thread."""
+        if not self.drain(timeout_s):
+            self.log.warning("results_left_unwritten", num_batches=self.num_pending)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=timeout_s)
+
+    # -- the writer thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return  # closed and drained
+                updates = [u for batch in self._queue for u in batch]
+                self._num_writing = len(self._queue)
+                self._queue.clear()
+            self._write_until_done(updates)
+            with self._cond:
+                self._num_writing = 0
+                self._cond.notify_all()
+
+    def _write_until_done(self, updates: list[ResultUpdate]) -> None:
+        backoff = 0.1
+        while True:
+            try:
+                owned = self.results.write(updates)
+                break
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                self.error = exc
+                self.log.warning("result_write_failed", error=str(exc), retry_in_s=backoff)
+                if self._closed:
+                    return  # stopping: a successor resumes from what was written
+                time.sleep(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
+        self.error = None
+        lost = [u.req_id for u, is_owner in zip(updates, owned, strict=True) if not is_owner]
+        if lost:
+            with self._cond:
+                self._lost_req_ids += lost
