@@ -202,6 +202,12 @@ class LLMEngine:
         return [results[req_id] for req_id in order]
 
     def close(self) -> None:
+        """Stop the worker group and give its device memory back (graphs, KV cache, weights),
+        so that another engine built in this process finds it free. Idempotent; requests still
+        queued or running are dropped with it."""
+        if getattr(self, "_is_closed", False):
+            return
+        self._is_closed = True
         self.executor.shutdown()
 
     def __enter__(self) -> LLMEngine:

@@ -129,6 +129,17 @@ class DecodeGraphs:
             self._forward(size)
         return self.logits[:num_seqs]
 
+    def close(self) -> None:
+        """Destroy every graph and drop the buffers, the model and the KV cache. The graphs'
+        private memory pool goes back to the caching allocator once the last graph sharing it
+        is reset (then `torch.cuda.empty_cache()` can return it to the driver). Idempotent."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.model = self.kv_caches = self.logits = None
+        self.token_ids = self.positions = self.slot_mapping = None
+        self.context_lens = self.query_start_loc = self.block_tables = None
+
     def _load_inputs(self, works: list[SequenceWork], size: int) -> None:
         """Fill rows [0, size) of the static buffers; rows past len(works) become padding."""
         num_seqs = len(works)

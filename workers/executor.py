@@ -29,7 +29,8 @@ class Executor(Protocol):
 
     def rank_weight_bytes(self) -> list[int]: ...
 
-    def shutdown(self) -> None: ...
+    def shutdown(self) -> None:
+        """Stop every rank and give back its device memory (ModelRunner.close). Idempotent."""
 
 
 class InProcessExecutor:
@@ -47,12 +48,17 @@ class InProcessExecutor:
         return self.runner.execute(batch)
 
     def restart(self) -> None:
+        # The old runner goes first: on CUDA the new one sizes its KV cache from free memory.
+        self.shutdown()
         self._start()
 
     def rank_weight_bytes(self) -> list[int]:
         return [self.runner.weight_bytes]
 
     def shutdown(self) -> None:
+        """Give the runner's device memory back (graphs, KV cache, weights). Idempotent."""
+        if self.runner is not None:
+            self.runner.close()
         self.runner = None
 
 

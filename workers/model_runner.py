@@ -7,6 +7,7 @@ CUDA (`workers/cuda_graphs.py`); every other step runs eagerly.
 
 from __future__ import annotations
 
+import gc
 import time
 
 import torch
@@ -27,6 +28,24 @@ from workers.weight_loader import load_weights, resident_weight_bytes
 
 def format_bytes(num_bytes: int) -> str:
     return f"{num_bytes / 1e9:.2f} GB" if num_bytes >= 1e8 else f"{num_bytes / 1e6:.2f} MB"
+
+
+def kv_blocks_for_budget(free_bytes: int, *, fraction: float, activation_bytes: int, block_bytes: int) -> int:
+    """KV blocks a rank can hand out: `fraction` of `free_bytes`, less room for the largest step's
+    activations, less the scratch block. On CUDA `free_bytes` is what the driver reports free, so
+    whatever an earlier runner in the process still holds comes off this budget: that is why
+    `ModelRunner.close` gives everything back."""
+    budget = int(free_bytes * fraction) - activation_bytes
+    return max(0, budget // block_bytes - 1)
+
+
+def release_device_memory(device: torch.device) -> None:
+    """Collect reference cycles, then hand the caching allocator's free blocks (a destroyed CUDA
+    graph pool's included) back to the driver, where the next KV cache sizing can see them."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
 
 
 class ModelRunner:
@@ -52,6 +71,7 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache()  # holds one more: the scratch block
         self.decode_graphs = self._capture_decode_graphs()
         self.sampler = Sampler(seed=config.seed) if tp.is_driver else None
+        self.is_closed = False
 
     def _new_model(self, device: torch.device) -> torch.nn.Module:
         cls = MODEL_CLASSES[self.model_config.model_type]
@@ -105,14 +125,18 @@ class ModelRunner:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         if self.device.type == "cuda":
+            # Blocks PyTorch caches but does not use (a closed engine's, say) are free for this
+            # cache too, but the driver counts them as taken until they are handed back.
+            torch.cuda.empty_cache()
             free, _ = torch.cuda.mem_get_info(self.device)
             # Leave room for activations of the largest step.
             activations = 64 * self.config.max_num_batched_tokens * self.model_config.hidden_size * 4
-            budget = int(free * self.config.kv_cache_memory_fraction) - activations
+            local = kv_blocks_for_budget(free, fraction=self.config.kv_cache_memory_fraction,
+                                         activation_bytes=activations, block_bytes=self.kv_block_bytes)
         else:
-            budget = self.config.kv_cache_bytes_cpu
-        # One block of the budget is the scratch block.
-        num_blocks = all_reduce_min(self.tp, max(0, budget // self.kv_block_bytes - 1))
+            local = kv_blocks_for_budget(self.config.kv_cache_bytes_cpu, fraction=1.0, activation_bytes=0,
+                                         block_bytes=self.kv_block_bytes)
+        num_blocks = all_reduce_min(self.tp, local)
         if num_blocks < 1:
             raise ModelLoadError("no memory is left for the KV cache after loading the weights")
         return num_blocks
@@ -128,6 +152,8 @@ class ModelRunner:
 
     @property
     def kv_cache_bytes(self) -> int:
+        if self.kv_caches is None:  # closed
+            return 0
         return self.kv_caches.numel() * self.kv_caches.element_size()
 
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
@@ -158,6 +184,8 @@ class ModelRunner:
         """The step's forward pass: the logits of the rows to sample ([num_sampled, vocab], in
         the model's dtype; None when no row samples) and the works they belong to. A captured
         CUDA graph runs it when one fits and `use_graphs`; otherwise it runs eagerly."""
+        if self.is_closed:
+            raise RuntimeError("this model runner is closed; it runs no more steps")
         if use_graphs and self.decode_graphs is not None and self.decode_graphs.can_run(batch.works):
             return self.decode_graphs.run(batch.works), batch.works  # every decode row samples
         inputs = build_step_inputs(batch, self.block_size, self.device)
@@ -180,3 +208,31 @@ class ModelRunner:
         # The step's one host synchronisation: the sampler's .tolist() of the chosen ids.
         sampled = self.sampler.sample(logits, sampled_works)  # float32 inside, where it matters
         return StepResult(batch.step_id, sampled)
+
+    def close(self) -> None:
+        """Give back everything this runner took on its device: the CUDA graphs and their memory
+        pool, the KV cache, the weights, the sampler's generators; then the caching allocator's
+        free blocks. Idempotent; the runner runs no step afterwards. The executors' and
+        RankWorker's shutdown call it.
+
+        The KV cache's and the weights' storage is released in place (the cache resized to
+        nothing, the parameters and buffers turned into meta tensors), so the memory comes back
+        even where something outside the runner still holds the tensor or the module."""
+        if self.is_closed:
+            return
+        self.is_closed = True
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # no kernel in flight may still use what is freed
+        if self.decode_graphs is not None:
+            self.decode_graphs.close()  # before the KV cache and weights its graphs point into
+        self.decode_graphs = None
+        self.sampler = None
+        if self.kv_caches is not None:
+            with torch.no_grad():
+                self.kv_caches.set_()  # an empty storage: the cache's memory is free now
+        self.kv_caches = None
+        if self.model is not None:
+            self.model.to_empty(device="meta")
+        self.model = None
+        release_device_memory(self.device)
+        self.log.info("runner_closed", device=str(self.device))

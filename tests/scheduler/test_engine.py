@@ -8,6 +8,7 @@ joining mid-generation, preemption forced by a tiny KV cache, tensor parallelism
 from __future__ import annotations
 
 import random
+import weakref
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from shared.config import EngineConfig
 from shared.sampling import SamplingParams
 from tests.checkpoints import TINY_ARCHS
 from tests.hf_reference import assert_greedy_matches, hf_greedy
+from tests.workers.runner_refs import alive, runner_weakrefs
 
 NUM_NEW_TOKENS = 32
 
@@ -150,3 +152,36 @@ def test_tp2_each_rank_holds_about_half_the_weights(which: str, tiny_checkpoints
         # SmolLM2's 3 KV heads split 2 + 1, so its ranks hold 53% and 47%.
         assert 0.45 * whole <= share <= 0.55 * whole, (share, whole)
     assert sum(shares) == pytest.approx(whole, rel=0.01)
+
+
+# -- close -------------------------------------------------------------------------------------
+
+
+def test_close_frees_the_runner_while_the_engine_and_a_script_still_hold_references(tiny_checkpoints) -> None:
+    """What scripts do: keep the engine (a `with` block's name outlives it) and a local of its
+    runner. Neither may keep the weights, the KV cache or the sampler once the engine is closed."""
+    engine = _engine(tiny_checkpoints["llama"])
+    engine.generate(_prompts(6, 512, [7, 19]), GREEDY)
+    runner = engine.executor.runner
+    refs = runner_weakrefs(runner)
+    engine.close()
+    assert alive(refs) == []
+    assert runner.is_closed and engine.executor.runner is None
+    runner_ref = weakref.ref(runner)
+    del runner
+    assert alive({"runner": runner_ref}) == []  # and nothing else (closures, loggers) holds the runner
+    engine.close()  # idempotent
+
+
+def test_engine_built_after_close_gets_the_same_kv_blocks_and_tokens(tiny_checkpoints) -> None:
+    """The second of two engines in one process (bench_gpu.py --max-num-seqs 512,256) is sized
+    from the budget the first gave back. On CPU the budget is fixed, so the count is exact; on a
+    GPU, test_cuda_paths.py's close test checks it against free memory."""
+    prompts = _prompts(7, 512, [5, 30, 12])
+    sized_by_budget = dict(device="cpu", num_kv_blocks=None, kv_cache_bytes_cpu=1 << 20)
+    with _engine(tiny_checkpoints["qwen2"], **sized_by_budget) as first:
+        first_tokens = [r.token_ids for r in first.generate(prompts, GREEDY)]
+    with _engine(tiny_checkpoints["qwen2"], **sized_by_budget) as second:
+        second_tokens = [r.token_ids for r in second.generate(prompts, GREEDY)]
+    assert second.executor.num_kv_blocks == first.executor.num_kv_blocks > 0
+    assert second_tokens == first_tokens
