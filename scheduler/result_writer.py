@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 import redis
 
@@ -26,11 +27,18 @@ from shared.logging import get_logger
 MAX_BACKOFF_S = 5.0
 
 
+# A step's outputs, and the function that turns them into updates on this thread.
+StepItem = tuple[list, float]
+BuildUpdates = Callable[[list, float], list[ResultUpdate]]
+
+
 class ResultWriter:
-    def __init__(self, results: ResultStore, scheduler_id: str) -> None:
+    def __init__(self, results: ResultStore, scheduler_id: str, build_updates: BuildUpdates) -> None:
         self.results = results
+        self.build_updates = build_updates
         self.log = get_logger("tokenfleet.result_writer", scheduler_id=scheduler_id)
-        self._queue: deque[list[ResultUpdate]] = deque()
+        # In submission order: ready updates, or a step's outputs still to be turned into updates.
+        self._queue: deque[list[ResultUpdate] | StepItem] = deque()
         self._cond = threading.Condition()
         self._num_writing = 0  # batches taken off the queue and not yet written
         self._lost_req_ids: list[str] = []  # another scheduler owns them now
@@ -46,6 +54,15 @@ class ResultWriter:
             return
         with self._cond:
             self._queue.append(updates)
+            self._cond.notify_all()
+
+    def submit_step(self, outputs: list, now: float) -> None:
+        """A step's outputs: this thread builds their events and records (packing, msgpack)
+        while the engine thread runs the next step."""
+        if not outputs:
+            return
+        with self._cond:
+            self._queue.append((outputs, now))
             self._cond.notify_all()
 
     def take_lost(self) -> list[str]:
@@ -89,9 +106,12 @@ class ResultWriter:
                     self._cond.wait()
                 if not self._queue:
                     return  # closed and drained
-                updates = [u for batch in self._queue for u in batch]
-                self._num_writing = len(self._queue)
+                items = list(self._queue)
+                self._num_writing = len(items)
                 self._queue.clear()
+            updates: list[ResultUpdate] = []
+            for item in items:
+                updates += self.build_updates(*item) if isinstance(item, tuple) else item
             self._write_until_done(updates)
             with self._cond:
                 self._num_writing = 0

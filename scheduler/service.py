@@ -90,7 +90,7 @@ class SchedulerService:
         self.log = get_logger("tokenfleet.scheduler", scheduler_id=settings.scheduler_id)
         self.streams = [self.keys.request_stream(settings.model_name, kind) for kind in REQUEST_KINDS]
         self.inflight: dict[str, InFlight] = {}  # req_id -> request this scheduler owns
-        self.writer = ResultWriter(self.results, settings.scheduler_id)
+        self.writer = ResultWriter(self.results, settings.scheduler_id, self._updates_for)
         self._pending: list[ResultUpdate] = []  # this tick's updates, handed to the writer at its end
         self._cancel_ids: set[str] = set()  # from the tf:cancel listener thread
         self._cancel_lock = threading.Lock()
@@ -136,7 +136,7 @@ class SchedulerService:
         self._apply_cancellations()
         self._admit(block=not self.engine.has_unfinished_requests())
         if self.engine.has_unfinished_requests():
-            self._pending.extend(self._updates_for(self.engine.step()))
+            self._hand_over_step(self.engine.step())
         self._flush()
 
     def _ensure_groups(self) -> None:
@@ -147,6 +147,18 @@ class SchedulerService:
                 if "BUSYGROUP" not in str(exc):
                     raise
         self._groups_ready = True
+
+    def _hand_over_step(self, outputs: list[RequestOutput]) -> None:
+        """Give the writer what the step produced; it builds the events and records while the
+        next step runs. Each output travels with its flight as it is now: a request that ends
+        here leaves `inflight` at once, so admission sees its slot free."""
+        now = time.time()
+        step = [(flight, out) for out in outputs if (flight := self.inflight.get(out.req_id)) is not None]
+        for out in outputs:
+            if out.finished:
+                self.inflight.pop(out.req_id, None)
+        self._flush()  # what this tick queued before the step goes first
+        self.writer.submit_step(step, now)
 
     def _flush(self) -> None:
         """Hand this tick's updates to the writer thread (in order after everything before)."""
@@ -287,13 +299,11 @@ class SchedulerService:
 
     # -- what a step produced ------------------------------------------------------------
 
-    def _updates_for(self, outputs: list[RequestOutput]) -> list[ResultUpdate]:
+    def _updates_for(self, step: list[tuple[InFlight, RequestOutput]], now: float) -> list[ResultUpdate]:
+        """The records and events of one step (runs on the writer thread, which alone changes a
+        flight's delivery state: seq, tokens, text, offsets, logprobs)."""
         updates = []
-        now = time.time()
-        for out in outputs:
-            flight = self.inflight.get(out.req_id)
-            if flight is None:
-                continue  # handed over to a successor meanwhile
+        for flight, out in step:
             if not (out.new_token_ids or out.text_delta or out.finished):
                 continue
             flight.seq += 1
@@ -327,7 +337,6 @@ class SchedulerService:
                 if out.stop_reason is not None:
                     fields["stop_reason"] = str(out.stop_reason)
                 ack = flight.entry_id
-                del self.inflight[out.req_id]
             updates.append(ResultUpdate(out.req_id, flight.stream, fields,
                                         None if event is None else event.encode(), ack,
                                         batch_job_id=flight.batch_job_id, appends=appends))
