@@ -14,6 +14,7 @@ the tokens stored in tf:res:{id}: the client sees neither a gap nor a duplicate.
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from shared.messages import (
 )
 
 MAX_BACKOFF_S = 5.0
+SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass
@@ -100,6 +102,9 @@ class SchedulerService:
     # -- the loop -----------------------------------------------------------------------
 
     def run(self, stop: threading.Event) -> None:
+        # The writer thread holds the GIL while it packs a step; the engine thread, back from a
+        # GPU wait, would otherwise wait up to the default 5 ms switch interval to get it back.
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         listener = threading.Thread(target=self._listen_for_cancels, args=(stop,), daemon=True)
         listener.start()
         backoff = 0.1
