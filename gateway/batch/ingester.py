@@ -33,7 +33,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from gateway.batch.jobs import Job, JobStore, item_req_id, parse_item_req_id, unwritten
+from gateway.batch.jobs import IntakeLost, Job, JobStore, item_req_id, parse_item_req_id, unwritten
 from gateway.batch.lines import (
     URLS,
     LineItem,
@@ -190,6 +190,9 @@ class BatchIngester:
         renewal = asyncio.create_task(self._renew_claim(entry_id), name="batch-renew-intake")
         try:
             return await self._intake(entry_id, raw_fields)
+        except IntakeLost as exc:  # our claim lapsed and another ingester took the entry over
+            log.warning("batch_intake_taken_over", entry_id=entry_id, job_id=str(exc))
+            return None
         finally:
             renewal.cancel()
             await asyncio.gather(renewal, return_exceptions=True)
@@ -212,12 +215,13 @@ class BatchIngester:
                                        f"job_id {job_id[:80]!r} must match {JOB_ID_PATTERN}", "job_id").error)
             job_id = job_id_for_entry(entry_id)
         described = {k: text[k] for k in ENTRY_FIELDS if k in text and k not in ("job_id", "lines")}
-        existing = await self.jobs.begin(job_id, entry_id, described)
+        token = uuid.uuid4().hex  # fences this intake's staging against one that takes it over
+        existing = await self.jobs.begin(job_id, entry_id, described, token)
         if existing is not None and existing.fields.get("entry_id") != entry_id:
             problems.append(JobRefused("duplicate_job_id",
                                        f"job_id {job_id!r} is already taken by another job", "job_id").error)
             job_id = job_id_for_entry(entry_id)
-            existing = await self.jobs.begin(job_id, entry_id, described)
+            existing = await self.jobs.begin(job_id, entry_id, described, token)
         if existing is not None and existing.fields.get("committed"):
             await self.jobs.commit(job_id, entry_id, existing.total, existing.expires_at or 0)  # acks only
             return job_id
@@ -231,8 +235,10 @@ class BatchIngester:
             log.info("batch_job_refused", job_id=job_id, error=exc.error["message"])
             return job_id
         await self.client.hset(self.keys.batch_job(job_id), "model", model or "")
-        await self.jobs.stage(job_id, [item.pack() for item in items])
-        await self.jobs.commit(job_id, entry_id, len(items), expires_at)
+        packed = await asyncio.to_thread(lambda: [item.pack() for item in items])  # off the event loop
+        await self.jobs.stage(job_id, packed, token)
+        if not await self.jobs.commit(job_id, entry_id, len(items), expires_at, token):
+            return job_id  # committed by an intake that took ours over meanwhile
         log.info("batch_job_started", job_id=job_id, lines=len(items), model=model,
                  refused_lines=sum(1 for item in items if item.error))
         self._wake_feeder.set()
@@ -260,7 +266,7 @@ class BatchIngester:
             raise JobRefused("invalid_endpoint", f"endpoint {endpoint!r} is not one of {list(URLS)}",
                              "endpoint")
         content = await self._content(fields, text)
-        raws = split_lines(content)
+        raws = await asyncio.to_thread(split_lines, content)  # a big job's lines: off the event loop
         if not raws:
             raise JobRefused("empty_job", "the job has no lines", "lines")
         if len(raws) > self.settings.batch_max_lines:

@@ -92,14 +92,27 @@ for k = 4, #KEYS do redis.call('DEL', KEYS[k]) end
 return 1
 """
 
+# An intake's lines go to the job's staging list, fenced by the intake's token: an intake that
+# another ingester took over (its claim lapsed) finds its token replaced and stops, so two intakes
+# never interleave their lines. KEYS: job, staging.  ARGV: token, '1' to start the list over,
+# then the packed lines. Returns -1 when the intake is no longer this token's.
+_STAGE_SCRIPT = """
+if redis.call('HGET', KEYS[1], 'intake_token') ~= ARGV[1] then return -1 end
+if ARGV[2] == '1' then redis.call('DEL', KEYS[2]) end
+if #ARGV > 2 then return redis.call('RPUSH', KEYS[2], unpack(ARGV, 3)) end
+return 0
+"""
+
 # Intake is done: the staged lines become the job's, the job starts, the entry leaves tf:batch:in.
-# KEYS: job, staging, lines, tf:batch:in, active set.  ARGV: entry id, total, now, job id, expires_at.
+# KEYS: job, staging, lines, tf:batch:in, active set.
+# ARGV: entry id, total, now, job id, expires_at, intake token ('' when committed already).
 _COMMIT_SCRIPT = """
 if redis.call('HGET', KEYS[1], 'committed') then
   redis.call('XACK', KEYS[4], '""" + INGESTER_GROUP + """', ARGV[1])
   redis.call('XDEL', KEYS[4], ARGV[1])
   return 0
 end
+if redis.call('HGET', KEYS[1], 'intake_token') ~= ARGV[6] then return -1 end
 if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('RENAME', KEYS[2], KEYS[3]) end
 local status = redis.call('HGET', KEYS[1], 'status')
 if status == 'validating' then status = 'in_progress' end
@@ -156,6 +169,10 @@ redis.call('DEL', KEYS[2], KEYS[3])
 redis.call('SREM', KEYS[4], ARGV[1])
 return 1
 """
+
+
+class IntakeLost(Exception):
+    """Another ingester took this intake over (this one's claim on the entry lapsed)."""
 
 
 def new_job_id() -> str:
@@ -268,6 +285,7 @@ class JobStore:
         self.record_ttl_s = record_ttl_s
         self._feed = client.register_script(_FEED_SCRIPT)
         self._collect = client.register_script(_COLLECT_SCRIPT)
+        self._stage = client.register_script(_STAGE_SCRIPT)
         self._commit = client.register_script(_COMMIT_SCRIPT)
         self._refuse = client.register_script(_REFUSE_SCRIPT)
         self._stop = client.register_script(_STOP_SCRIPT)
@@ -324,29 +342,45 @@ class JobStore:
             raise ValueError(f"job id {job_id!r} is taken by another job")
         return entry.decode() if isinstance(entry, bytes) else str(entry)
 
-    async def begin(self, job_id: str, entry_id: str, fields: dict[str, object]) -> Job | None:
-        """Create the job in `validating` unless it exists; the existing job otherwise."""
+    async def begin(self, job_id: str, entry_id: str, fields: dict[str, object],
+                    token: str = "") -> Job | None:
+        """Create the job in `validating` unless it exists; the existing job otherwise. Either
+        way the intake is now `token`'s: an earlier intake of the same entry stages no more."""
         key = self.keys.batch_job(job_id)
         now = time.time()
         if not await self.client.hsetnx(key, "id", job_id):
-            return await self.get(job_id)
+            job = await self.get(job_id)
+            if job is not None and not job.fields.get("committed") and job.fields.get("entry_id") == entry_id:
+                await self.client.hset(key, "intake_token", token)
+            return job
         pipe = self.client.pipeline(transaction=True)
-        pipe.hset(key, mapping={"status": "validating", "created_at": now, "entry_id": entry_id, **fields})
+        pipe.hset(key, mapping={"status": "validating", "created_at": now, "entry_id": entry_id,
+                                "intake_token": token, **fields})
         pipe.zadd(self.keys.batch_jobs, {job_id: now})
         pipe.set(self.keys.batch_entry(entry_id), job_id)
         await pipe.execute()
         return None
 
-    async def stage(self, job_id: str, packed_items: list[bytes], chunk: int = 1000) -> None:
-        staging = self.keys.batch_staging(job_id)
-        await self.client.delete(staging)  # a retried intake starts over
-        for start in range(0, len(packed_items), chunk):
-            await self.client.rpush(staging, *packed_items[start:start + chunk])
+    async def stage(self, job_id: str, packed_items: list[bytes], token: str = "", chunk: int = 1000) -> None:
+        """The job's lines, staged by the intake holding `token` (IntakeLost once another has it)."""
+        keys = [self.keys.batch_job(job_id), self.keys.batch_staging(job_id)]
+        starts = range(0, len(packed_items), chunk) or [0]
+        for start in starts:  # the first call starts the list over: a retried intake redoes it all
+            items = packed_items[start:start + chunk]
+            if int(await self._stage(keys=keys, args=[token, "1" if start == 0 else "0", *items])) < 0:
+                raise IntakeLost(job_id)
 
-    async def commit(self, job_id: str, entry_id: str, total: int, expires_at: float) -> bool:
+    async def commit(self, job_id: str, entry_id: str, total: int, expires_at: float,
+                     token: str = "") -> bool:
+        """True when this call committed the job; False when it was committed before (the entry is
+        acknowledged either way). IntakeLost when another intake holds the job now."""
         keys = [self.keys.batch_job(job_id), self.keys.batch_staging(job_id), self.keys.batch_lines(job_id),
                 self.keys.batch_in, self.keys.batch_active]
-        return bool(await self._commit(keys=keys, args=[entry_id, total, time.time(), job_id, expires_at]))
+        result = int(await self._commit(keys=keys, args=[entry_id, total, time.time(), job_id, expires_at,
+                                                         token]))
+        if result < 0:
+            raise IntakeLost(job_id)
+        return bool(result)
 
     async def refuse(self, job_id: str, entry_id: str, errors: list[dict]) -> None:
         await self._refuse(keys=[self.keys.batch_job(job_id), self.keys.batch_in],
