@@ -29,20 +29,17 @@ from pathlib import Path
 import aiohttp
 import redis
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+# bench_common before the product: importing it puts the repository on sys.path.
+from bench_common import Children, print_command, wait_ready
 
-from bench_gateway import Children, wait_ready  # noqa: E402
-
-from gateway.models import ServedModel  # noqa: E402
-from gateway.settings import ModelSpec  # noqa: E402
-from scheduler.engine import LLMEngine  # noqa: E402
-from shared.config import EngineConfig  # noqa: E402
-from shared.net import free_port  # noqa: E402
-from shared.sampling import SamplingParams  # noqa: E402
-from tokenfleet.redis_server import RedisServer  # noqa: E402
-from workers.default_model import fetch_default_model  # noqa: E402
+from gateway.models import ServedModel
+from gateway.settings import ModelSpec
+from scheduler.engine import LLMEngine
+from shared.config import EngineConfig
+from shared.net import free_port
+from shared.sampling import SamplingParams
+from tokenfleet.redis_server import RedisServer
+from workers.default_model import fetch_default_model
 
 TOPICS = ["the sea", "a mountain", "autumn", "a city at night", "a robot", "the moon", "bread", "rain"]
 INTERACTIVE = ("You are a careful assistant. Read the following notes and answer briefly. Notes: the fleet "
@@ -144,7 +141,7 @@ def main() -> None:
     parser.add_argument("--interactive", type=int, default=8)
     parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
-    print("command:", " ".join(sys.argv), flush=True)
+    print_command()
     model = str(fetch_default_model())
     lines = batch_lines(args.lines, args.max_tokens)
 

@@ -17,25 +17,24 @@ correctness here, not speed).
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import ray
 
-import ray  # noqa: E402
-from ray.dag import InputNode, MultiOutputNode  # noqa: E402
+# bench_common before the product: importing it puts the repository on sys.path.
+from bench_common import greedy, print_command, uniform_workload
+from ray.dag import InputNode, MultiOutputNode
 
-from shared.config import EngineConfig  # noqa: E402
-from shared.sampling import SamplingParams  # noqa: E402
-from shared.step import SequenceWork, StepBatch  # noqa: E402
-from tests.checkpoints import make_tiny_checkpoint  # noqa: E402
-from workers.executor import InProcessExecutor  # noqa: E402
-from workers.rank_worker import RankWorker  # noqa: E402
-from workers.ray_group import RayWorkerGroup  # noqa: E402
+from shared.config import EngineConfig
+from shared.sampling import SamplingParams
+from shared.step import SequenceWork, StepBatch
+from tests.checkpoints import make_tiny_checkpoint
+from workers.executor import InProcessExecutor
+from workers.rank_worker import RankWorker
+from workers.ray_group import RayWorkerGroup
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -84,14 +83,12 @@ def measure_dispatch(folder: Path, num_steps: int) -> list[tuple[str, float]]:
 def measure_throughput(tp: int, model: str) -> float:
     from scheduler.engine import LLMEngine
 
-    rng = random.Random(0)
-    prompts = [[rng.randrange(3, 49152) for _ in range(64)] for _ in range(16)]
-    sampling = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    workload = uniform_workload(16, 49152, prompt_lens=(64, 64), output_lens=(64, 64))
     config = EngineConfig(model=model, dtype="float32", tp=tp, use_ray=True, num_kv_blocks=256)
     with LLMEngine(config, load_tokenizer_files=False) as engine:
-        engine.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        engine.generate(workload.prompts[:2], greedy(4))
         start = time.perf_counter()
-        results = engine.generate(prompts, sampling)
+        results = engine.generate(workload.prompts, [greedy(m) for m in workload.max_tokens])
         elapsed = time.perf_counter() - start
     return sum(len(r.token_ids) for r in results) / elapsed
 
@@ -101,7 +98,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--skip-throughput", action="store_true")
     args = parser.parse_args()
-    print("command:", " ".join(sys.argv))
+    print_command()
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     with tempfile.TemporaryDirectory() as tmp:
         folder = make_tiny_checkpoint("llama", Path(tmp) / "tiny", num_hidden_layers=1)

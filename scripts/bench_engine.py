@@ -21,45 +21,37 @@ import argparse
 import gc
 import os
 import platform
-import random
-import shlex
-import sys
 import time
 from dataclasses import dataclass
 
 import torch
+
+# bench_common before the product: importing it puts the repository on sys.path.
+from bench_common import (
+    ModelShape,
+    Workload,
+    exact_flops,
+    greedy,
+    matmul_rate,
+    print_command,
+    read_bandwidth,
+    roofline,
+    uniform_workload,
+)
 
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
 from shared.logging import configure_logging
 from shared.sampling import SamplingParams
 from workers.device import DTYPES
-from workers.model_config import ModelConfig, load_model_config
+from workers.model_config import load_model_config
 
-FIRST_ORDINARY_TOKEN_ID = 3  # ids 0-2 are <|endoftext|>, <|im_start|>, <|im_end|> in SmolLM2
 HF_BATCH_SIZE = 16
 MATMUL_SIZE = 2048
 MATMUL_SECONDS = 2.0  # how long to repeat the matmul for one rate
 # Below this share of the cores, something else ran during the measurement: say so. Quiet
 # runs get 99%; at 87% a run was seen 38% slower (threads wait on the one descheduled).
 MIN_CPU_SHARE = 0.95
-
-
-@dataclass
-class Workload:
-    prompts: list[list[int]]  # token ids of each request's prompt
-    max_tokens: list[int]  # output tokens of each request
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return sum(map(len, self.prompts))
-
-    @property
-    def num_output_tokens(self) -> int:
-        return sum(self.max_tokens)
-
-    def batches(self, size: int) -> list[range]:
-        return [range(i, min(i + size, len(self.prompts))) for i in range(0, len(self.prompts), size)]
 
 
 class Stopwatch:
@@ -103,96 +95,6 @@ class Measurement:
     @property
     def total_rate(self) -> float:
         return self.num_total_tokens / self.seconds
-
-
-def make_workload(num_requests: int, vocab_size: int) -> Workload:
-    rng = random.Random(0)
-    prompts, max_tokens = [], []
-    for _ in range(num_requests):
-        num_prompt = rng.randint(32, 512)
-        prompts.append([rng.randrange(FIRST_ORDINARY_TOKEN_ID, vocab_size) for _ in range(num_prompt)])
-        max_tokens.append(rng.randint(16, 256))
-    return Workload(prompts, max_tokens)
-
-
-# -- the hardware -----------------------------------------------------------------
-
-
-def matmul_rate(dtype: torch.dtype, size: int = MATMUL_SIZE, seconds: float = MATMUL_SECONDS) -> float:
-    """FLOP/s of torch.matmul on size x size operands, after a warm-up."""
-    a = torch.randn(size, size).to(dtype)
-    b = torch.randn(size, size).to(dtype)
-    for _ in range(2):
-        torch.matmul(a, b)
-    count, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < seconds or count < 3:
-        torch.matmul(a, b)
-        count += 1
-    return 2 * size**3 * count / elapsed
-
-
-def read_rate(num_bytes: int = 512 << 20, seconds: float = 1.0) -> float:
-    """Bytes/s of reading a tensor far larger than the caches (torch.sum), after a warm-up."""
-    x = torch.ones(num_bytes // 4)
-    x.sum()
-    count, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < seconds or count < 3:
-        x.sum()
-        count += 1
-    return num_bytes * count / elapsed
-
-
-@dataclass
-class ComputeFloor:
-    num_body_params: int  # every layer's weights: run for every prompt and output token
-    num_head_params: int  # the LM head: run only where a token is sampled
-    linear_flops: float
-    attention_flops: float
-
-    @property
-    def flops(self) -> float:
-        return self.linear_flops + self.attention_flops
-
-
-def compute_floor(cfg: ModelConfig, workload: Workload) -> ComputeFloor:
-    """FLOPs of the workload: 2 per weight per token, plus causal attention's QK^T and AV.
-
-    The LM head counts only for output tokens (both systems compute logits only at the last
-    position of a prompt); embeddings are lookups and norms are negligible.
-    """
-    q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    per_layer = (
-        cfg.hidden_size * (q_size + 2 * kv_size)  # qkv_proj
-        + q_size * cfg.hidden_size  # o_proj
-        + 3 * cfg.hidden_size * cfg.intermediate_size  # gate, up, down
-    )
-    body = cfg.num_layers * per_layer
-    head = cfg.vocab_size * cfg.hidden_size
-    num_tokens = workload.num_prompt_tokens + workload.num_output_tokens
-    linear = 2.0 * body * num_tokens + 2.0 * head * workload.num_output_tokens
-    # The token at position p attends to p + 1 keys: 2 FLOPs per (head, dim, key) for QK^T
-    # and as many for AV. Summed over a sequence of n tokens: n (n + 1) / 2 keys.
-    key_visits = sum(
-        (n := len(p) + m) * (n + 1) // 2 for p, m in zip(workload.prompts, workload.max_tokens, strict=True)
-    )
-    attention = 4.0 * cfg.num_layers * q_size * key_visits
-    return ComputeFloor(body, head, linear, attention)
-
-
-def memory_floor_bytes(cfg: ModelConfig, floor: ComputeFloor, workload: Workload, dtype: str) -> float:
-    """Bytes any engine must read: every weight once per step, and each decode's cached K/V.
-
-    At least max(max_tokens) steps, as a sequence gains one token per step. After its prompt,
-    the request's j-th new token attends to prompt + j cached tokens. Where this exceeds the
-    compute floor, decoding is bound by memory bandwidth, not by the matrix rate.
-    """
-    elem = torch.tensor([], dtype=DTYPES[dtype]).element_size()
-    weight_bytes = (floor.num_body_params + floor.num_head_params) * elem
-    kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
-    cached_tokens_read = sum(
-        m * len(p) + m * (m - 1) // 2 for p, m in zip(workload.prompts, workload.max_tokens, strict=True)
-    )
-    return weight_bytes * max(workload.max_tokens) + kv_bytes_per_token * cached_tokens_read
 
 
 # -- the two systems --------------------------------------------------------------
@@ -274,7 +176,7 @@ def run_engine(config: EngineConfig, workload: Workload) -> Measurement:
         return output
 
     engine.scheduler.schedule = counting_schedule
-    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in workload.max_tokens]
+    params = [greedy(m) for m in workload.max_tokens]
     with Stopwatch(config.num_threads or torch.get_num_threads()) as stopwatch:
         results = engine.generate(workload.prompts, params)
     num_kv_blocks = engine.executor.num_kv_blocks
@@ -347,27 +249,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_logging("WARNING")
-    executable = os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd()) else sys.executable
-    print("$", shlex.join([executable, *sys.argv]))
+    print_command()
     torch.set_num_threads(args.threads)
     if args.model is None:
         from workers.default_model import fetch_default_model
 
         args.model = str(fetch_default_model())
     cfg = load_model_config(args.model)
-    workload = make_workload(args.num_requests, cfg.vocab_size)
+    workload = uniform_workload(args.num_requests, cfg.vocab_size, prompt_lens=(32, 512),
+                                output_lens=(16, 256))
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads, {os.cpu_count()} cpus; model {args.model}")
     print(f"workload: {args.num_requests} requests, {workload.num_prompt_tokens} prompt + "
           f"{workload.num_output_tokens} output tokens, greedy, EOS ignored, dtype {args.dtype}")
 
     rates_before = measure_rates(args.dtype, "before")
-    floor = compute_floor(cfg, workload)
-    floor_bytes = memory_floor_bytes(cfg, floor, workload, args.dtype)
-    print(f"compute floor: {floor.num_body_params / 1e6:.1f} M layer + {floor.num_head_params / 1e6:.1f} M "
-          f"head parameters; {floor.linear_flops / 1e12:.2f} TFLOP linear + "
-          f"{floor.attention_flops / 1e12:.2f} TFLOP attention; memory floor: "
-          f"{floor_bytes / 1e9:.0f} GB read")
+    shape = ModelShape.of(cfg)
+    linear_flops, attention_flops = exact_flops(shape, workload)
+    num_layer_params = shape.num_layers * shape.layer_matrix_params
+    num_head_params = shape.vocab_size * shape.hidden_size
+    element_size = torch.tensor([], dtype=DTYPES[args.dtype]).element_size()
+    weight_bytes = (num_layer_params + num_head_params) * element_size  # embeddings are lookups
+    print(f"compute floor: {num_layer_params / 1e6:.1f} M layer + {num_head_params / 1e6:.1f} M "
+          f"head parameters; {linear_flops / 1e12:.2f} TFLOP linear + "
+          f"{attention_flops / 1e12:.2f} TFLOP attention")
 
     measurements = []
     dtype = DTYPES[args.dtype]
@@ -387,7 +292,11 @@ def main(argv: list[str] | None = None) -> None:
     # The higher of the two is the least disturbed, and so the stricter floor.
     rate = max(rates_before[args.dtype], rates_after[args.dtype])
     bandwidth = max(rates_before["read"], rates_after["read"])
-    floors = {"compute floor": floor.flops / rate, "memory floor": floor_bytes / bandwidth}
+    # Every weight read once per step (at least max(max_tokens) steps), and each decode's
+    # cached K/V: where this exceeds the compute floor, decoding is bound by memory.
+    roof = roofline(linear_flops + attention_flops, weight_bytes, shape.kv_bytes_per_token(element_size),
+                    workload, flop_rate=rate, bandwidth=bandwidth)
+    floors = {"compute floor": roof.compute_s, "memory floor": roof.memory_s}
     caption = (f"{args.dtype}, {len(workload.prompts)} requests, {torch.get_num_threads()} threads, "
                f"matmul {rate / 1e9:,.0f} GFLOP/s, read {bandwidth / 1e9:.0f} GB/s")
     print_table(floors, workload, measurements, caption)
@@ -395,9 +304,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def measure_rates(dtype: str, when: str) -> dict[str, float]:
     """FLOP/s of float32 matmul (and of `dtype`'s), and memory read bytes/s ("read"); printed."""
+    cpu = torch.device("cpu")
     names = ["float32"] if dtype == "float32" else ["float32", dtype]
-    rates = {name: matmul_rate(DTYPES[name]) for name in names}
-    rates["read"] = read_rate()
+    rates = {name: matmul_rate(cpu, DTYPES[name], MATMUL_SIZE, MATMUL_SECONDS) for name in names}
+    rates["read"] = read_bandwidth(cpu, 512 << 20)
     shown = ", ".join(f"{name} {rates[name] / 1e9:,.0f}" for name in names)
     print(f"{when}: matmul {MATMUL_SIZE}^3 {shown} GFLOP/s; memory read {rates['read'] / 1e9:.1f} GB/s",
           flush=True)

@@ -55,68 +55,62 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import gc
-import io
 import json
-import multiprocessing
 import os
-import pickle
-import random
-import shlex
 import shutil
 import sys
 import tempfile
 import time
 import traceback
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
-import psutil
 import redis
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench_gateway import (  # noqa: E402
-    TOKENIZER_FILES,
-    Children,
-    listen,
-    parse_listener,
-    percentile,
-    raise_fd_limit,
-    wait_ready,
-)
-from bench_gpu import (  # noqa: E402
+# bench_common before the product: importing it puts the repository on sys.path.
+from bench_common import (
+    KEYS,
     LLAMA3_8B,
+    SMOLLM2_VOCAB_SIZE,
+    Children,
+    CpuMeter,
+    EventListener,
     Interrupted,
-    build_model,
+    Workload,
     checkpoint_folder,
+    completion_tokens,
+    copy_tokenizer,
+    greedy,
     log,
-    make_workload,
+    percentile,
+    print_command,
+    raise_fd_limit,
+    random_llama,
+    read_results,
+    run_engine_workload,
+    sharegpt_workload,
+    start_redis,
     stop_on_sigterm,
-    sync,
+    submit_requests,
+    tiny_llama_with_smollm2_tokenizer,
+    wait_drained,
+    wait_ready,
+    warm_up,
+    warmup_prompts,
 )
 
-from scheduler.engine import LLMEngine  # noqa: E402
-from shared.config import EngineConfig  # noqa: E402
-from shared.keys import Keys  # noqa: E402
-from shared.logging import configure_logging  # noqa: E402
-from shared.messages import RequestMessage  # noqa: E402
-from shared.net import free_port  # noqa: E402
-from shared.sampling import SamplingParams  # noqa: E402
-from tokenfleet.redis_server import redis_server_binary  # noqa: E402
+from scheduler.engine import LLMEngine
+from shared.config import EngineConfig
+from shared.logging import configure_logging
+from shared.net import free_port
 
 MODEL_NAME = "bench"
-SMOLLM2_VOCAB = 49152
-KEYS = Keys()
 # --executor -> what `tokenfleet scheduler` is given. A group of one rank runs in the
 # scheduler's process unless it is told to use Ray (--ray-address: "local" starts its own).
 EXECUTOR_FLAGS = {"inprocess": [], "ray": ["--ray-address", "local"]}
-WARMUP_PROMPT_LENS = (8, 100, 600, 17)  # first-call costs: kernel compiles, prefill shapes
 SCHEDULER_READY_S = 600.0  # loading 16 GB and capturing CUDA graphs
 
 
@@ -137,6 +131,8 @@ class PathResult:
 
     def summary(self) -> dict:
         def spread(values: list[float]) -> dict:
+            if not values:
+                return {"p50": None, "p99": None, "count": 0}
             return {"p50": percentile(values, 50), "p99": percentile(values, 99), "count": len(values)}
 
         return {"name": self.name, "seconds": self.seconds, "num_output_tokens": self.num_output_tokens,
@@ -157,153 +153,54 @@ def itl_gaps(times: list[float]) -> list[float]:
     return [b - a for a, b in zip(times, times[1:], strict=False)]
 
 
-# -- CPU time of processes ---------------------------------------------------------------------
-
-
-def cpu_seconds(proc: psutil.Process, *, tree: bool = True) -> float:
-    """User + system seconds of a process; with tree, also of the children it has reaped and of
-    its live descendants (a scheduler's Ray processes, say)."""
-    try:
-        times = proc.cpu_times()
-        if not tree:
-            return times.user + times.system
-        total = times.user + times.system + times.children_user + times.children_system
-        descendants = proc.children(recursive=True)
-    except psutil.NoSuchProcess:
-        return 0.0
-    for child in descendants:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            times = child.cpu_times()
-            total += times.user + times.system
-    return total
-
-
-class CpuMeter:
-    """CPU seconds each named process spends between start() and stop(): the children's with
-    their descendants, this process alone (its listener process is measuring apparatus)."""
-
-    def __init__(self, pids: dict[str, int]) -> None:
-        self.procs = {name: psutil.Process(pid) for name, pid in pids.items()}
-        self.before: dict[str, float] = {}
-
-    def _read(self) -> dict[str, float]:
-        return {name: cpu_seconds(p, tree=p.pid != os.getpid()) for name, p in self.procs.items()}
-
-    def start(self) -> None:
-        self.before = self._read()
-
-    def stop(self) -> dict[str, float]:
-        return {name: seconds - self.before[name] for name, seconds in self._read().items()}
-
-
 # -- the model ---------------------------------------------------------------------------------
-
-
-def copy_tokenizer(source: Path, folder: Path) -> None:
-    copied = [name for name in TOKENIZER_FILES if (source / name).exists()]
-    if "tokenizer.json" not in copied:
-        raise SystemExit(f"{source} holds no tokenizer.json: name SmolLM2's tokenizer folder "
-                         "with --tokenizer")
-    for name in copied:
-        shutil.copy(source / name, folder / name)
 
 
 def prepare_model(args: argparse.Namespace, folder: Path) -> str:
     """Write the checkpoint and the tokenizer into folder; returns a description of the model."""
     tokenizer = Path(args.tokenizer) if args.tokenizer else None
+    if args.smoke:
+        # A window of 2048 holds the warm-up prompts.
+        tiny_llama_with_smollm2_tokenizer(folder, tokenizer, max_position_embeddings=2048)
+        return "tiny random llama (2 layers, hidden 64), float32"
     if tokenizer is None:
         from workers.default_model import fetch_default_model
 
         tokenizer = fetch_default_model()
-    if args.smoke:
-        from tests.checkpoints import make_tiny_checkpoint
-
-        with contextlib.redirect_stderr(io.StringIO()):  # transformers' progress bar
-            # A window of 2048 holds the warm-up prompts.
-            make_tiny_checkpoint("llama", folder, vocab_size=SMOLLM2_VOCAB, num_hidden_layers=2,
-                                 max_position_embeddings=2048)
-        description = "tiny random llama (2 layers, hidden 64), float32"
-    else:
-        model = build_model({**LLAMA3_8B, "vocab_size": SMOLLM2_VOCAB}, torch.device(args.device))
-        num_params = sum(p.numel() for p in model.parameters())
-        model.save_pretrained(folder)
-        del model
-        gc.collect()
-        torch.cuda.empty_cache()  # the scheduler process needs the memory
-        description = f"Llama-3-8B shape, vocab {SMOLLM2_VOCAB:,} ({num_params / 1e9:.2f} B params), bf16"
+    model = random_llama({**LLAMA3_8B, "vocab_size": SMOLLM2_VOCAB_SIZE}, torch.device(args.device))
+    num_params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(folder)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()  # the scheduler process needs the memory
     copy_tokenizer(tokenizer, folder)
-    return description
-
-
-def warmup_prompts(vocab_size: int) -> list[list[int]]:
-    rng = random.Random(2)
-    return [[rng.randrange(vocab_size) for _ in range(n)] for n in WARMUP_PROMPT_LENS]
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return f"Llama-3-8B shape, vocab {SMOLLM2_VOCAB_SIZE:,} ({num_params / 1e9:.2f} B params), bf16"
 
 
 # -- (a) in-process ------------------------------------------------------------------------------
 
 
-def run_engine_path(args: argparse.Namespace, folder: Path, workload) -> PathResult:
+def run_engine_path(args: argparse.Namespace, folder: Path, workload: Workload) -> PathResult:
     result = PathResult("(a) in-process engine")
     config = EngineConfig(model=str(folder), device=args.device, dtype=args.dtype,
                           max_num_seqs=args.max_num_seqs, cuda_graph_max_batch_size=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens)
-    engine = LLMEngine(config, load_tokenizer_files=False)
-    device = torch.device(args.device)
-    try:
-        engine.generate(warmup_prompts(SMOLLM2_VOCAB), greedy(8))
+    with LLMEngine(config, load_tokenizer_files=False) as engine:
+        warm_up(engine, SMOLLM2_VOCAB_SIZE)
         meter = CpuMeter({"this process": os.getpid()})
         meter.start()
-        token_times: dict[str, list[float]] = {}  # req_id -> when each step with its tokens returned
-        sync(device)
-        start = time.perf_counter()
-        for prompt, max_tokens in zip(workload.prompts, workload.max_tokens, strict=True):
-            token_times[engine.add_request(prompt, greedy(max_tokens))] = []
-        while engine.has_unfinished_requests():
-            outputs = engine.step()
-            now = time.perf_counter()
-            for out in outputs:
-                if out.new_token_ids:
-                    token_times[out.req_id].append(now)
-                    result.num_output_tokens += len(out.new_token_ids)
-        result.seconds = time.perf_counter() - start
+        run = run_engine_workload(engine, workload, args.timeout_s, torch.device(args.device))
         result.cpu_s = meter.stop()
-    finally:
-        engine.close()
-    if result.num_output_tokens != workload.num_output_tokens:
-        result.errors.append(f"{result.num_output_tokens} tokens, not {workload.num_output_tokens}")
-    for times in token_times.values():
-        result.ttft_s.append(times[0] - start)
+    result.seconds, result.num_output_tokens = run.seconds, run.num_output_tokens
+    if run.partial_limit_s is not None:
+        result.errors.append(f"stopped at the {args.timeout_s:.0f} s limit")
+    for times in run.token_times.values():
+        result.ttft_s.append(times[0] - run.start)
         result.itl_s += itl_gaps(times)
     return result
 
 
 # -- the fleet: Redis, the scheduler, the gateway ----------------------------------------------
-
-
-def start_redis(children: Children, data_dir: Path, appendfsync: str) -> tuple[str, int]:
-    """redis-server as a child (tokenfleet's RedisServer always fsyncs: no --appendfsync option)."""
-    data_dir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    children.spawn("redis-server", [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
-                                    "--dir", str(data_dir), "--appendonly", "yes",
-                                    "--appendfsync", appendfsync, "--save", ""])
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
-    deadline = time.monotonic() + 10
-    while True:
-        children.check()
-        try:
-            client.ping()
-            return url, port
-        except redis.ConnectionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.02)
 
 
 def start_scheduler(args: argparse.Namespace, children: Children, redis_url: str, folder: Path) -> None:
@@ -335,90 +232,27 @@ def start_gateway(children: Children, redis_url: str, folder: Path) -> str:
 # -- (b) queue -------------------------------------------------------------------------------------
 
 
-class EventListener:
-    """A process PSUBSCRIBEd to tf:ev:* on a bare socket: it only timestamps what Redis sends,
-    so the times are when the events reached a client that does nothing else."""
-
-    def __init__(self, redis_port: int, out_path: Path) -> None:
-        ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold CUDA
-        self.ready, self.stop_event = ctx.Event(), ctx.Event()
-        self.out_path = out_path
-        self.process = ctx.Process(target=listen, args=(redis_port, KEYS.events("*"), str(out_path),
-                                                        self.ready, self.stop_event), daemon=True)
-
-    def __enter__(self) -> EventListener:
-        self.process.start()
-        if not self.ready.wait(60):
-            self.close()
-            raise RuntimeError("the pub/sub listener did not subscribe")
-        return self
-
-    def close(self) -> None:
-        self.stop_event.set()
-        self.process.join(10)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(5)
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def events(self) -> dict:
-        """req_id -> its events in arrival order (after close)."""
-        with open(self.out_path, "rb") as f:
-            return parse_listener(pickle.load(f))
-
-
-def submit_all(client: redis.Redis, prompts: list[list[int]],
-               max_tokens: list[int]) -> tuple[list[str], float]:
-    """XADD every request in one pipeline; (request ids, monotonic time just before it was sent)."""
-    messages = [RequestMessage.make(uuid.uuid4().hex, MODEL_NAME, prompt, greedy(m), kind="interactive",
-                                    arrival_time=time.time())
-                for prompt, m in zip(prompts, max_tokens, strict=True)]
-    stream = KEYS.request_stream(MODEL_NAME, "interactive")
-    pipe = client.pipeline(transaction=False)
-    for message in messages:
-        pipe.xadd(stream, {"m": message.encode()})
-    start = time.monotonic()
-    pipe.execute()
-    return [m.req_id for m in messages], start
-
-
-def wait_drained(client: redis.Redis, children: Children, timeout_s: float) -> None:
-    """Until the request stream is empty: a scheduler deletes an entry in the same call that
-    writes its terminal state, so one XLEN a poll says all ended (polling states would load Redis)."""
-    stream = KEYS.request_stream(MODEL_NAME, "interactive")
-    deadline = time.monotonic() + timeout_s
-    while client.xlen(stream):
-        children.check()
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{client.xlen(stream)} requests not ended after {timeout_s:.0f} s")
-        time.sleep(0.05)
-
-
 def check_records(client: redis.Redis, req_ids: list[str], max_tokens: list[int]) -> list[str]:
-    pipe = client.pipeline(transaction=False)
-    for req_id in req_ids:
-        pipe.hmget(KEYS.result(req_id), "state", "usage")
     errors = []
-    for req_id, wanted, (state, usage) in zip(req_ids, max_tokens, pipe.execute(), strict=True):
-        got = json.loads(usage)["completion_tokens"] if usage else None
+    for (req_id, record), wanted in zip(read_results(client, req_ids).items(), max_tokens, strict=True):
+        state, got = record.get(b"state"), completion_tokens(record)
         if state != b"completed" or got != wanted:
             errors.append(f"{req_id}: state {state!r}, {got} tokens of {wanted}")
     return errors
 
 
-def run_queue_path(args, children: Children, redis_url: str, redis_port: int, workload, meter: CpuMeter,
-                   tmp: Path) -> PathResult:
+def run_queue_path(args: argparse.Namespace, children: Children, redis_url: str, redis_port: int,
+                   workload: Workload, meter: CpuMeter, tmp: Path) -> PathResult:
     result = PathResult("(b) Redis stream -> scheduler")
     client = redis.Redis.from_url(redis_url)
-    warmup = warmup_prompts(SMOLLM2_VOCAB)
-    submit_all(client, warmup, [8] * len(warmup))
-    wait_drained(client, children, args.timeout_s)
+    warmup = warmup_prompts(SMOLLM2_VOCAB_SIZE)
+    submit_requests(client, MODEL_NAME, warmup, [greedy(8)] * len(warmup))
+    wait_drained(client, MODEL_NAME, args.timeout_s, children=children)
     with EventListener(redis_port, tmp / "listener.pickle") as listener:
         meter.start()
-        req_ids, start = submit_all(client, workload.prompts, workload.max_tokens)
-        wait_drained(client, children, args.timeout_s)
+        req_ids, start = submit_requests(client, MODEL_NAME, workload.prompts,
+                                         [greedy(m) for m in workload.max_tokens])
+        wait_drained(client, MODEL_NAME, args.timeout_s, children=children)
         result.cpu_s = meter.stop()
         time.sleep(0.5)  # the listener has every event by now
     events = listener.events()
@@ -468,8 +302,8 @@ async def run_stream(session: aiohttp.ClientSession, url: str, prompt: list[int]
                         read_event(stream, line[5:].strip(), time.monotonic())
         except Exception as exc:  # noqa: BLE001 - a failed stream is counted, not the end of the run
             stream.error = f"{type(exc).__name__}: {exc}"
-    if stream.error is None and not stream.end:
-        stream.error = "no data: [DONE]"
+    if stream.error is None and not (stream.end and stream.chunk_times):
+        stream.error = "no text, or no data: [DONE]"
     elif stream.error is None and (stream.finish_reason, stream.completion_tokens) != ("length", max_tokens):
         stream.error = (f"finish_reason {stream.finish_reason!r}, {stream.completion_tokens} of "
                         f"{max_tokens} tokens")
@@ -501,9 +335,10 @@ async def run_streams(url: str, prompts: list[list[int]], max_tokens: list[int],
     return streams, start
 
 
-def run_http_path(args, gateway_url: str, workload, meter: CpuMeter) -> PathResult:
+def run_http_path(args: argparse.Namespace, gateway_url: str, workload: Workload,
+                  meter: CpuMeter) -> PathResult:
     result = PathResult("(c) SSE clients -> gateway -> Redis -> scheduler")
-    warmup = warmup_prompts(SMOLLM2_VOCAB)
+    warmup = warmup_prompts(SMOLLM2_VOCAB_SIZE)
     streams, _ = asyncio.run(run_streams(gateway_url, warmup, [8] * len(warmup), len(warmup), args.timeout_s))
     if any(s.error for s in streams):
         raise RuntimeError(f"warm-up failed: {[s.error for s in streams if s.error][:3]}")
@@ -521,12 +356,13 @@ def run_http_path(args, gateway_url: str, workload, meter: CpuMeter) -> PathResu
     return result
 
 
-def run_fleet_paths(args, folder: Path, workload, tmp: Path) -> list[PathResult]:
+def run_fleet_paths(args: argparse.Namespace, folder: Path, workload: Workload,
+                    tmp: Path) -> list[PathResult]:
     """Redis and one scheduler (and the gateway unless --skip-http); (b) then (c); all stopped."""
     results = []
     children = Children(tmp)
     try:
-        redis_url, redis_port = start_redis(children, tmp / "redis", args.appendfsync)
+        redis_url, redis_port = start_redis(children, tmp / "redis", appendfsync=args.appendfsync)
         start_scheduler(args, children, redis_url, folder)
         log("scheduler up")
         pids = {"scheduler": children.pid("scheduler"), "redis-server": children.pid("redis-server"),
@@ -618,15 +454,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    executable = os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd()) else sys.executable
-    print("$", shlex.join([executable, *sys.argv]), flush=True)
+    print_command()
     configure_logging("WARNING")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("CUDA is not available here; --smoke runs the script on the CPU")
     where = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu"
     raise_fd_limit(4 * args.concurrency + 256)  # children inherit it: the gateway holds every stream too
-    workload = make_workload(args.num_requests, SMOLLM2_VOCAB, prompt_max=200 if args.smoke else 1024,
-                             output_max=48 if args.smoke else 512)
+    workload = sharegpt_workload(args.num_requests, SMOLLM2_VOCAB_SIZE,
+                                 prompt_max=200 if args.smoke else 1024, output_max=48 if args.smoke else 512)
     log(f"torch {torch.__version__}, {where}; {args.num_requests} requests, {workload.num_prompt_tokens:,} "
         f"prompt + {workload.num_output_tokens:,} output tokens")
     stop_on_sigterm()
@@ -647,6 +482,8 @@ def main(argv: list[str] | None = None) -> None:
                     results.insert(0, failed_path("(a) in-process engine", exc))
         except (Interrupted, KeyboardInterrupt):
             results.append(PathResult("INTERRUPTED", failed="the rows above are what finished"))
+        except Exception as exc:  # noqa: BLE001 - whatever broke, the rows so far are printed
+            results.append(failed_path("building the model", exc))
         finally:
             shutil.rmtree(folder, ignore_errors=True)
     caption = (f"{'SMOKE RUN, not a measurement: ' if args.smoke else ''}{where}, {model}; "

@@ -44,205 +44,41 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import bisect
-import contextlib
-import io
-import itertools
 import json
 import math
-import multiprocessing
-import os
-import pickle
-import resource
-import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
-import msgpack
 import psutil
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+# bench_common before the product: importing it puts the repository on sys.path.
+from bench_common import (
+    Children,
+    Event,
+    EventListener,
+    percentile,
+    print_command,
+    raise_fd_limit,
+    tiny_llama_with_smollm2_tokenizer,
+    wait_ready,
+)
 
-from shared.logging import configure_logging  # noqa: E402
-from shared.net import free_port  # noqa: E402
-from tokenfleet.redis_server import RedisServer  # noqa: E402
+from shared.logging import configure_logging
+from shared.net import free_port
+from tokenfleet.redis_server import RedisServer
 
 MODEL_NAME = "tiny"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                   "special_tokens_map.json")
-READY_TIMEOUT_S = 180.0
 PROMPT_TOKENS_BOUND = 64  # the chat-templated prompts below stay under this many tokens
 GOAL_KIB_PER_STREAM = 100.0
 GOAL_ADDED_MS = 2.0
-
-
-# -- processes -------------------------------------------------------------------------------------
-
-def make_tiny_model(folder: Path) -> Path:
-    """A tiny random llama with SmolLM2's vocabulary, tokenizer and chat template."""
-    from tests.checkpoints import make_tiny_checkpoint
-    from workers.default_model import fetch_default_model
-
-    source = fetch_default_model()
-    with contextlib.redirect_stderr(io.StringIO()):  # transformers' progress bar
-        make_tiny_checkpoint("llama", folder, vocab_size=49152, num_hidden_layers=2)
-    for name in TOKENIZER_FILES:
-        if (source / name).exists():
-            shutil.copy(source / name, folder / name)
-    return folder
-
-
-class Children:
-    """The scheduler and gateway processes, each in its own session; stopped in reverse order."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.procs: list[tuple[str, subprocess.Popen]] = []
-
-    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
-        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the child
-        env = {**os.environ, "TOKENFLEET_LOG_LEVEL": os.environ.get("TOKENFLEET_LOG_LEVEL", "WARNING")}
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
-                                start_new_session=True)
-        self.procs.append((name, proc))
-        return proc
-
-    def pid(self, name: str) -> int:
-        return next(proc.pid for n, proc in self.procs if n == name)
-
-    def check(self) -> None:
-        for name, proc in self.procs:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.tail(name)}")
-
-    def tail(self, name: str, num_chars: int = 3000) -> str:
-        path = self.log_dir / f"{name}.log"
-        return path.read_text(errors="replace")[-num_chars:] if path.exists() else ""
-
-    def stop(self) -> None:
-        for _, proc in reversed(self.procs):
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        for _, proc in reversed(self.procs):
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait(timeout=5)
-        self.procs = []
-
-
-def wait_ready(url: str, children: Children) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while True:
-        children.check()
-        try:
-            with urllib.request.urlopen(f"{url}/ready", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except (OSError, urllib.error.HTTPError):
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the gateway was not ready within {READY_TIMEOUT_S:.0f} s")
-        time.sleep(0.2)
-
-
-# -- the direct pub/sub listener (its own process) -------------------------------------------------
-
-def _resp_command(*parts: bytes) -> bytes:
-    return b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts)
-
-
-def listen(port: int, pattern: str, out_path: str, ready, stop) -> None:
-    """PSUBSCRIBE on a bare socket and keep (arrival time, bytes) of every recv; parse later,
-    so the timestamps are when Redis's bytes reached a process that does nothing else."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us
-    chunks: list[tuple[float, bytes]] = []
-    with socket.create_connection(("127.0.0.1", port)) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
-        sock.sendall(_resp_command(b"PSUBSCRIBE", pattern.encode()))
-        first = b""
-        while b"psubscribe" not in first:
-            first += sock.recv(1 << 16)
-        chunks.append((time.monotonic(), first))
-        ready.set()
-        sock.settimeout(0.1)
-        while not stop.is_set():
-            try:
-                data = sock.recv(1 << 20)
-            except TimeoutError:
-                continue
-            now = time.monotonic()
-            if not data:
-                break
-            chunks.append((now, data))
-    with open(out_path, "wb") as f:
-        pickle.dump(chunks, f)
-
-
-def _parse_resp(data: bytes, pos: int) -> tuple[object, int]:
-    end = data.index(b"\r\n", pos)
-    kind, value = data[pos:pos + 1], data[pos + 1:end]
-    pos = end + 2
-    if kind == b"*":
-        items = []
-        for _ in range(int(value)):
-            item, pos = _parse_resp(data, pos)
-            items.append(item)
-        return items, pos
-    if kind == b"$":
-        size = int(value)
-        if size < 0:
-            return None, pos
-        return data[pos:pos + size], pos + size + 2
-    if kind == b":":
-        return int(value), pos
-    return value, pos  # + or -
-
-
-@dataclass
-class Event:
-    t: float
-    seq: int
-    text: str
-    final: bool
-    num_tokens: int = 0
-
-
-def parse_listener(chunks: list[tuple[float, bytes]]) -> dict[str, list[Event]]:
-    """req_id -> its events in arrival order; each timed by the recv that completed it."""
-    data = b"".join(c for _, c in chunks)
-    ends = list(itertools.accumulate(len(c) for _, c in chunks))
-    events: dict[str, list[Event]] = {}
-    pos = 0
-    while pos < len(data):
-        message, pos = _parse_resp(data, pos)
-        if not (isinstance(message, list) and message and message[0] == b"pmessage"):
-            continue
-        t = chunks[bisect.bisect_left(ends, pos)][0]
-        event = msgpack.unpackb(message[3], raw=False)
-        final = event.get("type") == "error" or event.get("finish_reason") is not None
-        events.setdefault(event["req_id"], []).append(
-            Event(t, event["seq"], event.get("text") or "", final, len(event.get("token_ids") or ())))
-    return events
 
 
 # -- memory ----------------------------------------------------------------------------------------
@@ -396,13 +232,6 @@ def check_stream(stream: Stream, max_tokens: int) -> None:
 
 # -- analysis --------------------------------------------------------------------------------------
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
-
-
 def latencies(streams: list[Stream],
               events: dict[str, list[Event]]) -> tuple[list, list, list, list, int, int]:
     """(client ITL gaps, step intervals at the listener, added ITL per token, delivery lags,
@@ -449,19 +278,9 @@ def spread(values: list[float]) -> str:
 
 # -- main ------------------------------------------------------------------------------------------
 
-def raise_fd_limit(needed: int) -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = hard if hard == resource.RLIM_INFINITY else min(hard, max(soft, needed))
-    if want > soft:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    if soft < needed:
-        print(f"warning: RLIMIT_NOFILE is {soft}, below the ~{needed} descriptors this run needs")
-
-
 def run(args: argparse.Namespace, tmp: Path, children: Children) -> None:
     raise_fd_limit(4 * args.streams + 256)  # children inherit it: the gateway holds every stream too
-    model = make_tiny_model(tmp / "tiny")
+    model = tiny_llama_with_smollm2_tokenizer(tmp / "tiny")
     redis_server = RedisServer(tmp / "redis")
     redis_server.start()
     try:
@@ -511,15 +330,7 @@ def _run_with_redis(args: argparse.Namespace, tmp: Path, children: Children, mod
                            f"{children.tail('gateway')}\n{children.tail('scheduler')}")
     time.sleep(1.0)
 
-    ctx = multiprocessing.get_context("fork")
-    ready, stop = ctx.Event(), ctx.Event()
-    listener_out = tmp / "listener.pickle"
-    listener = ctx.Process(target=listen, args=(redis_server.port, "tf:ev:*", str(listener_out), ready, stop),
-                           daemon=True)
-    listener.start()
-    try:
-        if not ready.wait(10):
-            raise RuntimeError("the pub/sub listener did not subscribe")
+    with EventListener(redis_server.port, tmp / "listener.pickle") as listener:
         sampler = RssSampler(gateway.pid)
         before = statistics.median(sampler.rss() for _ in range(5))
         cpu_before = sampler.proc.cpu_times()
@@ -531,14 +342,7 @@ def _run_with_redis(args: argparse.Namespace, tmp: Path, children: Children, mod
         cpu_after = sampler.proc.cpu_times()
         children.check()
         time.sleep(0.5)  # the listener has every event by now
-    finally:
-        stop.set()
-        listener.join(10)
-        if listener.is_alive():
-            listener.terminate()
-            listener.join(5)
-    with open(listener_out, "rb") as f:
-        events = parse_listener(pickle.load(f))
+    events = listener.events()
 
     for s in streams:
         check_stream(s, args.max_tokens)
@@ -594,7 +398,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.streams < 1 or args.max_tokens < 1 or args.max_tokens > 400:
         parser.error("--streams must be >= 1 and --max-tokens in [1, 400] (the tiny model's window is 512)")
-    print("command:", " ".join([sys.executable, *sys.argv]))
+    print_command()
     configure_logging("WARNING")
 
     def terminate(*_: object) -> None:

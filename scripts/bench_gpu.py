@@ -31,193 +31,57 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 import os
 import random
-import shlex
 import shutil
-import signal
-import sys
-import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# bench_common before the product: importing it puts the repository on sys.path.
+from bench_common import (
+    LLAMA3_8B,
+    T0,
+    Interrupted,
+    ModelShape,
+    Roofline,
+    Workload,
+    cached_tokens_read,
+    checkpoint_folder,
+    copy_bandwidth,
+    dense_flops,
+    log,
+    matmul_rate,
+    module_bytes,
+    print_command,
+    random_llama,
+    roofline,
+    run_engine_workload,
+    sharegpt_workload,
+    stop_on_sigterm,
+    sync,
+    warm_up,
+)
 
-from scheduler.engine import LLMEngine  # noqa: E402
-from shared.config import EngineConfig  # noqa: E402
-from shared.logging import configure_logging  # noqa: E402
-from shared.sampling import SamplingParams  # noqa: E402
+from scheduler.engine import LLMEngine
+from shared.config import EngineConfig
+from shared.logging import configure_logging
+from shared.sampling import SamplingParams
 
-LLAMA3_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                 intermediate_size=14336, vocab_size=128256, rope_theta=500000.0,
-                 max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False)
 TINY_LLAMA = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=128, vocab_size=512, rope_theta=500000.0, max_position_embeddings=2048,
                   rms_norm_eps=1e-5, tie_word_embeddings=False)
-INIT_STD = 0.02
-T0 = time.perf_counter()
 
 
-class Interrupted(BaseException):
-    """SIGTERM (e.g. from `timeout`): stop measuring, print the table so far."""
-
-
-def stop_on_sigterm() -> None:
-    def handler(signum, frame):
-        raise Interrupted()
-
-    signal.signal(signal.SIGTERM, handler)
-
-
-def log(message: str) -> None:
-    print(f"[{time.perf_counter() - T0:6.1f} s] {message}", flush=True)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-# -- workload ---------------------------------------------------------------------------
-
-
-@dataclass
-class Workload:
-    prompts: list[list[int]]
-    max_tokens: list[int]
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return sum(map(len, self.prompts))
-
-    @property
-    def num_output_tokens(self) -> int:
-        return sum(self.max_tokens)
-
-    def head(self, n: int) -> Workload:
-        return Workload(self.prompts[:n], self.max_tokens[:n])
-
-
-def lognormal_length(rng: random.Random, mean: float, sigma: float, low: int, high: int) -> int:
-    # A lognormal of mean m has mu = ln m - sigma^2 / 2.
-    return min(high, max(low, round(rng.lognormvariate(math.log(mean) - sigma**2 / 2, sigma))))
-
-
-def make_workload(num_requests: int, vocab_size: int, *, prompt_max: int = 1024, output_max: int = 512,
-                  seed: int = 0) -> Workload:
-    """ShareGPT-like lengths (issue 8): per request its prompt, then its output length."""
-    rng = random.Random(seed)
-    prompts, max_tokens = [], []
-    for _ in range(num_requests):
-        num_prompt = lognormal_length(rng, 200, 0.9, 8, prompt_max)
-        prompts.append([rng.randrange(vocab_size) for _ in range(num_prompt)])
-        max_tokens.append(lognormal_length(rng, 180, 0.8, 8, output_max))
-    return Workload(prompts, max_tokens)
-
-
-# -- the hardware ---------------------------------------------------------------------------
-
-
-def time_repeated(fn, device: torch.device, repeats: int) -> float:
-    """Seconds per call of fn, after a warm-up."""
-    fn()
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    sync(device)
-    return (time.perf_counter() - start) / repeats
-
-
-def copy_bandwidth(device: torch.device, num_bytes: int) -> float:
-    """Bytes/s of a device-to-device copy, counting bytes read and written."""
-    src = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device=device).fill_(1.0)
-    dst = torch.empty_like(src)
-    seconds = time_repeated(lambda: dst.copy_(src), device, 10)
-    return 2 * num_bytes / seconds
-
-
-def matmul_rate(device: torch.device, size: int) -> float:
-    """FLOP/s of a bf16 size^3 matrix product on random data."""
-    a = torch.randn(size, size, device=device).to(torch.bfloat16)
-    b = torch.randn(size, size, device=device).to(torch.bfloat16)
-    seconds = time_repeated(lambda: a @ b, device, 10)
-    return 2 * size**3 / seconds
-
-
-@dataclass
-class Roofline:
-    compute_s: float
-    weight_stream_s: float
-    kv_read_s: float
-    notes: str
-
-    @property
-    def seconds(self) -> float:
-        return max(self.compute_s, self.weight_stream_s + self.kv_read_s)
-
-
-def roofline(num_params: int, weight_bytes: int, kv_bytes_per_token: int, workload: Workload,
-             max_num_seqs: int, flops: float, bandwidth: float) -> Roofline:
-    num_tokens = workload.num_prompt_tokens + workload.num_output_tokens
-    compute_s = 2 * num_params * num_tokens / flops
-    min_steps = max(max(workload.max_tokens), -(-workload.num_output_tokens // max_num_seqs))
-    weight_stream_s = min_steps * weight_bytes / bandwidth
-    # Output token j of a request reads the K/V of its prompt and of its j earlier outputs.
-    pairs = zip(workload.prompts, workload.max_tokens, strict=True)
-    cached = sum(m * len(p) + m * (m - 1) // 2 for p, m in pairs)
-    kv_read_s = cached * kv_bytes_per_token / bandwidth
-    notes = (f"compute floor {compute_s:.2f} s (2 x {num_params / 1e9:.2f} B params x {num_tokens:,} tokens "
-             f"at {flops / 1e12:,.0f} TFLOP/s); memory floor {weight_stream_s + kv_read_s:.2f} s "
-             f"({min_steps} steps x {weight_bytes / 1e9:.1f} GB of weights + "
-             f"{cached * kv_bytes_per_token / 1e9:.0f} GB of K/V reads at {bandwidth / 1e9:,.0f} GB/s)")
-    return Roofline(compute_s, weight_stream_s, kv_read_s, notes)
-
-
-# -- the checkpoint ----------------------------------------------------------------------------
-
-
-def build_model(shape: dict, device: torch.device, seed: int = 0) -> torch.nn.Module:
-    """A transformers Llama with random bf16 weights, built on the device."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    config = LlamaConfig(**shape, initializer_range=INIT_STD)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():  # explicit, whatever from_config initialised
-            if param.dim() == 1:
-                param.fill_(1.0)  # RMSNorm weights
-            else:
-                param.normal_(0.0, INIT_STD, generator=generator)
-    return model.eval()
-
-
-def checkpoint_folder(num_bytes: int) -> Path:
-    """A fresh folder in /dev/shm when it has room (loads at memory speed), else in the temp dir."""
-    shm = Path("/dev/shm")
-    if shm.is_dir() and shutil.disk_usage(shm).free > 1.3 * num_bytes:
-        return Path(tempfile.mkdtemp(prefix="tokenfleet-bench-", dir=shm))
-    return Path(tempfile.mkdtemp(prefix="tokenfleet-bench-"))
-
-
-def count_params(shape: dict) -> int:
-    """Parameters of a Llama of this shape (untied embeddings), without building it."""
-    hidden, inter = shape["hidden_size"], shape["intermediate_size"]
-    head_dim = hidden // shape["num_attention_heads"]
-    q, kv = shape["num_attention_heads"] * head_dim, shape["num_key_value_heads"] * head_dim
-    per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter + 2 * hidden
-    return 2 * shape["vocab_size"] * hidden + shape["num_hidden_layers"] * per_layer + hidden
-
-
-def weight_bytes_of(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+def roofline_notes(roof: Roofline, num_params: int, num_tokens: int, weight_bytes: int, kv_read_bytes: int,
+                   flops: float, bandwidth: float) -> str:
+    return (f"compute floor {roof.compute_s:.2f} s (2 x {num_params / 1e9:.2f} B params x {num_tokens:,} "
+            f"tokens at {flops / 1e12:,.0f} TFLOP/s); memory floor {roof.memory_s:.2f} s "
+            f"({roof.num_steps} steps x {weight_bytes / 1e9:.1f} GB of weights + "
+            f"{kv_read_bytes / 1e9:.0f} GB of K/V reads at {bandwidth / 1e9:,.0f} GB/s)")
 
 
 # -- the table ---------------------------------------------------------------------------------
@@ -254,71 +118,10 @@ def print_table(rows: list[Row], caption: str) -> None:
 # -- (a) tokenfleet -------------------------------------------------------------------------
 
 
-@dataclass
-class EngineRun:
-    row: Row
-    output_rate: float = 0.0
-    latency_ms: float | None = None
-    extra: dict = field(default_factory=dict)
-
-
-def run_engine_workload(engine: LLMEngine, workload: Workload, seconds_limit: float,
-                        device: torch.device) -> Row:
+def engine_row(engine: LLMEngine, workload: Workload, seconds_limit: float, device: torch.device) -> Row:
     """All requests at once; stepped until done or until the time limit (then partial)."""
-    runner = getattr(engine.executor, "runner", None)
-    counts = {"steps": 0, "graph_steps": 0, "execute_s": 0.0}
-    execute = engine.executor.execute
-
-    def timed_execute(batch):
-        start = time.perf_counter()
-        try:
-            return execute(batch)
-        finally:
-            counts["steps"] += 1
-            counts["execute_s"] += time.perf_counter() - start
-
-    engine.executor.execute = timed_execute
-    graphs = getattr(runner, "decode_graphs", None)
-    if graphs is not None:
-        graph_run = graphs.run
-
-        def counted_run(works):
-            counts["graph_steps"] += 1
-            return graph_run(works)
-
-        graphs.run = counted_run
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in workload.max_tokens]
-    prompt_len: dict[str, int] = {}
-    sync(device)
-    start = time.perf_counter()
-    for prompt, sp in zip(workload.prompts, params, strict=True):
-        prompt_len[engine.add_request(prompt, sp)] = len(prompt)
-    num_output, started, partial = 0, set(), False
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            num_output += len(out.new_token_ids)
-            started.add(out.req_id)
-        if time.perf_counter() - start > seconds_limit:
-            partial = True
-            break
-    elapsed = time.perf_counter() - start
-    engine.executor.execute = execute
-    if graphs is not None:
-        graphs.run = graph_run
-    if partial:
-        for req_id in prompt_len:
-            engine.abort(req_id)
-        while engine.has_unfinished_requests():
-            engine.step()
-    elif num_output != workload.num_output_tokens:
-        raise RuntimeError(f"the engine made {num_output} tokens, not {workload.num_output_tokens}")
-    num_total = num_output + sum(prompt_len[r] for r in started)
-    replays = f" ({counts['graph_steps']} CUDA-graph decodes)" if graphs is not None else ""
-    notes = (f"{len(workload.prompts)} requests; {counts['steps']} steps{replays}; "
-             f"{counts['execute_s'] / elapsed:.0%} of the time in the workers' execute")
-    if partial:
-        notes += f"; PARTIAL: stopped at the {seconds_limit:.0f} s limit, {len(started)} requests started"
-    return Row("(a) tokenfleet engine", num_output / elapsed, num_total / elapsed, elapsed, notes=notes)
+    run = run_engine_workload(engine, workload, seconds_limit, device)
+    return Row("(a) tokenfleet engine", run.output_rate, run.total_rate, run.seconds, notes=run.notes)
 
 
 def engine_decode_latency(engine: LLMEngine, vocab_size: int, device: torch.device,
@@ -336,13 +139,6 @@ def engine_decode_latency(engine: LLMEngine, vocab_size: int, device: torch.devi
             count += sum(len(out.new_token_ids) for out in engine.step())
         best = min(best, (time.perf_counter() - start) / max(count, 1))
     return best
-
-
-def warm_up(engine: LLMEngine, vocab_size: int) -> None:
-    """First-call costs (kernel compiles, cuBLAS plans, prefill attention) are not throughput."""
-    rng = random.Random(2)
-    prompts = [[rng.randrange(vocab_size) for _ in range(n)] for n in (8, 100, 600, 17)]
-    engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
 
 
 # -- (b), (c) transformers -----------------------------------------------------------------
@@ -476,7 +272,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    print("$", shlex.join(["python3", *sys.argv]), flush=True)
+    print_command()
     configure_logging("WARNING")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -487,13 +283,13 @@ def main(argv: list[str] | None = None) -> None:
     log(f"torch {torch.__version__}, transformers {transformers.__version__}, {where}")
     shape = TINY_LLAMA if args.smoke else LLAMA3_8B
     num_requests = args.num_requests or (24 if args.smoke else 500)
-    workload = make_workload(num_requests, shape["vocab_size"], prompt_max=200 if args.smoke else 1024,
-                             output_max=48 if args.smoke else 512)
+    workload = sharegpt_workload(num_requests, shape["vocab_size"], prompt_max=200 if args.smoke else 1024,
+                                 output_max=48 if args.smoke else 512)
     log(f"workload: {num_requests} requests, {workload.num_prompt_tokens:,} prompt + "
         f"{workload.num_output_tokens:,} output tokens")
     rows: list[Row] = []
     bandwidth = copy_bandwidth(device, (256 << 20) if args.smoke else (4 << 30))
-    flops = matmul_rate(device, 1024 if args.smoke else 8192)
+    flops = matmul_rate(device, torch.bfloat16, 1024 if args.smoke else 8192)
     log(f"copy bandwidth {bandwidth / 1e9:,.0f} GB/s, bf16 matmul {flops / 1e12:,.1f} TFLOP/s")
     rows.append(Row("device copy bandwidth", notes=f"{bandwidth / 1e9:,.0f} GB/s (device-to-device copy of "
                     f"{'256 MB' if args.smoke else '4 GB'}, bytes read + written)"))
@@ -507,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
                         "above are what finished"))
     except Exception as exc:  # noqa: BLE001 - whatever broke, the rows so far are printed
         rows.append(failed_row("building or saving the model", exc))
-    num_params = count_params(shape)
+    num_params = ModelShape.of(shape).num_params
     ours = next((r for r in rows if r.name.startswith("(a)") and r.output_rate), None)
     cb = next((r for r in rows if r.name.startswith("(c)") and r.output_rate), None)
     if ours and cb:
@@ -521,21 +317,22 @@ def main(argv: list[str] | None = None) -> None:
 def run_all(args, shape: dict, workload: Workload, device: torch.device, bandwidth: float, flops: float,
             rows: list[Row]) -> None:
     """Build and save the model, then measure every system; rows as they finish."""
-    model = build_model(shape, device)
+    model = random_llama(shape, device)
     num_params = sum(p.numel() for p in model.parameters())
-    weight_bytes = weight_bytes_of(model)
+    weight_bytes = module_bytes(model)
     folder = checkpoint_folder(weight_bytes)
     try:
         model.save_pretrained(folder)
         log(f"model: {num_params / 1e9:.3f} B parameters, {weight_bytes / 1e9:.2f} GB, saved to {folder}")
-        head_dim = shape["hidden_size"] // shape["num_attention_heads"]
-        kv_bytes_per_token = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * 2
-        roof = roofline(num_params, weight_bytes, kv_bytes_per_token, workload, args.max_num_seqs[0], flops,
-                        bandwidth)
+        kv_bytes_per_token = ModelShape.of(shape).kv_bytes_per_token(2)  # bf16
+        roof = roofline(dense_flops(num_params, workload), weight_bytes, kv_bytes_per_token, workload,
+                        flop_rate=flops, bandwidth=bandwidth, max_num_seqs=args.max_num_seqs[0])
         roof_rate = workload.num_output_tokens / roof.seconds
         num_tokens = workload.num_prompt_tokens + workload.num_output_tokens
+        notes = roofline_notes(roof, num_params, num_tokens, weight_bytes,
+                               cached_tokens_read(workload) * kv_bytes_per_token, flops, bandwidth)
         rows.append(Row("roofline of this workload", roof_rate, num_tokens / roof.seconds, roof.seconds,
-                        "100%", roof.notes))
+                        "100%", notes))
         floor_s = weight_bytes / bandwidth
         rows.extend(run_ours(args, folder, workload, device, roof_rate, floor_s, shape["vocab_size"]))
         rows.extend(run_transformers(args, model, workload, device, roof_rate, floor_s, shape["vocab_size"]))
@@ -570,7 +367,7 @@ def run_engine_config(args, max_num_seqs: int, folder: Path, workload: Workload,
         log(f"engine loaded (max_num_seqs {max_num_seqs}): {engine.executor.num_kv_blocks} KV blocks, CUDA "
             f"graphs {'up to batch ' + str(graphs.sizes[-1]) if graphs else 'off'}")
         warm_up(engine, vocab_size)
-        row = run_engine_workload(engine, workload, args.engine_seconds, device)
+        row = engine_row(engine, workload, args.engine_seconds, device)
         row.of_roofline = f"{row.output_rate / roof_rate:.1%}"
         if len(args.max_num_seqs) > 1:
             row.name += f", max_num_seqs {max_num_seqs}"

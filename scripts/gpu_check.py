@@ -11,18 +11,16 @@ chat answer to "What is the capital of France?".
 from __future__ import annotations
 
 import argparse
-import random
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# bench_common before the product: importing it puts the repository on sys.path.
+from bench_common import greedy, print_command, uniform_workload
 
-from scheduler.engine import LLMEngine  # noqa: E402
-from shared.config import EngineConfig  # noqa: E402
-from shared.sampling import SamplingParams  # noqa: E402
-from shared.step import SequenceWork, StepBatch  # noqa: E402
+from scheduler.engine import LLMEngine
+from shared.config import EngineConfig
+from shared.sampling import SamplingParams
+from shared.step import SequenceWork, StepBatch
 
 
 def main() -> None:
@@ -33,6 +31,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
+    print_command()
     from transformers import AutoModelForCausalLM
 
     if args.model is None:
@@ -42,12 +41,10 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
     vocab = hf.config.vocab_size
-    rng = random.Random(0)
-    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(4, 300))] for _ in range(args.num_prompts)]
+    prompts = uniform_workload(args.num_prompts, vocab, prompt_lens=(4, 300), output_lens=(1, 1)).prompts
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                                     num_kv_blocks=4096))
-    greedy = SamplingParams(temperature=0.0, max_tokens=args.num_tokens, ignore_eos=True)
-    ours = engine.generate(prompts, greedy)
+    ours = engine.generate(prompts, greedy(args.num_tokens))
 
     full, prefixes, rel = 0, [], []
     for prompt, result in zip(prompts, ours, strict=True):
@@ -62,7 +59,7 @@ def main() -> None:
         prefixes.append(prefix)
         full += prefix == len(ref)
         blocks = list(range(2048, 2048 + -(-len(prompt) // 16)))  # blocks no request holds (4096 in all)
-        work = SequenceWork("check", prompt, 0, blocks, True, greedy)
+        work = SequenceWork("check", prompt, 0, blocks, True, greedy(args.num_tokens))
         logits, _ = engine.executor.runner.forward(StepBatch(-1, [work]), use_graphs=False)
         our_logits = logits[0].float().to(args.device)
         rel.append(float((our_logits - ref_logits).abs().max() / ref_logits.abs().max()))

@@ -36,24 +36,24 @@ import gc  # noqa: E402
 import importlib.util  # noqa: E402
 import multiprocessing as mp  # noqa: E402
 import random  # noqa: E402
-import shlex  # noqa: E402
 import shutil  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_gpu import (  # noqa: E402
+# bench_common before the product: importing it puts the repository on sys.path.
+from bench_common import (  # noqa: E402
     Interrupted,
+    Workload,
     checkpoint_folder,
     log,
-    make_workload,
+    module_bytes,
+    print_command,
+    random_model,
     run_engine_workload,
+    sharegpt_workload,
     stop_on_sigterm,
 )
 
@@ -84,23 +84,13 @@ STARTUP_TIMEOUT_S = 600.0
 
 def build_checkpoint(shape: dict, device: torch.device, folder: Path) -> tuple[int, int]:
     """Write a random Qwen2 checkpoint; returns (parameters, weight bytes in bf16)."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import Qwen2Config
 
-    config = Qwen2Config(**shape, use_sliding_window=False)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    generator = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            elif "embed_tokens" in name or name.startswith("lm_head"):
-                param.normal_(0.0, EMBEDDING_STD, generator=generator)
-            else:  # matrices and the q/k/v biases
-                param.normal_(0.0, MATRIX_STD, generator=generator)
+    model = random_model(Qwen2Config(**shape, use_sliding_window=False), device, std=MATRIX_STD,
+                         embedding_std=EMBEDDING_STD)
     model.save_pretrained(folder)
     num_params = sum(p.numel() for p in model.parameters())
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes = module_bytes(model)
     del model
     gc.collect()
     if device.type == "cuda":
@@ -242,7 +232,7 @@ def match_summary(ours: list[list[int]], reference: list[list[int]]) -> str:
 
 
 def serve(name: str, config: EngineConfig, executor: str, prompts: list[list[int]], num_tokens: int,
-          workload, rows: list[tuple[str, str, str]], device: torch.device) -> dict:
+          workload: Workload, rows: list[tuple[str, str, str]], device: torch.device) -> dict:
     """Load an engine, take greedy tokens, memory and throughput; rows for whatever worked."""
     found: dict = {}
     start = time.perf_counter()
@@ -262,9 +252,9 @@ def serve(name: str, config: EngineConfig, executor: str, prompts: list[list[int
         log(f"{name}: loaded in {found['load_s']:.0f} s; CUDA graphs per rank: "
             f"{[len(s) for s in found['graph_sizes']]}")
         found["greedy"] = greedy_tokens(engine, prompts, num_tokens)
-        row = run_engine_workload(engine, workload, 240.0, device)
-        found["rate"] = (row.output_rate, row.total_rate, row.seconds, row.notes)
-        log(f"{name}: {row.output_rate:,.0f} output tok/s")
+        run = run_engine_workload(engine, workload, 240.0, device)
+        found["rate"] = (run.output_rate, run.total_rate, run.seconds, run.notes)
+        log(f"{name}: {run.output_rate:,.0f} output tok/s")
     except Exception as exc:  # noqa: BLE001 - a failed step is a row
         traceback.print_exc()
         first_line = str(exc).splitlines()[0][:300] if str(exc) else ""
@@ -279,11 +269,12 @@ def serve(name: str, config: EngineConfig, executor: str, prompts: list[list[int
     return found
 
 
-def collective_share(config: EngineConfig, executor: str, workload, device: torch.device) -> tuple[str, str]:
+def collective_share(config: EngineConfig, executor: str, workload: Workload,
+                     device: torch.device) -> tuple[str, str]:
     engine = make_engine(dataclasses.replace(config, time_collectives=True, cuda_graphs=False), executor)
     try:
         rank_calls(engine, "collective_times")  # forget the warm-up and load
-        row = run_engine_workload(engine, workload, 120.0, device)
+        run = run_engine_workload(engine, workload, 120.0, device)
         times = rank_calls(engine, "collective_times")
     finally:
         engine.close()
@@ -295,7 +286,7 @@ def collective_share(config: EngineConfig, executor: str, workload, device: torc
     mean_us = rank0.collective_ms / max(rank0.num_collectives, 1) * 1e3
     return (f"{share:.1%} of step time",
             f"rank 0, {rank0.num_steps} eager steps ({len(workload.prompts)} requests, "
-            f"{row.output_rate:,.0f} output tok/s): {rank0.collective_ms / 1e3:.2f} s of "
+            f"{run.output_rate:,.0f} output tok/s): {rank0.collective_ms / 1e3:.2f} s of "
             f"{rank0.step_ms / 1e3:.2f} s GPU step time in {rank0.num_collectives} collectives "
             f"({per_step:.0f} a step, {mean_us:.0f} us each, waits for the other rank included); "
             f"rank 1: {times[1].collective_ms / max(times[1].step_ms, 1e-9):.1%}")
@@ -324,7 +315,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    print("$", shlex.join(["python3", *sys.argv]), flush=True)
+    print_command()
     configure_logging("WARNING")
     device = torch.device(args.device)
     executor = args.executor
@@ -382,8 +373,8 @@ def run_all(args, folder: Path, full_bytes: int, shape: dict, executor: str, dev
     longest = 64 if args.smoke else 512
     prompts = [[rng.randrange(shape["vocab_size"]) for _ in range(rng.randint(16, longest))]
                for _ in range(args.num_prompts)]
-    workload = make_workload(args.num_requests or (16 if args.smoke else 200), shape["vocab_size"],
-                             prompt_max=200 if args.smoke else 1024, output_max=32 if args.smoke else 512)
+    workload = sharegpt_workload(args.num_requests or (16 if args.smoke else 200), shape["vocab_size"],
+                                 prompt_max=200 if args.smoke else 1024, output_max=32 if args.smoke else 512)
 
     # 1. The budget at TP=1: refused before any weight is allocated.
     start = time.perf_counter()

@@ -14,38 +14,45 @@ read per second (the bound: K/V bytes over the copy bandwidth).
 from __future__ import annotations
 
 import argparse
+import random
 import shutil
-import sys
 import time
-from pathlib import Path
 
 import torch
+
+# bench_common before the product: importing it puts the repository on sys.path.
+from bench_common import LLAMA3_8B, checkpoint_folder, greedy, print_command, random_llama, sharegpt_workload
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_gpu, beside this file
-
-from bench_gpu import LLAMA3_8B, build_model, checkpoint_folder, make_workload  # noqa: E402
-
-from scheduler.engine import LLMEngine  # noqa: E402
-from shared.config import EngineConfig  # noqa: E402
-from shared.sampling import SamplingParams  # noqa: E402
+from scheduler.engine import LLMEngine
+from shared.config import EngineConfig
 
 
-def attention_step(query_lens: list[int], cached: list[int], page_size: int = 16) -> dict:
-    """One layer's kernel inputs on the GPU, Llama-3-8B heads (32 query, 8 KV, dim 128), bf16."""
-    from tests.workers.test_triton_attention import make_step
-
-    step = make_step(query_lens, cached, num_heads=32, num_kv_heads=8, head_dim=128, page_size=page_size,
-                     dtype=torch.bfloat16, device="cuda")
-    step["block_tables"] = step["block_tables"].clamp(max=step["k_cache"].shape[0] - 1)
-    return step
+def attention_step(query_lens: list[int], cached: list[int], *, num_heads: int = 32, num_kv_heads: int = 8,
+                   head_dim: int = 128, page_size: int = 16) -> dict:
+    """One layer's paged-attention inputs on the GPU, bf16, Llama-3-8B heads by default: sequence s
+    has cached[s] tokens before the step and query_lens[s] in it, its pages scattered at random."""
+    gen = torch.Generator().manual_seed(0)
+    seq_lens = [c + n for c, n in zip(cached, query_lens, strict=True)]
+    pages_per_seq = [-(-n // page_size) for n in seq_lens]
+    order = torch.randperm(sum(pages_per_seq), generator=gen)
+    tables = torch.zeros((len(seq_lens), max(pages_per_seq)), dtype=torch.long)
+    used = 0
+    for s, n in enumerate(pages_per_seq):
+        tables[s, :n] = order[used:used + n]
+        used += n
+    cache_shape = (len(order), page_size, num_kv_heads, head_dim)
+    step = dict(q=torch.randn(sum(query_lens), num_heads, head_dim, generator=gen),
+                k_cache=torch.randn(cache_shape, generator=gen),
+                v_cache=torch.randn(cache_shape, generator=gen),
+                block_tables=tables, seq_lens=torch.tensor(seq_lens),
+                query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()]))
+    return {name: t.to(device="cuda", dtype=torch.bfloat16 if t.is_floating_point() else t.dtype)
+            for name, t in step.items()}
 
 
 def bench_kernels() -> None:
     """Times the attention kernel per config on decode and mixed steps shaped like the workload."""
-    import random
-
     import triton
 
     from workers.layers import triton_attention as ta
@@ -97,12 +104,12 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=500)
     parser.add_argument("--kernels", action="store_true", help="time the attention kernel alone")
     args = parser.parse_args()
-    print("command:", " ".join(sys.argv), flush=True)
+    print_command()
     if args.kernels:
         bench_kernels()
         return
     device = torch.device("cuda")
-    model = build_model(LLAMA3_8B, device)
+    model = random_llama(LLAMA3_8B, device)
     folder = checkpoint_folder(16 << 30)
     model.save_pretrained(folder, safe_serialization=True)
     del model
@@ -111,11 +118,10 @@ def main() -> None:
         engine = LLMEngine(EngineConfig(model=str(folder), device="cuda", dtype="bfloat16",
                                         max_num_seqs=256, max_num_batched_tokens=8192),
                            load_tokenizer_files=False)
-        workload = make_workload(args.num_requests, LLAMA3_8B["vocab_size"])
-        warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-        engine.generate([workload.prompts[0][:16]], warm)
+        workload = sharegpt_workload(args.num_requests, LLAMA3_8B["vocab_size"])
+        engine.generate([workload.prompts[0][:16]], greedy(4))
         for prompt, num_out in zip(workload.prompts, workload.max_tokens, strict=True):
-            engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=num_out, ignore_eos=True))
+            engine.add_request(prompt, greedy(num_out))
         # kind -> [steps, seconds in execute, tokens]; a step is "mixed" when any work has a
         # prefill chunk (then it runs eagerly), else "decode" (a CUDA-graph replay).
         stats = {"decode": [0, 0.0, 0], "mixed": [0, 0.0, 0]}
