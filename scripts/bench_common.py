@@ -372,7 +372,7 @@ def tiny_llama_with_smollm2_tokenizer(folder: Path, tokenizer: Path | None = Non
     """A tiny random llama (2 layers, hidden 64) with SmolLM2's vocabulary, tokenizer and chat
     template (from `tokenizer`, default: the default model's folder), so a gateway in front of it
     does its real text work while the model costs little. `overrides`: config fields."""
-    from tests.checkpoints import make_tiny_checkpoint
+    from workers.checkpoints import make_tiny_checkpoint
     from workers.default_model import fetch_default_model
 
     with contextlib.redirect_stderr(io.StringIO()):  # transformers' progress bar

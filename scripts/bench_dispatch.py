@@ -31,7 +31,7 @@ from ray.dag import InputNode, MultiOutputNode
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
 from shared.step import SequenceWork, StepBatch
-from tests.checkpoints import make_tiny_checkpoint
+from workers.checkpoints import make_tiny_checkpoint
 from workers.executor import InProcessExecutor
 from workers.rank_worker import RankWorker
 from workers.ray_group import RayWorkerGroup

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.checkpoints import TINY_ARCHS, make_tiny_checkpoint
+from workers.checkpoints import TINY_ARCHS, make_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")

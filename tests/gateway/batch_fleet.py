@@ -15,7 +15,7 @@ from pathlib import Path
 
 import redis
 
-from tests.checkpoints import make_tiny_checkpoint
+from workers.checkpoints import make_tiny_checkpoint
 
 TINY_CHAT = "tiny-chat"  # the served name of the model (its folder's name)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

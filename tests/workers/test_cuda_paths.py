@@ -287,10 +287,8 @@ def test_steps_do_not_synchronise_with_the_host_before_sampling(tiny_checkpoints
 
 
 def _make_tiny_checkpoint(*args, **kwargs):
-    try:  # the builder may live in workers/ (shared with scripts) or in tests/
-        from workers.checkpoints import make_tiny_checkpoint
-    except ImportError:
-        from tests.checkpoints import make_tiny_checkpoint
+    from workers.checkpoints import make_tiny_checkpoint
+
     return make_tiny_checkpoint(*args, **kwargs)
 
 

@@ -1,5 +1,10 @@
 """Tiny random-weight Hugging Face checkpoints of every architecture we serve, made on the fly.
 
+It serves the tests (tests/conftest.py builds one of each per session, and correctness is
+judged against transformers on the very same weights) and the benchmarks under scripts/ (a
+model that costs little, so what is measured is the path around it); the fleet itself never
+calls it. Nothing is downloaded: only transformers' config and model classes are used.
+
 Each arch in TINY_ARCHS becomes a folder (config.json, model.safetensors, generation_config.json;
 no tokenizer) that transformers loads with plain `from_pretrained`, so a test can judge our
 model against the transformers implementation of the very same weights.
