@@ -37,7 +37,7 @@ Measured in one run:
 - the gateway's CPU time (user + system) per streamed token, request setup included.
 Every token of the run counts, the ramp-up included. --profile-gateway FILE runs the
 gateway under cProfile (slower; for finding where its time goes).
-Goal (issue 5): no errors, under 100 KiB per stream, under 2 ms added at the median.
+Goal: no errors, under 100 KiB per stream, under 2 ms added at the median.
 """
 
 from __future__ import annotations

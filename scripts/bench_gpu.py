@@ -1,4 +1,4 @@
-"""GPU throughput (issue 8): tokenfleet's engine against transformers on one GPU, in one run.
+"""GPU throughput: tokenfleet's engine against transformers on one GPU, in one run.
 
     python3 scripts/bench_gpu.py                        # H200: Llama-3-8B shape, 500 requests, ~6 min
     python3 scripts/bench_gpu.py --smoke --device cpu   # tiny model and workload: checks the script anywhere

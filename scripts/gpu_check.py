@@ -71,7 +71,7 @@ def main() -> None:
     print("| --- | --- |")
     print(f"| prompts matching transformers for all {args.num_tokens} greedy tokens "
           f"| {full}/{len(prompts)} |")
-    at_least = min(16, args.num_tokens)  # the bar: at least 16 tokens on most prompts
+    at_least = min(16, args.num_tokens)  # the bar: at least 16 tokens on most prompts
     print(f"| prompts matching for at least {at_least} greedy tokens "
           f"| {sum(p >= at_least for p in prefixes)}/{len(prompts)} |")
     print(f"| mean matching prefix (tokens) | {sum(prefixes) / len(prefixes):.1f} |")

@@ -1,7 +1,7 @@
-"""Tensor parallelism over two GPUs with NCCL (issue 9), in one call on a two-GPU machine.
+"""Tensor parallelism over two GPUs with NCCL, in one call on a two-GPU machine.
 
-    python3 scripts/gpu_issue9.py                                  # 2 GPUs: Qwen2-7B shape, ~5 min
-    python3 scripts/gpu_issue9.py --smoke --device cpu --dtype float32   # tiny model, gloo: checks the script
+    python3 scripts/bench_tp.py                                  # 2 GPUs: Qwen2-7B shape, ~5 min
+    python3 scripts/bench_tp.py --smoke --device cpu --dtype float32   # tiny model, gloo: checks the script
 
 Builds a Qwen2-7B-shaped checkpoint (hidden 3584, 28 layers, 28 heads, 4 KV heads,
 intermediate 18944, vocab 152064, q/k/v biases) with random bf16 weights, saves it as
