@@ -1,9 +1,9 @@
 """The `tf:res:{id}` record of each request, and the one atomic write that updates it.
 
-Each step, for each request that moved, one Lua call (all of them pipelined into one
-round trip) checks that this scheduler still owns the request, mirrors the new state into
-the hash, publishes the event on `tf:ev:{id}` and, for a terminal state, acknowledges the
-stream entry. Ownership fencing is what makes takeover safe: once a successor has claimed
+Each step, one Lua call takes every request that moved and, for each, checks that this
+scheduler still owns the request, mirrors the new state into the hash, publishes the event
+on `tf:ev:{id}` and, for a terminal state, acknowledges the stream entry.
+Ownership fencing is what makes takeover safe: once a successor has claimed
 a request, a slow predecessor's writes are refused instead of interleaving.
 
 A batch item's terminal write also appends a notice to `tf:batch:done`, in the same call and
@@ -17,42 +17,66 @@ import json
 import time
 from dataclasses import dataclass, field
 
+import msgpack
 import redis
 
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.messages import TERMINAL_STATES, unpack_list_chunks
 
-# KEYS: result hash, request stream, [batch notice stream].  ARGV: owner, channel ('' = none),
-# event, ttl, entry id to acknowledge ('' = none), notice req id ('' = none), notice job id,
-# number of appended fields n, seq of this update ('' = none), n field/chunk pairs to append,
-# then field/value pairs to set. The appends are skipped when the record's seq has reached
-# this update's: a flush retried after a lost connection must not append a chunk twice.
+# One call per step writes every update of the step (Python packs one msgpack list; the loop over
+# requests runs inside Redis). ARGV: owner, ttl, the packed updates; each update is
+# [result key, request stream, channel ('' = none), event, entry id to acknowledge ('' = none),
+#  notice stream ('' = none), notice req id, notice job id, seq of this update ('' = none),
+#  [field, chunk, ...] to append, [field, value, ...] to set].
+# Per update: refused (0) when another scheduler owns the request; the appends are skipped when
+# the record's seq has reached this update's (a write retried after a lost connection must not
+# append a chunk twice); a batch notice goes out only on the first terminal write. Returns the
+# 0/1 of each update. (Keys are not declared: on a Redis Cluster a step's updates would be split
+# by hash slot first.)
 _WRITE_SCRIPT = """
-local owner = redis.call('HGET', KEYS[1], 'owner')
-if owner and owner ~= ARGV[1] then return 0 end
-local notify = false
-if ARGV[6] ~= '' then
-  local state = redis.call('HGET', KEYS[1], 'state')
-  notify = not (state == 'completed' or state == 'failed' or state == 'cancelled' or state == 'expired')
-end
-local n = tonumber(ARGV[8])
-local first_set = 10 + 2 * n
-local applied = ARGV[9] ~= '' and tonumber(redis.call('HGET', KEYS[1], 'seq') or '0') >= tonumber(ARGV[9])
-if n > 0 and not applied then
-  for i = 10, first_set - 1, 2 do
-    redis.call('HSET', KEYS[1], ARGV[i], (redis.call('HGET', KEYS[1], ARGV[i]) or '') .. ARGV[i + 1])
+local owner = ARGV[1]
+local ttl = tonumber(ARGV[2])
+local updates = cmsgpack.unpack(ARGV[3])
+local owned = {}
+for i = 1, #updates do
+  local u = updates[i]
+  local key = u[1]
+  local current = redis.call('HGET', key, 'owner')
+  if current and current ~= owner then
+    owned[i] = 0
+  else
+    local notify = false
+    if u[6] ~= '' then
+      local state = redis.call('HGET', key, 'state')
+      notify = not (state == 'completed' or state == 'failed' or state == 'cancelled' or state == 'expired')
+    end
+    local appends = u[10]
+    if #appends > 0 then
+      local applied = u[9] ~= '' and tonumber(redis.call('HGET', key, 'seq') or '0') >= tonumber(u[9])
+      if not applied then
+        for j = 1, #appends, 2 do
+          redis.call('HSET', key, appends[j], (redis.call('HGET', key, appends[j]) or '') .. appends[j + 1])
+        end
+      end
+    end
+    redis.call('HSET', key, 'owner', owner, unpack(u[11]))
+    redis.call('EXPIRE', key, ttl)
+    if u[3] ~= '' then redis.call('PUBLISH', u[3], u[4]) end
+    if u[5] ~= '' then
+      redis.call('XACK', u[2], 'GROUP', u[5])
+      redis.call('XDEL', u[2], u[5])
+    end
+    if notify then redis.call('XADD', u[6], '*', 'req', u[7], 'job', u[8]) end
+    owned[i] = 1
   end
 end
-redis.call('HSET', KEYS[1], 'owner', ARGV[1], unpack(ARGV, first_set))
-redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
-if ARGV[2] ~= '' then redis.call('PUBLISH', ARGV[2], ARGV[3]) end
-if ARGV[5] ~= '' then
-  redis.call('XACK', KEYS[2], 'GROUP', ARGV[5])
-  redis.call('XDEL', KEYS[2], ARGV[5])
-end
-if notify then redis.call('XADD', KEYS[3], '*', 'req', ARGV[6], 'job', ARGV[7]) end
-return 1
+return owned
 """.replace("'GROUP'", f"'{CONSUMER_GROUP}'")
+
+
+def _wire(value: object) -> str | bytes:
+    """A hash value as Redis stores it (numbers as their exact decimal text, not Lua's)."""
+    return value if isinstance(value, (str, bytes)) else str(value)
 
 
 @dataclass
@@ -89,31 +113,30 @@ class ResultStore:
         self._write = client.register_script(_WRITE_SCRIPT)
 
     def write(self, updates: list[ResultUpdate]) -> list[bool]:
-        """One round trip for all updates; False where another scheduler owns the request."""
+        """One round trip and one script call for all updates; False where another scheduler
+        owns the request."""
         if not updates:
             return []
-        pipe = self.client.pipeline(transaction=False)
+        packed = []
         for update in updates:
-            args: list[object] = [
-                self.owner,
-                self.keys.events(update.req_id) if update.event is not None else "",
-                update.event or b"",
-                self.ttl_s,
-                update.ack_entry_id or "",
-            ]
-            keys = [self.keys.result(update.req_id), update.stream]
-            if update.batch_job_id is not None and update.fields.get("state") in TERMINAL_STATES:
-                args += [update.req_id, update.batch_job_id]
-                keys.append(self.keys.batch_done)
-            else:
-                args += ["", ""]
-            args += [len(update.appends), update.fields.get("seq", "") if update.appends else ""]
+            is_notice = update.batch_job_id is not None and update.fields.get("state") in TERMINAL_STATES
+            appends: list[str | bytes] = []
             for name, value in update.appends.items():
-                args += [name, value]
+                appends += (name, _wire(value))
+            sets: list[str | bytes] = []
             for name, value in update.fields.items():
-                args += [name, value]
-            self._write(keys=keys, args=args, client=pipe)
-        return [bool(ok) for ok in pipe.execute()]
+                sets += (name, _wire(value))
+            packed.append([
+                self.keys.result(update.req_id), update.stream,
+                self.keys.events(update.req_id) if update.event is not None else "", update.event or b"",
+                update.ack_entry_id or "",
+                self.keys.batch_done if is_notice else "", update.req_id if is_notice else "",
+                update.batch_job_id if is_notice else "",
+                _wire(update.fields.get("seq", "")) if update.appends else "", appends, sets,
+            ])
+        # Redis' Lua msgpack (cmsgpack) predates the bin type: every string goes as raw bytes.
+        owned = self._write(args=[self.owner, self.ttl_s, msgpack.packb(packed, use_bin_type=False)])
+        return [bool(flag) for flag in owned]
 
     def claim(self, req_id: str) -> StoredProgress:
         """Become the owner of a request and read what was delivered before."""

@@ -110,6 +110,9 @@ class Scheduler:
         self._running: list[Request] = []  # in admission order
         self._aborted: list[Request] = []  # aborted since the last update_from_output
         self._next_step_id = 0
+        # When set, only requests with stop strings are detokenized here (their text decides when
+        # they stop); the caller turns the others' tokens into text off the step's critical path.
+        self.text_for_stop_strings_only = False
 
     # -- requests in and out ---------------------------------------------------------
 
@@ -117,7 +120,7 @@ class Scheduler:
         """Queue a new request; raise InvalidRequestError if it can never run."""
         self._validate(request)
         self._requests[request.req_id] = request
-        if self._tokenizer is not None:
+        if self._tokenizer is not None and (request.sampling.stop or not self.text_for_stop_strings_only):
             self._detokenizers[request.req_id] = IncrementalDetokenizer(
                 # A request resumed from stored tokens continues after them: they are context.
                 self._tokenizer, request.all_token_ids, stop=request.sampling.stop

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import redis
 
+from scheduler.detokenizer import IncrementalDetokenizer
 from scheduler.engine import LLMEngine, Usage
 from scheduler.request import BATCH_PRIORITY, FinishReason, RequestStatus
 from scheduler.result_store import ResultStore, ResultUpdate, terminal_fields
@@ -74,6 +75,8 @@ class InFlight:
     first_token_at: float | None = None
     abort_state: str = "cancelled"  # what an abort means for it: cancelled or expired
     batch_job_id: str | None = None  # a batch item: written only when it ends, nobody streams it
+    # Turns its tokens into text on the writer thread (None: the engine does it, for stop strings).
+    detokenizer: IncrementalDetokenizer | None = None
 
     @property
     def is_batch(self) -> bool:
@@ -93,6 +96,8 @@ class SchedulerService:
         self.streams = [self.keys.request_stream(settings.model_name, kind) for kind in REQUEST_KINDS]
         self.inflight: dict[str, InFlight] = {}  # req_id -> request this scheduler owns
         self.writer = ResultWriter(self.results, settings.scheduler_id, self._updates_for)
+        # Text is made on the writer thread, except where stop strings need it in the engine.
+        engine.scheduler.text_for_stop_strings_only = True
         self._pending: list[ResultUpdate] = []  # this tick's updates, handed to the writer at its end
         self._cancel_ids: set[str] = set()  # from the tf:cancel listener thread
         self._cancel_lock = threading.Lock()
@@ -262,6 +267,10 @@ class SchedulerService:
             self._dead_letter(stream, entry_id, f"invalid: {text}", num_deliveries, payload, message.req_id,
                               message.batch_job_id)
             return
+        if self.engine.tokenizer is not None and not sampling.stop:
+            # Decoding continues after what an earlier owner already delivered, as in the engine.
+            flight.detokenizer = IncrementalDetokenizer(
+                self.engine.tokenizer, [*message.prompt_token_ids, *progress.token_ids])
         self.inflight[message.req_id] = flight
         resumed = {"resumed_from_seq": progress.seq} if progress.seq else {}
         self._pending.append(ResultUpdate(message.req_id, stream, {
@@ -309,6 +318,8 @@ class SchedulerService:
         flight's delivery state: seq, tokens, text, offsets, logprobs)."""
         updates = []
         for flight, out in step:
+            if flight.detokenizer is not None:
+                out.text_delta = self._text_of(flight.detokenizer, out)
             if not (out.new_token_ids or out.text_delta or out.finished):
                 continue
             flight.seq += 1
@@ -346,6 +357,18 @@ class SchedulerService:
                                         None if event is None else event.encode(), ack,
                                         batch_job_id=flight.batch_job_id, appends=appends))
         return updates
+
+    @staticmethod
+    def _text_of(detokenizer: IncrementalDetokenizer, out: RequestOutput) -> str:
+        """The text a step's tokens add, as the engine would have made it: the EOS or stop token
+        that ended a request adds none, and an aborted request's held-back text stays held."""
+        token_ids = out.new_token_ids
+        if out.finish_reason is FinishReason.STOP:  # (stop strings never come here)
+            token_ids = token_ids[:-1]
+        text = "".join(detokenizer.add_token(token_id) for token_id in token_ids)
+        if out.finished and out.finish_reason is not FinishReason.ABORT:
+            text += detokenizer.finish()
+        return text
 
     @staticmethod
     def _step_fields(flight: InFlight, new_token_ids: list[int], text_delta: str, logprobs: list | None,

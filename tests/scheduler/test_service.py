@@ -244,3 +244,33 @@ def test_a_scheduler_whose_consumer_group_vanished_makes_it_again(tiny_checkpoin
     finally:
         running.close()
         engine.close()
+
+
+def test_text_made_on_the_writer_thread_matches_the_engines_text(smollm2, redis_server):
+    """The service decodes tokens on its writer thread (stop strings stay in the engine): the
+    streamed text must be what the in-process engine makes, for requests that end on EOS, on a
+    stop token id, on length, and on a stop string."""
+    config = dict(model=str(smollm2), dtype="float32", num_kv_blocks=256, max_num_seqs=8)
+    questions = ["What is the capital of France?", "Écris un mot en français avec des accents.",
+                 "Name three colours.", "Write one emoji and nothing else."]
+    samplings = [SamplingParams(temperature=0.0, max_tokens=40),  # ends on EOS
+                 SamplingParams(temperature=0.0, max_tokens=24),
+                 SamplingParams(temperature=0.0, max_tokens=30, stop=[","]),  # a stop string
+                 SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)]
+    with LLMEngine(EngineConfig(**config)) as engine:
+        prompts = [engine.encode(q, chat=True) for q in questions]
+        # A stop token id: the third token the first request makes, so that it ends there.
+        first = engine.generate([prompts[0]], samplings[0])[0]
+        samplings[1] = SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[first.token_ids[2]])
+        prompts[1] = prompts[0]
+        want = [r.text for r in engine.generate(prompts, samplings)]
+        assert engine.scheduler.text_for_stop_strings_only is False
+    client = redis_server.client()
+    with LLMEngine(EngineConfig(**config)) as engine:
+        service = _service(engine, redis_server.url)
+        ids = [submit(client, MODEL, p, s) for p, s in zip(prompts, samplings, strict=True)]
+        records = wait_terminal_ticking(service, client, ids)
+    assert [records[r][b"text"].decode() for r in ids] == want
+    assert records[ids[0]][b"finish_reason"] == b"stop" and records[ids[1]][b"stop_reason"] == str(
+        first.token_ids[2]).encode()
+    assert all(text for text in want[:3])
