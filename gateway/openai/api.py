@@ -24,6 +24,7 @@ from gateway.requests.serving import (
     read_body,
     submissions,
 )
+from gateway.requests.sse import frame
 from gateway.requests.store import RequestStore
 
 
@@ -48,17 +49,17 @@ class _Timer:
         self.started = started
         self.first_token_at: float | None = None
         self.last_token_at: list[float | None] = [None] * num_choices  # choice -> last delivery
+        self._itl = metrics.itl.labels(model)  # looked up once, observed per token
 
-    def tokens(self, index: int, num_tokens: int) -> None:
+    def tokens(self, index: int, num_tokens: int, now: float) -> None:
         if not num_tokens:
             return
-        now = time.monotonic()
         if self.first_token_at is None:
             self.first_token_at = now
             self.metrics.ttft.labels(self.model).observe(now - self.started)
         last = self.last_token_at[index]
         if last is not None:
-            self.metrics.itl.labels(self.model).observe((now - last) / num_tokens)
+            self._itl.observe((now - last) / num_tokens)
         self.last_token_at[index] = now
 
     def finished(self, outputs: list[ChoiceOutput]) -> None:
@@ -104,13 +105,15 @@ def _raise_for(outputs: list[ChoiceOutput]) -> None:
 async def _collect(request: web.Request, plan: Plan, response_id: str, watch: Watch,
                    timer: _Timer) -> web.StreamResponse:
     outputs = [ChoiceOutput(choice.index) for choice in plan.choices]
-    async for index, delta in watch.deltas():
-        if delta is None:
+    async for batch in watch.batches():
+        if not batch:  # a quiet tick
             if client_gone(request):
                 raise ClientGone()
             continue
-        outputs[index].add(delta)
-        timer.tokens(index, len(delta.token_ids))
+        now = time.monotonic()
+        for index, delta in batch:
+            outputs[index].add(delta)
+            timer.tokens(index, len(delta.token_ids), now)
     timer.finished(outputs)
     _raise_for(outputs)
     build = chat_completion if plan.api == "chat" else text_completion
@@ -130,23 +133,28 @@ async def _stream(request: web.Request, plan: Plan, response_id: str, watch: Wat
             opening = chunks.opening(index)
             if opening is not None:
                 await stream.send(opening)
-        async for index, delta in watch.deltas():
-            if delta is None:
-                if time.monotonic() - last_write >= keepalive_s:
+        async for batch in watch.batches():
+            now = time.monotonic()
+            if not batch:  # a quiet tick
+                if now - last_write >= keepalive_s:
                     await stream.comment()
-                    last_write = time.monotonic()
+                    last_write = now
                 continue
-            outputs[index].add(delta)
-            timer.tokens(index, len(delta.token_ids))
-            chunk = chunks.delta(index, delta)
-            if chunk is not None:
-                await stream.send(chunk)
-                last_write = time.monotonic()
-            if delta.is_final and delta.state in ("failed", "expired") and delta.error is not None:
-                error = UpstreamFailed(delta.error.get("message", "the request failed"),
-                                       code=delta.error.get("code"))
-                await stream.send({"error": {"message": error.message, "type": error.error_type,
-                                             "param": None, "code": error.code}})
+            frames = []  # the batch's chunks, sent in one write
+            for index, delta in batch:
+                outputs[index].count(delta)
+                timer.tokens(index, len(delta.token_ids), now)
+                chunk = chunks.delta_frame(index, delta)
+                if chunk is not None:
+                    frames.append(chunk)
+                if delta.is_final and delta.state in ("failed", "expired") and delta.error is not None:
+                    error = UpstreamFailed(delta.error.get("message", "the request failed"),
+                                           code=delta.error.get("code"))
+                    frames.append(frame({"error": {"message": error.message, "type": error.error_type,
+                                                   "param": None, "code": error.code}}))
+            if frames:
+                await stream.write(frames[0] if len(frames) == 1 else b"".join(frames))
+                last_write = now
         timer.finished(outputs)
         if plan.include_usage:
             await stream.send(chunks.usage([o.num_tokens for o in outputs]))

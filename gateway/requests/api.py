@@ -21,6 +21,7 @@ from gateway.openai.schemas import SubmitChat, SubmitRequest
 from gateway.requests.follow import EXPIRED_MESSAGE
 from gateway.requests.records import Delta, ResultRecord
 from gateway.requests.serving import EventStream, admit, following, new_req_id, read_body, submissions
+from gateway.requests.sse import Template, dumps, encode_basestring, frame
 
 SUBMIT = TypeAdapter(SubmitRequest)
 _REQ_ID = re.compile(r"^[0-9a-f]{32}$")
@@ -185,7 +186,7 @@ async def events(request: web.Request) -> web.StreamResponse:
     """`id: <seq>` on every event; resumes after Last-Event-ID with nothing repeated or missing."""
     after = _last_event_id(request)
     req_id, record, model = await _record(request)  # 404 before any stream starts
-    top_n = record.top_logprobs or 0
+    frames = EventFrames(req_id, model, record.top_logprobs or 0)
     stream = EventStream(request)
     keepalive_s = request.app[SETTINGS].keepalive_s
     async with following(request, model, [req_id], after_seq=after, cancel_unfinished=False) as watch:
@@ -194,26 +195,23 @@ async def events(request: web.Request) -> web.StreamResponse:
         await stream.open()
         last_write = time.monotonic()
         try:
-            for _, delta in catch_up:
-                await _send(stream, req_id, delta, model, top_n)
-            async for _, delta in watch.deltas():
-                if delta is None:
-                    if time.monotonic() - last_write >= keepalive_s:
+            if catch_up:
+                await stream.write(b"".join(frames.of(delta) for _, delta in catch_up))
+            async for batch in watch.batches():
+                now = time.monotonic()
+                if not batch:  # a quiet tick
+                    if now - last_write >= keepalive_s:
                         await stream.comment()
-                        last_write = time.monotonic()
+                        last_write = now
                     continue
-                await _send(stream, req_id, delta, model, top_n)
-                last_write = time.monotonic()
+                await stream.write(b"".join(frames.of(delta) for _, delta in batch))
+                last_write = now
             await stream.send("[DONE]", event="done")
         except ConnectionError:
             pass  # the client left: the request runs on (re-attach with Last-Event-ID)
         finally:
             await stream.close()
     return stream.response
-
-
-async def _send(stream: EventStream, req_id: str, delta: Delta, model: ServedModel, top_n: int) -> None:
-    await stream.send(_event_data(req_id, delta, model, top_n), event_id=delta.seq, event=_kind(delta))
 
 
 def _kind(delta: Delta) -> str:
@@ -228,3 +226,23 @@ def _event_data(req_id: str, delta: Delta, model: ServedModel, top_n: int) -> di
     if delta.error is not None:
         data["error"] = delta.error
     return data
+
+
+class EventFrames:
+    """The SSE frames of one request's events: `id: <seq>`, `event: token|error`, the data.
+    A plain delta (not the last, no logprobs) comes from a template of the same data."""
+
+    def __init__(self, req_id: str, model: ServedModel, top_n: int) -> None:
+        self.req_id = req_id
+        self.model = model
+        self.top_n = top_n
+        self._plain = Template.make(
+            lambda seq, text, ids: frame(_event_data(req_id, Delta(0, [], ""), model, top_n)
+                                         | {"seq": seq, "text": text, "token_ids": ids}), 3)
+
+    def of(self, delta: Delta) -> bytes:
+        if self._plain is not None and delta.state is None and not delta.logprobs and delta.error is None:
+            return b"id: %d\nevent: token\n" % delta.seq + self._plain.fill(
+                str(delta.seq), encode_basestring(delta.text), dumps(delta.token_ids))
+        return frame(_event_data(self.req_id, delta, self.model, self.top_n), event_id=delta.seq,
+                     event=_kind(delta))

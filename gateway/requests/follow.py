@@ -5,23 +5,51 @@ Live events come through the process's one pub/sub connection. The record fills 
 hole: a gap in the sequence numbers, a reconnect (RESYNC), or a quiet spell of poll_s
 (a missed final event, a scheduler that died) all lead to a re-read of `tf:res:{id}`, and
 what the record holds beyond the last delivered seq becomes one catch-up delta.
+
+The follow path runs once per token per stream, so it allocates little: the router appends
+events to a deque and wakes the follower with one future; the quiet-spell timer is one
+timer per Watch, re-armed lazily, not one per wait; and everything that arrived together is
+handed over as one batch, which the caller writes to its client with one write.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+
+import msgpack
 
 from gateway.requests.pubsub import RESYNC, EventRouter, Listener
 from gateway.requests.records import Delta, ResultRecord
 from gateway.requests.store import RequestStore
 from shared.logging import get_logger
-from shared.messages import MessageDecodeError, decode_event
+from shared.messages import WIRE_VERSION, MessageDecodeError, decode_event
 
 log = get_logger("tokenfleet.gateway.requests.follow")
 EXPIRED_MESSAGE = "the deadline passed while it was queued"
+# The map of almost every event (a token, not the last, no logprobs): decoded here without
+# building a TokenEvent first. Anything else, or a wire format that has moved on, takes
+# shared.messages.decode_event, which checks it strictly.
+_PLAIN_EVENT_KEYS = frozenset({"v", "req_id", "seq", "token_ids", "text", "logprobs", "finish_reason",
+                               "usage", "type"})
+
+
+def decode_delta(data: bytes) -> Delta:
+    """An event's bytes -> its Delta (MessageDecodeError when they are not a valid event)."""
+    try:
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception:  # noqa: BLE001 - msgpack raises several unrelated types; decode_event names it
+        raw = None
+    if type(raw) is dict and raw.keys() == _PLAIN_EVENT_KEYS and raw["v"] == WIRE_VERSION \
+            and raw["type"] == "token" and raw["logprobs"] is None and raw["finish_reason"] is None \
+            and raw["usage"] is None and type(raw["req_id"]) is str and type(raw["text"]) is str:
+        seq, ids = raw["seq"], raw["token_ids"]
+        if type(seq) is int and type(ids) is list and all(type(token) is int for token in ids):
+            return Delta(seq, ids, raw["text"])
+    return Delta.from_event(decode_event(data))
 
 
 @dataclass
@@ -55,7 +83,10 @@ class Watch:
         self.decode = decode
         self.poll_s = poll_s
         self.followers = [Follower(req_id, after_seq + 1) for req_id in req_ids]
-        self.queue: asyncio.Queue = asyncio.Queue()  # (follower index, event bytes)
+        self._inbox: deque[tuple[int, bytes]] = deque()  # (follower index, event bytes), as they came
+        self._waiter: asyncio.Future | None = None  # set while the consumer waits for the inbox
+        self._timer: asyncio.TimerHandle | None = None  # the quiet-spell timer, armed while following
+        self._idle_since = 0.0  # loop time the consumer last found the inbox empty
         self._listeners: list[Listener] = []
 
     @property
@@ -66,15 +97,53 @@ class Watch:
         """Subscribe to every request's events; returns once Redis has confirmed them all."""
         try:
             for index, follower in enumerate(self.followers):
-                self._listeners.append(await self.router.subscribe(follower.req_id, self.queue, index))
+                self._listeners.append(await self.router.subscribe(follower.req_id, self._deliver, index))
         except BaseException:
-            await self.close()
+            self.close()
             raise
 
-    async def close(self) -> None:
+    def close(self) -> None:
         listeners, self._listeners = self._listeners, []
         for listener in listeners:
-            await self.router.unsubscribe(listener)
+            self.router.unsubscribe(listener)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    # -- the inbox (called by the router, on the event loop) ------------------------------
+
+    def _deliver(self, index: object, data: bytes) -> None:
+        self._inbox.append((index, data))
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(True)
+
+    async def _wait(self) -> bool:
+        """Until something arrives (True) or poll_s passes with nothing (False)."""
+        loop = asyncio.get_running_loop()
+        self._idle_since = loop.time()
+        if self._timer is None:
+            self._timer = loop.call_at(self._idle_since + self.poll_s, self._on_timer)
+        self._waiter = loop.create_future()
+        try:
+            return await self._waiter
+        finally:
+            self._waiter = None
+
+    def _on_timer(self) -> None:
+        """Fires at most once per poll_s: ends a wait that has lasted poll_s, else re-arms."""
+        self._timer = None
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return  # not waiting: the next wait arms it again
+        loop = asyncio.get_running_loop()
+        due = self._idle_since + self.poll_s
+        if loop.time() + 0.001 >= due:
+            waiter.set_result(False)
+        else:
+            self._timer = loop.call_at(due, self._on_timer)
+
+    # -- deltas -----------------------------------------------------------------------------
 
     async def catch_up(self, indices: list[int] | None = None) -> list[tuple[int, Delta]]:
         """Read the records and return what they hold beyond what was delivered."""
@@ -107,40 +176,39 @@ class Watch:
                  or seq >= self.followers[i].next_seq]
         return await self.catch_up(moved) if moved else []
 
-    async def deltas(self) -> AsyncIterator[tuple[int | None, Delta | None]]:
-        """(follower index, delta) until every request has ended; (None, None) on a quiet tick."""
-        while any(not f.done for f in self.followers):
-            try:
-                if self.queue.empty():
-                    # asyncio.timeout, not wait_for: no task per token (3.11's wait_for makes one)
-                    async with asyncio.timeout(self.poll_s):
-                        index, data = await self.queue.get()
-                else:  # the common case under load: no timer at all
-                    index, data = self.queue.get_nowait()
-            except asyncio.TimeoutError:
-                for item in await self._poll():
-                    yield item
-                yield None, None
+    async def batches(self) -> AsyncIterator[list[tuple[int, Delta]]]:
+        """Lists of (follower index, delta), each everything that was ready at once, until every
+        request has ended; an empty list is a quiet tick (nothing for poll_s)."""
+        inbox = self._inbox
+        followers = self.followers
+        while any(not f.done for f in followers):
+            if not inbox and not await self._wait():
+                out = await self._poll()
+                if out:
+                    yield out
+                yield []
                 continue
-            follower = self.followers[index]
-            if follower.done:
-                continue
-            if data == RESYNC:
-                for item in await self.catch_up([index]):
-                    yield item
-                continue
-            try:
-                event = decode_event(data)
-            except MessageDecodeError as exc:
-                log.warning("bad_event", req_id=follower.req_id, error=str(exc))
-                continue
-            if event.seq < follower.next_seq:
-                continue  # delivered already (by a catch-up)
-            if event.seq > follower.next_seq:  # a hole: the record has everything up to event.seq
-                for item in await self.catch_up([index]):
-                    yield item
-                continue
-            follower.next_seq += 1
-            delta = Delta.from_event(event)
-            follower.done = delta.is_final
-            yield index, delta
+            out = []
+            while inbox:
+                index, data = inbox.popleft()
+                follower = followers[index]
+                if follower.done:
+                    continue
+                if data == RESYNC:
+                    out += await self.catch_up([index])
+                    continue
+                try:
+                    delta = decode_delta(data)
+                except MessageDecodeError as exc:
+                    log.warning("bad_event", req_id=follower.req_id, error=str(exc))
+                    continue
+                if delta.seq < follower.next_seq:
+                    continue  # delivered already (by a catch-up)
+                if delta.seq > follower.next_seq:  # a hole: the record has everything up to delta.seq
+                    out += await self.catch_up([index])
+                    continue
+                follower.next_seq += 1
+                follower.done = delta.is_final
+                out.append((index, delta))
+            if out:
+                yield out

@@ -19,7 +19,7 @@ from shared.messages import REQUEST_STATES as STATES
 from shared.messages import TERMINAL_STATES, ErrorEvent, TokenEvent, unpack_list_chunks
 
 
-@dataclass
+@dataclass(slots=True)
 class Delta:
     """New output of one request: the events in (previous seq, seq], merged."""
 

@@ -4,7 +4,6 @@ and write Server-Sent Events."""
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,6 +17,7 @@ from gateway.errors import BadRequest, RateLimited
 from gateway.models import ServedModel
 from gateway.openai.params import Plan
 from gateway.requests.follow import Watch
+from gateway.requests.sse import comment, frame
 from gateway.requests.store import Submission
 from shared.messages import RequestMessage
 
@@ -30,10 +30,6 @@ class ClientGone(Exception):
 
 def new_req_id() -> str:
     return uuid.uuid4().hex  # server-made: safe inside Redis keys
-
-
-def dumps(value: object) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 async def read_body(request: web.Request, schema: type[T] | TypeAdapter) -> tuple[T, bytes]:
@@ -80,10 +76,10 @@ async def following(request: web.Request, model: ServedModel, req_ids: list[str]
     try:
         yield watch
     finally:
+        watch.close()
         unfinished = watch.unfinished
         if cancel_unfinished and unfinished:
             app[TASKS].spawn(app[STORE].cancel(unfinished), name="cancel-abandoned")
-        app[TASKS].spawn(watch.close(), name="unsubscribe")
 
 
 def client_gone(request: web.Request) -> bool:
@@ -92,7 +88,8 @@ def client_gone(request: web.Request) -> bool:
 
 
 class EventStream:
-    """A text/event-stream response."""
+    """A text/event-stream response. send() frames one event; write() sends frames built
+    already (several at once: one write, one syscall)."""
 
     def __init__(self, request: web.Request) -> None:
         self.request = request
@@ -109,16 +106,13 @@ class EventStream:
         self._is_open = True
 
     async def send(self, data: object, *, event_id: int | None = None, event: str | None = None) -> None:
-        lines = []
-        if event_id is not None:
-            lines.append(f"id: {event_id}\n")
-        if event is not None:
-            lines.append(f"event: {event}\n")
-        lines.append(f"data: {data if isinstance(data, str) else dumps(data)}\n\n")
-        await self.response.write("".join(lines).encode())
+        await self.response.write(frame(data, event_id=event_id, event=event))
+
+    async def write(self, frames: bytes) -> None:
+        await self.response.write(frames)
 
     async def comment(self, text: str = "keep-alive") -> None:
-        await self.response.write(f": {text}\n\n".encode())
+        await self.response.write(comment(text))
 
     async def close(self) -> None:
         if self._is_open:

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 
 from gateway.requests.records import ResultRecord
 from shared.keys import CONSUMER_GROUP, Keys
@@ -83,23 +83,39 @@ class RequestStore:
     # -- queueing ---------------------------------------------------------------------
 
     async def submit(self, submissions: list[Submission]) -> None:
-        pipe = self.client.pipeline(transaction=False)
-        for sub in submissions:
-            message = sub.message
-            fields: dict[str, object] = {
-                "state": "queued", "model": message.model, "api": sub.api, "queued_at": message.arrival_time,
-                "prompt_tokens": len(message.prompt_token_ids),
-            }
-            if message.deadline is not None:
-                fields["deadline"] = message.deadline
-            if sub.top_logprobs is not None:
-                fields["top_logprobs"] = sub.top_logprobs
-            args: list[object] = [self.result_ttl_s, message.encode()]
-            for name, value in fields.items():
-                args += [name, value]
-            stream = self.keys.request_stream(message.model, QUEUE_KIND)
-            await self._submit(keys=[self.keys.result(sub.req_id), stream], args=args, client=pipe)
-        await pipe.execute()
+        """One round trip for all: EVALSHA of each (a pipeline running registered scripts would ask
+        SCRIPT EXISTS first, a second round trip per call); the script is loaded when Redis lacks
+        it, and only the calls it refused are sent again (a refused EVALSHA did nothing)."""
+        calls = [self._submit_args(sub) for sub in submissions]
+        while calls:
+            pipe = self.client.pipeline(transaction=False)
+            for keys, args in calls:
+                pipe.evalsha(self._submit.sha, len(keys), *keys, *args)
+            results = await pipe.execute(raise_on_error=False)
+            failed = [call for call, result in zip(calls, results, strict=True)
+                      if isinstance(result, Exception)]
+            for result in results:
+                if isinstance(result, Exception) and not isinstance(result, NoScriptError):
+                    raise result
+            if failed:
+                await self.client.script_load(_SUBMIT_SCRIPT)
+            calls = failed
+
+    def _submit_args(self, sub: Submission) -> tuple[list[str], list[object]]:
+        message = sub.message
+        fields: dict[str, object] = {
+            "state": "queued", "model": message.model, "api": sub.api, "queued_at": message.arrival_time,
+            "prompt_tokens": len(message.prompt_token_ids),
+        }
+        if message.deadline is not None:
+            fields["deadline"] = message.deadline
+        if sub.top_logprobs is not None:
+            fields["top_logprobs"] = sub.top_logprobs
+        args: list[object] = [self.result_ttl_s, message.encode()]
+        for name, value in fields.items():
+            args += [name, value]
+        stream = self.keys.request_stream(message.model, QUEUE_KIND)
+        return [self.keys.result(sub.req_id), stream], args
 
     async def queue_depth(self, model: str) -> int:
         """Entries of the model's interactive stream that no scheduler has taken yet."""
@@ -166,10 +182,13 @@ class RequestStore:
 
     async def timings(self, req_ids: list[str]) -> list[tuple[float | None, float | None]]:
         """(queued_at, started_at) of each request, for the queue-time histogram."""
-        pipe = self.client.pipeline(transaction=False)
-        for req_id in req_ids:
-            pipe.hmget(self.keys.result(req_id), ["queued_at", "started_at"])
-        rows = await pipe.execute()
+        if len(req_ids) == 1:  # a plain command: cheaper than a pipeline of one
+            rows = [await self.client.hmget(self.keys.result(req_ids[0]), ["queued_at", "started_at"])]
+        else:
+            pipe = self.client.pipeline(transaction=False)
+            for req_id in req_ids:
+                pipe.hmget(self.keys.result(req_id), ["queued_at", "started_at"])
+            rows = await pipe.execute()
         return [tuple(float(v) if v else None for v in row) for row in rows]
 
     # -- idempotency ------------------------------------------------------------------

@@ -1,0 +1,76 @@
+"""The gateway's own pub/sub client (gateway/requests/pubsub.py) on a real Redis: it
+authenticates, delivers each event to every listener of its channel, and after losing its
+connection it comes back, subscribes again and tells each listener to re-read the record."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from gateway.requests.pubsub import RESYNC, EventRouter
+from shared.keys import Keys
+
+pytestmark = pytest.mark.asyncio
+
+
+async def _until(predicate, timeout_s: float = 10.0) -> None:
+    for _ in range(int(timeout_s / 0.02)):
+        if predicate():
+            return
+        await asyncio.sleep(0.02)
+    raise TimeoutError("condition not reached")
+
+
+async def test_events_reach_every_listener_and_a_reconnect_resyncs_them(redis_server) -> None:
+    admin = aioredis.Redis.from_url(redis_server.url)
+    await admin.config_set("requirepass", "s3cret")
+    url = redis_server.url.replace("redis://", "redis://:s3cret@")
+    admin = aioredis.Redis.from_url(url)
+    router = EventRouter(url, Keys())
+    await router.start()
+    got: list[tuple[object, bytes]] = []
+    try:
+        await _until(lambda: router.is_connected)
+        first = await router.subscribe("r1", lambda tag, data: got.append((tag, data)), "a")
+        await router.subscribe("r1", lambda tag, data: got.append((tag, data)), "b")
+        await admin.publish("tf:ev:r1", b"one")
+        await _until(lambda: len(got) == 2)
+        assert sorted(got) == [("a", b"one"), ("b", b"one")]
+
+        got.clear()
+        await admin.client_kill_filter(_type="pubsub")
+        await _until(lambda: len(got) == 2)  # back, subscribed again: each listener re-reads the record
+        assert sorted(got) == [("a", RESYNC), ("b", RESYNC)]
+        got.clear()
+        await admin.publish("tf:ev:r1", b"two")
+        await _until(lambda: len(got) == 2)
+        assert {data for _, data in got} == {b"two"}
+
+        got.clear()
+        router.unsubscribe(first)
+        await admin.publish("tf:ev:r1", b"three")
+        await _until(lambda: got == [("b", b"three")])
+        assert router.num_channels == 1
+    finally:
+        await router.close()
+        await admin.aclose()
+
+
+async def test_subscribing_while_redis_is_down_fails_at_once(redis_server) -> None:
+    router = EventRouter(redis_server.url, Keys())
+    await router.start()
+    try:
+        await _until(lambda: router.is_connected)
+        redis_server.stop()
+        await _until(lambda: not router.is_connected)
+        with pytest.raises(RedisConnectionError):
+            await router.subscribe("r1", lambda tag, data: None)
+        assert router.num_channels == 0
+        redis_server.start()
+        await _until(lambda: router.is_connected)
+        await router.subscribe("r1", lambda tag, data: None)  # confirmed by the new connection
+    finally:
+        await router.close()
