@@ -1,8 +1,17 @@
-"""Prometheus metrics of one gateway process (its own registry, so apps never collide)."""
+"""Prometheus metrics of the gateway: each app has its own registry (so apps never collide).
+
+With several gateway processes on one port (`tokenfleet gateway --workers N`), the
+processes run prometheus_client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR, set by
+gateway/supervisor.py), and /metrics, whichever process answers, renders the files of all
+of them: counters and histograms summed, active_streams summed over the live processes,
+the fleet's gauges (queue depth, live schedulers, active batch jobs) as last set.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -29,18 +38,24 @@ class GatewayMetrics:
                              "request received until its last token left", ["model"],
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.active_streams = Gauge("tokenfleet_gateway_active_streams", "SSE responses open now",
-                                    registry=r)
+                                    registry=r, multiprocess_mode="livesum")
         self.queue_depth = Gauge("tokenfleet_gateway_queue_depth",
                                  "entries of a model's interactive stream not yet taken", ["model"],
-                                 registry=r)
+                                 registry=r, multiprocess_mode="mostrecent")
         self.batch_lines = Counter("tokenfleet_batch_lines", "batch lines whose output this process wrote",
                                    ["status"], registry=r)
         self.batch_jobs = Counter("tokenfleet_batch_jobs", "batch jobs this process ended, by end state",
                                   ["status"], registry=r)
         self.batch_jobs_active = Gauge("tokenfleet_batch_jobs_active", "batch jobs taken in and not ended",
-                                       registry=r)
+                                       registry=r, multiprocess_mode="mostrecent")
         self.live_schedulers = Gauge("tokenfleet_gateway_live_schedulers",
-                                     "schedulers with a live heartbeat, per model", ["model"], registry=r)
+                                     "schedulers with a live heartbeat, per model", ["model"], registry=r,
+                                     multiprocess_mode="mostrecent")
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if not directory:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()  # what every process of this gateway wrote
+        multiprocess.MultiProcessCollector(registry, path=directory)
+        return generate_latest(registry)

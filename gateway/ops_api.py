@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
@@ -12,7 +14,8 @@ from gateway.models import ServedModel
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
+    """The process is up; `pid` says which one (`tokenfleet gateway --workers N` runs N)."""
+    return web.json_response({"status": "ok", "pid": os.getpid()})
 
 
 async def ready(request: web.Request) -> web.Response:

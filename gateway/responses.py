@@ -143,6 +143,7 @@ class RequestStatus(Shape):
 
 class Health(Shape):
     status: str
+    pid: int  # the gateway process that answered
 
 
 class Ready(Shape):

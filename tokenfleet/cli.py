@@ -123,6 +123,8 @@ def _add_up_parser(commands) -> None:
           help="cap on running sequences per replica (default: 512 on CUDA, 256 on CPU)")
     _flag(up, "executor", default="auto",
           help="auto (each scheduler's own process at TP=1, a Ray group above), inprocess or ray")
+    _flag(up, "gateway-workers", type=int,
+          help="gateway processes on the one port (default: from the cores, max(1, min(8, cores // 4)))")
 
 
 def _add_batch_parser(commands) -> None:
@@ -222,6 +224,10 @@ def _add_gateway_parser(commands) -> None:
           help="per batch job: queued lines not yet written")
     _flag(gw, "batch-lease-s", type=float, default=10.0,
           help="batch work a dead ingester left is taken over after this")
+    _flag(gw, "workers", type=int, default=1,
+          help="gateway processes on this one port (SO_REUSEPORT), each a whole gateway with its own Redis "
+               "connections and batch ingester, started and restarted by this process; with more than one, "
+               "/metrics (from whichever answers) sums them all (prometheus_client multiprocess mode)")
 
 
 def _cmd_gateway(args: argparse.Namespace) -> int:
@@ -233,16 +239,22 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     names = _list_value(args, "model-name")
     if len(names) > len(paths):
         raise InvalidRequestError(f"{len(names)} --model-name for {len(paths)} --model", param="model-name")
-    for name, value in (("port", args.port), ("max-n", args.max_n), ("max-body-bytes", args.max_body_bytes)):
+    for name, value in (("port", args.port), ("max-n", args.max_n), ("max-body-bytes", args.max_body_bytes),
+                        ("workers", args.workers)):
         if value < 1:
             raise InvalidRequestError(f"--{name} must be >= 1, got {value}", param=name)
     models = [ModelSpec.from_path(path, names[i] if i < len(names) else None) for i, path in enumerate(paths)]
-    serve(GatewaySettings(
+    settings = GatewaySettings(
         redis_url=args.redis_url, models=models, host=args.host, port=args.port,
         api_keys=tuple(_list_value(args, "api-key")), key_prefix=args.key_prefix, max_queue=args.max_queue,
         max_n=args.max_n, max_body_bytes=args.max_body_bytes, batch_ingester=not args.no_batch_ingester,
         batch_max_inflight=args.batch_max_inflight, batch_lease_s=args.batch_lease_s,
-    ))
+    )
+    if args.workers > 1:
+        from gateway.supervisor import run_workers
+
+        return run_workers(settings, args.workers)
+    serve(settings)
     return 0
 
 
@@ -287,6 +299,7 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
     from scheduler.engine import LLMEngine
     from scheduler.service import SchedulerService, ServiceSettings
     from shared.keys import Keys
+    from workers.device import resolve_device
 
     config = _engine_config(args)
     settings = ServiceSettings(
@@ -298,6 +311,8 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     with LLMEngine(config) as engine:
+        if resolve_device(config.device).type == "cuda":
+            engine.warm_up()  # kernels compile before the first request, not during it
         SchedulerService(engine, args.redis_url, settings, Keys(args.key_prefix)).run(stop)
     return 0
 
@@ -346,11 +361,13 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from shared.errors import InvalidRequestError
-    from tokenfleet.up import Fleet, FleetOptions, curl_example
+    from tokenfleet.up import Fleet, FleetOptions, curl_example, default_gateway_workers
 
-    for name in ("port", "tp", "replicas"):
-        if getattr(args, name) < 1:
-            raise InvalidRequestError(f"--{name} must be >= 1, got {getattr(args, name)}", param=name)
+    for name in ("port", "tp", "replicas", "gateway_workers"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            flag = name.replace("_", "-")
+            raise InvalidRequestError(f"--{flag} must be >= 1, got {value}", param=flag)
     model = _resolve_model(args.model)
     scheduler_args = ["--executor", args.executor]
     if args.max_num_seqs:
@@ -363,6 +380,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         model=model, model_name=args.model_name or Path(model).name, host=args.host, port=args.port,
         tp=args.tp, replicas=args.replicas, redis_url=args.redis_url, redis_port=args.redis_port,
         ray_address=args.ray_address, executor=args.executor, scheduler_args=scheduler_args,
+        gateway_workers=args.gateway_workers or default_gateway_workers(),
     )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -371,7 +389,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
     try:
         fleet.start()
         print(f"tokenfleet is up: {fleet.gateway_url} serving {options.model_name!r} "
-              f"({options.replicas} replica(s), TP={options.tp}; Redis {fleet.redis_url})")
+              f"({options.replicas} replica(s), TP={options.tp}; {options.gateway_workers} gateway "
+              f"process(es); Redis {fleet.redis_url})")
         print("try:")
         print(curl_example(fleet.gateway_url, options.model_name), flush=True)
         return fleet.wait(stop.is_set)

