@@ -152,3 +152,15 @@ async def test_a_client_that_disconnects_cancels_its_request(make_client, redis_
     assert record[b"state"] == b"cancelled"
     assert redis_server.client().exists(Keys().cancelled(req_id))
     assert len(json.loads(record[b"usage"])) == 3 and json.loads(record[b"usage"])["completion_tokens"] < 500
+
+
+async def test_a_quiet_stream_gets_keepalives_and_still_ends_complete(make_client, redis_server, tokenizer):
+    """Between slow tokens the follower's quiet-spell timer fires (poll_s), the record is looked
+    at, and the client gets `: keep-alive` lines once keepalive_s has passed without a write."""
+    with FakeScheduler(redis_server.url, MODEL, tokenizer, token_delay_s=0.35):
+        client = await make_client(poll_s=0.1, keepalive_s=0.2)
+        response = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 3, "stream": True})
+        text = await response.text()
+    assert ": keep-alive\n\n" in text
+    content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks_of(text))
+    assert content == tokenizer.decode(tokenizer("The quick brown", add_special_tokens=False).input_ids[:3])
