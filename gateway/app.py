@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from gateway.appkeys import FLEET, JOBS, METRICS, MODELS, REDIS, ROUTER, SETTINGS, STORE, TASKS
+from gateway.appkeys import FLEET, JOBS, METRICS, MODELS, QUEUE_TIMES, REDIS, ROUTER, SETTINGS, STORE, TASKS
 from gateway.batch.ingester import BatchIngester
 from gateway.batch.jobs import JobStore
 from gateway.fleet import Fleet
@@ -16,6 +16,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.middlewares import auth_middleware, error_middleware, request_id_middleware
 from gateway.models import ModelRegistry
 from gateway.openapi import openapi_document
+from gateway.queue_times import QueueTimes
 from gateway.requests.pubsub import EventRouter
 from gateway.requests.store import GatewayKeys, RequestStore
 from gateway.routes import ROUTES
@@ -64,6 +65,18 @@ async def _router_ctx(app: web.Application) -> AsyncIterator[None]:
     await router.close()
 
 
+async def _queue_times_ctx(app: web.Application) -> AsyncIterator[None]:
+    queue_times = QueueTimes(app[STORE], app[METRICS])
+    app[QUEUE_TIMES] = queue_times
+    stop = asyncio.Event()
+    task = asyncio.create_task(queue_times.run(stop), name="queue-times")
+    yield
+    stop.set()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await queue_times.flush()  # what the last calls left
+
+
 async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     fleet = Fleet(app[REDIS], GatewayKeys(settings.key_prefix), app[STORE], app[METRICS], app[MODELS].names,
@@ -100,7 +113,8 @@ def create_app(settings: GatewaySettings) -> web.Application:
     app[SETTINGS] = settings
     app[METRICS] = GatewayMetrics()
     # Opened in this order, closed in reverse: tasks close while Redis and the router live.
-    app.cleanup_ctx.extend([_models_ctx, _redis_ctx, _router_ctx, _tasks_ctx, _fleet_ctx, _batch_ctx])
+    app.cleanup_ctx.extend([_models_ctx, _redis_ctx, _router_ctx, _tasks_ctx, _queue_times_ctx, _fleet_ctx,
+                            _batch_ctx])
     for route in ROUTES:
         app.router.add_route(route.method, route.path, route.handler)
     document = openapi_document(secured=bool(settings.api_keys))

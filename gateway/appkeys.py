@@ -9,6 +9,7 @@ from gateway.batch.jobs import JobStore
 from gateway.fleet import Fleet
 from gateway.metrics import GatewayMetrics
 from gateway.models import ModelRegistry
+from gateway.queue_times import QueueTimes
 from gateway.requests.pubsub import EventRouter
 from gateway.requests.store import RequestStore
 from gateway.settings import GatewaySettings
@@ -23,3 +24,4 @@ ROUTER = web.AppKey("router", EventRouter)
 FLEET = web.AppKey("fleet", Fleet)
 TASKS = web.AppKey("tasks", TaskSet)
 JOBS = web.AppKey("jobs", JobStore)
+QUEUE_TIMES = web.AppKey("queue_times", QueueTimes)

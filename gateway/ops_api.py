@@ -8,7 +8,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
 
-from gateway.appkeys import FLEET, METRICS, MODELS, REDIS, STORE
+from gateway.appkeys import FLEET, METRICS, MODELS, QUEUE_TIMES, REDIS, STORE
 from gateway.errors import NotFound
 from gateway.models import ServedModel
 
@@ -42,6 +42,7 @@ async def metrics(request: web.Request) -> web.Response:
             app[METRICS].queue_depth.labels(model).set(await app[STORE].queue_depth(model))
         except (RedisError, OSError):
             break
+    await app[QUEUE_TIMES].flush()  # the queue times of calls that ended since the last look
     body = app[METRICS].render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

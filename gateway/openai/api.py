@@ -7,7 +7,7 @@ import time
 
 from aiohttp import web
 
-from gateway.appkeys import METRICS, MODELS, SETTINGS, STORE, TASKS
+from gateway.appkeys import METRICS, MODELS, QUEUE_TIMES, SETTINGS, STORE
 from gateway.errors import BadRequest, UpstreamFailed
 from gateway.metrics import GatewayMetrics
 from gateway.openai.format import ChoiceOutput, ChunkMaker, chat_completion, text_completion
@@ -25,7 +25,6 @@ from gateway.requests.serving import (
     submissions,
 )
 from gateway.requests.sse import frame
-from gateway.requests.store import RequestStore
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -68,13 +67,6 @@ class _Timer:
             self.metrics.requests.labels(self.model, out.state or "unknown").inc()
 
 
-async def _observe_queue_time(store: RequestStore, metrics: GatewayMetrics, model: str,
-                              req_ids: list[str]) -> None:
-    for queued_at, started_at in await store.timings(req_ids):
-        if queued_at is not None and started_at is not None:
-            metrics.queue_time.labels(model).observe(max(0.0, started_at - queued_at))
-
-
 async def _serve(request: web.Request, plan: Plan, id_prefix: str) -> web.StreamResponse:
     started = time.monotonic()
     await admit(request, plan.model.name, len(plan.choices))
@@ -87,8 +79,7 @@ async def _serve(request: web.Request, plan: Plan, id_prefix: str) -> web.Stream
             response = await _stream(request, plan, response_id, watch, timer)
         else:
             response = await _collect(request, plan, response_id, watch, timer)
-    request.app[TASKS].spawn(_observe_queue_time(request.app[STORE], request.app[METRICS], plan.model.name,
-                                                 req_ids), name="queue-time")
+    request.app[QUEUE_TIMES].add(plan.model.name, req_ids)
     return response
 
 
