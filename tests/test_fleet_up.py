@@ -54,7 +54,8 @@ def test_up_serves_a_chat_completion_and_leaves_nothing_after_sigterm(smollm2, t
         fleet = json.loads((tmp_path / "home" / "fleet.json").read_text())
         assert fleet["gateway_url"] == f"http://127.0.0.1:{port}"
         descendants = psutil.Process(up.pid).children(recursive=True)
-        assert len(descendants) >= 4  # redis, ray, scheduler, gateway (and their children)
+        # redis, scheduler, gateway (and their children); Ray only for the TP=2 group
+        assert len(descendants) >= (3 if tp == 1 else 4)
         body = json.dumps({"model": smollm2.name, "max_tokens": 16, "temperature": 0,
                            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
         request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body.encode(),
@@ -87,3 +88,48 @@ def test_up_serves_a_chat_completion_and_leaves_nothing_after_sigterm(smollm2, t
     assert not alive, [p.cmdline() for p in alive]
     assert not _processes_mentioning(str(tmp_path / "home"))
     assert not (tmp_path / "home" / "fleet.json").exists()
+
+
+def _cpu_seconds(proc: psutil.Process) -> float:
+    times = proc.cpu_times()
+    return times.user + times.system
+
+
+def test_an_idle_fleet_leaves_its_cores_idle(smollm2, tmp_path):
+    """With no traffic, every rank worker and every scheduler stays under 5% of a core.
+
+    --tp 2, so that the fleet runs a Ray group (at TP=1 the scheduler may run the model in
+    its own process): a rank waiting for its next step in Ray's compiled-graph channel read
+    spins a full core unless the group parks it (workers/ray_group.py).
+    """
+    port = free_port()
+    env = {**os.environ, "TOKENFLEET_HOME": str(tmp_path / "home")}
+    up = subprocess.Popen(
+        [sys.executable, "-m", "tokenfleet.cli", "up", "--port", str(port), "--model", str(smollm2),
+         "--num-kv-blocks", "64", "--dtype", "float32", "--tp", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    try:
+        lines = []
+        deadline = time.monotonic() + 300
+        while not any("tokenfleet is up" in line for line in lines):
+            assert up.poll() is None, "".join(lines)
+            assert time.monotonic() < deadline, "".join(lines)
+            lines.append(up.stdout.readline())
+        time.sleep(1.0)  # past the group's parking delay (50 ms) and the start-up's tail
+        children = psutil.Process(up.pid).children(recursive=True)
+        names = {p: " ".join(p.cmdline()).strip() for p in children}
+        watched = {p: f"{name[:60]} (pid {p.pid})" for p, name in names.items()
+                   if "RankWorker" in name or " scheduler " in name}
+        assert sum("RankWorker" in name for name in watched.values()) == 2, list(watched.values())
+        assert sum(" scheduler " in name for name in watched.values()) == 1, list(watched.values())
+        before = {p: _cpu_seconds(p) for p in watched}
+        start = time.monotonic()
+        time.sleep(3.0)
+        elapsed = time.monotonic() - start
+        shares = {watched[p]: (_cpu_seconds(p) - before[p]) / elapsed for p in watched}
+    finally:
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=120) == 0
+    busy = {name: f"{share:.0%} of a core" for name, share in shares.items() if share >= 0.05}
+    assert not busy, busy

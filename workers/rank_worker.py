@@ -2,12 +2,19 @@
 
 The class is plain Python; `workers/ray_group.py` wraps it as a Ray actor. Every rank runs
 `execute` on the same StepBatch; only rank 0 samples and returns a StepResult.
+
+Between steps a rank waits in Ray's compiled-graph channel read, which spins (it polls the
+channel with sched_yield and has no blocking mode). When the group has been idle for a
+while, the driver sends `Park` instead of a batch: the rank then blocks (no CPU) in a read
+of its wake socket until the driver sends it a datagram: straight to the socket from the
+same host (tens of microseconds), through the `wake()` actor call from another one.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -31,6 +38,11 @@ MULTICAST_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST"
                      "NVSHMEM_DISABLE_NVLS": "1"}
 
 
+@dataclass(frozen=True)
+class Park:
+    """Sent in place of a StepBatch when the group is idle: block in `execute` until `wake()`."""
+
+
 @dataclass
 class RankInfo:
     rank: int
@@ -40,6 +52,7 @@ class RankInfo:
     num_kv_blocks: int
     max_model_len: int
     block_size: int
+    wake_address: str | bytes  # this rank's wake socket: an AF_UNIX datagram address on its host
 
 
 @dataclass
@@ -61,6 +74,11 @@ class RankWorker:
         self.config = config
         self.rank = rank
         self.runner: ModelRunner | None = None
+        # A parked execute reads one datagram from this socket; anyone on the host may send it.
+        self._wake_socket = _bind_wake_socket()
+        # This rank's handle on the group's TCPStore; on rank 0 it is the store's server,
+        # which must outlive every other rank's use of it (see shutdown).
+        self._store: dist.TCPStore | None = None
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This rank's node address and a free port on it (asked of rank 0)."""
@@ -74,16 +92,25 @@ class RankWorker:
         if tp.size > 1:
             device = resolve_device(self.config.device)
             backend = "nccl" if device.type == "cuda" else "gloo"
-            dist.init_process_group(
-                backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
-                world_size=tp.size, timeout=COLLECTIVE_TIMEOUT,
-            )
+            self._store = dist.TCPStore(master_addr, master_port, tp.size, is_master=self.rank == 0,
+                                        timeout=COLLECTIVE_TIMEOUT)
+            dist.init_process_group(backend, store=self._store, rank=self.rank, world_size=tp.size,
+                                    timeout=COLLECTIVE_TIMEOUT)
         self.runner = ModelRunner(self.config, tp)
         return RankInfo(self.rank, os.getpid(), socket.gethostname(), self.runner.weight_bytes,
-                        self.runner.num_kv_blocks, self.runner.max_model_len, self.runner.block_size)
+                        self.runner.num_kv_blocks, self.runner.max_model_len, self.runner.block_size,
+                        self._wake_socket.getsockname())
 
-    def execute(self, batch: StepBatch) -> StepResult | None:
+    def execute(self, batch: StepBatch | Park) -> StepResult | None:
+        if isinstance(batch, Park):
+            self._wake_socket.recv(16)  # blocks: no CPU while the group is idle
+            return None
         return self.runner.execute(batch)
+
+    def wake(self) -> None:
+        """End a `Park`: for a driver on another host (an actor call, run on the actor's
+        default thread while `execute` blocks on the compiled graph's)."""
+        self._wake_socket.sendto(b"w", self._wake_socket.getsockname())
 
     def memory(self) -> RankMemory:
         runner = self.runner
@@ -112,8 +139,28 @@ class RankWorker:
         """Take a batch and do nothing: measures the transport alone (scripts/bench_dispatch.py)."""
 
     def shutdown(self) -> None:
+        """Free the model and leave the process group. The group calls it on every rank at
+        once (NCCL's communicator teardown may be collective) and kills the actors only
+        after every rank has returned, so no rank's NCCL watchdog is left polling a
+        TCPStore whose server (rank 0) is already gone ("Broken pipe")."""
+        runner, self.runner = self.runner, None
+        if runner is not None:
+            runner.close()  # CUDA graphs, KV cache and weights back to the device
         if dist.is_initialized():
             dist.destroy_process_group()
-        self.runner = None
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        # self._store stays: rank 0's server lives until the process ends, after the others left.
+        self.wake()  # a rank still parked returns, so the graph's loop can end
+
+
+def _bind_wake_socket() -> socket.socket:
+    """An AF_UNIX datagram socket under a random name: in Linux's abstract namespace (no
+    file, gone with the process), elsewhere a file in the temporary folder."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    name = f"tokenfleet-wake-{os.getpid()}-{os.urandom(6).hex()}"
+    if sys.platform == "linux":
+        sock.bind("\0" + name)
+    else:
+        import tempfile
+
+        sock.bind(os.path.join(tempfile.gettempdir(), name))
+    return sock

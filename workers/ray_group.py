@@ -9,11 +9,22 @@ shared-memory channels and every rank reads it (about 0.2 ms per step here, agai
 about 1.6 ms for plain actor calls; see scripts/bench_dispatch.py). Only rank 0 returns
 sampled tokens. A rank that dies, or a step that exceeds its timeout, raises WorkerError;
 `restart()` tears the group down and builds a new one.
+
+Idle ranks park. A rank waiting for its next step spins in Ray's channel read (a
+sched_yield loop with no blocking mode: a full core per rank). That is what back-to-back
+steps want, but an idle fleet must not burn cores, so a thread of the group sends the ranks
+`Park` once no step has come for PARK_AFTER_S: each rank then blocks reading a socket, and
+the next step first wakes them with a datagram (a rank on another host: an actor call).
+
+Stopping: every rank leaves its process group (all at once, NCCL's teardown may be
+collective) before any actor is killed, so no rank is left talking to rank 0's TCPStore.
 """
 
 from __future__ import annotations
 
 import os
+import socket
+import threading
 import time
 
 import ray
@@ -26,9 +37,13 @@ from shared.errors import ModelLoadError, WorkerError
 from shared.logging import get_logger
 from shared.step import StepBatch, StepResult
 from workers.device import resolve_device
-from workers.rank_worker import RankInfo, RankWorker
+from workers.rank_worker import Park, RankInfo, RankWorker
 
 STARTUP_TIMEOUT_S = 600.0
+STOP_TIMEOUT_S = 10.0  # for each rank to leave its process group when the group stops
+# No step for this long: the ranks stop spinning (park). Longer than any gap between the
+# steps of a busy scheduler; short enough that an idle group costs nothing.
+PARK_AFTER_S = 0.05
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 
 
@@ -56,8 +71,23 @@ class RayWorkerGroup:
         self.config = config
         self.log = get_logger("tokenfleet.worker_group")
         self.step_timeout_s = config.step_timeout_s
+        self.park_after_s = PARK_AFTER_S
+        # Held by a step, by parking and by start/teardown: the compiled graph is driven by
+        # one thread at a time. Notified when parking becomes possible again.
+        self._lock = threading.Condition()
+        self._is_closed = False
+        self._can_park = False  # a compiled graph is up and nothing went wrong parking it
+        self._park_ref = None  # the in-flight Park execution while the ranks are parked
+        self._last_step_at = time.monotonic()
+        self.compiled = None
+        self.actors: list = []
+        self.pg = None
+        self._wake_socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # to ranks on this host
+        self._wake_socket.setblocking(False)
         ensure_ray(config.ray_address)
         self._start()
+        self._parker = threading.Thread(target=self._park_when_idle, name="tokenfleet-park", daemon=True)
+        self._parker.start()
 
     # -- life cycle -------------------------------------------------------------------
 
@@ -103,7 +133,11 @@ class RayWorkerGroup:
         self._warn_if_spread()
         with InputNode() as batch:
             dag = MultiOutputNode([a.execute.bind(batch) for a in self.actors])
-        self.compiled = dag.experimental_compile()
+        with self._lock:
+            self.compiled = dag.experimental_compile()
+            self._last_step_at = time.monotonic()
+            self._can_park = True
+            self._lock.notify_all()
         self.num_kv_blocks = min(info.num_kv_blocks for info in self.infos)
         self.max_model_len = self.infos[0].max_model_len
         self.block_size = self.infos[0].block_size
@@ -122,27 +156,101 @@ class RayWorkerGroup:
         self._start()
 
     def _teardown(self) -> None:
-        compiled = getattr(self, "compiled", None)
-        if compiled is not None:
+        with self._lock:
+            self._can_park = False
+            if self._park_ref is not None:
+                try:
+                    self._unpark(STOP_TIMEOUT_S)
+                except Exception as exc:  # noqa: BLE001 - a broken group is torn down all the same
+                    self.log.warning("unpark_failed", error=str(exc))
+            self._leave_process_group()
+            compiled, self.compiled = self.compiled, None
+            if compiled is not None:
+                try:
+                    compiled.teardown(kill_actors=True)
+                except Exception as exc:  # noqa: BLE001 - a broken graph must not block the rebuild
+                    self.log.warning("compiled_graph_teardown_failed", error=str(exc))
+            for actor in reversed(self.actors):  # rank 0, the TCPStore's server, last
+                ray.kill(actor, no_restart=True)
+            self.actors = []
+            if self.pg is not None:
+                remove_placement_group(self.pg)
+                self.pg = None
+
+    def _leave_process_group(self) -> None:
+        """Every rank frees its model and leaves torch.distributed, all at once; a rank that
+        is dead or stuck is not waited for longer than STOP_TIMEOUT_S (it is killed next)."""
+        refs = [actor.shutdown.remote() for actor in self.actors]
+        if not refs:
+            return
+        done, not_done = ray.wait(refs, num_returns=len(refs), timeout=STOP_TIMEOUT_S)
+        for ref in done:
             try:
-                compiled.teardown(kill_actors=True)
-            except Exception as exc:  # noqa: BLE001 - a broken graph must not block the rebuild
-                self.log.warning("compiled_graph_teardown_failed", error=str(exc))
-            self.compiled = None
-        for actor in getattr(self, "actors", []):
-            ray.kill(actor, no_restart=True)
-        self.actors = []
-        if getattr(self, "pg", None) is not None:
-            remove_placement_group(self.pg)
-            self.pg = None
+                ray.get(ref)
+            except ray.exceptions.RayError as exc:  # a dead rank, on the way to a rebuild
+                self.log.info("rank_shutdown_failed", error=type(exc).__name__)
+        if not_done:
+            self.log.warning("ranks_did_not_shut_down", num_ranks=len(not_done), timeout_s=STOP_TIMEOUT_S)
 
     def shutdown(self) -> None:
+        """Stop every rank (their device memory freed, the process group left) and the
+        parking thread. Idempotent."""
+        with self._lock:
+            self._is_closed = True
+            self._lock.notify_all()
+        self._parker.join()
         self._teardown()
+        self._wake_socket.close()
+
+    # -- parking ----------------------------------------------------------------------
+
+    def _park_when_idle(self) -> None:
+        """The parking thread: park the ranks once no step has come for park_after_s."""
+        with self._lock:
+            while not self._is_closed:
+                if not self._can_park or self._park_ref is not None:
+                    self._lock.wait()  # until a step (or a new graph) makes parking possible
+                    continue
+                idle_s = time.monotonic() - self._last_step_at
+                if idle_s < self.park_after_s:
+                    self._lock.wait(self.park_after_s - idle_s)
+                    continue
+                try:
+                    self._park_ref = self.compiled.execute(Park())
+                except Exception as exc:  # noqa: BLE001 - the next step fails the same way, and restarts
+                    self.log.warning("park_failed", error=str(exc))
+                    self._can_park = False
+
+    def _unpark(self, timeout_s: float) -> None:
+        """Wake parked ranks and collect their Park execution (caller holds the lock)."""
+        park_ref, self._park_ref = self._park_ref, None
+        wake_calls = []
+        for actor, info in zip(self.actors, self.infos, strict=True):
+            try:
+                self._wake_socket.sendto(b"w", info.wake_address)
+            except OSError:  # no such socket here: the rank is on another host (or dead)
+                wake_calls.append(actor.wake.remote())
+        ray.get(park_ref, timeout=timeout_s)
+        ray.get(wake_calls, timeout=timeout_s)
+        self._lock.notify_all()  # the parking thread starts timing the idle gap again
+
+    @property
+    def is_parked(self) -> bool:
+        return self._park_ref is not None
 
     # -- steps ------------------------------------------------------------------------
 
     def execute(self, batch: StepBatch) -> StepResult:
+        with self._lock:
+            try:
+                return self._execute(batch)
+            finally:
+                self._last_step_at = time.monotonic()
+
+    def _execute(self, batch: StepBatch) -> StepResult:
         try:
+            if self._park_ref is not None:
+                self._unpark(self.step_timeout_s)
             results = ray.get(self.compiled.execute(batch), timeout=self.step_timeout_s)
         except ray.exceptions.RayTaskError as exc:
             raise WorkerError(f"step {batch.step_id} failed on a rank: {_root_message(exc)}") from None

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
+import time
+from pathlib import Path
 
+import psutil
 import pytest
+import ray
 
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
@@ -63,6 +68,75 @@ def test_two_replicas_both_serve_and_match_one_engine(tiny_checkpoints):
         assert all(engine.num_steps > 0 for engine in replicas.engines)
     assert len(set(pids)) == 2  # two worker processes
     assert [r.token_ids for r in results] == expected
+
+
+def _cpu_seconds(pid: int) -> float:
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
+def _wait_until_parked(group, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not group.is_parked:
+        assert time.monotonic() < deadline, "the idle group never parked its ranks"
+        time.sleep(0.02)
+
+
+def test_an_idle_group_parks_its_ranks_and_the_next_step_wakes_them(tiny_checkpoints):
+    """Idle ranks block instead of spinning in the compiled graph's channel read, and the
+    next request runs as if they never slept: woken by datagram on this host, or by an actor
+    call for a rank whose socket is out of reach (a rank on another host)."""
+    folder = tiny_checkpoints["llama"]
+    prompts = _prompts(4)
+    with LLMEngine(_config(folder, tp=2)) as engine:
+        group = engine.executor
+        first = [r.token_ids for r in engine.generate(prompts, GREEDY)]
+        _wait_until_parked(group)
+        pids = group.rank_pids()
+        before = [_cpu_seconds(pid) for pid in pids]
+        start = time.monotonic()
+        time.sleep(1.5)
+        elapsed = time.monotonic() - start
+        shares = [(_cpu_seconds(pid) - cpu) / elapsed for pid, cpu in zip(pids, before, strict=True)]
+        assert max(shares) < 0.05, shares
+        assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == first
+        _wait_until_parked(group)
+        group.infos[1].wake_address = b"\0tokenfleet-wake-on-another-host"
+        assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == first
+        assert engine.num_group_restarts == 0
+
+
+def test_a_stopping_group_takes_every_rank_out_of_its_process_group_before_killing_it(
+        tiny_checkpoints, monkeypatch):
+    """No rank is killed while still in the torch.distributed group (whose TCPStore server is
+    rank 0: a rank killed early leaves the others' NCCL watchdogs writing "Broken pipe"
+    traces), and the ranks' own logs hold no error trace after a normal stop."""
+    folder = tiny_checkpoints["qwen2"]
+    in_group_when_killed: list[bool] = []
+    kill = ray.kill
+
+    def in_process_group(worker) -> bool:
+        import torch.distributed
+
+        return torch.distributed.is_initialized()
+
+    def recording_kill(actor, *args, **kwargs) -> None:
+        try:
+            in_group_when_killed.append(ray.get(actor.__ray_call__.remote(in_process_group), timeout=30))
+        except ray.exceptions.RayActorError:
+            pass  # killed already
+        kill(actor, *args, **kwargs)
+
+    with LLMEngine(_config(folder, tp=2)) as engine:
+        engine.generate(_prompts(2), GREEDY)
+        pids = engine.executor.rank_pids()
+        monkeypatch.setattr(ray, "kill", recording_kill)
+    assert in_group_when_killed and not any(in_group_when_killed), in_group_when_killed
+    logs_dir = Path(ray._private.worker._global_node.get_logs_dir_path())
+    for pid in pids:
+        [err] = logs_dir.glob(f"worker-*-{pid}.err")
+        text = err.read_text()
+        assert not re.search(r"Traceback|Broken pipe|\[error|ERROR", text), text[-3000:]
 
 
 def test_tp2_on_an_existing_cluster_started_with_ray_start(smollm2, tmp_path):
