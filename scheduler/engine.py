@@ -11,6 +11,8 @@ calls `add_request` / `step` itself.
 from __future__ import annotations
 
 import itertools
+import random
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -200,6 +202,26 @@ class LLMEngine:
             for out in self.step():
                 collect_output(results[out.req_id], out)
         return [results[req_id] for req_id in order]
+
+    def set_gpu_wait_gate(self, gate: threading.Event) -> bool:
+        """Have the executor set `gate` while each step waits for the GPU, so that a caller's
+        helper thread runs then; False when this executor has no such wait to offer."""
+        setter = getattr(self.executor, "set_gpu_wait_gate", None)
+        if setter is None:
+            return False
+        setter(gate)
+        return True
+
+    def warm_up(self) -> None:
+        """Run a few throwaway requests through every kind of step (long prefill chunks, mixed
+        prefill and decode, decode): the GPU kernels compile for their shapes now, not in the
+        middle of serving the first users' requests."""
+        limit = min(self.max_model_len, self.config.max_num_batched_tokens) - 8
+        lengths = sorted({max(1, min(n, limit)) for n in (16, 200, 1000, 3000, 6000)})
+        rng = random.Random(0)
+        vocab = self.model_config.vocab_size
+        prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+        self.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
 
     def close(self) -> None:
         """Stop the worker group and give its device memory back (graphs, KV cache, weights),

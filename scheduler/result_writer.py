@@ -25,6 +25,9 @@ from scheduler.result_store import ResultStore, ResultUpdate
 from shared.logging import get_logger
 
 MAX_BACKOFF_S = 5.0
+# The longest the writer waits for its gate to open before it writes anyway (a CPU engine, or a
+# long eager step, never waits on a GPU).
+MAX_GATE_WAIT_S = 0.05
 
 
 # A step's outputs, and the function that turns them into updates on this thread.
@@ -43,6 +46,10 @@ class ResultWriter:
         self._num_writing = 0  # batches taken off the queue and not yet written
         self._lost_req_ids: list[str] = []  # another scheduler owns them now
         self.error: Exception | None = None  # the last failed write, until one succeeds
+        # Open while the engine thread waits (for the GPU, or on Redis when idle): this thread's
+        # Python work then costs that thread nothing. Open unless the engine thread says otherwise.
+        self.gate = threading.Event()
+        self.gate.set()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="result-writer", daemon=True)
         self._thread.start()
@@ -111,7 +118,9 @@ class ResultWriter:
                 self._queue.clear()
             updates: list[ResultUpdate] = []
             for item in items:
+                self.gate.wait(MAX_GATE_WAIT_S)
                 updates += self.build_updates(*item) if isinstance(item, tuple) else item
+            self.gate.wait(MAX_GATE_WAIT_S)
             self._write_until_done(updates)
             with self._cond:
                 self._num_writing = 0

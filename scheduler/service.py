@@ -41,6 +41,9 @@ from shared.messages import (
 )
 
 MAX_BACKOFF_S = 5.0
+# A busy scheduler that found its streams empty looks again after this long, not every step:
+# each look is a Redis round trip on the engine thread (up to 10% of a small batch's step).
+ADMISSION_POLL_S = 0.005
 SWITCH_INTERVAL_S = 0.0005
 
 
@@ -98,10 +101,13 @@ class SchedulerService:
         self.writer = ResultWriter(self.results, settings.scheduler_id, self._updates_for)
         # Text is made on the writer thread, except where stop strings need it in the engine.
         engine.scheduler.text_for_stop_strings_only = True
+        # The writer works while the engine thread waits for the GPU, not while it schedules.
+        self._gates_writer = engine.set_gpu_wait_gate(self.writer.gate)
         self._pending: list[ResultUpdate] = []  # this tick's updates, handed to the writer at its end
         self._cancel_ids: set[str] = set()  # from the tf:cancel listener thread
         self._cancel_lock = threading.Lock()
         self._next_maintenance = 0.0
+        self._next_admission_poll = 0.0
         self._groups_ready = False
 
     # -- the loop -----------------------------------------------------------------------
@@ -131,6 +137,7 @@ class SchedulerService:
                 self.log.warning("consumer_group_missing", error=str(exc))
                 self._groups_ready = False
         self._flush()
+        self.writer.gate.set()
         self.writer.close()
         listener.join(timeout=5)
 
@@ -144,9 +151,13 @@ class SchedulerService:
             self._maintain()
             self._next_maintenance = time.monotonic() + self.settings.heartbeat_s
         self._apply_cancellations()
+        if self._gates_writer:
+            self.writer.gate.clear()
         self._admit(block=not self.engine.has_unfinished_requests())
         if self.engine.has_unfinished_requests():
             self._hand_over_step(self.engine.step())
+        else:
+            self.writer.gate.set()  # idle: nothing here needs the GIL
         self._flush()
 
     def _ensure_groups(self) -> None:
@@ -179,6 +190,7 @@ class SchedulerService:
         """Everything so far written to Redis (for callers that read it back at once); raises
         the writer's error while Redis is away."""
         self._flush()
+        self.writer.gate.set()  # this thread waits for the writer now
         while not self.writer.drain(0.5):
             if self.writer.error is not None:
                 raise self.writer.error
@@ -204,14 +216,17 @@ class SchedulerService:
 
     def _admit(self, *, block: bool) -> None:
         interactive_room, batch_room = self._capacity()
-        if interactive_room <= 0:
+        if interactive_room <= 0 or (not block and time.monotonic() < self._next_admission_poll):
             return
         interactive, batch = self.streams
         entries: list[tuple[str, str, dict]] = self._read({interactive: ">"}, interactive_room, None)
         batch_room -= len(entries)
         if batch_room > 0:
             entries += self._read({batch: ">"}, batch_room, None)
+        if not entries and not block:
+            self._next_admission_poll = time.monotonic() + ADMISSION_POLL_S
         if not entries and block:
+            self.writer.gate.set()  # this thread only waits on Redis now
             entries = self._read({s: ">" for s in self.streams}, max(1, batch_room),
                                  self.settings.idle_block_ms)
         for stream, entry_id, fields in entries:

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Protocol
 
 from shared.config import EngineConfig
@@ -36,16 +37,22 @@ class Executor(Protocol):
 class InProcessExecutor:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.gpu_wait_gate: threading.Event | None = None
         self._start()
 
     def _start(self) -> None:
         self.runner = ModelRunner(self.config, SINGLE_DEVICE)
+        self.runner.gpu_wait_gate = self.gpu_wait_gate
         self.num_kv_blocks = self.runner.num_kv_blocks
         self.max_model_len = self.runner.max_model_len
         self.block_size = self.runner.block_size
 
     def execute(self, batch: StepBatch) -> StepResult:
         return self.runner.execute(batch)
+
+    def set_gpu_wait_gate(self, gate: threading.Event) -> None:
+        """Set `gate` while each step waits for the GPU (see ModelRunner.gpu_wait_gate)."""
+        self.gpu_wait_gate = self.runner.gpu_wait_gate = gate
 
     def restart(self) -> None:
         # The old runner goes first: on CUDA the new one sizes its KV cache from free memory.

@@ -8,6 +8,7 @@ CUDA (`workers/cuda_graphs.py`); every other step runs eagerly.
 from __future__ import annotations
 
 import gc
+import threading
 import time
 
 import torch
@@ -71,6 +72,10 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache()  # holds one more: the scratch block
         self.decode_graphs = self._capture_decode_graphs()
         self.sampler = Sampler(seed=config.seed) if tp.is_driver else None
+        # Set while this thread waits for the GPU (the sampler's copy of the chosen ids): a
+        # caller's helper thread (the scheduler's result writer) uses the GIL then, rather than
+        # while this thread launches the next step.
+        self.gpu_wait_gate: threading.Event | None = None
         self.is_closed = False
 
     def _new_model(self, device: torch.device) -> torch.nn.Module:
@@ -206,7 +211,14 @@ class ModelRunner:
         if logits is None:
             return StepResult(batch.step_id, [])
         # The step's one host synchronisation: the sampler's .tolist() of the chosen ids.
-        sampled = self.sampler.sample(logits, sampled_works)  # float32 inside, where it matters
+        gate = self.gpu_wait_gate
+        if gate is not None:
+            gate.set()
+        try:
+            sampled = self.sampler.sample(logits, sampled_works)  # float32 inside, where it matters
+        finally:
+            if gate is not None:
+                gate.clear()
         return StepResult(batch.step_id, sampled)
 
     def close(self) -> None:
