@@ -9,6 +9,7 @@ the request removes it from the queue.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import time
@@ -79,6 +80,7 @@ class RequestStore:
         self._submit = client.register_script(_SUBMIT_SCRIPT)
         self._finish_unclaimed = client.register_script(_FINISH_UNCLAIMED_SCRIPT)
         self._release = client.register_script(_RELEASE_SCRIPT)
+        self._depth_reads: dict[str, asyncio.Future] = {}  # model -> the queue-depth read on its way
 
     # -- queueing ---------------------------------------------------------------------
 
@@ -118,7 +120,24 @@ class RequestStore:
         return [self.keys.result(sub.req_id), stream], args
 
     async def queue_depth(self, model: str) -> int:
-        """Entries of the model's interactive stream that no scheduler has taken yet."""
+        """Entries of the model's interactive stream that no scheduler has taken yet. Callers
+        that ask while a read is on its way share it (a burst of requests, each admitted
+        against the depth, costs one read, not one per request): an answer at most one Redis
+        round trip older than a read of the caller's own."""
+        pending = self._depth_reads.get(model)
+        if pending is None:
+            pending = asyncio.ensure_future(self._read_queue_depth(model))
+            self._depth_reads[model] = pending
+            pending.add_done_callback(lambda done: self._read_done(model, done))
+        return await asyncio.shield(pending)
+
+    def _read_done(self, model: str, done: asyncio.Future) -> None:
+        if self._depth_reads.get(model) is done:
+            del self._depth_reads[model]
+        if not done.cancelled():
+            done.exception()  # retrieved here too: every caller may have left before it ended
+
+    async def _read_queue_depth(self, model: str) -> int:
         stream = self.keys.request_stream(model, QUEUE_KIND)
         pipe = self.client.pipeline(transaction=False)
         pipe.xlen(stream)
