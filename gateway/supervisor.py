@@ -28,12 +28,14 @@ import multiprocessing.connection
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from shared.errors import TokenfleetError
 from shared.logging import configure_logging, get_logger
 
 if TYPE_CHECKING:
@@ -87,6 +89,7 @@ class Supervisor:
 
     def run(self) -> int:
         """Until SIGINT/SIGTERM (0) or workers that cannot be kept up (1)."""
+        _check_port_free(self.settings.host, self.settings.port)
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         metrics_dir = self._metrics_dir()
         try:
@@ -201,6 +204,19 @@ class Supervisor:
                 worker.process.kill()
                 worker.process.join()
         self.workers.clear()
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """SO_REUSEPORT would let the workers share the port with a process that holds it already
+    (an old gateway, same user): refuse instead, as a single gateway's bind does."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the workers bind: TIME_WAIT is fine
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise TokenfleetError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 def run_workers(settings: GatewaySettings, num_workers: int) -> int:

@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -126,6 +127,16 @@ async def test_workers_do_not_outlive_a_parent_killed_outright(redis_server, smo
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(gateway.pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_workers_refuse_a_port_another_process_holds(redis_server, smollm2):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        gateway = _start(redis_server.url, smollm2, holder.getsockname()[1])
+        gateway.wait(timeout=60)
+    assert gateway.returncode == 1  # rather than sharing it through SO_REUSEPORT
 
 
 def test_worker_counts_come_from_flags_the_environment_or_the_cores(monkeypatch):
