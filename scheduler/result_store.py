@@ -115,25 +115,30 @@ class ResultStore:
     def write(self, updates: list[ResultUpdate]) -> list[bool]:
         """One round trip and one script call for all updates; False where another scheduler
         owns the request."""
-        if not updates:
+        return self.write_packed([self.pack(update) for update in updates])
+
+    def pack(self, update: ResultUpdate) -> list:
+        """One update as the write script reads it (see _WRITE_SCRIPT)."""
+        is_notice = update.batch_job_id is not None and update.fields.get("state") in TERMINAL_STATES
+        appends: list[str | bytes] = []
+        for name, value in update.appends.items():
+            appends += (name, _wire(value))
+        sets: list[str | bytes] = []
+        for name, value in update.fields.items():
+            sets += (name, _wire(value))
+        return [
+            self.keys.result(update.req_id), update.stream,
+            self.keys.events(update.req_id) if update.event is not None else "", update.event or b"",
+            update.ack_entry_id or "",
+            self.keys.batch_done if is_notice else "", update.req_id if is_notice else "",
+            update.batch_job_id if is_notice else "",
+            _wire(update.fields.get("seq", "")) if update.appends else "", appends, sets,
+        ]
+
+    def write_packed(self, packed: list[list]) -> list[bool]:
+        """Write updates made by pack(), in order, in one script call."""
+        if not packed:
             return []
-        packed = []
-        for update in updates:
-            is_notice = update.batch_job_id is not None and update.fields.get("state") in TERMINAL_STATES
-            appends: list[str | bytes] = []
-            for name, value in update.appends.items():
-                appends += (name, _wire(value))
-            sets: list[str | bytes] = []
-            for name, value in update.fields.items():
-                sets += (name, _wire(value))
-            packed.append([
-                self.keys.result(update.req_id), update.stream,
-                self.keys.events(update.req_id) if update.event is not None else "", update.event or b"",
-                update.ack_entry_id or "",
-                self.keys.batch_done if is_notice else "", update.req_id if is_notice else "",
-                update.batch_job_id if is_notice else "",
-                _wire(update.fields.get("seq", "")) if update.appends else "", appends, sets,
-            ])
         # Redis' Lua msgpack (cmsgpack) predates the bin type: every string goes as raw bytes.
         owned = self._write(args=[self.owner, self.ttl_s, msgpack.packb(packed, use_bin_type=False)])
         return [bool(flag) for flag in owned]

@@ -28,6 +28,9 @@ MAX_BACKOFF_S = 5.0
 # The longest the writer waits for its gate to open before it writes anyway (a CPU engine, or a
 # long eager step, never waits on a GPU).
 MAX_GATE_WAIT_S = 0.05
+# Requests built and packed between two looks at the gate: small enough that the engine thread,
+# back from the GPU, finds the GIL free within a few hundred microseconds.
+CHUNK_SIZE = 32
 
 
 # A step's outputs, and the function that turns them into updates on this thread.
@@ -45,6 +48,7 @@ class ResultWriter:
         self._cond = threading.Condition()
         self._num_writing = 0  # batches taken off the queue and not yet written
         self._lost_req_ids: list[str] = []  # another scheduler owns them now
+        self._ended_req_ids: list[str] = []  # terminal state written and stream entry acknowledged
         self.error: Exception | None = None  # the last failed write, until one succeeds
         # Open while the engine thread waits (for the GPU, or on Redis when idle): this thread's
         # Python work then costs that thread nothing. Open unless the engine thread says otherwise.
@@ -77,6 +81,12 @@ class ResultWriter:
         with self._cond:
             lost, self._lost_req_ids = self._lost_req_ids, []
         return lost
+
+    def take_ended(self) -> list[str]:
+        """Requests whose terminal write (with its acknowledgement) landed since the last call."""
+        with self._cond:
+            ended, self._ended_req_ids = self._ended_req_ids, []
+        return ended
 
     @property
     def num_pending(self) -> int:
@@ -116,21 +126,36 @@ class ResultWriter:
                 items = list(self._queue)
                 self._num_writing = len(items)
                 self._queue.clear()
-            updates: list[ResultUpdate] = []
-            for item in items:
-                self.gate.wait(MAX_GATE_WAIT_S)
-                updates += self.build_updates(*item) if isinstance(item, tuple) else item
+            updates, packed = self._build_and_pack(items)
             self.gate.wait(MAX_GATE_WAIT_S)
-            self._write_until_done(updates)
+            self._write_until_done(updates, packed)
             with self._cond:
                 self._num_writing = 0
                 self._cond.notify_all()
 
-    def _write_until_done(self, updates: list[ResultUpdate]) -> None:
+    def _build_and_pack(self, items: list) -> tuple[list[ResultUpdate], list[list]]:
+        """Every item's updates, packed for the store, a chunk at a time between looks at the gate."""
+        updates: list[ResultUpdate] = []
+        packed: list[list] = []
+        for item in items:
+            if isinstance(item, tuple):
+                outputs, now = item
+                for start in range(0, len(outputs), CHUNK_SIZE):
+                    self.gate.wait(MAX_GATE_WAIT_S)
+                    chunk = self.build_updates(outputs[start:start + CHUNK_SIZE], now)
+                    updates += chunk
+                    packed += [self.results.pack(update) for update in chunk]
+            else:
+                self.gate.wait(MAX_GATE_WAIT_S)
+                updates += item
+                packed += [self.results.pack(update) for update in item]
+        return updates, packed
+
+    def _write_until_done(self, updates: list[ResultUpdate], packed: list[list]) -> None:
         backoff = 0.1
         while True:
             try:
-                owned = self.results.write(updates)
+                owned = self.results.write_packed(packed)
                 break
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 self.error = exc
@@ -141,6 +166,7 @@ class ResultWriter:
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
         self.error = None
         lost = [u.req_id for u, is_owner in zip(updates, owned, strict=True) if not is_owner]
-        if lost:
-            with self._cond:
-                self._lost_req_ids += lost
+        ended = [u.req_id for u in updates if u.ack_entry_id is not None]
+        with self._cond:
+            self._lost_req_ids += lost
+            self._ended_req_ids += ended

@@ -98,6 +98,9 @@ class SchedulerService:
         self.log = get_logger("tokenfleet.scheduler", scheduler_id=settings.scheduler_id)
         self.streams = [self.keys.request_stream(settings.model_name, kind) for kind in REQUEST_KINDS]
         self.inflight: dict[str, InFlight] = {}  # req_id -> request this scheduler owns
+        # req_id -> request the engine finished whose terminal write has not landed yet: its
+        # entry is still ours (renewed, never admitted again) until the writer says it landed.
+        self._finishing: dict[str, InFlight] = {}
         self.writer = ResultWriter(self.results, settings.scheduler_id, self._updates_for)
         # Text is made on the writer thread, except where stop strings need it in the engine.
         engine.scheduler.text_for_stop_strings_only = True
@@ -176,8 +179,8 @@ class SchedulerService:
         now = time.time()
         step = [(flight, out) for out in outputs if (flight := self.inflight.get(out.req_id)) is not None]
         for out in outputs:
-            if out.finished:
-                self.inflight.pop(out.req_id, None)
+            if out.finished and (flight := self.inflight.pop(out.req_id, None)) is not None:
+                self._finishing[out.req_id] = flight
         self._flush()  # what this tick queued before the step goes first
         self.writer.submit_step(step, now)
 
@@ -196,7 +199,10 @@ class SchedulerService:
                 raise self.writer.error
 
     def _drop_lost_requests(self) -> None:
+        for req_id in self.writer.take_ended():
+            self._finishing.pop(req_id, None)
         for req_id in self.writer.take_lost():
+            self._finishing.pop(req_id, None)
             if req_id in self.inflight:
                 # A successor claimed it while we thought we had it: stop generating it.
                 self.log.warning("ownership_lost", req_id=req_id)
@@ -246,7 +252,7 @@ class SchedulerService:
         except MessageDecodeError as exc:
             self._dead_letter(stream, entry_id, f"undecodable: {exc}", num_deliveries, payload)
             return
-        if message.req_id in self.inflight:
+        if message.req_id in self.inflight or message.req_id in self._finishing:
             return  # ours already (claimed back from ourselves)
         if num_deliveries > self.settings.max_deliveries:
             self._dead_letter(stream, entry_id, f"delivered {num_deliveries} times", num_deliveries,
@@ -437,7 +443,7 @@ class SchedulerService:
     def _renew_claims(self) -> None:
         """Reset the idle time of every entry we own, so nobody takes it over."""
         by_stream: dict[str, list[str]] = {}
-        for flight in self.inflight.values():
+        for flight in [*self.inflight.values(), *self._finishing.values()]:
             by_stream.setdefault(flight.stream, []).append(flight.entry_id)
         for stream, entry_ids in by_stream.items():
             self.client.xclaim(stream, CONSUMER_GROUP, self.settings.scheduler_id, 0, entry_ids,
