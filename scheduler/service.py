@@ -24,7 +24,7 @@ import redis
 from scheduler.detokenizer import IncrementalDetokenizer
 from scheduler.engine import LLMEngine, Usage
 from scheduler.request import BATCH_PRIORITY, FinishReason, RequestStatus
-from scheduler.result_store import ResultStore, ResultUpdate, terminal_fields
+from scheduler.result_store import ResultStore, ResultUpdate, StoredProgress, terminal_fields
 from scheduler.result_writer import ResultWriter
 from scheduler.scheduler import RequestOutput
 from shared.errors import InvalidRequestError
@@ -235,30 +235,51 @@ class SchedulerService:
             self.writer.gate.set()  # this thread only waits on Redis now
             entries = self._read({s: ">" for s in self.streams}, max(1, batch_room),
                                  self.settings.idle_block_ms)
-        for stream, entry_id, fields in entries:
-            self._admit_entry(stream, entry_id, fields, num_deliveries=1)
+        self._admit_entries([(stream, entry_id, fields, 1) for stream, entry_id, fields in entries])
 
     def _read(self, streams: dict[str, str], count: int, block_ms: int | None) -> list:
         response = self.client.xreadgroup(CONSUMER_GROUP, self.settings.scheduler_id, streams,
                                           count=count, block=block_ms)
         return [(s.decode(), eid.decode(), fields) for s, items in response or [] for eid, fields in items]
 
-    def _admit_entry(self, stream: str, entry_id: str, fields: dict | None, num_deliveries: int) -> None:
-        payload = (fields or {}).get(b"m")
+    def _admit_entries(self, entries: list[tuple[str, str, dict | None, int]]) -> None:
+        """Start the requests of stream entries (stream, entry id, fields, deliveries so far).
+        Their records are claimed, and their cancel flags read, in one round trip for all."""
+        admitted: list[tuple[str, str, int, bytes, RequestMessage]] = []
+        for stream, entry_id, fields, num_deliveries in entries:
+            payload = (fields or {}).get(b"m")
+            message = self._check_entry(stream, entry_id, payload, num_deliveries)
+            if message is not None and all(message.req_id != m.req_id for *_, m in admitted):
+                admitted.append((stream, entry_id, num_deliveries, payload, message))
+        if not admitted:
+            return
+        req_ids = [message.req_id for *_, message in admitted]
+        progress, cancelled = self.results.claim_many(req_ids, [self.keys.cancelled(r) for r in req_ids])
+        for (stream, entry_id, num_deliveries, payload, message), stored, is_cancelled in zip(
+                admitted, progress, cancelled, strict=True):
+            self._start(stream, entry_id, num_deliveries, payload, message, stored, is_cancelled)
+
+    def _check_entry(self, stream: str, entry_id: str, payload: bytes | None,
+                     num_deliveries: int) -> RequestMessage | None:
+        """The entry's request, or None: undecodable or delivered too often (set aside in
+        tf:dead), or ours already."""
         try:
             if payload is None:
                 raise MessageDecodeError("the entry has no 'm' field")
             message = RequestMessage.decode(payload)
         except MessageDecodeError as exc:
             self._dead_letter(stream, entry_id, f"undecodable: {exc}", num_deliveries, payload)
-            return
+            return None
         if message.req_id in self.inflight or message.req_id in self._finishing:
-            return  # ours already (claimed back from ourselves)
+            return None  # ours already (claimed back from ourselves)
         if num_deliveries > self.settings.max_deliveries:
             self._dead_letter(stream, entry_id, f"delivered {num_deliveries} times", num_deliveries,
                               payload, message.req_id, message.batch_job_id)
-            return
-        progress = self.results.claim(message.req_id)
+            return None
+        return message
+
+    def _start(self, stream: str, entry_id: str, num_deliveries: int, payload: bytes,
+               message: RequestMessage, progress: StoredProgress, is_cancelled: bool) -> None:
         flight = InFlight(message.req_id, stream, entry_id, len(message.prompt_token_ids),
                           seq=progress.seq, token_ids=list(progress.token_ids), text=progress.text,
                           offsets=list(progress.offsets), deadline=message.deadline,
@@ -266,7 +287,7 @@ class SchedulerService:
         if progress.state in TERMINAL_STATES:
             self._pending.append(ResultUpdate(message.req_id, stream, {}, ack_entry_id=entry_id))
             return  # (no notice: the write that made it terminal sent one)
-        if self.client.exists(self.keys.cancelled(message.req_id)):
+        if is_cancelled:
             self._finish_unrun(flight, "cancelled", "cancelled", "cancelled before it started")
             return
         if message.deadline is not None and time.time() > message.deadline and not progress.token_ids:
@@ -461,7 +482,7 @@ class SchedulerService:
                 pending = self.client.xpending_range(stream, CONSUMER_GROUP, entry_id, entry_id, 1)
                 deliveries = pending[0]["times_delivered"] if pending else 1
                 self.log.info("entry_taken_over", stream=stream, entry_id=entry_id, deliveries=deliveries)
-                self._admit_entry(stream, entry_id, fields, deliveries)
+                self._admit_entries([(stream, entry_id, fields, deliveries)])
 
     def _check_cancel_keys_and_deadlines(self) -> None:
         """Catch cancellations whose pub/sub message was missed, and expire queued requests."""
