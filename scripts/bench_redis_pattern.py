@@ -60,6 +60,8 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench_common import Children  # noqa: E402 - child processes that die with the bench
+
 from shared.net import free_port  # noqa: E402
 from tokenfleet.redis_server import redis_server_binary  # noqa: E402
 
@@ -75,41 +77,7 @@ PERSISTENCE = {  # redis-server flags
 
 # -- processes -------------------------------------------------------------------------------------
 
-class Procs:
-    """Child processes, each in its own session; stopped in reverse order."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.procs: list[tuple[str, subprocess.Popen]] = []
-
-    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
-        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the child
-        env = {**os.environ, "TOKENFLEET_LOG_LEVEL": "WARNING"}
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
-                                start_new_session=True)
-        self.procs.append((name, proc))
-        return proc
-
-    def check(self) -> None:
-        for name, proc in self.procs:
-            if proc.poll() is not None:
-                tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail}")
-
-    def stop(self) -> None:
-        for _, proc in reversed(self.procs):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        for _, proc in reversed(self.procs):
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=5)
-
-
-def start_redis(procs: Procs, data_dir: Path, persistence: str) -> tuple[subprocess.Popen, str]:
+def start_redis(procs: Children, data_dir: Path, persistence: str) -> tuple[subprocess.Popen, str]:
     data_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     proc = procs.spawn("redis", [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
@@ -293,11 +261,11 @@ def batch_tokens(client: redis.Redis, job_id: str) -> int:
     return total
 
 
-def wait_health(url: str, procs: Procs) -> None:
+def wait_health(url: str, procs: Children) -> None:
     wait_ready(url, procs, path="/health")
 
 
-def wait_ready(url: str, procs: Procs, timeout_s: float = 180, path: str = "/ready") -> None:
+def wait_ready(url: str, procs: Children, timeout_s: float = 180, path: str = "/ready") -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         procs.check()
@@ -331,7 +299,7 @@ def print_path(name: str, delta: Delta, num_requests: int, num_tokens: int, extr
 
 def count_main(args: argparse.Namespace) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="tf-count-"))
-    procs = Procs(tmp)
+    procs = Children(tmp)
     try:
         _, redis_url = start_redis(procs, tmp / "redis", args.persistence)
         client = redis.Redis.from_url(redis_url)
@@ -914,7 +882,7 @@ def load_row(args: argparse.Namespace, num_drivers: int) -> dict:
     from gateway.requests.store import _SUBMIT_SCRIPT
 
     tmp = Path(tempfile.mkdtemp(prefix="tf-load-"))
-    procs = Procs(tmp)
+    procs = Children(tmp)
     drivers = []
     try:
         server, url = start_redis(procs, tmp / "redis", args.persistence)
