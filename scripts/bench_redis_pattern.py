@@ -161,10 +161,7 @@ SETTLE_S = 1.0  # after a path's last response: the gateway's follow-ups (unsubs
 
 def make_tiny_model(folder: Path) -> Path:
     """A tiny random llama (2 layers, hidden 64) with SmolLM2's vocabulary, tokenizer and template."""
-    try:
-        from workers.checkpoints import make_tiny_checkpoint
-    except ImportError:  # before it moved out of tests/
-        from tests.checkpoints import make_tiny_checkpoint
+    from workers.checkpoints import make_tiny_checkpoint
     from workers.default_model import fetch_default_model
 
     source = fetch_default_model()
