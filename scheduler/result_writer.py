@@ -1,15 +1,16 @@
 """Each step's results go to Redis from a thread of their own, so the engine loop never waits
-for Redis: while the GPU runs step n+1, this thread packs and writes step n.
+for Redis: while the GPU runs step n+1, this thread builds, packs and writes step n.
 
-Order is kept: batches are written in the order they were submitted, one pipelined round
-trip at a time (when the writer falls behind, the batches waiting are joined into one round
-trip, which is still in order). A batch that fails to reach Redis is retried, with backoff,
-before anything after it; meanwhile `error` says so and the service pauses. The fencing
-(ownership check), exactly-once appends and acknowledgements are the store's one Lua call
-per update, unchanged; what the writer adds is only where that call runs.
+Order is kept: batches are written in the order they were submitted, one script call per
+round trip (when the writer falls behind, the batches waiting are joined into one call, still
+in order). A batch that fails to reach Redis is retried, with backoff, before anything after
+it; meanwhile `error` says so and the service pauses. The fencing (ownership check),
+exactly-once appends and acknowledgements are the store's write script, unchanged; what the
+writer adds is only where and when it runs.
 
-The engine thread waits on the GPU with the GIL released (the sampler's copy of the chosen
-ids), which is when this thread runs.
+When: the engine thread opens `gate` while it waits for the GPU (the sampler's copy of the
+chosen ids, GIL released), and this thread works in chunks between looks at it, so that its
+Python work does not hold the GIL while the engine thread launches the next step.
 """
 
 from __future__ import annotations

@@ -246,10 +246,12 @@ class SchedulerService:
         """Start the requests of stream entries (stream, entry id, fields, deliveries so far).
         Their records are claimed, and their cancel flags read, in one round trip for all."""
         admitted: list[tuple[str, str, int, bytes, RequestMessage]] = []
+        seen: set[str] = set()  # a request read twice in one batch starts once
         for stream, entry_id, fields, num_deliveries in entries:
             payload = (fields or {}).get(b"m")
             message = self._check_entry(stream, entry_id, payload, num_deliveries)
-            if message is not None and all(message.req_id != m.req_id for *_, m in admitted):
+            if message is not None and message.req_id not in seen:
+                seen.add(message.req_id)
                 admitted.append((stream, entry_id, num_deliveries, payload, message))
         if not admitted:
             return

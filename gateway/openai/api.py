@@ -118,19 +118,16 @@ async def _stream(request: web.Request, plan: Plan, response_id: str, watch: Wat
     chunks = ChunkMaker(plan, response_id)
     outputs = [ChoiceOutput(choice.index) for choice in plan.choices]
     keepalive_s = request.app[SETTINGS].keepalive_s
-    last_write = time.monotonic()
     try:
         for index in range(len(plan.choices)):
             opening = chunks.opening(index)
             if opening is not None:
                 await stream.send(opening)
         async for batch in watch.batches():
-            now = time.monotonic()
             if not batch:  # a quiet tick
-                if now - last_write >= keepalive_s:
-                    await stream.comment()
-                    last_write = now
+                await stream.keep_alive(keepalive_s)
                 continue
+            now = time.monotonic()
             frames = []  # the batch's chunks, sent in one write
             for index, delta in batch:
                 outputs[index].count(delta)
@@ -145,7 +142,6 @@ async def _stream(request: web.Request, plan: Plan, response_id: str, watch: Wat
                                                    "param": None, "code": error.code}}))
             if frames:
                 await stream.write(frames[0] if len(frames) == 1 else b"".join(frames))
-                last_write = now
         timer.finished(outputs)
         if plan.include_usage:
             await stream.send(chunks.usage([o.num_tokens for o in outputs]))

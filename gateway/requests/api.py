@@ -193,19 +193,14 @@ async def events(request: web.Request) -> web.StreamResponse:
         # Subscribed first, then the record: whatever the record lacks arrives as events.
         catch_up = await watch.catch_up()
         await stream.open()
-        last_write = time.monotonic()
         try:
             if catch_up:
                 await stream.write(b"".join(frames.of(delta) for _, delta in catch_up))
             async for batch in watch.batches():
-                now = time.monotonic()
                 if not batch:  # a quiet tick
-                    if now - last_write >= keepalive_s:
-                        await stream.comment()
-                        last_write = now
+                    await stream.keep_alive(keepalive_s)
                     continue
                 await stream.write(b"".join(frames.of(delta) for _, delta in batch))
-                last_write = now
             await stream.send("[DONE]", event="done")
         except ConnectionError:
             pass  # the client left: the request runs on (re-attach with Last-Event-ID)

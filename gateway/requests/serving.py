@@ -99,20 +99,29 @@ class EventStream:
         })
         self._metrics = request.app[METRICS]
         self._is_open = False
+        self._last_write = time.monotonic()
 
     async def open(self) -> None:
         await self.response.prepare(self.request)
         self._metrics.active_streams.inc()
         self._is_open = True
+        self._last_write = time.monotonic()
 
     async def send(self, data: object, *, event_id: int | None = None, event: str | None = None) -> None:
-        await self.response.write(frame(data, event_id=event_id, event=event))
+        await self.write(frame(data, event_id=event_id, event=event))
 
     async def write(self, frames: bytes) -> None:
         await self.response.write(frames)
+        self._last_write = time.monotonic()
 
     async def comment(self, text: str = "keep-alive") -> None:
-        await self.response.write(comment(text))
+        await self.write(comment(text))
+
+    async def keep_alive(self, keepalive_s: float) -> None:
+        """On a quiet spell: a comment once nothing was written for keepalive_s, so that
+        proxies and clients keep an idle stream open."""
+        if time.monotonic() - self._last_write >= keepalive_s:
+            await self.comment()
 
     async def close(self) -> None:
         if self._is_open:
