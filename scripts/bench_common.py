@@ -579,7 +579,7 @@ def wait_ready(url: str, children: Children, timeout_s: float = 180.0) -> None:
 def start_redis(children: Children, data_dir: Path, *, appendfsync: str = "always") -> tuple[str, int]:
     """redis-server as tokenfleet/redis_server.py starts it (append-only file), with a chosen
     fsync policy; (url, port)."""
-    from tokenfleet.redis_server import redis_server_binary
+    from tokenfleet.redis_server import redis_server_binary, wait_for_redis
 
     data_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -587,17 +587,8 @@ def start_redis(children: Children, data_dir: Path, *, appendfsync: str = "alway
                                     "--dir", str(data_dir), "--appendonly", "yes",
                                     "--appendfsync", appendfsync, "--save", ""])
     url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
-    deadline = time.monotonic() + 10
-    while True:
-        children.check()
-        try:
-            client.ping()
-            return url, port
-        except redis.ConnectionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.02)
+    wait_for_redis(url, check=children.check)
+    return url, port
 
 
 def raise_fd_limit(needed: int) -> None:

@@ -63,7 +63,7 @@ sys.path.insert(0, str(ROOT))
 from bench_common import Children  # noqa: E402 - child processes that die with the bench
 
 from shared.net import free_port  # noqa: E402
-from tokenfleet.redis_server import redis_server_binary  # noqa: E402
+from tokenfleet.redis_server import redis_server_binary, wait_for_redis  # noqa: E402
 
 MODEL_NAME = "tiny"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
@@ -83,16 +83,8 @@ def start_redis(procs: Children, data_dir: Path, persistence: str) -> tuple[subp
     proc = procs.spawn("redis", [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
                                  "--dir", str(data_dir), "--save", "", *PERSISTENCE[persistence]])
     url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            return proc, url
-        except redis.ConnectionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.02)
+    wait_for_redis(url, check=procs.check)
+    return proc, url
 
 
 # -- Redis's own counters --------------------------------------------------------------------------

