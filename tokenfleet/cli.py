@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(sched, "max-deliveries", type=int, default=3, help="deliveries before an entry is dead-lettered")
     _flag(sched, "result-ttl-s", type=int, default=24 * 3600, help="how long tf:res:{id} records live")
     _flag(sched, "key-prefix", default="tf:", help="prefix of every Redis key")
+    _flag(sched, "heartbeat-s", type=float, default=1.0,
+          help="heartbeat (load, KV use, engine metrics to Redis) and claim renewal, this often")
+    _flag(sched, "log-stats-interval-s", type=float, default=5.0,
+          help="log prompt/generation tok/s, running, waiting and KV use this often while busy (0: never)")
     _add_gateway_parser(commands)
     _add_up_parser(commands)
     _add_batch_parser(commands)
@@ -306,6 +310,7 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
         model_name=args.model_name or Path(config.model).name,
         scheduler_id=args.scheduler_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
         lease_s=args.lease_s, max_deliveries=args.max_deliveries, result_ttl_s=args.result_ttl_s,
+        heartbeat_s=args.heartbeat_s, log_stats_interval_s=args.log_stats_interval_s,
     )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
