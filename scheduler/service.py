@@ -468,7 +468,8 @@ class SchedulerService:
         })
         ttl_s = max(2, int(3 * self.settings.heartbeat_s))
         pipe.expire(key, ttl_s)
-        pipe.set(self.keys.scheduler_metrics(self.settings.scheduler_id), self.telemetry.exposition(), ex=ttl_s)
+        metrics_key = self.keys.scheduler_metrics(self.settings.scheduler_id)
+        pipe.set(metrics_key, self.telemetry.exposition(), ex=ttl_s)
         pipe.execute()
 
     def _renew_claims(self) -> None:

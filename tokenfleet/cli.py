@@ -94,7 +94,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_up_parser(commands)
     _add_batch_parser(commands)
     _add_bench_parser(commands)
+    _add_status_parser(commands)
     return parser
+
+
+def _add_status_parser(commands) -> None:
+    status = commands.add_parser("status", help="the fleet at a glance, from Redis: schedulers, queues, "
+                                                "dead letters, batch jobs, gateways")
+    _flag(status, "redis-url", help="Redis (default: the fleet's from $TOKENFLEET_HOME/fleet.json)")
+    _flag(status, "key-prefix", default="tf:", help="prefix of every Redis key")
+    _flag(status, "json", action="store_true", help="one JSON object (the status page's /fleet.json)")
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from tokenfleet.status_cli import run_status_command
+    from tokenfleet.up import recorded_fleet
+
+    args.redis_url = args.redis_url or recorded_fleet().get("redis_url") or "redis://127.0.0.1:6379/0"
+    return run_status_command(args)
 
 
 def _list_flag(parser: argparse.ArgumentParser, name: str, **kwargs) -> None:
@@ -302,9 +319,12 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
 
     from scheduler.engine import LLMEngine
     from scheduler.service import SchedulerService, ServiceSettings
+    from shared.errors import InvalidRequestError
     from shared.keys import Keys
     from workers.device import resolve_device
 
+    if args.heartbeat_s <= 0:
+        raise InvalidRequestError(f"--heartbeat-s must be > 0, got {args.heartbeat_s}", param="heartbeat-s")
     config = _engine_config(args)
     settings = ServiceSettings(
         model_name=args.model_name or Path(config.model).name,
@@ -405,7 +425,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 COMMANDS = {"generate": _cmd_generate, "model": _cmd_model_fetch, "scheduler": _cmd_scheduler,
             "gateway": _cmd_gateway, "up": _cmd_up, "batch": _cmd_batch,
-            "bench": _cmd_bench}
+            "bench": _cmd_bench, "status": _cmd_status}
 
 
 def main(argv: list[str] | None = None) -> int:
