@@ -21,7 +21,8 @@ KEYS = Keys()
 
 def _metrics_after_one_prefill(scheduler_id: str, num_prompt_tokens: int) -> EngineMetrics:
     """An engine's metrics after a step that prefilled one prompt (no model needed)."""
-    metrics = EngineMetrics(Scheduler(SchedulerConfig(max_model_len=64, num_kv_blocks=8)), MODEL, scheduler_id)
+    scheduler = Scheduler(SchedulerConfig(max_model_len=64, num_kv_blocks=8))
+    metrics = EngineMetrics(scheduler, MODEL, scheduler_id)
     work = SequenceWork("r1", list(range(num_prompt_tokens)), 0, [0], True, None)
     metrics.record_step(SchedulerOutput(StepBatch(0, [work]), {"r1": num_prompt_tokens}, []), [], 0.01)
     return metrics
@@ -34,7 +35,7 @@ def _samples(text: str) -> dict[tuple, float]:
 
 
 def test_merged_expositions_declare_each_family_once_and_keep_every_schedulers_samples():
-    texts = [_metrics_after_one_prefill("s0", 5).exposition(), _metrics_after_one_prefill("s1", 7).exposition()]
+    texts = [_metrics_after_one_prefill(name, n).exposition() for name, n in (("s0", 5), ("s1", 7))]
     merged = merge_expositions([*texts, b"this is { not prometheus text"]).decode()
     assert merged.count("# TYPE tokenfleet:prompt_tokens_total counter") == 1
     assert merged.count("# TYPE tokenfleet:kv_cache_usage_perc gauge") == 1
