@@ -417,7 +417,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
               f"({options.replicas} replica(s), TP={options.tp}; {options.gateway_workers} gateway "
               f"process(es); Redis {fleet.redis_url})")
         print("try:")
-        print(curl_example(fleet.gateway_url, options.model_name), flush=True)
+        print(curl_example(fleet.gateway_url, options.model_name))
+        print(f"watch it: {fleet.gateway_url}/ (status page), {fleet.gateway_url}/metrics (Prometheus: "
+              "the gateway's and every scheduler's), `tokenfleet status`", flush=True)
         return fleet.wait(stop.is_set)
     finally:
         fleet.stop()

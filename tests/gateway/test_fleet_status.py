@@ -13,6 +13,7 @@ from gateway.presence import gateway_id
 from scheduler.engine_metrics import EngineMetrics
 from scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from shared.keys import Keys
+from shared.messages import DeadLetter
 from shared.step import SequenceWork, StepBatch
 from tests.gateway.conftest import MODEL
 
@@ -87,3 +88,10 @@ async def test_status_page_and_fleet_json_are_served_without_an_api_key(make_cli
     assert kinds[(MODEL, "interactive")]["consumers"] >= 0
     assert view["dead_letters"] == {"count": 0, "recent": []}
     assert view["batch_jobs"] == []
+    letter = DeadLetter(KEYS.request_stream(MODEL, "interactive"), "1-0", "delivered 4 times", 4, "r-poison")
+    fake_scheduler.client.xadd(KEYS.dead, {"m": letter.encode()})
+    fake_scheduler.client.xadd(KEYS.dead, {"junk": b"x"})
+    dead = (await (await client.get("/fleet.json")).json())["dead_letters"]
+    assert dead["count"] == 2
+    assert dead["recent"][0]["reason"] == "(unreadable entry)"  # newest first
+    assert (dead["recent"][1]["req_id"], dead["recent"][1]["reason"]) == ("r-poison", "delivered 4 times")
