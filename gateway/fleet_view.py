@@ -8,6 +8,9 @@ gateway's status page (`/` and `/fleet.json`) shows. One function makes it for b
     batch jobs   the newest few of tf:batch:jobs: status and progress
     gateways     tf:gw:{id} heartbeats
     totals       sums over the live schedulers
+    throughput_history
+                 the fleet's generated tokens in each of the last 120 s (summed from the
+                 per-second counts each scheduler puts in its heartbeat)
 """
 
 from __future__ import annotations
@@ -24,6 +27,10 @@ from shared.messages import DeadLetter, MessageDecodeError
 
 MAX_JOBS = 20
 MAX_DEAD_LETTERS = 5
+HISTORY_S = 120
+# The newest seconds are still being counted (and reach Redis at the next heartbeat): the
+# history ends this many seconds before now.
+HISTORY_LAG_S = 2
 
 
 def _text(raw: dict[bytes, bytes]) -> dict[str, str]:
@@ -142,14 +149,29 @@ def _gateway(gateway_id: str, f: dict[str, str], now: float) -> dict:
             "heartbeat_age_s": round(max(0.0, now - _num(f, "updated_at", float, now)), 2)}
 
 
+def _history(heartbeats: list[dict[str, str]], now: float) -> dict:
+    end = int(now) - HISTORY_LAG_S  # the last second shown
+    tokens = [0] * HISTORY_S
+    for fields in heartbeats:
+        try:
+            pairs = json.loads(fields.get("generation_history", "[]"))
+        except json.JSONDecodeError:
+            continue
+        for second, count in pairs:
+            index = int(second) - (end - HISTORY_S + 1)
+            if 0 <= index < HISTORY_S:
+                tokens[index] += int(count)
+    return {"end": end, "generation_tokens": tokens}
+
+
 async def collect_fleet_view(client: aioredis.Redis, keys: Keys) -> dict:
     """Everything above as one JSON-able dict (sorted, so two reads compare)."""
     now = time.time()
     scheduler_prefix = len(keys.scheduler(""))
-    schedulers = sorted(
-        (_scheduler(key[scheduler_prefix:], fields, now)
-         for key, fields in (await _hashes(client, keys.scheduler_pattern)).items() if "model" in fields),
-        key=lambda s: (s["model"], s["id"]))
+    hashes = await _hashes(client, keys.scheduler_pattern)
+    heartbeats = {key[scheduler_prefix:]: fields for key, fields in hashes.items() if "model" in fields}
+    schedulers = sorted((_scheduler(name, fields, now) for name, fields in heartbeats.items()),
+                        key=lambda s: (s["model"], s["id"]))
     gateway_prefix = len(keys.gateway(""))
     gateways = sorted((_gateway(key[gateway_prefix:], fields, now)
                        for key, fields in (await _hashes(client, keys.gateway_pattern)).items()),
@@ -165,4 +187,4 @@ async def collect_fleet_view(client: aioredis.Redis, keys: Keys) -> dict:
     }
     return {"time": now, "totals": totals, "schedulers": schedulers, "queues": queues,
             "dead_letters": await _dead_letters(client, keys), "batch_jobs": await _batch_jobs(client, keys),
-            "gateways": gateways}
+            "gateways": gateways, "throughput_history": _history(list(heartbeats.values()), now)}

@@ -105,5 +105,6 @@ ROUTES = [
     Route("GET", "/fleet.json", status_api.fleet_json,
           "The fleet view (`tokenfleet status --json`): schedulers, queues, dead letters, batch jobs",
           errors=(503,), content={"application/json": {"schema": {"type": "object", "required": [
-              "time", "totals", "schedulers", "queues", "dead_letters", "batch_jobs", "gateways"]}}}),
+              "time", "totals", "schedulers", "queues", "dead_letters", "batch_jobs", "gateways",
+              "throughput_history"]}}}),
 ]

@@ -18,12 +18,15 @@ Counting rules (as vLLM v1 counts them):
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from scheduler.request import FinishReason
 from scheduler.scheduler import RequestOutput, Scheduler, SchedulerOutput
+from scheduler.throughput_history import TokenHistory
 
 PREFIX = "tokenfleet:"
 LABELS = ("model_name", "scheduler")
@@ -88,6 +91,7 @@ class EngineMetrics:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_finished = 0
+        self.generation_history = TokenHistory()  # tokens generated per wall-clock second
         self._started_req_ids: set[str] = set()  # requests whose prompt tokens are counted
 
     def record_step(self, output: SchedulerOutput, outputs: list[RequestOutput], duration_s: float) -> None:
@@ -113,6 +117,7 @@ class EngineMetrics:
         if num_generated:
             self._generation_tokens.inc(num_generated)
             self.num_generation_tokens += num_generated
+            self.generation_history.add(time.time(), num_generated)
         if output.batch.works:
             self._step_duration.observe(duration_s)
             self._iteration_tokens.observe(sum(output.num_scheduled_tokens.values()))

@@ -11,6 +11,7 @@ scheduler; a scheduler that dies drops out of the scrape when its key expires.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
@@ -37,6 +38,7 @@ class SchedulerTelemetry:
         """Added to tf:sched:{id}: what `tokenfleet status` and the status page show beyond
         load and KV use (tok/s over the last heartbeat interval, totals, where it runs)."""
         rates, _ = self._heartbeat_rates.take(time.monotonic())
+        history = self.metrics.generation_history.recent(time.time())
         return {
             "tp": self.engine.config.tp, "host": socket.gethostname(), "pid": os.getpid(),
             "started_at": self._started_at,
@@ -46,6 +48,7 @@ class SchedulerTelemetry:
             "num_generation_tokens": self.metrics.num_generation_tokens,
             "num_finished": self.metrics.num_finished,
             "num_kv_blocks": self.engine.scheduler.block_manager.num_blocks,
+            "generation_history": json.dumps(history, separators=(",", ":")),
         }
 
     def exposition(self) -> bytes:

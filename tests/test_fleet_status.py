@@ -28,7 +28,7 @@ from tests.gateway.batch_fleet import make_tiny_chat_model
 pytestmark = pytest.mark.slow
 
 NUM_REQUESTS = 6
-MAX_TOKENS = 300  # long enough for several heartbeats to see the load
+MAX_TOKENS = 120  # long enough for several heartbeats (0.25 s) to see the load
 
 
 class Fleet:
@@ -126,7 +126,7 @@ def test_engine_metrics_agree_with_a_load_and_kv_use_rises_then_returns_to_zero(
     peak_kv = 0.0
     while any(t.is_alive() for t in threads):
         peak_kv = max(peak_kv, sum(_kv(fleet.engine_samples()).values()))
-        time.sleep(0.05)
+        time.sleep(0.1)
     assert len(answers) == NUM_REQUESTS
     prompt_tokens = sum(a["usage"]["prompt_tokens"] for a in answers)
     completion_tokens = sum(a["usage"]["completion_tokens"] for a in answers)
@@ -187,6 +187,8 @@ def test_status_json_shows_both_schedulers_the_queues_the_batch_job_and_the_gate
     assert (job["status"], job["total"], job["completed"], job["failed"], job["progress"]) == \
         ("completed", 2, 2, 0, 1.0)
     assert view["dead_letters"]["count"] == 0
+    assert len(view["throughput_history"]["generation_tokens"]) == 120
+    assert sum(view["throughput_history"]["generation_tokens"]) > 0  # the job's and the load's tokens
     [gateway] = view["gateways"]
     assert (gateway["host"], gateway["port"], gateway["models"]) == ("127.0.0.1", fleet.port, [fleet.model])
     # The table says the same.
@@ -277,7 +279,8 @@ def test_status_page_in_headless_chromium_shows_the_running_fleet(fleet, batch_j
     kinds = {(row[0], row[1]) for row in page.rows["queues"]}
     assert kinds == {(fleet.model, "interactive"), (fleet.model, "batch")}
     assert page.rows["dead"] == [["none"]]
-    assert int(page.attrs["sparkline"]["data-points"]) >= 2  # the page polled and drew its history
+    sparkline = page.attrs["sparkline"]  # the last two minutes, drawn at the first poll
+    assert int(sparkline["data-points"]) == 120 and int(sparkline["data-peak"]) > 0, sparkline
     assert page.text["updated"].startswith("updated "), page.text["updated"]  # its last poll worked
     assert shot.returncode == 0 and screenshot.stat().st_size > 10_000, shot.stderr[-2000:]
     artifacts = os.environ.get("TOKENFLEET_TEST_ARTIFACTS")

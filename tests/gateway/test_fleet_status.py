@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -81,6 +83,7 @@ async def test_status_page_and_fleet_json_are_served_without_an_api_key(make_cli
             break
         await asyncio.sleep(0.05)
     assert [s["id"] for s in view["schedulers"]] == [fake_scheduler.scheduler_id]
+    assert view["throughput_history"]["generation_tokens"] == [0] * 120
     assert view["schedulers"][0]["model"] == MODEL
     assert [g["id"] for g in view["gateways"]] == [gateway_id()]
     assert view["gateways"][0]["models"] == [MODEL]
@@ -91,7 +94,17 @@ async def test_status_page_and_fleet_json_are_served_without_an_api_key(make_cli
     letter = DeadLetter(KEYS.request_stream(MODEL, "interactive"), "1-0", "delivered 4 times", 4, "r-poison")
     fake_scheduler.client.xadd(KEYS.dead, {"m": letter.encode()})
     fake_scheduler.client.xadd(KEYS.dead, {"junk": b"x"})
-    dead = (await (await client.get("/fleet.json")).json())["dead_letters"]
+    # Two more schedulers' per-second counts: the history sums them, second by second.
+    end = int(time.time()) - 2
+    for name, counts in (("h1", [[end - 1, 5], [end, 7]]), ("h2", [[end, 3], [end - 500, 99]])):
+        fake_scheduler.client.hset(KEYS.scheduler(name), mapping={"model": MODEL,
+                                                                   "generation_history": json.dumps(counts)})
+    view = await (await client.get("/fleet.json")).json()
+    history = view["throughput_history"]
+    if history["end"] == end + 1:  # (a second ticked over)
+        history["generation_tokens"] = history["generation_tokens"][1:] + [0]
+    assert history["generation_tokens"][-2:] == [5, 10] and sum(history["generation_tokens"]) == 15
+    dead = view["dead_letters"]
     assert dead["count"] == 2
     assert dead["recent"][0]["reason"] == "(unreadable entry)"  # newest first
     assert (dead["recent"][1]["req_id"], dead["recent"][1]["reason"]) == ("r-poison", "delivered 4 times")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 from structlog.testing import capture_logs
 
@@ -57,6 +58,8 @@ def test_counters_match_what_generate_returned_and_gauges_end_at_zero(tiny_check
         assert _value(metrics, gauge) == 0
     # Prefix caching exists or not: the counters are there either way.
     assert _value(metrics, "prefix_cache_queries_total") >= _value(metrics, "prefix_cache_hits_total") >= 0
+    # The per-second history the status page draws holds every generated token.
+    assert sum(n for _, n in metrics.generation_history.recent(time.time())) == num_generated
     text = metrics.exposition().decode()
     assert 'tokenfleet:kv_cache_usage_perc{model_name="tiny",scheduler="s0"} 0.0' in text
 
