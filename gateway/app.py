@@ -16,6 +16,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.middlewares import auth_middleware, error_middleware, request_id_middleware
 from gateway.models import ModelRegistry
 from gateway.openapi import openapi_document
+from gateway.presence import presence_ctx
 from gateway.queue_times import QueueTimes
 from gateway.requests.pubsub import EventRouter
 from gateway.requests.store import GatewayKeys, RequestStore
@@ -114,7 +115,7 @@ def create_app(settings: GatewaySettings) -> web.Application:
     app[METRICS] = GatewayMetrics()
     # Opened in this order, closed in reverse: tasks close while Redis and the router live.
     app.cleanup_ctx.extend([_models_ctx, _redis_ctx, _router_ctx, _tasks_ctx, _queue_times_ctx, _fleet_ctx,
-                            _batch_ctx])
+                            _batch_ctx, presence_ctx])
     for route in ROUTES:
         app.router.add_route(route.method, route.path, route.handler)
     document = openapi_document(secured=bool(settings.api_keys))

@@ -27,7 +27,8 @@ from shared.logging import get_logger
 
 log = get_logger("tokenfleet.gateway")
 _CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json"})  # no API key needed
+# No API key needed: probes, metrics, the API's description, the status page and its data.
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json", "/", "/fleet.json"})
 
 
 @web.middleware

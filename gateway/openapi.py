@@ -46,6 +46,7 @@ def _operation(route: Route, components: _Components) -> dict:
         content["text/event-stream"] = {"schema": SSE_EVENT}
     if route.path == "/metrics":
         content["text/plain"] = {"schema": {"type": "string"}}
+    content.update(route.content or {})
     op["responses"][str(route.status)] = {"description": "OK", "content": content}
     error = {"content": {"application/json": {"schema": components.ref(ErrorResponse)}}}
     for status in route.errors:

@@ -10,6 +10,7 @@ from redis.exceptions import RedisError
 
 from gateway.appkeys import FLEET, METRICS, MODELS, QUEUE_TIMES, REDIS, STORE
 from gateway.errors import NotFound
+from gateway.fleet_metrics import read_fleet_metrics
 from gateway.models import ServedModel
 
 
@@ -44,6 +45,10 @@ async def metrics(request: web.Request) -> web.Response:
             break
     await app[QUEUE_TIMES].flush()  # the queue times of calls that ended since the last look
     body = app[METRICS].render()
+    try:  # and every live scheduler's engine metrics (tokenfleet:*), as they last reported them
+        body += await read_fleet_metrics(app[REDIS], app[STORE].keys)
+    except (RedisError, OSError):
+        pass  # the gateway's own metrics still answer while Redis is away
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from pydantic import BaseModel, TypeAdapter
 
-from gateway import ops_api, responses
+from gateway import ops_api, responses, status_api
 from gateway.batch import batches_api, files_api
 from gateway.openai.api import chat_completions, completions
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
@@ -42,6 +42,7 @@ class Route:
     errors: tuple[int, ...] = (400, 401, 404, 413, 429, 503)
     parameters: list[dict] = field(default_factory=list)
     form: dict | None = None  # a multipart/form-data body: its JSON schema
+    content: dict | None = None  # media type -> schema, for answers no pydantic model describes
 
 
 ROUTES = [
@@ -97,5 +98,13 @@ ROUTES = [
     Route("GET", "/health", ops_api.health, "The process is up", response=responses.Health, errors=()),
     Route("GET", "/ready", ops_api.ready, "Redis answers and a live scheduler serves a fronted model",
           response=responses.Ready, errors=(503,)),
-    Route("GET", "/metrics", ops_api.metrics, "Prometheus metrics", errors=()),
+    Route("GET", "/metrics", ops_api.metrics, "Prometheus metrics: the gateway's and every live scheduler's",
+          errors=()),
+    Route("GET", "/", status_api.status_page, "The live status page of the fleet (HTML)", errors=(),
+          content={"text/html": {"schema": {"type": "string"}}}),
+    Route("GET", "/fleet.json", status_api.fleet_json,
+          "The fleet view (`tokenfleet status --json`): schedulers, queues, dead letters, batch jobs",
+          errors=(503,), content={"application/json": {"schema": {"type": "object", "required": [
+              "time", "totals", "schedulers", "queues", "dead_letters", "batch_jobs", "gateways",
+              "throughput_history"]}}}),
 ]

@@ -13,11 +13,13 @@ from __future__ import annotations
 import itertools
 import random
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from scheduler.request import FinishReason, Request, TokenLogprobs
-from scheduler.scheduler import RequestOutput, Scheduler, SchedulerConfig
+from scheduler.scheduler import RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
 from shared.config import EngineConfig
 from shared.errors import InvalidRequestError, ModelLoadError, WorkerError
 from shared.logging import get_logger
@@ -59,6 +61,13 @@ class GenerationResult:
         return {"text": self.text, "token_ids": self.token_ids,
                 "finish_reason": self.finish_reason.value if self.finish_reason else None,
                 "usage": self.usage.to_dict()}
+
+
+class StepObserver(Protocol):
+    """Told what each step did (scheduler/engine_metrics.py is one)."""
+
+    def record_step(self, output: SchedulerOutput, outputs: list[RequestOutput], duration_s: float) -> None:
+        ...
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -103,6 +112,7 @@ class LLMEngine:
         self._num_failed_steps = 0  # consecutive, reset by a good step
         self.num_group_restarts = 0
         self.num_steps = 0  # steps that ran on the workers
+        self.step_observer: StepObserver | None = None
         self.log = get_logger("tokenfleet.engine")
 
     @property
@@ -160,17 +170,22 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         output = self.scheduler.schedule()
         if not output.batch.works:  # only aborts to report
-            return self.scheduler.update_from_output(output, StepResult(output.batch.step_id, []))
-        try:
-            result = self.executor.execute(output.batch)
-        except WorkerError as exc:
-            self._recover(exc)
-            return []
-        self._num_failed_steps = 0
-        self.num_steps += 1
-        return self.scheduler.update_from_output(output, result)
+            outputs = self.scheduler.update_from_output(output, StepResult(output.batch.step_id, []))
+        else:
+            try:
+                result = self.executor.execute(output.batch)
+            except WorkerError as exc:
+                self._recover(exc)
+                return []
+            self._num_failed_steps = 0
+            self.num_steps += 1
+            outputs = self.scheduler.update_from_output(output, result)
+        if self.step_observer is not None:
+            self.step_observer.record_step(output, outputs, time.perf_counter() - started)
+        return outputs
 
     def _recover(self, exc: WorkerError) -> None:
         """A rank died mid-step: its KV cache is gone. Rebuild the group, and let every

@@ -27,6 +27,7 @@ from scheduler.request import BATCH_PRIORITY, FinishReason, RequestStatus
 from scheduler.result_store import ResultStore, ResultUpdate, StoredProgress, terminal_fields
 from scheduler.result_writer import ResultWriter
 from scheduler.scheduler import RequestOutput
+from scheduler.telemetry import SchedulerTelemetry
 from shared.errors import InvalidRequestError
 from shared.keys import CONSUMER_GROUP, REQUEST_KINDS, Keys
 from shared.logging import get_logger
@@ -56,6 +57,7 @@ class ServiceSettings:
     max_deliveries: int = 3  # more deliveries than this: the entry is poison -> tf:dead
     result_ttl_s: int = 24 * 3600
     idle_block_ms: int = 100  # how long an idle scheduler waits on the streams
+    log_stats_interval_s: float = 5.0  # the throughput log line, this often while busy (0: never)
 
 
 @dataclass
@@ -112,6 +114,8 @@ class SchedulerService:
         self._next_maintenance = 0.0
         self._next_admission_poll = 0.0
         self._groups_ready = False
+        self.telemetry = SchedulerTelemetry(engine, settings.model_name, settings.scheduler_id,
+                                            settings.log_stats_interval_s)
 
     # -- the loop -----------------------------------------------------------------------
 
@@ -153,6 +157,7 @@ class SchedulerService:
         if time.monotonic() >= self._next_maintenance:
             self._maintain()
             self._next_maintenance = time.monotonic() + self.settings.heartbeat_s
+        self.telemetry.tick()
         self._apply_cancellations()
         if self._gates_writer:
             self.writer.gate.clear()
@@ -459,8 +464,12 @@ class SchedulerService:
             "model": self.settings.model_name, "num_running": scheduler.num_running_requests,
             "num_waiting": scheduler.num_waiting_requests, "kv_usage": scheduler.block_manager.usage,
             "max_num_seqs": self.engine.config.max_num_seqs, "updated_at": time.time(),
+            **self.telemetry.heartbeat_fields(),
         })
-        pipe.expire(key, max(2, int(3 * self.settings.heartbeat_s)))
+        ttl_s = max(2, int(3 * self.settings.heartbeat_s))
+        pipe.expire(key, ttl_s)
+        metrics_key = self.keys.scheduler_metrics(self.settings.scheduler_id)
+        pipe.set(metrics_key, self.telemetry.exposition(), ex=ttl_s)
         pipe.execute()
 
     def _renew_claims(self) -> None:

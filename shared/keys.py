@@ -8,6 +8,8 @@
 | {p}cancel                             | pub/sub       | gateway                 | schedulers            |
 | {p}cancelled:{req_id}                 | string + TTL  | gateway                 | schedulers            |
 | {p}sched:{scheduler_id}               | hash with TTL | scheduler (heartbeat)   | gateway, metrics      |
+| {p}metrics:{scheduler_id}             | string + TTL  | scheduler (heartbeat)   | gateway /metrics      |
+| {p}gw:{gateway_id}                    | hash with TTL | gateway (heartbeat)     | status (CLI, page)    |
 | {p}dead                               | stream        | scheduler               | operators             |
 | {p}batch:in                           | stream        | any Redis client        | batch ingesters       |
 | {p}batch:{job}                        | hash          | batch ingesters         | clients, CLI, gateway |
@@ -61,6 +63,25 @@ class Keys:
     @property
     def scheduler_pattern(self) -> str:
         return f"{self.prefix}sched:*"
+
+    def scheduler_metrics(self, scheduler_id: str) -> str:
+        """The scheduler's engine metrics in Prometheus text format, renewed at each heartbeat."""
+        return f"{self.prefix}metrics:{scheduler_id}"
+
+    @property
+    def scheduler_metrics_pattern(self) -> str:
+        return f"{self.prefix}metrics:*"
+
+    def gateway(self, gateway_id: str) -> str:
+        return f"{self.prefix}gw:{gateway_id}"
+
+    @property
+    def gateway_pattern(self) -> str:
+        return f"{self.prefix}gw:*"
+
+    @property
+    def request_stream_pattern(self) -> str:
+        return f"{self.prefix}req:*"
 
     @property
     def dead(self) -> str:

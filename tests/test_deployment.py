@@ -50,3 +50,45 @@ def test_dockerfile_installs_the_project_and_runs_tokenfleet() -> None:
     for package in ("gateway", "scheduler", "workers", "shared"):
         assert f"COPY {package} {package}" in dockerfile
     assert 'ENTRYPOINT ["tokenfleet"]' in dockerfile
+
+
+def test_prometheus_and_grafana_are_optional_and_scrape_the_gateway() -> None:
+    for name in ("prometheus", "grafana"):
+        assert SERVICES[name]["profiles"] == ["monitoring"]  # `docker compose up` alone leaves them out
+    for service in ("prometheus", "grafana"):
+        for volume in SERVICES[service]["volumes"]:
+            source = volume.split(":")[0]
+            if source.startswith("./"):
+                assert (ROOT / source).exists(), volume
+    config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    [job] = config["scrape_configs"]
+    assert job["metrics_path"] == "/metrics"
+    gateway = build_parser().parse_args(SERVICES["gateway"]["command"])
+    assert job["static_configs"][0]["targets"] == [f"gateway:{gateway.port}"]
+
+
+def test_every_metric_the_dashboard_queries_is_one_the_fleet_serves() -> None:
+    import json
+    import re
+
+    from prometheus_client import generate_latest
+
+    from gateway.metrics import GatewayMetrics
+    from scheduler.engine_metrics import EngineMetrics
+    from scheduler.scheduler import Scheduler, SchedulerConfig
+
+    gateway = GatewayMetrics()
+    for model in ("m",):  # labelled series appear once touched
+        gateway.queue_depth.labels(model).set(0)
+        gateway.live_schedulers.labels(model).set(0)
+        gateway.ttft.labels(model).observe(0.1)
+        gateway.itl.labels(model).observe(0.1)
+    engine = EngineMetrics(Scheduler(SchedulerConfig(max_model_len=8, num_kv_blocks=1)), "m", "s")
+    served = set(re.findall(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)[{ ]", (generate_latest(gateway.registry)
+                                                                    + engine.exposition()).decode(), re.M))
+    dashboard = json.loads((ROOT / "deploy/grafana/dashboards/tokenfleet.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    queried = {name for expr in exprs for name in re.findall(r"(tokenfleet[a-z_:]*)", expr)}
+    assert queried and queried <= served, queried - served
+    assert {"tokenfleet:num_requests_waiting", "tokenfleet:kv_cache_usage_perc",
+            "tokenfleet:generation_tokens_total"} <= queried

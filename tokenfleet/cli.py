@@ -86,11 +86,32 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(sched, "max-deliveries", type=int, default=3, help="deliveries before an entry is dead-lettered")
     _flag(sched, "result-ttl-s", type=int, default=24 * 3600, help="how long tf:res:{id} records live")
     _flag(sched, "key-prefix", default="tf:", help="prefix of every Redis key")
+    _flag(sched, "heartbeat-s", type=float, default=1.0,
+          help="heartbeat (load, KV use, engine metrics to Redis) and claim renewal, this often")
+    _flag(sched, "log-stats-interval-s", type=float, default=5.0,
+          help="log prompt/generation tok/s, running, waiting and KV use this often while busy (0: never)")
     _add_gateway_parser(commands)
     _add_up_parser(commands)
     _add_batch_parser(commands)
     _add_bench_parser(commands)
+    _add_status_parser(commands)
     return parser
+
+
+def _add_status_parser(commands) -> None:
+    status = commands.add_parser("status", help="the fleet at a glance, from Redis: schedulers, queues, "
+                                                "dead letters, batch jobs, gateways")
+    _flag(status, "redis-url", help="Redis (default: the fleet's from $TOKENFLEET_HOME/fleet.json)")
+    _flag(status, "key-prefix", default="tf:", help="prefix of every Redis key")
+    _flag(status, "json", action="store_true", help="one JSON object (the status page's /fleet.json)")
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from tokenfleet.status_cli import run_status_command
+    from tokenfleet.up import recorded_fleet
+
+    args.redis_url = args.redis_url or recorded_fleet().get("redis_url") or "redis://127.0.0.1:6379/0"
+    return run_status_command(args)
 
 
 def _list_flag(parser: argparse.ArgumentParser, name: str, **kwargs) -> None:
@@ -298,14 +319,18 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
 
     from scheduler.engine import LLMEngine
     from scheduler.service import SchedulerService, ServiceSettings
+    from shared.errors import InvalidRequestError
     from shared.keys import Keys
     from workers.device import resolve_device
 
+    if args.heartbeat_s <= 0:
+        raise InvalidRequestError(f"--heartbeat-s must be > 0, got {args.heartbeat_s}", param="heartbeat-s")
     config = _engine_config(args)
     settings = ServiceSettings(
         model_name=args.model_name or Path(config.model).name,
         scheduler_id=args.scheduler_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
         lease_s=args.lease_s, max_deliveries=args.max_deliveries, result_ttl_s=args.result_ttl_s,
+        heartbeat_s=args.heartbeat_s, log_stats_interval_s=args.log_stats_interval_s,
     )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -392,7 +417,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
               f"({options.replicas} replica(s), TP={options.tp}; {options.gateway_workers} gateway "
               f"process(es); Redis {fleet.redis_url})")
         print("try:")
-        print(curl_example(fleet.gateway_url, options.model_name), flush=True)
+        print(curl_example(fleet.gateway_url, options.model_name))
+        print(f"watch it: {fleet.gateway_url}/ (status page), {fleet.gateway_url}/metrics (Prometheus: "
+              "the gateway's and every scheduler's), `tokenfleet status`", flush=True)
         return fleet.wait(stop.is_set)
     finally:
         fleet.stop()
@@ -400,7 +427,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 COMMANDS = {"generate": _cmd_generate, "model": _cmd_model_fetch, "scheduler": _cmd_scheduler,
             "gateway": _cmd_gateway, "up": _cmd_up, "batch": _cmd_batch,
-            "bench": _cmd_bench}
+            "bench": _cmd_bench, "status": _cmd_status}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,25 @@
+"""GET / (the live status page) and GET /fleet.json (the fleet view it polls, the same JSON as
+`tokenfleet status --json`). Both are open like /metrics: they show the fleet's state, no
+request content. The page is one self-contained file (gateway/status_page.html): no build
+step, nothing fetched from elsewhere."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from aiohttp import web
+
+from gateway.appkeys import REDIS, STORE
+from gateway.fleet_view import collect_fleet_view
+
+_PAGE = Path(__file__).with_name("status_page.html")
+
+
+async def status_page(request: web.Request) -> web.Response:
+    return web.Response(body=_PAGE.read_bytes(), content_type="text/html", charset="utf-8",
+                        headers={"Cache-Control": "no-cache"})
+
+
+async def fleet_json(request: web.Request) -> web.Response:
+    view = await collect_fleet_view(request.app[REDIS], request.app[STORE].keys)
+    return web.json_response(view, headers={"Cache-Control": "no-store"})

@@ -1,0 +1,127 @@
+"""Prometheus metrics of one engine, named as vLLM names them but under the `tokenfleet:` prefix,
+so that vLLM's Grafana dashboards and autoscaling recipes work with the prefix changed.
+
+Every sample carries `model_name` (vLLM's label) and `scheduler` (which replica). The
+engine calls `record_step` after each step (on its own thread); the gauges (running,
+waiting, KV use) and the prefix-cache counters are read from the scheduler when the
+registry is collected, which the service does on the same thread at each heartbeat, so
+nothing here needs a lock of its own.
+
+Counting rules (as vLLM v1 counts them):
+- prompt tokens: a request's prompt length, once, when this engine samples its first token
+  (a request preempted and recomputed is not counted again; a request taken over from a dead
+  scheduler counts on the one that finishes it);
+- generation tokens: every token sampled;
+- request_success{finished_reason}: every request that ended, by why (stop, length, abort);
+- iteration_tokens_total: tokens computed per step (prefill chunks plus decodes).
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from scheduler.request import FinishReason
+from scheduler.scheduler import RequestOutput, Scheduler, SchedulerOutput
+from scheduler.throughput_history import TokenHistory
+
+PREFIX = "tokenfleet:"
+LABELS = ("model_name", "scheduler")
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# Attributes the block manager has once it caches prefixes (cumulative token counts); read
+# with a default so these metrics exist, at 0, before it does.
+PREFIX_CACHE_COUNTERS = (("prefix_cache_queries", "prompt tokens looked up in the prefix cache"),
+                         ("prefix_cache_hits", "prompt tokens found in the prefix cache"))
+
+
+class _SchedulerState(Collector):
+    """Gauges and counters read from the scheduler at collection time."""
+
+    def __init__(self, scheduler: Scheduler, labels: list[str]) -> None:
+        self.scheduler = scheduler
+        self.labels = labels
+
+    def collect(self):
+        scheduler, labels = self.scheduler, self.labels
+        for name, doc, value in (
+            ("num_requests_running", "requests in the running batch", scheduler.num_running_requests),
+            ("num_requests_waiting", "requests waiting for a slot (preempted ones included)",
+             scheduler.num_waiting_requests),
+            ("kv_cache_usage_perc", "fraction of KV cache blocks in use, 0 to 1",
+             scheduler.block_manager.usage),
+        ):
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=LABELS)
+            family.add_metric(labels, value)
+            yield family
+        for name, doc in PREFIX_CACHE_COUNTERS:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=LABELS)
+            family.add_metric(labels, getattr(scheduler.block_manager, name, 0))
+            yield family
+
+
+class EngineMetrics:
+    """One engine's metrics in a registry of its own (several engines may share a process)."""
+
+    def __init__(self, scheduler: Scheduler, model_name: str, scheduler_id: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = [model_name, scheduler_id]
+        r = self.registry
+        self._preemptions = Counter(PREFIX + "num_preemptions", "requests preempted (their KV freed, to "
+                                    "be recomputed)", LABELS, registry=r).labels(*labels)
+        self._prompt_tokens = Counter(PREFIX + "prompt_tokens", "prompt tokens of requests that started "
+                                      "generating", LABELS, registry=r).labels(*labels)
+        self._generation_tokens = Counter(PREFIX + "generation_tokens", "tokens generated", LABELS,
+                                          registry=r).labels(*labels)
+        success = Counter(PREFIX + "request_success", "requests that ended, by finish reason",
+                          [*LABELS, "finished_reason"], registry=r)
+        self._success = {reason: success.labels(*labels, reason.value) for reason in FinishReason}
+        self._step_duration = Histogram(PREFIX + "step_duration_seconds", "one engine step: schedule, "
+                                        "run on the workers, take the result back", LABELS,
+                                        buckets=_STEP_BUCKETS, registry=r).labels(*labels)
+        self._iteration_tokens = Histogram(PREFIX + "iteration_tokens_total", "tokens computed per step",
+                                           LABELS, buckets=_ITERATION_TOKEN_BUCKETS,
+                                           registry=r).labels(*labels)
+        r.register(_SchedulerState(scheduler, labels))
+        self.scheduler = scheduler
+        # Plain totals as well, for the throughput log and the heartbeat.
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.num_finished = 0
+        self.generation_history = TokenHistory()  # tokens generated per wall-clock second
+        self._started_req_ids: set[str] = set()  # requests whose prompt tokens are counted
+
+    def record_step(self, output: SchedulerOutput, outputs: list[RequestOutput], duration_s: float) -> None:
+        """What one step did (called by the engine after the step)."""
+        if output.preempted_req_ids:
+            self._preemptions.inc(len(output.preempted_req_ids))
+        num_prompt = 0
+        for work in output.batch.works:
+            if work.is_sampled and work.req_id not in self._started_req_ids:
+                self._started_req_ids.add(work.req_id)
+                # The sampled chunk reaches the last known token: prompt + output so far.
+                num_prompt += work.start_pos + len(work.token_ids) - work.num_output_tokens
+        num_generated = 0
+        for out in outputs:
+            num_generated += len(out.new_token_ids)
+            if out.finished:
+                self._started_req_ids.discard(out.req_id)
+                self._success[out.finish_reason or FinishReason.ABORT].inc()
+                self.num_finished += 1
+        if num_prompt:
+            self._prompt_tokens.inc(num_prompt)
+            self.num_prompt_tokens += num_prompt
+        if num_generated:
+            self._generation_tokens.inc(num_generated)
+            self.num_generation_tokens += num_generated
+            self.generation_history.add(time.time(), num_generated)
+        if output.batch.works:
+            self._step_duration.observe(duration_s)
+            self._iteration_tokens.observe(sum(output.num_scheduled_tokens.values()))
+
+    def exposition(self) -> bytes:
+        """The Prometheus text format of every metric, as of now."""
+        return generate_latest(self.registry)

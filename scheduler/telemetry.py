@@ -1,0 +1,55 @@
+"""What a scheduler tells about itself: engine metrics, the throughput log, and the extra
+heartbeat fields; one object the service holds, so that the service loop changes in three
+places only (build it, tick it, add it to the heartbeat).
+
+The metrics travel through Redis: at each heartbeat the scheduler writes its Prometheus text
+to `tf:metrics:{scheduler_id}` with the heartbeat's TTL, and every gateway's /metrics serves
+the texts of all live schedulers (gateway/fleet_metrics.py). One scrape target for the whole
+fleet, however many machines the schedulers run on, with no port to open or discover per
+scheduler; a scheduler that dies drops out of the scrape when its key expires.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+
+from scheduler.engine import LLMEngine
+from scheduler.engine_metrics import EngineMetrics
+from scheduler.throughput import RateMeter, ThroughputLog
+
+
+class SchedulerTelemetry:
+    def __init__(self, engine: LLMEngine, model_name: str, scheduler_id: str,
+                 log_stats_interval_s: float = 5.0) -> None:
+        self.engine = engine
+        self.metrics = EngineMetrics(engine.scheduler, model_name, scheduler_id)
+        engine.step_observer = self.metrics
+        self.throughput_log = ThroughputLog(self.metrics, log_stats_interval_s)
+        self._heartbeat_rates = RateMeter(self.metrics)
+        self._started_at = time.time()
+
+    def tick(self) -> None:
+        self.throughput_log.maybe_log()
+
+    def heartbeat_fields(self) -> dict[str, object]:
+        """Added to tf:sched:{id}: what `tokenfleet status` and the status page show beyond
+        load and KV use (tok/s over the last heartbeat interval, totals, where it runs)."""
+        rates, _ = self._heartbeat_rates.take(time.monotonic())
+        history = self.metrics.generation_history.recent(time.time())
+        return {
+            "tp": self.engine.config.tp, "host": socket.gethostname(), "pid": os.getpid(),
+            "started_at": self._started_at,
+            "prompt_tokens_per_s": round(rates.prompt_tokens_per_s, 2),
+            "generation_tokens_per_s": round(rates.generation_tokens_per_s, 2),
+            "num_prompt_tokens": self.metrics.num_prompt_tokens,
+            "num_generation_tokens": self.metrics.num_generation_tokens,
+            "num_finished": self.metrics.num_finished,
+            "num_kv_blocks": self.engine.scheduler.block_manager.num_blocks,
+            "generation_history": json.dumps(history, separators=(",", ":")),
+        }
+
+    def exposition(self) -> bytes:
+        return self.metrics.exposition()

@@ -1,0 +1,84 @@
+"""`tokenfleet status [--json]`: the fleet at a glance, from Redis alone (like `ray status`).
+
+The view is gateway/fleet_view.py's, the same one the gateway's status page polls."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from gateway.fleet_view import collect_fleet_view
+from shared.errors import TokenfleetError
+from shared.keys import Keys
+
+
+async def _read(redis_url: str, prefix: str) -> dict:
+    client = aioredis.Redis.from_url(redis_url, socket_connect_timeout=5, socket_timeout=10)
+    try:
+        return await collect_fleet_view(client, Keys(prefix))
+    finally:
+        await client.aclose()
+
+
+def run_status_command(args: argparse.Namespace) -> int:
+    try:
+        view = asyncio.run(_read(args.redis_url, args.key_prefix))
+    except (RedisError, OSError) as exc:
+        raise TokenfleetError(f"cannot read the fleet from {args.redis_url}: {exc}") from None
+    if args.json:
+        print(json.dumps(view, indent=2))
+    else:
+        print(format_view(view, args.redis_url))
+    return 0
+
+
+def _table(headers: list[str], rows: list[list], empty: str) -> list[str]:
+    if not rows:
+        return [f"  ({empty})"]
+    cells = [[str(c) for c in row] for row in [headers, *rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells]
+
+
+def _rate(value: float) -> str:
+    return f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def format_view(view: dict, redis_url: str) -> str:
+    totals = view["totals"]
+    at = time.strftime("%H:%M:%S", time.localtime(view["time"]))
+    out = [f"======== tokenfleet status: {redis_url} ({at}) ========",
+           f"{totals['schedulers']} scheduler(s), {totals['gateways']} gateway(s); "
+           f"{totals['num_running']} running, {totals['num_waiting']} waiting in schedulers, "
+           f"{totals['queued']} queued in Redis; "
+           f"{_rate(totals['generation_tokens_per_s'])} generation tok/s, "
+           f"{_rate(totals['prompt_tokens_per_s'])} prompt tok/s", "", "Schedulers:"]
+    out += _table(["ID", "MODEL", "TP", "RUNNING", "WAITING", "KV", "GEN TOK/S", "FINISHED", "HEARTBEAT"], [
+        [s["id"], s["model"], s["tp"], f"{s['num_running']}/{s['max_num_seqs']}", s["num_waiting"],
+         f"{100 * s['kv_usage']:.1f}%", _rate(s["generation_tokens_per_s"]), s["num_finished"],
+         f"{s['heartbeat_age_s']:.1f}s ago"] for s in view["schedulers"]], "no live scheduler")
+    out += ["", "Queues:"]
+    out += _table(["MODEL", "KIND", "LENGTH", "PENDING", "QUEUED", "CONSUMERS"], [
+        [q["model"], q["kind"], q["length"], q["pending"], q["queued"], q["consumers"]]
+        for q in view["queues"]],
+        "no request stream")
+    dead = view["dead_letters"]
+    out += ["", f"Dead letters: {dead['count']}"]
+    for letter in dead["recent"]:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(letter["at"]))
+        out.append(f"  {when}  {letter.get('req_id') or '-'}  {letter['reason']}")
+    out += ["", "Batch jobs:"]
+    out += _table(["ID", "MODEL", "STATUS", "PROGRESS"], [
+        [j["id"], j["model"] or "-", j["status"],
+         f"{j['completed'] + j['failed']}/{j['total']} ({100 * j['progress']:.0f}%)"
+         + (f", {j['failed']} failed" if j["failed"] else "")] for j in view["batch_jobs"]], "no batch job")
+    out += ["", "Gateways:"]
+    out += _table(["ID", "ADDRESS", "MODELS", "HEARTBEAT"], [
+        [g["id"], f"{g['host']}:{g['port']}", ",".join(g["models"]), f"{g['heartbeat_age_s']:.1f}s ago"]
+        for g in view["gateways"]], "no gateway heartbeat")
+    return "\n".join(out)
