@@ -30,6 +30,39 @@ def _flag(parser: argparse.ArgumentParser, name: str, *, type=str, default=None,
         parser.add_argument(f"--{name}", type=type, default=default, **kwargs)
 
 
+REDIS_URL_HELP = ("redis://[user:password@]host:port/db, or rediss:// for TLS (TLS options in the query: "
+                  "?ssl_ca_certs=ca.pem)")
+
+
+def _redis_flags(parser: argparse.ArgumentParser, *, default: str | None = None,
+                 help: str = REDIS_URL_HELP) -> None:
+    """--redis-url and --redis-password-file: every command that talks to Redis takes both."""
+    _flag(parser, "redis-url", default=default, help=help)
+    _flag(parser, "redis-password-file",
+          help="file whose first line is the Redis password (kept out of the URL, `ps` and shell history)")
+
+
+def _resolve_redis_flags(args: argparse.Namespace) -> None:
+    """The password file's password goes into --redis-url, once, for everything after."""
+    from shared.redis_url import resolve_redis_url
+
+    password_file = getattr(args, "redis_password_file", None)
+    if args.command == "up":
+        # `up` hands its children the URL on their command line: the password travels as the file's
+        # path in their environment instead, never in argv.
+        if password_file:
+            os.environ["TOKENFLEET_REDIS_PASSWORD_FILE"] = os.path.abspath(password_file)
+        if args.redis_url:
+            resolve_redis_url(args.redis_url, password_file)  # checked here, used by the children
+        return
+    if args.command == "batch" and not args.redis_url:
+        from tokenfleet.batch_cli import redis_url_from
+
+        args.redis_url = redis_url_from(None)  # the running fleet's, which may need the password
+    if getattr(args, "redis_url", None):
+        args.redis_url = resolve_redis_url(args.redis_url, password_file)
+
+
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "model", help="Hugging Face model folder (default: SmolLM2-135M-Instruct, fetched once)")
     _flag(parser, "tp", type=int, default=1, help="tensor-parallel size")
@@ -77,8 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
     sched = commands.add_parser("scheduler", help="one scheduler and its worker group, fed from Redis")
     _add_engine_flags(sched)
-    _flag(sched, "redis-url", default="redis://127.0.0.1:6379/0",
-          help="redis://[:password@]host:port/db, or rediss:// for TLS")
+    _redis_flags(sched, default="redis://127.0.0.1:6379/0")
     _flag(sched, "model-name", help="served model name (default: the model folder's name)")
     _flag(sched, "scheduler-id", help="unique id of this scheduler (default: hostname-pid-random)")
     _flag(sched, "lease-s", type=float, default=10.0,
@@ -114,7 +146,7 @@ def _add_up_parser(commands) -> None:
     _flag(up, "model-name", help="served model name (default: the model folder's name)")
     _flag(up, "tp", type=int, default=1, help="tensor-parallel size of each replica")
     _flag(up, "replicas", type=int, default=1, help="schedulers (each with its worker group)")
-    _flag(up, "redis-url", help="use this Redis instead of starting one")
+    _redis_flags(up, help="use this Redis instead of starting one (" + REDIS_URL_HELP + ")")
     _flag(up, "redis-port", type=int, help="port of the Redis started here (default: a free one)")
     _flag(up, "ray-address", help="use this Ray cluster instead of starting a local one")
     _flag(up, "dtype", help="float32, bfloat16 or float16 (default: by device)")
@@ -154,7 +186,7 @@ def _add_batch_parser(commands) -> None:
     _flag(ingester, "lease-s", type=float, default=10.0,
           help="work a dead ingester left is taken over after this")
     for action in (submit, ingester, *(actions.choices[n] for n in ("status", "cancel", "results"))):
-        _flag(action, "redis-url", help="Redis (default: the fleet's from $TOKENFLEET_HOME/fleet.json)")
+        _redis_flags(action, help="Redis (default: the fleet's from $TOKENFLEET_HOME/fleet.json)")
         _flag(action, "key-prefix", default="tf:", help="prefix of every Redis key")
 
 
@@ -205,8 +237,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _add_gateway_parser(commands) -> None:
     gw = commands.add_parser("gateway", help="the OpenAI-compatible HTTP gateway in front of the schedulers")
-    _flag(gw, "redis-url", default="redis://127.0.0.1:6379/0",
-          help="redis://[:password@]host:port/db, or rediss:// for TLS")
+    _redis_flags(gw, default="redis://127.0.0.1:6379/0")
     _flag(gw, "host", default="127.0.0.1", help="address to listen on")
     _flag(gw, "port", type=int, default=8000)
     _list_flag(gw, "model", help="model folder it fronts: tokenizer, chat template (repeatable; "
@@ -411,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["TOKENFLEET_LOG_LEVEL"] = level  # worker processes inherit it
     configure_logging(level)
     try:
+        _resolve_redis_flags(args)
         return COMMANDS[args.command](args)
     except TokenfleetError as exc:
         # A user error: one line naming the problem, no traceback.
