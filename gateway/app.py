@@ -8,10 +8,24 @@ from collections.abc import AsyncIterator
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from gateway.appkeys import FLEET, JOBS, METRICS, MODELS, QUEUE_TIMES, REDIS, ROUTER, SETTINGS, STORE, TASKS
+from gateway.appkeys import (
+    FLEET,
+    JOBS,
+    LIMITER,
+    METRICS,
+    MODELS,
+    QUEUE_TIMES,
+    REDIS,
+    ROUTER,
+    SETTINGS,
+    STORE,
+    TASKS,
+    TENANTS,
+)
 from gateway.batch.ingester import BatchIngester
 from gateway.batch.jobs import JobStore
 from gateway.fleet import Fleet
+from gateway.limits import TenantLimiter
 from gateway.metrics import GatewayMetrics
 from gateway.middlewares import auth_middleware, error_middleware, request_id_middleware
 from gateway.models import ModelRegistry
@@ -46,6 +60,9 @@ async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
                               cancel_ttl_s=settings.cancel_ttl_s,
                               idempotency_ttl_s=settings.idempotency_ttl_s)
     app[JOBS] = JobStore(client, GatewayKeys(settings.key_prefix), record_ttl_s=settings.result_ttl_s)
+    app[LIMITER] = TenantLimiter(client, GatewayKeys(settings.key_prefix), lease_s=settings.tenant_lease_s,
+                                 pending_lease_s=settings.tenant_pending_lease_s,
+                                 retry_after_s=settings.retry_after_s)
     yield
     await client.aclose()
     await pool.aclose()
@@ -111,13 +128,14 @@ def create_app(settings: GatewaySettings) -> web.Application:
         client_max_size=settings.max_body_bytes,
     )
     app[SETTINGS] = settings
+    app[TENANTS] = settings.tenants
     app[METRICS] = GatewayMetrics()
     # Opened in this order, closed in reverse: tasks close while Redis and the router live.
     app.cleanup_ctx.extend([_models_ctx, _redis_ctx, _router_ctx, _tasks_ctx, _queue_times_ctx, _fleet_ctx,
                             _batch_ctx])
     for route in ROUTES:
         app.router.add_route(route.method, route.path, route.handler)
-    document = openapi_document(secured=bool(settings.api_keys))
+    document = openapi_document(secured=bool(settings.api_keys) or bool(settings.tenants))
 
     async def openapi(request: web.Request) -> web.Response:
         return web.json_response(document)

@@ -155,6 +155,7 @@ def _add_up_parser(commands) -> None:
           help="cap on running sequences per replica (default: 512 on CUDA, 256 on CPU)")
     _flag(up, "executor", default="auto",
           help="auto (each scheduler's own process at TP=1, a Ray group above), inprocess or ray")
+    _flag(up, "tenants-file", help="the gateway's tenants: API keys and limits (see `tokenfleet gateway`)")
     _flag(up, "gateway-workers", type=int,
           help="gateway processes on the one port (default: from the cores, max(1, min(8, cores // 4)))")
 
@@ -245,6 +246,8 @@ def _add_gateway_parser(commands) -> None:
     _list_flag(gw, "model-name", help="served name of the --model at the same position "
                                       "(default: its folder's name)")
     _list_flag(gw, "api-key", help="accepted Bearer key (repeatable; none: the gateway is open)")
+    _flag(gw, "tenants-file", help="JSON file of tenants: their API keys and limits (requests and tokens per "
+                                   "minute, concurrent requests, batch lines in flight); see the README")
     _flag(gw, "max-queue", type=int, default=1024, help="waiting requests per model before 429 (0: no limit)")
     _flag(gw, "max-n", type=int, default=8, help="cap on n (choices per request)")
     _flag(gw, "max-body-bytes", type=int, default=4 << 20, help="largest request body accepted")
@@ -264,6 +267,7 @@ def _add_gateway_parser(commands) -> None:
 def _cmd_gateway(args: argparse.Namespace) -> int:
     from gateway.server import serve
     from gateway.settings import GatewaySettings, ModelSpec
+    from gateway.tenants import TenantDirectory
     from shared.errors import InvalidRequestError
 
     paths = _list_value(args, "model") or [_resolve_model(None)]
@@ -280,6 +284,7 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
         api_keys=tuple(_list_value(args, "api-key")), key_prefix=args.key_prefix, max_queue=args.max_queue,
         max_n=args.max_n, max_body_bytes=args.max_body_bytes, batch_ingester=not args.no_batch_ingester,
         batch_max_inflight=args.batch_max_inflight, batch_lease_s=args.batch_lease_s,
+        tenants=TenantDirectory.from_file(args.tenants_file) if args.tenants_file else TenantDirectory.empty(),
     )
     if args.workers > 1:
         from gateway.supervisor import run_workers
@@ -412,6 +417,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         tp=args.tp, replicas=args.replicas, redis_url=args.redis_url, redis_port=args.redis_port,
         ray_address=args.ray_address, executor=args.executor, scheduler_args=scheduler_args,
         gateway_workers=args.gateway_workers or default_gateway_workers(),
+        gateway_args=["--tenants-file", os.path.abspath(args.tenants_file)] if args.tenants_file else [],
     )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
