@@ -284,7 +284,8 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
         api_keys=tuple(_list_value(args, "api-key")), key_prefix=args.key_prefix, max_queue=args.max_queue,
         max_n=args.max_n, max_body_bytes=args.max_body_bytes, batch_ingester=not args.no_batch_ingester,
         batch_max_inflight=args.batch_max_inflight, batch_lease_s=args.batch_lease_s,
-        tenants=TenantDirectory.from_file(args.tenants_file) if args.tenants_file else TenantDirectory.empty(),
+        tenants=(TenantDirectory.from_file(args.tenants_file) if args.tenants_file
+                 else TenantDirectory.empty()),
     )
     if args.workers > 1:
         from gateway.supervisor import run_workers
