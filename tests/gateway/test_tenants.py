@@ -1,0 +1,104 @@
+"""Tenants through the gateway (fake scheduler, real Redis): keys map to tenants, limits answer
+429 with Retry-After and the limit's name, leases end with their requests, queue per tenant."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.tenants import TenantDirectory
+from shared.keys import Keys
+from tests.gateway.conftest import MODEL
+from tests.gateway.fake_scheduler import FakeScheduler
+
+pytestmark = pytest.mark.asyncio
+KEYS = Keys()
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def tenants(**limits) -> TenantDirectory:
+    return TenantDirectory.from_map({"tenants": {
+        "team-a": {"keys": ["key-a"], **limits},
+        "team-b": {"keys": ["key-b"]},
+    }})
+
+
+def auth(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def test_a_tenant_key_is_accepted_and_its_requests_carry_the_tenant(make_client, fake_scheduler):
+    client = await make_client(tenants=tenants(), api_keys=("plain",))
+    assert (await client.post("/v1/chat/completions", json=CHAT, headers=auth("key-a"))).status == 200
+    assert (await client.post("/v1/chat/completions", json=CHAT, headers=auth("plain"))).status == 200
+    assert (await client.post("/v1/chat/completions", json=CHAT, headers=auth("nope"))).status == 401
+    assert (await client.post("/v1/chat/completions", json=CHAT)).status == 401
+    assert [m.tenant for m in fake_scheduler.seen] == ["team-a", None]
+    assert fake_scheduler.client.smembers(KEYS.tenants(MODEL)) == {b"team-a"}
+
+
+async def test_requests_per_minute_is_a_429_naming_the_limit(make_client, fake_scheduler):
+    client = await make_client(tenants=tenants(requests_per_minute=2))
+    for _ in range(2):
+        assert (await client.post("/v1/chat/completions", json=CHAT, headers=auth("key-a"))).status == 200
+    response = await client.post("/v1/chat/completions", json=CHAT, headers=auth("key-a"))
+    assert response.status == 429
+    assert 1 <= int(response.headers["Retry-After"]) <= 60
+    error = (await response.json())["error"]
+    assert error["type"] == "rate_limit_error" and error["code"] == "requests_per_minute"
+    assert "requests_per_minute" in error["message"]
+    # Another tenant is not affected.
+    assert (await client.post("/v1/chat/completions", json=CHAT, headers=auth("key-b"))).status == 200
+
+
+async def test_tokens_per_minute_counts_prompt_and_max_tokens(make_client, fake_scheduler):
+    client = await make_client(tenants=tenants(tokens_per_minute=100))
+    body = {**CHAT, "max_tokens": 60}
+    assert (await client.post("/v1/chat/completions", json=body, headers=auth("key-a"))).status == 200
+    response = await client.post("/v1/chat/completions", json=body, headers=auth("key-a"))
+    assert response.status == 429 and (await response.json())["error"]["code"] == "tokens_per_minute"
+    too_big = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 500}, headers=auth("key-a"))
+    assert too_big.status == 400 and (await too_big.json())["error"]["param"] == "max_tokens"
+
+
+async def test_concurrency_leases_end_with_the_request_or_its_client(make_client, redis_server, tokenizer):
+    leases = KEYS.tenant_leases("team-a")
+    with FakeScheduler(redis_server.url, MODEL, tokenizer, token_delay_s=0.05) as fake:
+        client = await make_client(tenants=tenants(max_concurrent_requests=2))
+        slow = {**CHAT, "max_tokens": 40, "stream": True}
+        first = await client.post("/v1/chat/completions", json=slow, headers=auth("key-a"))
+        second = await client.post("/v1/requests", json={**CHAT, "max_tokens": 40, "kind": "chat"},
+                                   headers=auth("key-a"))
+        assert first.status == 200 and second.status == 202
+        assert fake.client.zcard(leases) == 2
+        third = await client.post("/v1/chat/completions", json=CHAT, headers=auth("key-a"))
+        assert third.status == 429 and third.headers["Retry-After"] == "1"
+        assert (await third.json())["error"]["code"] == "max_concurrent_requests"
+        # The streaming client leaves: its lease ends at once.
+        first.close()
+        for _ in range(100):
+            if fake.client.zcard(leases) == 1:
+                break
+            await asyncio.sleep(0.05)
+        assert fake.client.zcard(leases) == 1
+        # The submitted one ends in the scheduler, which ends its lease.
+        for _ in range(400):
+            if fake.client.zcard(leases) == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert fake.client.zcard(leases) == 0
+        assert (await client.post("/v1/chat/completions", json=CHAT, headers=auth("key-a"))).status == 200
+
+
+async def test_cancelling_a_queued_request_ends_its_lease(make_client, redis_server, tokenizer):
+    with FakeScheduler(redis_server.url, MODEL, tokenizer, consume=False):  # alive, takes nothing
+        client = await make_client(tenants=tenants(max_concurrent_requests=1))
+        submitted = await client.post("/v1/requests", json={**CHAT, "kind": "chat"}, headers=auth("key-a"))
+        req_id = (await submitted.json())["id"]
+        assert (await client.post("/v1/requests", json={**CHAT, "kind": "chat"},
+                                  headers=auth("key-a"))).status == 429
+        assert (await client.delete(f"/v1/requests/{req_id}", headers=auth("key-a"))).status == 200
+        assert redis_server.client().zcard(KEYS.tenant_leases("team-a")) == 0
+        assert (await client.post("/v1/requests", json={**CHAT, "kind": "chat"},
+                                  headers=auth("key-a"))).status == 202
