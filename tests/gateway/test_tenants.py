@@ -58,7 +58,8 @@ async def test_tokens_per_minute_counts_prompt_and_max_tokens(make_client, fake_
     assert (await client.post("/v1/chat/completions", json=body, headers=auth("key-a"))).status == 200
     response = await client.post("/v1/chat/completions", json=body, headers=auth("key-a"))
     assert response.status == 429 and (await response.json())["error"]["code"] == "tokens_per_minute"
-    too_big = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 500}, headers=auth("key-a"))
+    too_big = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 500},
+                                headers=auth("key-a"))
     assert too_big.status == 400 and (await too_big.json())["error"]["param"] == "max_tokens"
 
 
