@@ -72,6 +72,10 @@ class TenantDirectory:
     def lookup(self, api_key: str) -> Tenant | None:
         return self._by_digest.get(key_digest(api_key))
 
+    def get(self, name: str) -> Tenant | None:
+        """The tenant of that name (its limits may have changed since a job recorded it)."""
+        return next((t for t in self._by_digest.values() if t.name == name), None)
+
     @classmethod
     def empty(cls) -> TenantDirectory:
         return cls({})

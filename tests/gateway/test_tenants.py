@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -103,3 +104,26 @@ async def test_cancelling_a_queued_request_ends_its_lease(make_client, redis_ser
         assert redis_server.client().zcard(KEYS.tenant_leases("team-a")) == 0
         assert (await client.post("/v1/requests", json={**CHAT, "kind": "chat"},
                                   headers=auth("key-a"))).status == 202
+
+
+async def test_batch_lines_in_flight_are_capped_per_tenant_over_all_its_jobs(make_client, redis_server,
+                                                                             tokenizer):
+    plain = redis_server.client()
+    line = {"method": "POST", "url": "/v1/chat/completions", "body": CHAT}
+    lines = "\n".join(json.dumps({**line, "custom_id": f"c{i}"}) for i in range(10))
+    with FakeScheduler(redis_server.url, MODEL, tokenizer, consume=False):  # alive, takes nothing
+        await make_client(tenants=tenants(max_batch_lines_in_flight=3), batch_lease_s=2.0)
+        for job_id in ("job-1", "job-2"):
+            plain.xadd(KEYS.batch_in, {"job_id": job_id, "model": MODEL, "lines": lines, "tenant": "team-a"})
+        plain.xadd(KEYS.batch_in, {"job_id": "job-3", "model": MODEL, "lines": lines})  # nobody's: no cap
+        stream = KEYS.request_stream(MODEL, "batch", "team-a")
+        for _ in range(200):
+            if plain.xlen(KEYS.request_stream(MODEL, "batch")) == 10 and plain.xlen(stream) >= 3:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # the feeder had its chance to queue more
+        assert plain.xlen(stream) == 3  # team-a's two jobs together
+        assert plain.xlen(KEYS.request_stream(MODEL, "batch")) == 10
+        assert plain.sismember(KEYS.tenants(MODEL), "team-a")
+        jobs = [plain.hgetall(KEYS.batch_job(j)) for j in ("job-1", "job-2")]
+        assert [job[b"tenant"] for job in jobs] == [b"team-a", b"team-a"]
