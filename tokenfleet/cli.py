@@ -448,12 +448,24 @@ def main(argv: list[str] | None = None) -> int:
     level = env_default("log_level", "WARNING")
     os.environ["TOKENFLEET_LOG_LEVEL"] = level  # worker processes inherit it
     configure_logging(level)
+    from redis.exceptions import AuthenticationError, AuthenticationWrongNumberOfArgsError, ResponseError
+
     try:
         _resolve_redis_flags(args)
         return COMMANDS[args.command](args)
     except TokenfleetError as exc:
         # A user error: one line naming the problem, no traceback.
         print(f"tokenfleet: error: {exc.message}", file=sys.stderr)
+        return 1
+    except (AuthenticationError, AuthenticationWrongNumberOfArgsError) as exc:
+        print(f"tokenfleet: error: Redis refused the credentials ({exc}); check --redis-url and "
+              "--redis-password-file", file=sys.stderr)
+        return 1
+    except ResponseError as exc:
+        if "NOAUTH" not in str(exc) and "AUTH" not in str(exc).split()[:1]:
+            raise
+        print(f"tokenfleet: error: Redis wants a password ({exc}); give it in --redis-url or "
+              "--redis-password-file", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
