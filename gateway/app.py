@@ -36,6 +36,7 @@ from gateway.requests.store import GatewayKeys, RequestStore
 from gateway.routes import ROUTES
 from gateway.settings import GatewaySettings
 from gateway.tasks import TaskSet
+from gateway.tenant_registry import TenantRegistry
 from shared.logging import get_logger
 
 log = get_logger("tokenfleet.gateway")
@@ -60,6 +61,8 @@ async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
                               cancel_ttl_s=settings.cancel_ttl_s,
                               idempotency_ttl_s=settings.idempotency_ttl_s)
     app[JOBS] = JobStore(client, GatewayKeys(settings.key_prefix), record_ttl_s=settings.result_ttl_s)
+    app[TENANTS] = TenantRegistry(settings.tenants, client if settings.tenants_from_redis else None,
+                                  GatewayKeys(settings.key_prefix))
     app[LIMITER] = TenantLimiter(client, GatewayKeys(settings.key_prefix), lease_s=settings.tenant_lease_s,
                                  pending_lease_s=settings.tenant_pending_lease_s,
                                  retry_after_s=settings.retry_after_s)
@@ -128,14 +131,14 @@ def create_app(settings: GatewaySettings) -> web.Application:
         client_max_size=settings.max_body_bytes,
     )
     app[SETTINGS] = settings
-    app[TENANTS] = settings.tenants
     app[METRICS] = GatewayMetrics()
     # Opened in this order, closed in reverse: tasks close while Redis and the router live.
     app.cleanup_ctx.extend([_models_ctx, _redis_ctx, _router_ctx, _tasks_ctx, _queue_times_ctx, _fleet_ctx,
                             _batch_ctx])
     for route in ROUTES:
         app.router.add_route(route.method, route.path, route.handler)
-    document = openapi_document(secured=bool(settings.api_keys) or bool(settings.tenants))
+    document = openapi_document(secured=bool(settings.api_keys) or bool(settings.tenants)
+                                or settings.tenants_from_redis)
 
     async def openapi(request: web.Request) -> web.Response:
         return web.json_response(document)

@@ -15,7 +15,7 @@ from gateway.requests.pubsub import EventRouter
 from gateway.requests.store import RequestStore
 from gateway.settings import GatewaySettings
 from gateway.tasks import TaskSet
-from gateway.tenants import TenantDirectory
+from gateway.tenant_registry import TenantRegistry
 
 SETTINGS = web.AppKey("settings", GatewaySettings)
 METRICS = web.AppKey("metrics", GatewayMetrics)
@@ -27,5 +27,5 @@ FLEET = web.AppKey("fleet", Fleet)
 TASKS = web.AppKey("tasks", TaskSet)
 JOBS = web.AppKey("jobs", JobStore)
 QUEUE_TIMES = web.AppKey("queue_times", QueueTimes)
-TENANTS = web.AppKey("tenants", TenantDirectory)  # API key -> tenant (empty: no tenants)
+TENANTS = web.AppKey("tenants", TenantRegistry)  # API key -> tenant
 LIMITER = web.AppKey("limiter", TenantLimiter)

@@ -89,11 +89,11 @@ async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
     configured). A tenant's key puts the tenant on the request: its limits apply."""
     keys = request.app[SETTINGS].api_keys
     tenants = request.app[TENANTS]
-    if (keys or tenants) and request.path not in OPEN_PATHS:
+    if (keys or tenants.is_enabled) and request.path not in OPEN_PATHS:
         given = _api_key(request)
         if given is None:
             raise AuthenticationFailed("missing API key: send Authorization: Bearer <key>")
-        tenant = tenants.lookup(given)
+        tenant = await tenants.lookup(given)
         if tenant is None and not any(hmac.compare_digest(given.encode(), key.encode()) for key in keys):
             raise AuthenticationFailed("invalid API key")
         request["api_key"] = given

@@ -26,6 +26,7 @@ class GatewaySettings:
     port: int = 8000
     api_keys: tuple[str, ...] = ()  # none (and no tenants): the gateway is open
     tenants: TenantDirectory = field(default_factory=TenantDirectory.empty)  # their keys are accepted too
+    tenants_from_redis: bool = False  # also look keys and limits up in Redis (gateway/tenant_registry.py)
     tenant_lease_s: float = 3600.0  # a concurrency lease nothing ended (the request lost) lapses after this
     tenant_pending_lease_s: float = 60.0  # a lease taken, never queued (its gateway died), lapses after this
     key_prefix: str = "tf:"

@@ -6,6 +6,7 @@
 | {p}req:{model}:{kind}:t:{tenant}      | stream        | gateway, batch ingester | schedulers (group)    |
 | {p}tenants:{model}                    | set           | gateway, batch ingester | schedulers, gateway   |
 | {p}tenant:{tenant}:leases             | zset          | gateway                 | gateway, schedulers   |
+| {p}apikeys, {p}tenant:{tenant}        | hash, hash    | operators (CLI)         | gateway               |
 | {p}ev:{req_id}                        | pub/sub       | scheduler               | gateway               |
 | {p}res:{req_id}                       | hash with TTL | scheduler               | gateway, a successor  |
 | {p}cancel                             | pub/sub       | gateway                 | schedulers            |
@@ -53,6 +54,15 @@ class Keys:
     def tenants(self, model: str) -> str:
         """Every tenant that has queued requests for the model (the streams schedulers read)."""
         return f"{self.prefix}tenants:{model}"
+
+    @property
+    def api_keys(self) -> str:
+        """API keys kept in Redis: SHA-256 hex digest of the key -> tenant."""
+        return f"{self.prefix}apikeys"
+
+    def tenant(self, tenant: str) -> str:
+        """A tenant's limits, kept in Redis (fields of gateway.tenants.TenantLimits)."""
+        return f"{self.prefix}tenant:{tenant}"
 
     def tenant_leases(self, tenant: str) -> str:
         """The tenant's requests in flight: member req_id, score the lease's expiry (unix s)."""

@@ -122,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_up_parser(commands)
     _add_batch_parser(commands)
     _add_bench_parser(commands)
+    _add_tenants_parser(commands)
     return parser
 
 
@@ -191,6 +192,29 @@ def _add_batch_parser(commands) -> None:
         _flag(action, "key-prefix", default="tf:", help="prefix of every Redis key")
 
 
+def _add_tenants_parser(commands) -> None:
+    tenants = commands.add_parser("tenants", help="tenants kept in Redis: API keys and limits "
+                                                  "(for gateways run with --tenants-from-redis)")
+    actions = tenants.add_subparsers(dest="tenants_command", required=True)
+    set_ = actions.add_parser("set", help="create or change a tenant: add keys, set limits (0: no limit)")
+    _list_flag(set_, "key", help="an API key of the tenant (repeatable)")
+    for name in ("requests-per-minute", "tokens-per-minute", "max-concurrent-requests",
+                 "max-batch-lines-in-flight"):
+        set_.add_argument(f"--{name}", type=int)
+    show = actions.add_parser("show", help="a tenant's limits, number of keys and requests in flight")
+    remove = actions.add_parser("remove", help="remove a tenant and all its keys")
+    for action in (set_, show, remove):
+        action.add_argument("tenant", metavar="TENANT")
+        _redis_flags(action, default="redis://127.0.0.1:6379/0")
+        _flag(action, "key-prefix", default="tf:", help="prefix of every Redis key")
+
+
+def _cmd_tenants(args: argparse.Namespace) -> int:
+    from tokenfleet.tenants_cli import run_tenants_command
+
+    return run_tenants_command(args)
+
+
 def _cmd_batch(args: argparse.Namespace) -> int:
     from tokenfleet.batch_cli import run_batch_command
 
@@ -246,6 +270,8 @@ def _add_gateway_parser(commands) -> None:
     _list_flag(gw, "model-name", help="served name of the --model at the same position "
                                       "(default: its folder's name)")
     _list_flag(gw, "api-key", help="accepted Bearer key (repeatable; none: the gateway is open)")
+    _flag(gw, "tenants-from-redis", action="store_true",
+          help="also look API keys and tenant limits up in Redis (`tokenfleet tenants set`)")
     _flag(gw, "tenants-file", help="JSON file of tenants: their API keys and limits (requests and tokens per "
                                    "minute, concurrent requests, batch lines in flight); see the README")
     _flag(gw, "max-queue", type=int, default=1024, help="waiting requests per model before 429 (0: no limit)")
@@ -286,6 +312,7 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
         batch_max_inflight=args.batch_max_inflight, batch_lease_s=args.batch_lease_s,
         tenants=(TenantDirectory.from_file(args.tenants_file) if args.tenants_file
                  else TenantDirectory.empty()),
+        tenants_from_redis=args.tenants_from_redis,
     )
     if args.workers > 1:
         from gateway.supervisor import run_workers
@@ -438,7 +465,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 COMMANDS = {"generate": _cmd_generate, "model": _cmd_model_fetch, "scheduler": _cmd_scheduler,
             "gateway": _cmd_gateway, "up": _cmd_up, "batch": _cmd_batch,
-            "bench": _cmd_bench}
+            "bench": _cmd_bench, "tenants": _cmd_tenants}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,6 +53,7 @@ from gateway.openai.params import Plan, plan_chat, plan_completion
 from gateway.requests.records import ResultRecord
 from gateway.requests.store import GatewayKeys, RequestStore
 from gateway.settings import GatewaySettings
+from gateway.tenant_registry import TenantRegistry
 from shared.keys import INGESTER_GROUP, JOB_ID_PATTERN, TENANT_PATTERN, Keys
 from shared.logging import get_logger
 from shared.messages import RequestMessage
@@ -93,6 +94,8 @@ class BatchIngester:
         self.models = models
         self.settings = settings
         self.jobs = JobStore(client, keys, record_ttl_s=settings.result_ttl_s)
+        # Whose limits a tenant's job feeds under (its max_batch_lines_in_flight).
+        self.tenants = TenantRegistry(settings.tenants, client if settings.tenants_from_redis else None, keys)
         # The gateway's own cancel (flag + message), for the queued lines of a stopping job.
         self.requests = RequestStore(client, GatewayKeys(keys.prefix), result_ttl_s=settings.result_ttl_s,
                                      cancel_ttl_s=settings.cancel_ttl_s,
@@ -335,7 +338,7 @@ class BatchIngester:
     async def _tenant_room(self, job: Job) -> int:
         """Lines the job's tenant may still have queued (its max_batch_lines_in_flight, over all
         its jobs). Ingesters feeding two of its jobs at once may overshoot by a chunk each."""
-        tenant = self.settings.tenants.get(job.tenant) if job.tenant is not None else None
+        tenant = await self.tenants.get(job.tenant) if job.tenant is not None else None
         cap = tenant.limits.max_batch_lines_in_flight if tenant is not None else None
         if cap is None:
             return FEED_CHUNK

@@ -127,3 +127,23 @@ async def test_batch_lines_in_flight_are_capped_per_tenant_over_all_its_jobs(mak
         assert plain.sismember(KEYS.tenants(MODEL), "team-a")
         jobs = [plain.hgetall(KEYS.batch_job(j)) for j in ("job-1", "job-2")]
         assert [job[b"tenant"] for job in jobs] == [b"team-a", b"team-a"]
+
+
+async def test_tenants_kept_in_redis_are_served_and_limited(make_client, fake_scheduler, redis_server,
+                                                             capsys):
+    from tokenfleet.cli import main
+
+    url = ["--redis-url", redis_server.url]
+    assert main(["tenants", "set", "team-r", "--key", "key-r", "--requests-per-minute", "1", *url]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown == {"tenant": "team-r", "limits": {"requests_per_minute": 1}, "num_keys": 1, "in_flight": 0}
+    client = await make_client(tenants_from_redis=True)
+    assert (await client.post("/v1/chat/completions", json=CHAT, headers=auth("key-r"))).status == 200
+    refused = await client.post("/v1/chat/completions", json=CHAT, headers=auth("key-r"))
+    assert refused.status == 429 and (await refused.json())["error"]["code"] == "requests_per_minute"
+    assert (await client.post("/v1/chat/completions", json=CHAT, headers=auth("key-x"))).status == 401
+    assert fake_scheduler.seen[-1].tenant == "team-r"
+    assert main(["tenants", "remove", "team-r", *url]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["keys_removed"] == 1  # (after log lines)
+    assert main(["tenants", "show", "team-r", *url]) == 1
+    assert "no tenant 'team-r'" in capsys.readouterr().err
