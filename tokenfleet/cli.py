@@ -187,6 +187,8 @@ def _add_batch_parser(commands) -> None:
     _flag(ingester, "max-inflight", type=int, default=1024, help="per job: queued lines not yet written")
     _flag(ingester, "lease-s", type=float, default=10.0,
           help="work a dead ingester left is taken over after this")
+    _flag(ingester, "tenants-file", help="tenants whose max_batch_lines_in_flight it keeps")
+    _flag(ingester, "tenants-from-redis", action="store_true", help="also read tenants kept in Redis")
     for action in (submit, ingester, *(actions.choices[n] for n in ("status", "cancel", "results"))):
         _redis_flags(action, help="Redis (default: the fleet's from $TOKENFLEET_HOME/fleet.json)")
         _flag(action, "key-prefix", default="tf:", help="prefix of every Redis key")
