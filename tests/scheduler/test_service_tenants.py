@@ -56,3 +56,30 @@ def test_a_500_request_backlog_delays_another_tenants_first_token_by_at_most_two
     assert loaded_steps <= idle_steps + 2
     assert done_a < 100  # most of team-a's backlog was still queued when team-b was served
     assert client.zcard(KEYS.tenant_leases("team-b")) == 0  # its lease ended with it
+
+
+def test_a_dead_schedulers_tenant_entries_are_taken_over_and_finish(tiny_checkpoints, redis_server):
+    config = EngineConfig(model=str(tiny_checkpoints["llama"]), dtype="float32", block_size=4,
+                          num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=64)
+    client = redis_server.client()
+    sampling = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with LLMEngine(config) as first_engine, LLMEngine(config) as second_engine:
+        first = SchedulerService(first_engine, redis_server.url, ServiceSettings(MODEL, "first", lease_s=0.5))
+        tenants = ("team-a", "team-b", None)
+        ids = [submit(client, MODEL, PROMPT, sampling, tenant=tenant) for tenant in tenants]
+        first.tick()  # reads (and claims) all three, then "dies": it never ticks again
+        first.flush_and_wait()
+        assert all(client.hget(KEYS.result(r), "owner") == b"first" for r in ids)
+        second = SchedulerService(second_engine, redis_server.url,
+                                  ServiceSettings(MODEL, "second", lease_s=0.5, heartbeat_s=0.1))
+        for _ in range(2000):
+            second.tick()
+            second.flush_and_wait()
+            if all(client.hget(KEYS.result(r), "state") == b"completed" for r in ids):
+                break
+        first.writer.close()
+        second.writer.close()
+    assert [client.hget(KEYS.result(r), "scheduler") for r in ids] == [b"second"] * 3
+    for tenant in ("team-a", "team-b", None):
+        stream = KEYS.request_stream(MODEL, "interactive", tenant)
+        assert client.xlen(stream) == 0 and client.xpending(stream, "schedulers")["pending"] == 0
