@@ -470,6 +470,19 @@ COMMANDS = {"generate": _cmd_generate, "model": _cmd_model_fetch, "scheduler": _
             "bench": _cmd_bench, "tenants": _cmd_tenants}
 
 
+def _redis_credentials_problem(exc: Exception) -> str | None:
+    """One line for Redis refusing (or wanting) a password; None for anything else."""
+    if not type(exc).__module__.startswith("redis"):
+        return None  # (redis is imported only by commands that use it)
+    from redis.exceptions import AuthenticationError, AuthenticationWrongNumberOfArgsError, ResponseError
+
+    if isinstance(exc, (AuthenticationError, AuthenticationWrongNumberOfArgsError)):
+        return f"Redis refused the credentials ({exc}); check --redis-url and --redis-password-file"
+    if isinstance(exc, ResponseError) and str(exc).startswith(("NOAUTH", "WRONGPASS")):
+        return f"Redis wants a password ({exc}); give it in --redis-url or --redis-password-file"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from shared.logging import configure_logging
@@ -477,8 +490,6 @@ def main(argv: list[str] | None = None) -> int:
     level = env_default("log_level", "WARNING")
     os.environ["TOKENFLEET_LOG_LEVEL"] = level  # worker processes inherit it
     configure_logging(level)
-    from redis.exceptions import AuthenticationError, AuthenticationWrongNumberOfArgsError, ResponseError
-
     try:
         _resolve_redis_flags(args)
         return COMMANDS[args.command](args)
@@ -486,15 +497,11 @@ def main(argv: list[str] | None = None) -> int:
         # A user error: one line naming the problem, no traceback.
         print(f"tokenfleet: error: {exc.message}", file=sys.stderr)
         return 1
-    except (AuthenticationError, AuthenticationWrongNumberOfArgsError) as exc:
-        print(f"tokenfleet: error: Redis refused the credentials ({exc}); check --redis-url and "
-              "--redis-password-file", file=sys.stderr)
-        return 1
-    except ResponseError as exc:
-        if "NOAUTH" not in str(exc) and "AUTH" not in str(exc).split()[:1]:
+    except Exception as exc:
+        message = _redis_credentials_problem(exc)
+        if message is None:
             raise
-        print(f"tokenfleet: error: Redis wants a password ({exc}); give it in --redis-url or "
-              "--redis-password-file", file=sys.stderr)
+        print(f"tokenfleet: error: {message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
