@@ -61,7 +61,11 @@ async def admit_tenant(request: web.Request, plan: Plan, req_ids: list[str]) -> 
     tenant = request.get("tenant")
     if tenant is not None:
         num_tokens = sum(len(choice.prompt_ids) + choice.sampling.max_tokens for choice in plan.choices)
-        await request.app[LIMITER].admit(tenant, req_ids, num_tokens)
+        try:
+            await request.app[LIMITER].admit(tenant, req_ids, num_tokens)
+        except RateLimited as exc:
+            request.app[METRICS].tenant_refusals.labels(tenant.name, exc.code).inc()
+            raise
     return tenant
 
 
