@@ -8,10 +8,24 @@ from collections.abc import AsyncIterator
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from gateway.appkeys import FLEET, JOBS, METRICS, MODELS, QUEUE_TIMES, REDIS, ROUTER, SETTINGS, STORE, TASKS
+from gateway.appkeys import (
+    FLEET,
+    JOBS,
+    LIMITER,
+    METRICS,
+    MODELS,
+    QUEUE_TIMES,
+    REDIS,
+    ROUTER,
+    SETTINGS,
+    STORE,
+    TASKS,
+    TENANTS,
+)
 from gateway.batch.ingester import BatchIngester
 from gateway.batch.jobs import JobStore
 from gateway.fleet import Fleet
+from gateway.limits import TenantLimiter
 from gateway.metrics import GatewayMetrics
 from gateway.middlewares import auth_middleware, error_middleware, request_id_middleware
 from gateway.models import ModelRegistry
@@ -23,6 +37,7 @@ from gateway.requests.store import GatewayKeys, RequestStore
 from gateway.routes import ROUTES
 from gateway.settings import GatewaySettings
 from gateway.tasks import TaskSet
+from gateway.tenant_registry import TenantRegistry
 from shared.logging import get_logger
 
 log = get_logger("tokenfleet.gateway")
@@ -47,6 +62,11 @@ async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
                               cancel_ttl_s=settings.cancel_ttl_s,
                               idempotency_ttl_s=settings.idempotency_ttl_s)
     app[JOBS] = JobStore(client, GatewayKeys(settings.key_prefix), record_ttl_s=settings.result_ttl_s)
+    app[TENANTS] = TenantRegistry(settings.tenants, client if settings.tenants_from_redis else None,
+                                  GatewayKeys(settings.key_prefix))
+    app[LIMITER] = TenantLimiter(client, GatewayKeys(settings.key_prefix), lease_s=settings.tenant_lease_s,
+                                 pending_lease_s=settings.tenant_pending_lease_s,
+                                 retry_after_s=settings.retry_after_s)
     yield
     await client.aclose()
     await pool.aclose()
@@ -118,7 +138,8 @@ def create_app(settings: GatewaySettings) -> web.Application:
                             _batch_ctx, presence_ctx])
     for route in ROUTES:
         app.router.add_route(route.method, route.path, route.handler)
-    document = openapi_document(secured=bool(settings.api_keys))
+    document = openapi_document(secured=bool(settings.api_keys) or bool(settings.tenants)
+                                or settings.tenants_from_redis)
 
     async def openapi(request: web.Request) -> web.Response:
         return web.json_response(document)

@@ -7,6 +7,7 @@ from aiohttp import web
 
 from gateway.batch.jobs import JobStore
 from gateway.fleet import Fleet
+from gateway.limits import TenantLimiter
 from gateway.metrics import GatewayMetrics
 from gateway.models import ModelRegistry
 from gateway.queue_times import QueueTimes
@@ -14,6 +15,7 @@ from gateway.requests.pubsub import EventRouter
 from gateway.requests.store import RequestStore
 from gateway.settings import GatewaySettings
 from gateway.tasks import TaskSet
+from gateway.tenant_registry import TenantRegistry
 
 SETTINGS = web.AppKey("settings", GatewaySettings)
 METRICS = web.AppKey("metrics", GatewayMetrics)
@@ -25,3 +27,5 @@ FLEET = web.AppKey("fleet", Fleet)
 TASKS = web.AppKey("tasks", TaskSet)
 JOBS = web.AppKey("jobs", JobStore)
 QUEUE_TIMES = web.AppKey("queue_times", QueueTimes)
+TENANTS = web.AppKey("tenants", TenantRegistry)  # API key -> tenant
+LIMITER = web.AppKey("limiter", TenantLimiter)

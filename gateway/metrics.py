@@ -42,6 +42,9 @@ class GatewayMetrics:
         self.queue_depth = Gauge("tokenfleet_gateway_queue_depth",
                                  "entries of a model's interactive stream not yet taken", ["model"],
                                  registry=r, multiprocess_mode="mostrecent")
+        self.tenant_refusals = Counter("tokenfleet_gateway_tenant_refusals",
+                                       "calls refused for a tenant's limit (429), by tenant and limit",
+                                       ["tenant", "limit"], registry=r)
         self.batch_lines = Counter("tokenfleet_batch_lines", "batch lines whose output this process wrote",
                                    ["status"], registry=r)
         self.batch_jobs = Counter("tokenfleet_batch_jobs", "batch jobs this process ended, by end state",

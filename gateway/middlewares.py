@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from gateway.appkeys import METRICS, SETTINGS
+from gateway.appkeys import METRICS, SETTINGS, TENANTS
 from gateway.errors import (
     AuthenticationFailed,
     Unavailable,
@@ -86,15 +86,19 @@ def _api_key(request: web.Request) -> str | None:
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
-    """Authorization: Bearer <key> must be one of --api-key (when any is configured)."""
+    """Authorization: Bearer <key> must be one of --api-key or a tenant's key (when any is
+    configured). A tenant's key puts the tenant on the request: its limits apply."""
     keys = request.app[SETTINGS].api_keys
-    if keys and request.path not in OPEN_PATHS:
+    tenants = request.app[TENANTS]
+    if (keys or tenants.is_enabled) and request.path not in OPEN_PATHS:
         given = _api_key(request)
         if given is None:
             raise AuthenticationFailed("missing API key: send Authorization: Bearer <key>")
-        if not any(hmac.compare_digest(given.encode(), key.encode()) for key in keys):
+        tenant = await tenants.lookup(given)
+        if tenant is None and not any(hmac.compare_digest(given.encode(), key.encode()) for key in keys):
             raise AuthenticationFailed("invalid API key")
         request["api_key"] = given
+        request["tenant"] = tenant
     return await handler(request)
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from gateway.tenants import TenantDirectory
 
 
 @dataclass(frozen=True)
@@ -22,7 +24,11 @@ class GatewaySettings:
     models: list[ModelSpec]
     host: str = "127.0.0.1"
     port: int = 8000
-    api_keys: tuple[str, ...] = ()  # none: the gateway is open
+    api_keys: tuple[str, ...] = ()  # none (and no tenants): the gateway is open
+    tenants: TenantDirectory = field(default_factory=TenantDirectory.empty)  # their keys are accepted too
+    tenants_from_redis: bool = False  # also look keys and limits up in Redis (gateway/tenant_registry.py)
+    tenant_lease_s: float = 3600.0  # a concurrency lease nothing ended (the request lost) lapses after this
+    tenant_pending_lease_s: float = 60.0  # a lease taken, never queued (its gateway died), lapses after this
     key_prefix: str = "tf:"
     max_queue: int = 1024  # per model: waiting entries beyond this answer 429
     max_n: int = 8  # cap on "n" (choices per request)

@@ -141,7 +141,7 @@ class LLMEngine:
     def add_request(
         self, prompt_token_ids: list[int], sampling: SamplingParams, *, priority: int = 0,
         req_id: str | None = None, arrival_time: float | None = None,
-        output_token_ids: list[int] | None = None, output_text: str = "",
+        output_token_ids: list[int] | None = None, output_text: str = "", tenant: str | None = None,
     ) -> str:
         """Queue a request. `output_token_ids`/`output_text` resume one that another
         scheduler started: generation continues after those tokens, which are not sent again."""
@@ -155,7 +155,7 @@ class LLMEngine:
                 f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})", param="prompt"
             )
         request = Request(req_id, list(prompt_token_ids), sampling, priority=priority,
-                          eos_token_ids=set(self.eos_token_ids),
+                          eos_token_ids=set(self.eos_token_ids), tenant=tenant,
                           output_token_ids=list(output_token_ids or []))
         if arrival_time is not None:
             request.arrival_time = arrival_time

@@ -66,6 +66,7 @@ class Request:
     priority: int = 0  # lower number = more important; BATCH_PRIORITY and above: batch work
     arrival_time: float = field(default_factory=time.monotonic)
     eos_token_ids: set[int] = field(default_factory=set)
+    tenant: str | None = None  # whose request: tenants take turns inside a priority
 
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens of all_token_ids whose K/V sit in the cache. What to compute next is always

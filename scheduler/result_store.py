@@ -24,14 +24,16 @@ from shared.keys import CONSUMER_GROUP, Keys
 from shared.messages import TERMINAL_STATES, unpack_list_chunks
 
 # One call per step writes every update of the step (Python packs one msgpack list; the loop over
-# requests runs inside Redis). ARGV: owner, ttl, the packed updates; each update is
+# requests runs inside Redis). ARGV: owner, ttl, the packed updates, then the tenant lease key
+# around its tenant (before, after) and the result key less its req id; each update is
 # [result key, request stream, channel ('' = none), event, entry id to acknowledge ('' = none),
 #  notice stream ('' = none), notice req id, notice job id, seq of this update ('' = none),
 #  [field, chunk, ...] to append, [field, value, ...] to set].
 # Per update: refused (0) when another scheduler owns the request; the appends are skipped when
 # the record's seq has reached this update's (a write retried after a lost connection must not
 # append a chunk twice); a batch notice goes out only on the first terminal write. Returns the
-# 0/1 of each update. (Keys are not declared: on a Redis Cluster a step's updates would be split
+# 0/1 of each update. A terminal write also ends the request's tenant lease (gateway/limits.py), when
+# its record names a tenant. (Keys are not declared: on a Redis Cluster a step's updates would be split
 # by hash slot first.)
 _WRITE_SCRIPT = """
 local owner = ARGV[1]
@@ -65,6 +67,10 @@ for i = 1, #updates do
     if u[5] ~= '' then
       redis.call('XACK', u[2], 'GROUP', u[5])
       redis.call('XDEL', u[2], u[5])
+      local tenant = redis.call('HGET', key, 'tenant')
+      if tenant then  -- the request's lease on its tenant's concurrency ends with it
+        redis.call('ZREM', ARGV[4] .. tenant .. ARGV[5], string.sub(key, #ARGV[6] + 1))
+      end
     end
     if notify then redis.call('XADD', u[6], '*', 'req', u[7], 'job', u[8]) end
     owned[i] = 1
@@ -111,6 +117,8 @@ class ResultStore:
         self.owner = owner
         self.ttl_s = ttl_s
         self._write = client.register_script(_WRITE_SCRIPT)
+        before, after = keys.tenant_leases("\0").split("\0")
+        self._lease_key_parts = (before, after, keys.result(""))
 
     def write(self, updates: list[ResultUpdate]) -> list[bool]:
         """One round trip and one script call for all updates; False where another scheduler
@@ -140,7 +148,8 @@ class ResultStore:
         if not packed:
             return []
         # Redis' Lua msgpack (cmsgpack) predates the bin type: every string goes as raw bytes.
-        owned = self._write(args=[self.owner, self.ttl_s, msgpack.packb(packed, use_bin_type=False)])
+        owned = self._write(args=[self.owner, self.ttl_s, msgpack.packb(packed, use_bin_type=False),
+                                  *self._lease_key_parts])
         return [bool(flag) for flag in owned]
 
     def claim(self, req_id: str) -> StoredProgress:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from scheduler.block_manager import BlockManager, cdiv
 from scheduler.detokenizer import IncrementalDetokenizer, Tokenizer
+from scheduler.fair_share import FairShare
 from scheduler.request import BATCH_PRIORITY, FinishReason, Request, RequestStatus, TokenLogprobs
 from shared.errors import InvalidRequestError, WorkerError
 from shared.logging import get_logger
@@ -107,6 +108,7 @@ class Scheduler:
         # Kept sorted by _importance. A preempted request keeps its arrival time, so it goes
         # back ahead of every later arrival of its priority.
         self._waiting: list[Request] = []
+        self._fair_share = FairShare()  # which tenant's waiting request starts next, per priority
         self._running: list[Request] = []  # in admission order
         self._aborted: list[Request] = []  # aborted since the last update_from_output
         self._next_step_id = 0
@@ -225,8 +227,10 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         admits_interactive = False
-        while self._waiting and plan.token_budget > 0:
-            request = self._waiting[0]
+        # Strict priorities; tenants take turns inside one (scheduler/fair_share.py).
+        for request in self._fair_share.order(self._waiting):
+            if plan.token_budget <= 0:
+                break
             if request.req_id in plan.preempted_req_ids:
                 break  # just made room for a more important one; not back in this step
             if admits_interactive and request.priority >= BATCH_PRIORITY:
@@ -236,7 +240,8 @@ class Scheduler:
             num_new_tokens = self._num_new_tokens(request, plan.token_budget)
             if not self._make_room(request, num_new_tokens, plan):
                 break  # strict order: later requests do not jump ahead of a stuck one
-            self._waiting.pop(0)
+            self._waiting.remove(request)
+            self._fair_share.started(request)
             admits_interactive = admits_interactive or request.priority < BATCH_PRIORITY
             request.status = RequestStatus.RUNNING
             self._running.append(request)

@@ -28,8 +28,9 @@ from scheduler.result_store import ResultStore, ResultUpdate, StoredProgress, te
 from scheduler.result_writer import ResultWriter
 from scheduler.scheduler import RequestOutput
 from scheduler.telemetry import SchedulerTelemetry
+from scheduler.tenant_streams import TenantStreams
 from shared.errors import InvalidRequestError
-from shared.keys import CONSUMER_GROUP, REQUEST_KINDS, Keys
+from shared.keys import CONSUMER_GROUP, Keys
 from shared.logging import get_logger
 from shared.messages import (
     TERMINAL_STATES,
@@ -98,7 +99,8 @@ class SchedulerService:
         self.redis_url = redis_url
         self.results = ResultStore(self.client, self.keys, settings.scheduler_id, settings.result_ttl_s)
         self.log = get_logger("tokenfleet.scheduler", scheduler_id=settings.scheduler_id)
-        self.streams = [self.keys.request_stream(settings.model_name, kind) for kind in REQUEST_KINDS]
+        # kind -> its streams: the model's plain one, then one per tenant (scheduler/tenant_streams.py)
+        self.tenant_streams = TenantStreams(self.keys, settings.model_name)
         self.inflight: dict[str, InFlight] = {}  # req_id -> request this scheduler owns
         # req_id -> request the engine finished whose terminal write has not landed yet: its
         # entry is still ours (renewed, never admitted again) until the writer says it landed.
@@ -168,8 +170,13 @@ class SchedulerService:
             self.writer.gate.set()  # idle: nothing here needs the GIL
         self._flush()
 
-    def _ensure_groups(self) -> None:
-        for stream in self.streams:
+    @property
+    def streams(self) -> list[str]:
+        """Every stream this scheduler reads, interactive ones first."""
+        return self.tenant_streams.all()
+
+    def _ensure_groups(self, streams: list[str] | None = None) -> None:
+        for stream in self.streams if streams is None else streams:
             try:
                 self.client.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
             except redis.ResponseError as exc:
@@ -226,26 +233,46 @@ class SchedulerService:
         return max_num_seqs - (in_engine - num_batch), max_num_seqs - in_engine
 
     def _admit(self, *, block: bool) -> None:
+        """Read as many entries as the engine has room for. Each tenant has its own stream, and
+        every stream of a kind is read at once (the room shared out, at least one each), so a
+        tenant's backlog never stands in front of another tenant's next request; the engine's
+        waiting queue then lets tenants take turns (scheduler/fair_share.py)."""
         interactive_room, batch_room = self._capacity()
         if interactive_room <= 0 or (not block and time.monotonic() < self._next_admission_poll):
             return
-        interactive, batch = self.streams
-        entries: list[tuple[str, str, dict]] = self._read({interactive: ">"}, interactive_room, None)
+        # The model's tenants are looked up in the same round trip as the first read.
+        pipe = self.client.pipeline(transaction=False)
+        pipe.smembers(self.keys.tenants(self.settings.model_name))
+        self._queue_read(pipe, self.tenant_streams.of("interactive"), interactive_room, None)
+        tenants, response = pipe.execute()
+        entries: list[tuple[str, str, dict]] = _entries(response)
+        new_streams = self.tenant_streams.learn(tenants)
+        if new_streams:
+            self._ensure_groups(new_streams)
+            entries += self._read([s for s in new_streams if s in self.tenant_streams.of("interactive")],
+                                  interactive_room, None)
         batch_room -= len(entries)
         if batch_room > 0:
-            entries += self._read({batch: ">"}, batch_room, None)
+            entries += self._read(self.tenant_streams.of("batch"), batch_room, None)
         if not entries and not block:
             self._next_admission_poll = time.monotonic() + ADMISSION_POLL_S
         if not entries and block:
             self.writer.gate.set()  # this thread only waits on Redis now
-            entries = self._read({s: ">" for s in self.streams}, max(1, batch_room),
-                                 self.settings.idle_block_ms)
+            entries = self._read(self.streams, max(1, batch_room), self.settings.idle_block_ms)
         self._admit_entries([(stream, entry_id, fields, 1) for stream, entry_id, fields in entries])
 
-    def _read(self, streams: dict[str, str], count: int, block_ms: int | None) -> list:
-        response = self.client.xreadgroup(CONSUMER_GROUP, self.settings.scheduler_id, streams,
-                                          count=count, block=block_ms)
-        return [(s.decode(), eid.decode(), fields) for s, items in response or [] for eid, fields in items]
+    def _queue_read(self, client, streams: list[str], room: int, block_ms: int | None) -> None:
+        """XREADGROUP of several streams: COUNT applies to each, so the room is shared out."""
+        count = max(1, -(-room // max(1, len(streams))))
+        client.xreadgroup(CONSUMER_GROUP, self.settings.scheduler_id, {s: ">" for s in streams},
+                          count=count, block=block_ms)
+
+    def _read(self, streams: list[str], room: int, block_ms: int | None) -> list:
+        if not streams:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        self._queue_read(pipe, streams, room, block_ms)
+        return _entries(pipe.execute()[0])
 
     def _admit_entries(self, entries: list[tuple[str, str, dict | None, int]]) -> None:
         """Start the requests of stream entries (stream, entry id, fields, deliveries so far).
@@ -309,7 +336,7 @@ class SchedulerService:
             self.engine.add_request(
                 message.prompt_token_ids, sampling, priority=priority, req_id=message.req_id,
                 arrival_time=message.arrival_time, output_token_ids=progress.token_ids,
-                output_text=progress.text,
+                output_text=progress.text, tenant=message.tenant,
             )
         except (InvalidRequestError, MessageDecodeError) as exc:
             text = getattr(exc, "message", str(exc))
@@ -483,6 +510,8 @@ class SchedulerService:
 
     def _take_over_abandoned(self) -> None:
         lease_ms = int(self.settings.lease_s * 1000)
+        self._ensure_groups(self.tenant_streams.learn(
+            self.client.smembers(self.keys.tenants(self.settings.model_name))))
         for stream in self.streams:
             _, entries, *_ = self.client.xautoclaim(
                 stream, CONSUMER_GROUP, self.settings.scheduler_id, lease_ms, "0-0",
@@ -539,3 +568,8 @@ class SchedulerService:
         self.inflight[req_id].abort_state = state
         self.engine.abort(req_id)
         self.log.info("request_aborted", req_id=req_id, state=state)
+
+
+def _entries(response) -> list[tuple[str, str, dict]]:
+    """(stream, entry id, fields) of an XREADGROUP reply."""
+    return [(s.decode(), eid.decode(), fields) for s, items in response or [] for eid, fields in items]

@@ -627,7 +627,8 @@ class Driver:
             message = RequestMessage.make(req_id, "bench", prompt, sampling, arrival_time=now).encode()
             payload += [resp("XLEN", STREAM), resp("XPENDING", STREAM, "schedulers"),  # queue_depth
                         resp("SCRIPT", "EXISTS", self.submit_sha),  # redis-py's pipeline, first
-                        resp("EVALSHA", self.submit_sha, 2, f"tf:res:{req_id}", STREAM, self.ttl, message,
+                        resp("EVALSHA", self.submit_sha, 4, f"tf:res:{req_id}", STREAM, "tf:tenants:bench",
+                             "tf:tenant:-:leases", self.ttl, message, "", "", req_id,  # no tenant, no lease
                              "state", "queued", "model", "bench", "api", "chat", "queued_at", now,
                              "prompt_tokens", len(prompt))]
         replies = self.gw.call(b"".join(payload), 4 * num)

@@ -3,6 +3,10 @@
 | key                                   | type          | written by              | read by               |
 | ------------------------------------- | ------------- | ----------------------- | --------------------- |
 | {p}req:{model}:{interactive|batch}    | stream        | gateway, batch ingester | schedulers (group)    |
+| {p}req:{model}:{kind}:t:{tenant}      | stream        | gateway, batch ingester | schedulers (group)    |
+| {p}tenants:{model}                    | set           | gateway, batch ingester | schedulers, gateway   |
+| {p}tenant:{tenant}:leases             | zset          | gateway                 | gateway, schedulers   |
+| {p}apikeys, {p}tenant:{tenant}        | hash, hash    | operators (CLI)         | gateway               |
 | {p}ev:{req_id}                        | pub/sub       | scheduler               | gateway               |
 | {p}res:{req_id}                       | hash with TTL | scheduler               | gateway, a successor  |
 | {p}cancel                             | pub/sub       | gateway                 | schedulers            |
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 CONSUMER_GROUP = "schedulers"
 INGESTER_GROUP = "ingesters"  # the batch ingesters' group on tf:batch:in and tf:batch:done
 JOB_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+TENANT_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"  # a tenant's name becomes part of keys
 REQUEST_KINDS = ("interactive", "batch")  # read in this order: interactive first
 
 
@@ -39,10 +44,31 @@ REQUEST_KINDS = ("interactive", "batch")  # read in this order: interactive firs
 class Keys:
     prefix: str = "tf:"
 
-    def request_stream(self, model: str, kind: str) -> str:
+    def request_stream(self, model: str, kind: str, tenant: str | None = None) -> str:
+        """A tenant's requests queue in a stream of their own, so that a scheduler can read
+        every tenant's next request however deep another tenant's backlog is (a stream's
+        consumer group hands out entries in order only). No tenant: the model's plain stream."""
         if kind not in REQUEST_KINDS:
             raise ValueError(f"request kind {kind!r} is not one of {REQUEST_KINDS}")
-        return f"{self.prefix}req:{model}:{kind}"
+        base = f"{self.prefix}req:{model}:{kind}"
+        return base if tenant is None else f"{base}:t:{tenant}"
+
+    def tenants(self, model: str) -> str:
+        """Every tenant that has queued requests for the model (the streams schedulers read)."""
+        return f"{self.prefix}tenants:{model}"
+
+    @property
+    def api_keys(self) -> str:
+        """API keys kept in Redis: SHA-256 hex digest of the key -> tenant."""
+        return f"{self.prefix}apikeys"
+
+    def tenant(self, tenant: str) -> str:
+        """A tenant's limits, kept in Redis (fields of gateway.tenants.TenantLimits)."""
+        return f"{self.prefix}tenant:{tenant}"
+
+    def tenant_leases(self, tenant: str) -> str:
+        """The tenant's requests in flight: member req_id, score the lease's expiry (unix s)."""
+        return f"{self.prefix}tenant:{tenant}:leases"
 
     def events(self, req_id: str) -> str:
         return f"{self.prefix}ev:{req_id}"

@@ -154,6 +154,7 @@ class RequestMessage(_Message):
     deadline: float | None = None  # unix seconds; expires if still queued after it
     batch_job_id: str | None = None
     custom_id: str | None = None
+    tenant: str | None = None  # whose request (from the API key); schedulers share out slots by it
 
     def sampling_params(self) -> SamplingParams:
         """The validated sampling parameters (raises InvalidRequestError naming a bad one)."""

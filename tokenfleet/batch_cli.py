@@ -148,11 +148,14 @@ def _run_ingester(args) -> int:
     from gateway.batch.ingester import BatchIngester
     from gateway.models import ModelRegistry
     from gateway.settings import GatewaySettings, ModelSpec
+    from gateway.tenants import TenantDirectory
 
     specs = [ModelSpec.from_path(path) for path in args.model_paths]
+    tenants = TenantDirectory.from_file(args.tenants_file) if args.tenants_file else TenantDirectory.empty()
     settings = GatewaySettings(redis_url=redis_url_from(args.redis_url), models=specs,
                                key_prefix=args.key_prefix, batch_max_inflight=args.max_inflight,
-                               batch_lease_s=args.lease_s)
+                               batch_lease_s=args.lease_s, tenants=tenants,
+                               tenants_from_redis=args.tenants_from_redis)
 
     async def go() -> int:
         models = await asyncio.to_thread(ModelRegistry.load, specs)

@@ -30,6 +30,39 @@ def _flag(parser: argparse.ArgumentParser, name: str, *, type=str, default=None,
         parser.add_argument(f"--{name}", type=type, default=default, **kwargs)
 
 
+REDIS_URL_HELP = ("redis://[user:password@]host:port/db, or rediss:// for TLS (TLS options in the query: "
+                  "?ssl_ca_certs=ca.pem)")
+
+
+def _redis_flags(parser: argparse.ArgumentParser, *, default: str | None = None,
+                 help: str = REDIS_URL_HELP) -> None:
+    """--redis-url and --redis-password-file: every command that talks to Redis takes both."""
+    _flag(parser, "redis-url", default=default, help=help)
+    _flag(parser, "redis-password-file",
+          help="file whose first line is the Redis password (kept out of the URL, `ps` and shell history)")
+
+
+def _resolve_redis_flags(args: argparse.Namespace) -> None:
+    """The password file's password goes into --redis-url, once, for everything after."""
+    from shared.redis_url import resolve_redis_url
+
+    password_file = getattr(args, "redis_password_file", None)
+    if args.command == "up":
+        # `up` hands its children the URL on their command line: the password travels as the file's
+        # path in their environment instead, never in argv.
+        if password_file:
+            os.environ["TOKENFLEET_REDIS_PASSWORD_FILE"] = os.path.abspath(password_file)
+        if args.redis_url:
+            resolve_redis_url(args.redis_url, password_file)  # checked here, used by the children
+        return
+    if args.command == "batch" and not args.redis_url:
+        from tokenfleet.batch_cli import redis_url_from
+
+        args.redis_url = redis_url_from(None)  # the running fleet's, which may need the password
+    if getattr(args, "redis_url", None):
+        args.redis_url = resolve_redis_url(args.redis_url, password_file)
+
+
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "model", help="Hugging Face model folder (default: SmolLM2-135M-Instruct, fetched once)")
     _flag(parser, "tp", type=int, default=1, help="tensor-parallel size")
@@ -77,8 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
     sched = commands.add_parser("scheduler", help="one scheduler and its worker group, fed from Redis")
     _add_engine_flags(sched)
-    _flag(sched, "redis-url", default="redis://127.0.0.1:6379/0",
-          help="redis://[:password@]host:port/db, or rediss:// for TLS")
+    _redis_flags(sched, default="redis://127.0.0.1:6379/0")
     _flag(sched, "model-name", help="served model name (default: the model folder's name)")
     _flag(sched, "scheduler-id", help="unique id of this scheduler (default: hostname-pid-random)")
     _flag(sched, "lease-s", type=float, default=10.0,
@@ -95,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_batch_parser(commands)
     _add_bench_parser(commands)
     _add_status_parser(commands)
+    _add_tenants_parser(commands)
     return parser
 
 
@@ -135,7 +168,7 @@ def _add_up_parser(commands) -> None:
     _flag(up, "model-name", help="served model name (default: the model folder's name)")
     _flag(up, "tp", type=int, default=1, help="tensor-parallel size of each replica")
     _flag(up, "replicas", type=int, default=1, help="schedulers (each with its worker group)")
-    _flag(up, "redis-url", help="use this Redis instead of starting one")
+    _redis_flags(up, help="use this Redis instead of starting one (" + REDIS_URL_HELP + ")")
     _flag(up, "redis-port", type=int, help="port of the Redis started here (default: a free one)")
     _flag(up, "ray-address", help="use this Ray cluster instead of starting a local one")
     _flag(up, "dtype", help="float32, bfloat16 or float16 (default: by device)")
@@ -144,6 +177,7 @@ def _add_up_parser(commands) -> None:
           help="cap on running sequences per replica (default: 512 on CUDA, 256 on CPU)")
     _flag(up, "executor", default="auto",
           help="auto (each scheduler's own process at TP=1, a Ray group above), inprocess or ray")
+    _flag(up, "tenants-file", help="the gateway's tenants: API keys and limits (see `tokenfleet gateway`)")
     _flag(up, "gateway-workers", type=int,
           help="gateway processes on the one port (default: from the cores, max(1, min(8, cores // 4)))")
 
@@ -174,9 +208,34 @@ def _add_batch_parser(commands) -> None:
     _flag(ingester, "max-inflight", type=int, default=1024, help="per job: queued lines not yet written")
     _flag(ingester, "lease-s", type=float, default=10.0,
           help="work a dead ingester left is taken over after this")
+    _flag(ingester, "tenants-file", help="tenants whose max_batch_lines_in_flight it keeps")
+    _flag(ingester, "tenants-from-redis", action="store_true", help="also read tenants kept in Redis")
     for action in (submit, ingester, *(actions.choices[n] for n in ("status", "cancel", "results"))):
-        _flag(action, "redis-url", help="Redis (default: the fleet's from $TOKENFLEET_HOME/fleet.json)")
+        _redis_flags(action, help="Redis (default: the fleet's from $TOKENFLEET_HOME/fleet.json)")
         _flag(action, "key-prefix", default="tf:", help="prefix of every Redis key")
+
+
+def _add_tenants_parser(commands) -> None:
+    tenants = commands.add_parser("tenants", help="tenants kept in Redis: API keys and limits "
+                                                  "(for gateways run with --tenants-from-redis)")
+    actions = tenants.add_subparsers(dest="tenants_command", required=True)
+    set_ = actions.add_parser("set", help="create or change a tenant: add keys, set limits (0: no limit)")
+    _list_flag(set_, "key", help="an API key of the tenant (repeatable)")
+    for name in ("requests-per-minute", "tokens-per-minute", "max-concurrent-requests",
+                 "max-batch-lines-in-flight"):
+        set_.add_argument(f"--{name}", type=int)
+    show = actions.add_parser("show", help="a tenant's limits, number of keys and requests in flight")
+    remove = actions.add_parser("remove", help="remove a tenant and all its keys")
+    for action in (set_, show, remove):
+        action.add_argument("tenant", metavar="TENANT")
+        _redis_flags(action, default="redis://127.0.0.1:6379/0")
+        _flag(action, "key-prefix", default="tf:", help="prefix of every Redis key")
+
+
+def _cmd_tenants(args: argparse.Namespace) -> int:
+    from tokenfleet.tenants_cli import run_tenants_command
+
+    return run_tenants_command(args)
 
 
 def _cmd_batch(args: argparse.Namespace) -> int:
@@ -226,8 +285,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _add_gateway_parser(commands) -> None:
     gw = commands.add_parser("gateway", help="the OpenAI-compatible HTTP gateway in front of the schedulers")
-    _flag(gw, "redis-url", default="redis://127.0.0.1:6379/0",
-          help="redis://[:password@]host:port/db, or rediss:// for TLS")
+    _redis_flags(gw, default="redis://127.0.0.1:6379/0")
     _flag(gw, "host", default="127.0.0.1", help="address to listen on")
     _flag(gw, "port", type=int, default=8000)
     _list_flag(gw, "model", help="model folder it fronts: tokenizer, chat template (repeatable; "
@@ -235,6 +293,10 @@ def _add_gateway_parser(commands) -> None:
     _list_flag(gw, "model-name", help="served name of the --model at the same position "
                                       "(default: its folder's name)")
     _list_flag(gw, "api-key", help="accepted Bearer key (repeatable; none: the gateway is open)")
+    _flag(gw, "tenants-from-redis", action="store_true",
+          help="also look API keys and tenant limits up in Redis (`tokenfleet tenants set`)")
+    _flag(gw, "tenants-file", help="JSON file of tenants: their API keys and limits (requests and tokens per "
+                                   "minute, concurrent requests, batch lines in flight); see the README")
     _flag(gw, "max-queue", type=int, default=1024, help="waiting requests per model before 429 (0: no limit)")
     _flag(gw, "max-n", type=int, default=8, help="cap on n (choices per request)")
     _flag(gw, "max-body-bytes", type=int, default=4 << 20, help="largest request body accepted")
@@ -254,6 +316,7 @@ def _add_gateway_parser(commands) -> None:
 def _cmd_gateway(args: argparse.Namespace) -> int:
     from gateway.server import serve
     from gateway.settings import GatewaySettings, ModelSpec
+    from gateway.tenants import TenantDirectory
     from shared.errors import InvalidRequestError
 
     paths = _list_value(args, "model") or [_resolve_model(None)]
@@ -270,6 +333,9 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
         api_keys=tuple(_list_value(args, "api-key")), key_prefix=args.key_prefix, max_queue=args.max_queue,
         max_n=args.max_n, max_body_bytes=args.max_body_bytes, batch_ingester=not args.no_batch_ingester,
         batch_max_inflight=args.batch_max_inflight, batch_lease_s=args.batch_lease_s,
+        tenants=(TenantDirectory.from_file(args.tenants_file) if args.tenants_file
+                 else TenantDirectory.empty()),
+        tenants_from_redis=args.tenants_from_redis,
     )
     if args.workers > 1:
         from gateway.supervisor import run_workers
@@ -406,6 +472,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         tp=args.tp, replicas=args.replicas, redis_url=args.redis_url, redis_port=args.redis_port,
         ray_address=args.ray_address, executor=args.executor, scheduler_args=scheduler_args,
         gateway_workers=args.gateway_workers or default_gateway_workers(),
+        gateway_args=["--tenants-file", os.path.abspath(args.tenants_file)] if args.tenants_file else [],
     )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -427,7 +494,20 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 COMMANDS = {"generate": _cmd_generate, "model": _cmd_model_fetch, "scheduler": _cmd_scheduler,
             "gateway": _cmd_gateway, "up": _cmd_up, "batch": _cmd_batch,
-            "bench": _cmd_bench, "status": _cmd_status}
+            "bench": _cmd_bench, "status": _cmd_status, "tenants": _cmd_tenants}
+
+
+def _redis_credentials_problem(exc: Exception) -> str | None:
+    """One line for Redis refusing (or wanting) a password; None for anything else."""
+    if not type(exc).__module__.startswith("redis"):
+        return None  # (redis is imported only by commands that use it)
+    from redis.exceptions import AuthenticationError, AuthenticationWrongNumberOfArgsError, ResponseError
+
+    if isinstance(exc, (AuthenticationError, AuthenticationWrongNumberOfArgsError)):
+        return f"Redis refused the credentials ({exc}); check --redis-url and --redis-password-file"
+    if isinstance(exc, ResponseError) and str(exc).startswith(("NOAUTH", "WRONGPASS")):
+        return f"Redis wants a password ({exc}); give it in --redis-url or --redis-password-file"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -438,10 +518,17 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["TOKENFLEET_LOG_LEVEL"] = level  # worker processes inherit it
     configure_logging(level)
     try:
+        _resolve_redis_flags(args)
         return COMMANDS[args.command](args)
     except TokenfleetError as exc:
         # A user error: one line naming the problem, no traceback.
         print(f"tokenfleet: error: {exc.message}", file=sys.stderr)
+        return 1
+    except Exception as exc:
+        message = _redis_credentials_problem(exc)
+        if message is None:
+            raise
+        print(f"tokenfleet: error: {message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -26,7 +26,8 @@ from shared.config import tokenfleet_home, uses_ray
 from shared.errors import TokenfleetError
 from shared.logging import get_logger
 from shared.net import free_port
-from tokenfleet.redis_server import redis_server_binary
+from shared.redis_url import read_password_file
+from tokenfleet.redis_server import password_config, redis_server_binary
 
 READY_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 10.0
@@ -131,7 +132,11 @@ class Fleet:
         port = self.options.redis_port or free_port()
         data_dir = self.home / "redis"
         data_dir.mkdir(parents=True, exist_ok=True)
-        self._spawn("redis", [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
+        # With a password file (`--redis-password-file`, in the children's environment too), the
+        # Redis started here requires that password.
+        password_file = self.env.get("TOKENFLEET_REDIS_PASSWORD_FILE")
+        auth = [str(password_config(data_dir, read_password_file(password_file)))] if password_file else []
+        self._spawn("redis", [redis_server_binary(), *auth, "--port", str(port), "--bind", "127.0.0.1",
                               "--dir", str(data_dir), "--appendonly", "yes", "--save", ""])
         self.redis_url = f"redis://127.0.0.1:{port}/0"
 

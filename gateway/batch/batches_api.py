@@ -80,6 +80,9 @@ async def create(request: web.Request) -> web.Response:
               "completion_window": body.completion_window}
     if body.metadata:
         fields["metadata"] = json.dumps(body.metadata)
+    tenant = request.get("tenant")
+    if tenant is not None:
+        fields["tenant"] = tenant.name  # its lines queue in the tenant's stream, within its limit
     await jobs.create(job_id, fields)
     job = await jobs.get(job_id)
     return web.json_response(job.to_openai())

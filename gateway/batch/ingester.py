@@ -53,11 +53,13 @@ from gateway.openai.params import Plan, plan_chat, plan_completion
 from gateway.requests.records import ResultRecord
 from gateway.requests.store import GatewayKeys, RequestStore
 from gateway.settings import GatewaySettings
-from shared.keys import INGESTER_GROUP, JOB_ID_PATTERN, Keys
+from gateway.tenant_registry import TenantRegistry
+from shared.keys import INGESTER_GROUP, JOB_ID_PATTERN, TENANT_PATTERN, Keys
 from shared.logging import get_logger
 from shared.messages import RequestMessage
 
-ENTRY_FIELDS = ("job_id", "model", "lines", "input_file_id", "endpoint", "completion_window", "metadata")
+ENTRY_FIELDS = ("job_id", "model", "lines", "input_file_id", "endpoint", "completion_window", "metadata",
+                "tenant")
 FEED_CHUNK = 128  # lines queued per compare-and-set
 WINDOW_PATTERN = re.compile(r"^([1-9][0-9]{0,6})([smhd])$")
 WINDOW_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -92,6 +94,8 @@ class BatchIngester:
         self.models = models
         self.settings = settings
         self.jobs = JobStore(client, keys, record_ttl_s=settings.result_ttl_s)
+        # Whose limits a tenant's job feeds under (its max_batch_lines_in_flight).
+        self.tenants = TenantRegistry(settings.tenants, client if settings.tenants_from_redis else None, keys)
         # The gateway's own cancel (flag + message), for the queued lines of a stopping job.
         self.requests = RequestStore(client, GatewayKeys(keys.prefix), result_ttl_s=settings.result_ttl_s,
                                      cancel_ttl_s=settings.cancel_ttl_s,
@@ -250,6 +254,9 @@ class BatchIngester:
             raise JobRefused("unknown_field",
                              f"unknown fields {unknown}; a job entry may have {list(ENTRY_FIELDS)}",
                              unknown[0])
+        if "tenant" in text and not re.match(TENANT_PATTERN, text["tenant"]):
+            raise JobRefused("invalid_tenant", f"tenant {text['tenant'][:80]!r} must match {TENANT_PATTERN}",
+                             "tenant")
         try:
             window = parse_window(text.get("completion_window", "24h"))
         except ValueError as exc:
@@ -311,7 +318,8 @@ class BatchIngester:
         if job.ending:
             count = min(FEED_CHUNK * 8, remaining)
         else:
-            count = min(FEED_CHUNK, remaining, self.settings.batch_max_inflight - job.in_flight)
+            count = min(FEED_CHUNK, remaining, self.settings.batch_max_inflight - job.in_flight,
+                        await self._tenant_room(job))
         if count <= 0:
             return False
         raws = await self.jobs.head_lines(job_id, count)
@@ -326,6 +334,15 @@ class BatchIngester:
         if result == 2:
             await self._finalize(job_id)
         return result in (1, -2)  # -2: another ingester moved first; look again
+
+    async def _tenant_room(self, job: Job) -> int:
+        """Lines the job's tenant may still have queued (its max_batch_lines_in_flight, over all
+        its jobs). Ingesters feeding two of its jobs at once may overshoot by a chunk each."""
+        tenant = await self.tenants.get(job.tenant) if job.tenant is not None else None
+        cap = tenant.limits.max_batch_lines_in_flight if tenant is not None else None
+        if cap is None:
+            return FEED_CHUNK
+        return cap - await self.jobs.tenant_lines_in_flight(tenant.name)
 
     def _written_off(self, job: Job, item: LineItem) -> list[object]:
         code = f"batch_{job.ending}"
@@ -349,7 +366,7 @@ class BatchIngester:
             req_id = item_req_id(job.id, item.index, c)
             message = RequestMessage.make(req_id, plan.model.name, choice.prompt_ids, choice.sampling,
                                           kind="batch", priority=plan.priority, arrival_time=now,
-                                          batch_job_id=job.id, custom_id=line.custom_id)
+                                          batch_job_id=job.id, custom_id=line.custom_id, tenant=job.tenant)
             record = {"state": "queued", "model": plan.model.name, "api": plan.api, "queued_at": now,
                       "prompt_tokens": len(choice.prompt_ids), "batch_job": job.id, "batch_index": item.index,
                       "batch_n": len(plan.choices), "batch_line": item.raw, "custom_id": line.custom_id}

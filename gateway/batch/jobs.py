@@ -239,6 +239,11 @@ class Job:
         return self.next_index - self.num_written
 
     @property
+    def tenant(self) -> str | None:
+        """Whose job (set when a tenant's key created it through /v1/batches)."""
+        return self.fields.get("tenant") or None
+
+    @property
     def expires_at(self) -> float | None:
         value = self.fields.get("expires_at")
         return float(value) if value else None
@@ -396,8 +401,10 @@ class JobStore:
         1 done, 2 done and the job's last line is written, -1 the job is not in that state,
         -2 another ingester moved first."""
         keys = [self.keys.batch_job(job.id), self.keys.batch_lines(job.id),
-                self.keys.request_stream(model, "batch"), self.keys.batch_out(job.id),
+                self.keys.request_stream(model, "batch", job.tenant), self.keys.batch_out(job.id),
                 self.keys.batch_written(job.id)]
+        if job.tenant is not None and mode == "run":  # the schedulers read the tenant's stream from now on
+            await self.client.sadd(self.keys.tenants(model), job.tenant)
         args = [job.next_index, num_lines, time.time(), self.record_ttl_s, mode, *items]
         return int(await self._feed(keys=keys, args=args))
 
@@ -422,6 +429,18 @@ class JobStore:
 
     async def active(self) -> list[str]:
         return sorted(m.decode() for m in await self.client.smembers(self.keys.batch_active))
+
+    async def tenant_lines_in_flight(self, tenant: str) -> int:
+        """Lines queued and not yet written, over all of the tenant's active jobs."""
+        job_ids = await self.active()
+        pipe = self.client.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hmget(self.keys.batch_job(job_id), ["tenant", "next_index", "completed", "failed"])
+        total = 0
+        for owner, next_index, completed, failed in await pipe.execute():
+            if owner is not None and owner.decode() == tenant:
+                total += int(next_index or 0) - int(completed or 0) - int(failed or 0)
+        return total
 
 
 def unwritten(bits: bytes, count: int) -> list[int]:

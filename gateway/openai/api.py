@@ -7,7 +7,7 @@ import time
 
 from aiohttp import web
 
-from gateway.appkeys import METRICS, MODELS, QUEUE_TIMES, SETTINGS, STORE
+from gateway.appkeys import LIMITER, METRICS, MODELS, QUEUE_TIMES, SETTINGS, STORE
 from gateway.errors import BadRequest, UpstreamFailed
 from gateway.metrics import GatewayMetrics
 from gateway.openai.format import ChoiceOutput, ChunkMaker, chat_completion, text_completion
@@ -18,11 +18,13 @@ from gateway.requests.serving import (
     ClientGone,
     EventStream,
     admit,
+    admit_tenant,
     client_gone,
     following,
     new_req_id,
     read_body,
     submissions,
+    tenant_leases,
 )
 from gateway.requests.sse import frame
 
@@ -71,10 +73,12 @@ async def _serve(request: web.Request, plan: Plan, id_prefix: str) -> web.Stream
     started = time.monotonic()
     await admit(request, plan.model.name, len(plan.choices))
     req_ids = [new_req_id() for _ in plan.choices]
+    tenant = await admit_tenant(request, plan, req_ids)
+    lease_until = request.app[LIMITER].lease_for_queue(tenant) if tenant is not None else None
     response_id = id_prefix + req_ids[0]
     timer = _Timer(request.app[METRICS], plan.model.name, len(req_ids), started)
-    async with following(request, plan.model, req_ids) as watch:
-        await request.app[STORE].submit(submissions(plan, req_ids))
+    async with tenant_leases(request, tenant, req_ids), following(request, plan.model, req_ids) as watch:
+        await request.app[STORE].submit(submissions(plan, req_ids, tenant=tenant, lease_until=lease_until))
         if plan.stream:
             response = await _stream(request, plan, response_id, watch, timer)
         else:

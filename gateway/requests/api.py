@@ -12,7 +12,7 @@ import time
 from aiohttp import web
 from pydantic import TypeAdapter
 
-from gateway.appkeys import MODELS, SETTINGS, STORE
+from gateway.appkeys import LIMITER, MODELS, SETTINGS, STORE
 from gateway.errors import BadRequest, Conflict, NotFound
 from gateway.models import ServedModel
 from gateway.openai.format import ChoiceOutput, chat_completion, chat_logprobs, text_completion
@@ -20,7 +20,15 @@ from gateway.openai.params import Plan, plan_chat, plan_completion
 from gateway.openai.schemas import SubmitChat, SubmitRequest
 from gateway.requests.follow import EXPIRED_MESSAGE
 from gateway.requests.records import Delta, ResultRecord
-from gateway.requests.serving import EventStream, admit, following, new_req_id, read_body, submissions
+from gateway.requests.serving import (
+    EventStream,
+    admit,
+    admit_tenant,
+    following,
+    new_req_id,
+    read_body,
+    submissions,
+)
 from gateway.requests.sse import Template, dumps, encode_basestring, frame
 
 SUBMIT = TypeAdapter(SubmitRequest)
@@ -72,15 +80,22 @@ async def submit(request: web.Request) -> web.Response:
         if existing is not None:
             return await _replay(request, plan, existing, fingerprint)
     await admit(request, plan.model.name, 1)
-    if idempotency is not None:
-        existing = await store.reserve_idempotency(idempotency[0], req_id, idempotency[1])
-        if existing is not None:  # a concurrent retry got there first
-            return await _replay(request, plan, existing, idempotency[1])
+    tenant = await admit_tenant(request, plan, [req_id])
+    # No call waits for it: its lease lasts until the scheduler writes its end (or it lapses).
+    lease_until = request.app[LIMITER].lease_for_queue(tenant) if tenant is not None else None
     try:
-        await store.submit(submissions(plan, [req_id], deadline))
+        if idempotency is not None:
+            existing = await store.reserve_idempotency(idempotency[0], req_id, idempotency[1])
+            if existing is not None:  # a concurrent retry got there first
+                if tenant is not None:
+                    await request.app[LIMITER].release(tenant.name, [req_id])
+                return await _replay(request, plan, existing, idempotency[1])
+        await store.submit(submissions(plan, [req_id], deadline, tenant=tenant, lease_until=lease_until))
     except BaseException:
         if idempotency is not None:
             await asyncio.shield(store.release_idempotency(idempotency[0], req_id, idempotency[1]))
+        if tenant is not None:
+            await asyncio.shield(request.app[LIMITER].release(tenant.name, [req_id]))
         raise
     return web.json_response(_queued_view(req_id, plan, deadline), status=202,
                              headers={"Location": _links(req_id)["self"]})

@@ -83,6 +83,7 @@ class ResultRecord:
     finished_at: float | None
     deadline: float | None
     entry_id: str | None
+    tenant: str | None = None  # whose request (its stream and its lease are the tenant's)
 
     @classmethod
     def parse(cls, req_id: str, raw: dict[bytes, bytes]) -> ResultRecord | None:
@@ -104,7 +105,7 @@ class ResultRecord:
             prompt_tokens=int(raw.get(b"prompt_tokens", 0)),
             queued_at=_float(raw, "queued_at"), started_at=_float(raw, "started_at"),
             first_token_at=_float(raw, "first_token_at"), finished_at=_float(raw, "finished_at"),
-            deadline=_float(raw, "deadline"), entry_id=_text(raw, "entry_id"),
+            deadline=_float(raw, "deadline"), entry_id=_text(raw, "entry_id"), tenant=_text(raw, "tenant"),
         )
 
     @property

@@ -12,13 +12,14 @@ from typing import TypeVar
 from aiohttp import web
 from pydantic import TypeAdapter
 
-from gateway.appkeys import FLEET, METRICS, ROUTER, SETTINGS, STORE, TASKS
+from gateway.appkeys import FLEET, LIMITER, METRICS, ROUTER, SETTINGS, STORE, TASKS
 from gateway.errors import BadRequest, RateLimited
 from gateway.models import ServedModel
 from gateway.openai.params import Plan
 from gateway.requests.follow import Watch
 from gateway.requests.sse import comment, frame
 from gateway.requests.store import Submission
+from gateway.tenants import Tenant
 from shared.messages import RequestMessage
 
 T = TypeVar("T")
@@ -54,12 +55,42 @@ async def admit(request: web.Request, model: str, num_requests: int) -> None:
                 "retry later", code="queue_full", headers={"Retry-After": str(settings.retry_after_s)})
 
 
-def submissions(plan: Plan, req_ids: list[str], deadline: float | None = None) -> list[Submission]:
+async def admit_tenant(request: web.Request, plan: Plan, req_ids: list[str]) -> Tenant | None:
+    """The caller's tenant, once its limits allow these requests (429 naming the limit else).
+    Whoever admits must end the leases of requests it then fails to queue."""
+    tenant = request.get("tenant")
+    if tenant is not None:
+        num_tokens = sum(len(choice.prompt_ids) + choice.sampling.max_tokens for choice in plan.choices)
+        try:
+            await request.app[LIMITER].admit(tenant, req_ids, num_tokens)
+        except RateLimited as exc:
+            request.app[METRICS].tenant_refusals.labels(tenant.name, exc.code).inc()
+            raise
+    return tenant
+
+
+@contextlib.asynccontextmanager
+async def tenant_leases(request: web.Request, tenant: Tenant | None,
+                        req_ids: list[str]) -> AsyncIterator[None]:
+    """The tenant's leases on these requests end when this call ends (done, failed, or its
+    client gone): the requests are done or cancelled by then. (The scheduler's terminal write
+    ends them too; whichever comes first.)"""
+    try:
+        yield
+    finally:
+        if tenant is not None:
+            request.app[TASKS].spawn(request.app[LIMITER].release(tenant.name, req_ids), name="end-leases")
+
+
+def submissions(plan: Plan, req_ids: list[str], deadline: float | None = None, *,
+                tenant: Tenant | None = None, lease_until: float | None = None) -> list[Submission]:
     now = time.time()
+    name = tenant.name if tenant is not None else None
     return [
         Submission(req_id, RequestMessage.make(req_id, plan.model.name, choice.prompt_ids, choice.sampling,
-                                               priority=plan.priority, arrival_time=now, deadline=deadline),
-                   plan.api, plan.logprobs)
+                                               priority=plan.priority, arrival_time=now, deadline=deadline,
+                                               tenant=name),
+                   plan.api, plan.logprobs, lease_until=lease_until)
         for req_id, choice in zip(req_ids, plan.choices, strict=True)
     ]
 

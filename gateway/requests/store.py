@@ -22,12 +22,17 @@ from gateway.requests.records import ResultRecord
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.messages import ErrorEvent, RequestMessage
 
-# KEYS: result hash, request stream.  ARGV: ttl, message, then field/value pairs.
+# KEYS: result hash, request stream, the model's tenant set, the tenant's lease set.
+# ARGV: ttl, message, tenant ('' = none), lease lapses at ('' = no lease), req id, then
+# field/value pairs. A tenant's request goes to the tenant's stream, and the tenant into the
+# set the schedulers read; its lease (taken before, gateway/limits.py) now lasts its full term.
 _SUBMIT_SCRIPT = """
-redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('HSET', KEYS[1], unpack(ARGV, 6))
 local entry = redis.call('XADD', KEYS[2], '*', 'm', ARGV[2])
 redis.call('HSET', KEYS[1], 'entry_id', entry)
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
+if ARGV[3] ~= '' then redis.call('SADD', KEYS[3], ARGV[3]) end
+if ARGV[4] ~= '' then redis.call('ZADD', KEYS[4], 'XX', ARGV[4], ARGV[5]) end
 return entry
 """
 
@@ -67,6 +72,7 @@ class Submission:
     message: RequestMessage
     api: str  # "chat" or "completion"
     top_logprobs: int | None = None
+    lease_until: float | None = None  # when its tenant lease lapses (None: it holds none)
 
 
 class RequestStore:
@@ -113,11 +119,16 @@ class RequestStore:
             fields["deadline"] = message.deadline
         if sub.top_logprobs is not None:
             fields["top_logprobs"] = sub.top_logprobs
-        args: list[object] = [self.result_ttl_s, message.encode()]
+        tenant = message.tenant
+        if tenant is not None:
+            fields["tenant"] = tenant  # the terminal write ends its lease by it
+        args: list[object] = [self.result_ttl_s, message.encode(), tenant or "",
+                              "" if sub.lease_until is None else sub.lease_until, sub.req_id]
         for name, value in fields.items():
             args += [name, value]
-        stream = self.keys.request_stream(message.model, QUEUE_KIND)
-        return [self.keys.result(sub.req_id), stream], args
+        stream = self.keys.request_stream(message.model, QUEUE_KIND, tenant)
+        return [self.keys.result(sub.req_id), stream, self.keys.tenants(message.model),
+                self.keys.tenant_leases(tenant or "-")], args
 
     async def queue_depth(self, model: str) -> int:
         """Entries of the model's interactive stream that no scheduler has taken yet. Callers
@@ -138,15 +149,22 @@ class RequestStore:
             done.exception()  # retrieved here too: every caller may have left before it ended
 
     async def _read_queue_depth(self, model: str) -> int:
-        stream = self.keys.request_stream(model, QUEUE_KIND)
+        """Over the model's plain stream and every tenant's."""
+        tenants = await self.client.smembers(self.keys.tenants(model))
+        streams = [self.keys.request_stream(model, QUEUE_KIND)]
+        streams += [self.keys.request_stream(model, QUEUE_KIND, t.decode()) for t in sorted(tenants)]
         pipe = self.client.pipeline(transaction=False)
-        pipe.xlen(stream)
-        pipe.xpending(stream, CONSUMER_GROUP)
-        length, pending = await pipe.execute(raise_on_error=False)
-        if isinstance(length, Exception):
-            raise length
-        taken = 0 if isinstance(pending, ResponseError) else int(pending["pending"])
-        return max(0, int(length) - taken)
+        for stream in streams:
+            pipe.xlen(stream)
+            pipe.xpending(stream, CONSUMER_GROUP)
+        replies = await pipe.execute(raise_on_error=False)
+        depth = 0
+        for length, pending in zip(replies[::2], replies[1::2], strict=True):
+            if isinstance(length, Exception):
+                raise length
+            taken = 0 if isinstance(pending, ResponseError) else int(pending["pending"])
+            depth += max(0, int(length) - taken)
+        return depth
 
     # -- cancelling -------------------------------------------------------------------
 
@@ -166,11 +184,13 @@ class RequestStore:
             return False
         error = json.dumps({"code": state, "message": message})
         event = ErrorEvent(record.req_id, 1, state, message).encode()
-        stream = self.keys.request_stream(record.model, QUEUE_KIND)
+        stream = self.keys.request_stream(record.model, QUEUE_KIND, record.tenant)
         done = await self._finish_unclaimed(
             keys=[self.keys.result(record.req_id), stream],
             args=[state, time.time(), error, self.keys.events(record.req_id), event],
         )
+        if done and record.tenant is not None:  # ended here, not by a scheduler: so is its lease
+            await self.client.zrem(self.keys.tenant_leases(record.tenant), record.req_id)
         return bool(done)
 
     # -- reading ----------------------------------------------------------------------

@@ -81,25 +81,37 @@ class FakeScheduler:
             if not self.consume:
                 self._stop.wait(0.05)
                 continue
-            response = self.client.xreadgroup(CONSUMER_GROUP, self.scheduler_id, {self.stream: ">"},
-                                              count=1, block=50)
-            for _, entries in response or []:
+            response = self.client.xreadgroup(CONSUMER_GROUP, self.scheduler_id,
+                                              {s: ">" for s in self._streams()}, count=1, block=50)
+            for stream, entries in response or []:
                 for entry_id, fields in entries:
-                    self._serve(entry_id.decode(), RequestMessage.decode(fields[b"m"]))
+                    self._serve(stream.decode(), entry_id.decode(), RequestMessage.decode(fields[b"m"]))
+
+    def _streams(self) -> list[str]:
+        """The model's stream and each tenant's (as a real scheduler reads them)."""
+        streams = [self.stream]
+        for tenant in sorted(self.client.smembers(self.keys.tenants(self.model))):
+            stream = self.keys.request_stream(self.model, "interactive", tenant.decode())
+            try:
+                self.client.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
+            except redis.ResponseError:
+                pass
+            streams.append(stream)
+        return streams
 
     def _is_cancelled(self, req_id: str) -> bool:
         return bool(self.client.exists(self.keys.cancelled(req_id)))
 
-    def _serve(self, entry_id: str, message: RequestMessage) -> None:
+    def _serve(self, stream: str, entry_id: str, message: RequestMessage) -> None:
         self.seen.append(message)
         req_id = message.req_id
         progress = self.results.claim(req_id)
         if progress.state in TERMINAL_STATES:
-            self.results.write([ResultUpdate(req_id, self.stream, {}, ack_entry_id=entry_id)])
+            self.results.write([ResultUpdate(req_id, stream, {}, ack_entry_id=entry_id)])
             return
         sampling = message.sampling_params()
         prompt = len(message.prompt_token_ids)
-        self.results.write([ResultUpdate(req_id, self.stream, {
+        self.results.write([ResultUpdate(req_id, stream, {
             "state": "running", "model": self.model, "started_at": time.time(), "prompt_tokens": prompt})])
         ids = (self.reply_ids * 50)[:min(sampling.max_tokens, self.max_reply_tokens or sampling.max_tokens)]
         tokens: list[int] = []
@@ -139,6 +151,6 @@ class FakeScheduler:
                 ack = entry_id
                 if aborted:
                     self.cancelled.append(req_id)
-            self.results.write([ResultUpdate(req_id, self.stream, fields, event.encode(), ack)])
+            self.results.write([ResultUpdate(req_id, stream, fields, event.encode(), ack)])
             if finished:
                 return

@@ -170,3 +170,31 @@ async def test_a_streaming_client_that_leaves_frees_its_request_within_one_step(
     assert engine.scheduler.get_request(req_id) is None  # freed: nothing of it is left in the scheduler
     usage = json.loads(redis.hget(keys.result(req_id), "usage"))
     assert usage["completion_tokens"] < 300
+
+
+async def test_a_tenants_request_runs_from_its_own_stream_and_its_lease_ends_with_it(real_client,
+                                                                                     module_redis):
+    from gateway.tenants import TenantDirectory
+
+    directory = TenantDirectory.from_map({"tenants": {"team-a": {"keys": ["key-a"],
+                                                                  "max_concurrent_requests": 4}}})
+    client = await real_client(tenants=directory)
+    headers = {"Authorization": "Bearer key-a"}
+    body = {"model": MODEL, "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    response = await client.post("/v1/chat/completions", json=body, headers=headers)
+    assert response.status == 200
+    assert "Paris" in (await response.json())["choices"][0]["message"]["content"]
+    submitted = await client.post("/v1/requests", json={**body, "kind": "chat"}, headers=headers)
+    req_id = (await submitted.json())["id"]
+    for _ in range(600):  # nobody waits for this one: the scheduler's terminal write ends its lease
+        record = await (await client.get(f"/v1/requests/{req_id}", headers=headers)).json()
+        if record["status"] == "completed":
+            break
+        await asyncio.sleep(0.1)
+    assert record["status"] == "completed"
+    keys = Keys()
+    plain = module_redis.client()
+    assert plain.zcard(keys.tenant_leases("team-a")) == 0
+    assert plain.sismember(keys.tenants(MODEL), "team-a")
+    assert plain.xlen(keys.request_stream(MODEL, "interactive", "team-a")) == 0  # served and acknowledged

@@ -24,7 +24,9 @@ def submit(client: redis.Redis, model: str, prompt: list[int], sampling: Samplin
     req_id = req_id or uuid.uuid4().hex
     message = RequestMessage.make(req_id, model, prompt, sampling, kind=kind, arrival_time=time.time(),
                                   **extra)
-    client.xadd(KEYS.request_stream(model, kind), {"m": message.encode()})
+    if message.tenant is not None:  # as the gateway queues a tenant's request
+        client.sadd(KEYS.tenants(model), message.tenant)
+    client.xadd(KEYS.request_stream(model, kind, message.tenant), {"m": message.encode()})
     return req_id
 
 

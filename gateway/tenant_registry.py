@@ -1,0 +1,82 @@
+"""Tenants kept in Redis, next to the keys file: keys and limits that change without a restart.
+
+    HSET tf:apikeys <sha256 hex of the key> <tenant>       # a key of the tenant
+    HSET tf:tenant:<tenant> requests_per_minute 600 ...     # its limits (fields of TenantLimits)
+
+(`tokenfleet tenants set` writes both.) A gateway started with `--tenants-from-redis` looks up
+a key the keys file does not know there, and remembers the answer for `cache_s`, so a key
+costs one Redis round trip every few seconds, not one per request. The keys file wins over
+Redis for a key both know.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import fields
+
+import redis.asyncio as aioredis
+
+from gateway.tenants import Tenant, TenantDirectory, TenantLimits, key_digest
+from shared.keys import Keys
+from shared.logging import get_logger
+
+log = get_logger("tokenfleet.gateway.tenants")
+
+
+class TenantRegistry:
+    def __init__(self, directory: TenantDirectory, client: aioredis.Redis | None, keys: Keys,
+                 cache_s: float = 5.0) -> None:
+        self.directory = directory
+        self.client = client  # None: the keys file only
+        self.keys = keys
+        self.cache_s = cache_s
+        self._by_digest: dict[str, tuple[float, Tenant | None]] = {}  # digest -> (until, tenant)
+        self._by_name: dict[str, tuple[float, Tenant | None]] = {}  # name -> (until, tenant)
+
+    @property
+    def is_enabled(self) -> bool:
+        """Whether any key can map to a tenant (then every route but the open ones needs a key)."""
+        return bool(self.directory) or self.client is not None
+
+    async def lookup(self, api_key: str) -> Tenant | None:
+        tenant = self.directory.lookup(api_key)
+        if tenant is not None or self.client is None:
+            return tenant
+        digest = key_digest(api_key)
+        cached = self._by_digest.get(digest)
+        if cached is not None and cached[0] > time.monotonic():
+            return cached[1]
+        name = await self.client.hget(self.keys.api_keys, digest)
+        tenant = await self.get(name.decode()) if name is not None else None
+        self._remember(self._by_digest, digest, tenant)
+        return tenant
+
+    async def get(self, name: str) -> Tenant | None:
+        """The tenant of that name, with its current limits."""
+        tenant = self.directory.get(name)
+        if tenant is not None or self.client is None:
+            return tenant
+        cached = self._by_name.get(name)
+        if cached is not None and cached[0] > time.monotonic():
+            return cached[1]
+        raw = await self.client.hgetall(self.keys.tenant(name))
+        tenant = Tenant(name, _limits(name, raw)) if raw else None
+        self._remember(self._by_name, name, tenant)
+        return tenant
+
+    def _remember(self, cache: dict, key: str, tenant: Tenant | None) -> None:
+        if len(cache) > 10_000:
+            cache.clear()  # unknown keys tried in bulk must not grow it without end
+        cache[key] = (time.monotonic() + self.cache_s, tenant)
+
+
+def _limits(name: str, raw: dict[bytes, bytes]) -> TenantLimits:
+    """Limits from the tenant's hash. A field that is not a positive integer is no limit, and
+    said in the log (the hash is written by hand or by `tokenfleet tenants set`, which checks)."""
+    values: dict[str, int | None] = {}
+    for f in fields(TenantLimits):
+        text = raw.get(f.name.encode(), b"").decode()
+        values[f.name] = int(text) if text.isdigit() and int(text) > 0 else None
+        if text and values[f.name] is None:
+            log.warning("tenant_limit_unreadable", tenant=name, limit=f.name, value=text)
+    return TenantLimits(**values)
