@@ -74,26 +74,35 @@ def _scheduler(scheduler_id: str, f: dict[str, str], now: float) -> dict:
 
 
 async def _queues(client: aioredis.Redis, keys: Keys, models: set[str]) -> list[dict]:
+    """One row per model and kind; a tenant's stream (..:{kind}:t:{tenant}) counts in its kind."""
     prefix = len(keys.request_stream_pattern) - 1
+    streams: dict[tuple[str, str], list[str]] = {}
     for key in [k.decode() async for k in client.scan_iter(match=keys.request_stream_pattern, count=500)]:
-        model, _, kind = key[prefix:].rpartition(":")
+        base, tenant_mark, _ = key.partition(":t:")
+        model, _, kind = base[prefix:].rpartition(":")
         if model and kind in REQUEST_KINDS:
             models.add(model)
+            if tenant_mark:
+                streams.setdefault((model, kind), []).append(key)
     queues = []
     for model in sorted(models):
         for kind in REQUEST_KINDS:
-            stream = keys.request_stream(model, kind)
-            pipe = client.pipeline(transaction=False)
-            pipe.xlen(stream)
-            pipe.xinfo_groups(stream)
-            length, groups = await pipe.execute(raise_on_error=False)
-            length = 0 if isinstance(length, Exception) else int(length)
-            group = {}
-            if not isinstance(groups, ResponseError):  # (no such stream yet)
-                group = next((g for g in groups if _decoded(g.get("name")) == CONSUMER_GROUP), {})
-            pending = int(group.get("pending", 0))
-            queues.append({"model": model, "kind": kind, "length": length, "pending": pending,
-                           "queued": max(0, length - pending), "consumers": int(group.get("consumers", 0))})
+            row = {"model": model, "kind": kind, "length": 0, "pending": 0, "queued": 0, "consumers": 0}
+            for stream in [keys.request_stream(model, kind), *sorted(streams.get((model, kind), []))]:
+                pipe = client.pipeline(transaction=False)
+                pipe.xlen(stream)
+                pipe.xinfo_groups(stream)
+                length, groups = await pipe.execute(raise_on_error=False)
+                length = 0 if isinstance(length, Exception) else int(length)
+                group = {}
+                if not isinstance(groups, ResponseError):  # (no such stream yet)
+                    group = next((g for g in groups if _decoded(g.get("name")) == CONSUMER_GROUP), {})
+                pending = int(group.get("pending", 0))
+                row["length"] += length
+                row["pending"] += pending
+                row["queued"] += max(0, length - pending)
+                row["consumers"] = max(row["consumers"], int(group.get("consumers", 0)))
+            queues.append(row)
     return queues
 
 

@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_status_parser(commands) -> None:
     status = commands.add_parser("status", help="the fleet at a glance, from Redis: schedulers, queues, "
                                                 "dead letters, batch jobs, gateways")
-    _flag(status, "redis-url", help="Redis (default: the fleet's from $TOKENFLEET_HOME/fleet.json)")
+    _redis_flags(status, help="Redis (default: the fleet's from $TOKENFLEET_HOME/fleet.json)")
     _flag(status, "key-prefix", default="tf:", help="prefix of every Redis key")
     _flag(status, "json", action="store_true", help="one JSON object (the status page's /fleet.json)")
 
