@@ -49,7 +49,8 @@ def test_tp2_ranks_quantize_their_own_slices(quantization: str, tiny_checkpoints
     assert first_tokens_agreeing(single) >= 5, (single, full)
     assert first_tokens_agreeing(sharded) >= first_tokens_agreeing(single) - 1, (sharded, full)
     if quantization == "int8":
-        agreeing = sum(a == b for s, t in zip(single, sharded, strict=True) for a, b in zip(s, t, strict=True))
+        pairs = zip(single, sharded, strict=True)
+        agreeing = sum(a == b for s, t in pairs for a, b in zip(s, t, strict=True))
         assert agreeing >= 0.8 * sum(map(len, single)), (single, sharded)
 
 
@@ -58,7 +59,8 @@ def test_smollm2_int8_perplexity_within_2_percent_of_float32(smollm2) -> None:
     token_ids = AutoTokenizer.from_pretrained(smollm2)(README.read_text())["input_ids"][:512]
 
     def ppl(quantization: str | None) -> float:
-        config = EngineConfig(model=str(smollm2), dtype="float32", num_kv_blocks=32, quantization=quantization)
+        config = EngineConfig(model=str(smollm2), dtype="float32", num_kv_blocks=32,
+                              quantization=quantization)
         return perplexity(ModelRunner(config, SINGLE_DEVICE), token_ids)
 
     full, int8 = ppl(None), ppl("int8")

@@ -42,7 +42,8 @@ def _last_logits(runner: ModelRunner, prompt: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize(("name", "bound"), [("int8", 0.02), ("fp8", 0.07)])
 def test_rows_quantize_and_dequantize_close_to_the_weight(name: str, bound: float) -> None:
     method = METHODS[name]
-    weight = torch.randn(96, 64, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.01, 3.0, 96).unsqueeze(1)  # rows of every size
+    row_sizes = torch.linspace(0.01, 3.0, 96).unsqueeze(1)  # rows of every size
+    weight = torch.randn(96, 64, generator=torch.Generator().manual_seed(0)) * row_sizes
     quantized, scale = method.quantize_rows(weight)
     assert quantized.dtype == method.storage_dtype and scale.shape == (96,)
     restored = method.dequantize(quantized, scale, torch.float32)

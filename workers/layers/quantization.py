@@ -99,7 +99,9 @@ class Int8WeightOnly(WeightQuantization):
         return out.reshape(*x.shape[:-1], out_features)
 
 
-METHODS: dict[str, WeightQuantization] = {method.name: method for method in (Fp8Quantization(), Int8WeightOnly())}
+METHODS: dict[str, WeightQuantization] = {
+    method.name: method for method in (Fp8Quantization(), Int8WeightOnly())
+}
 
 _building_with: contextvars.ContextVar[WeightQuantization | None] = contextvars.ContextVar(
     "tokenfleet_building_with", default=None
