@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ENV_PREFIX = "TOKENFLEET_"
+QUANTIZATIONS = ("fp8", "int8")  # what --quantization takes (workers/layers/quantization.py)
 
 
 def tokenfleet_home() -> Path:
@@ -41,6 +42,9 @@ class EngineConfig:
     # Refuse to load when one rank's share of the weights needs more bytes than this
     # (checked before any weight is allocated); None: no limit.
     max_weight_bytes_per_rank: int | None = None
+    # Linear weights quantized at load: "fp8" (e4m3, dynamic per-token activations) or "int8"
+    # (weight-only). None: as the checkpoint stores them (an FP8 checkpoint stays FP8).
+    quantization: str | None = None
     # Profiling: CUDA events around every step and collective (read through the rank
     # workers' collective_times()); steps then run eagerly, without CUDA graphs.
     time_collectives: bool = False

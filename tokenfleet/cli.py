@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from shared.config import env_default
+from shared.config import QUANTIZATIONS, env_default
 from shared.errors import TokenfleetError
 
 
@@ -70,6 +70,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "dtype", help="float32, bfloat16 or float16 (default: bfloat16 on cuda, float32 on cpu)")
     _flag(parser, "max-model-len", type=int, help="cap on prompt + output tokens")
     _flag(parser, "num-kv-blocks", type=int, help="KV cache blocks (default: from memory)")
+    _flag(parser, "quantization", choices=QUANTIZATIONS,
+          help="quantize linear weights at load: fp8 (Hopper's FP8 GEMMs) or int8 (weight-only); "
+               "default: as the checkpoint stores them")
     _flag(parser, "block-size", type=int, default=16, help="tokens per KV block")
     _flag(parser, "max-num-seqs", type=int,
           help="cap on running sequences (default: 512 on CUDA, 256 on CPU)")
@@ -173,6 +176,7 @@ def _add_up_parser(commands) -> None:
     _flag(up, "ray-address", help="use this Ray cluster instead of starting a local one")
     _flag(up, "dtype", help="float32, bfloat16 or float16 (default: by device)")
     _flag(up, "num-kv-blocks", type=int, help="KV cache blocks per replica (default: from memory)")
+    _flag(up, "quantization", choices=QUANTIZATIONS, help="fp8 or int8 linear weights (see scheduler)")
     _flag(up, "max-num-seqs", type=int,
           help="cap on running sequences per replica (default: 512 on CUDA, 256 on CPU)")
     _flag(up, "executor", default="auto",
@@ -367,7 +371,7 @@ def _engine_config(args: argparse.Namespace):
     return EngineConfig(
         model=_resolve_model(args.model), tp=args.tp, device=args.device, dtype=args.dtype,
         max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
-        block_size=args.block_size, max_num_seqs=max_num_seqs,
+        quantization=args.quantization, block_size=args.block_size, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens or defaults.max_num_batched_tokens,
         cuda_graph_max_batch_size=args.cuda_graph_max_batch_size or max_num_seqs,
         num_threads=args.num_threads, ray_address=args.ray_address,
@@ -467,6 +471,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         scheduler_args += ["--dtype", args.dtype]
     if args.num_kv_blocks:
         scheduler_args += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    if args.quantization:
+        scheduler_args += ["--quantization", args.quantization]
     options = FleetOptions(
         model=model, model_name=args.model_name or Path(model).name, host=args.host, port=args.port,
         tp=args.tp, replicas=args.replicas, redis_url=args.redis_url, redis_port=args.redis_port,

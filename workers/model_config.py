@@ -30,6 +30,8 @@ class ModelConfig:
     hidden_act: str = "silu"
     sliding_window: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # "fp8" when the checkpoint's linear weights are stored quantized (compressed-tensors).
+    checkpoint_quantization: str | None = None
 
     @property
     def context_window(self) -> int:
@@ -91,7 +93,41 @@ def _from_dict(raw: dict, model_type: str, folder: Path) -> ModelConfig:
         hidden_act=hidden_act,
         sliding_window=raw.get("sliding_window") if use_sliding else None,
         eos_token_ids=_eos_token_ids(raw, folder),
+        checkpoint_quantization=_checkpoint_quantization(raw.get("quantization_config")),
     )
+
+
+def _checkpoint_quantization(quant: dict | None) -> str | None:
+    """What a config.json's `quantization_config` asks of us; a scheme we cannot run exactly is
+    refused by name rather than loaded wrong. We run llm-compressor's FP8_DYNAMIC scheme (FP8
+    weights with a scale per output channel, activations scaled per token while serving)."""
+    if not quant:
+        return None
+    method = quant.get("quant_method")
+    if method != "compressed-tensors":
+        raise ModelLoadError(f"checkpoint quantization {method!r} is not supported "
+                             "(supported: compressed-tensors FP8 with channel-wise weight scales)")
+    fmt = quant.get("format")
+    if fmt not in ("float-quantized", "naive-quantized"):
+        raise ModelLoadError(f"compressed-tensors format {fmt!r} is not supported (float-quantized only)")
+    ignored = set(quant.get("ignore") or [])
+    if ignored - {"lm_head"}:
+        raise ModelLoadError(f"compressed-tensors checkpoints that leave layers unquantized are not "
+                             f"supported: ignore={sorted(ignored)}")
+    for name, group in (quant.get("config_groups") or {}).items():
+        weights = group.get("weights") or {}
+        wanted = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}
+        got = {key: weights.get(key) for key in wanted}
+        if got != wanted:
+            raise ModelLoadError(f"compressed-tensors group {name!r}: weights {got} are not supported "
+                                 f"(supported: {wanted})")
+        inputs = group.get("input_activations")
+        if inputs and not (inputs.get("dynamic") is True and inputs.get("strategy") == "token"):
+            raise ModelLoadError(f"compressed-tensors group {name!r}: static or non-token activation "
+                                 "scales are not supported (supported: dynamic, per token)")
+    if not quant.get("config_groups"):
+        raise ModelLoadError("compressed-tensors quantization_config has no config_groups")
+    return "fp8"
 
 
 def _eos_token_ids(raw: dict, folder: Path) -> list[int]:

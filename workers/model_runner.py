@@ -19,6 +19,7 @@ from shared.logging import get_logger
 from shared.step import SequenceWork, StepBatch, StepResult
 from workers.cuda_graphs import DecodeGraphs, use_cuda_graphs
 from workers.device import resolve_device, resolve_dtype
+from workers.layers.quantization import METHODS, building_with, method_named
 from workers.model_config import ModelConfig, load_model_config
 from workers.models.registry import MODEL_CLASSES
 from workers.parallel import TensorParallel, all_reduce_min
@@ -38,6 +39,16 @@ def kv_blocks_for_budget(free_bytes: int, *, fraction: float, activation_bytes: 
     `ModelRunner.close` gives everything back."""
     budget = int(free_bytes * fraction) - activation_bytes
     return max(0, budget // block_bytes - 1)
+
+
+def resolve_quantization(requested: str | None, model_config: ModelConfig) -> str | None:
+    """The quantization to run: the flag's, or the checkpoint's own when it stores one."""
+    stored = model_config.checkpoint_quantization
+    if requested is not None and requested not in METHODS:
+        raise ModelLoadError(f"unknown quantization {requested!r}; choose one of {sorted(METHODS)}")
+    if stored and requested not in (None, stored):
+        raise ModelLoadError(f"the checkpoint stores {stored} weights; it cannot run as {requested}")
+    return requested or stored
 
 
 def release_device_memory(device: torch.device) -> None:
@@ -65,6 +76,7 @@ class ModelRunner:
         self.max_model_len = min(config.max_model_len or self.model_config.context_window,
                                  self.model_config.context_window)
         self.block_size = config.block_size
+        self.quantization = resolve_quantization(config.quantization, self.model_config)
         self._check_weight_budget()
         self.model = self._build_model()
         self.weight_bytes = resident_weight_bytes(self.model)
@@ -83,7 +95,7 @@ class ModelRunner:
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)  # parameters are born in the serving dtype
         try:
-            with torch.device(device):
+            with torch.device(device), building_with(method_named(self.quantization)):
                 return cls(self.model_config, self.tp, self.max_model_len)
         except ValueError as exc:  # e.g. heads that do not divide by TP
             raise ModelLoadError(f"cannot shard {self.config.model!r}: {exc}") from None
@@ -103,7 +115,8 @@ class ModelRunner:
         if need > budget:
             raise ModelLoadError(
                 f"the weights of {self.config.model!r} do not fit: rank {self.tp.rank} of tp={self.tp.size} "
-                f"needs {format_bytes(need)} for its shard ({self.dtype}), over "
+                f"needs {format_bytes(need)} for its shard ({self.dtype}"
+                f"{', ' + self.quantization + ' linear weights' if self.quantization else ''}), over "
                 f"max_weight_bytes_per_rank = {format_bytes(budget)}; shard it over more ranks "
                 f"(about tp={-(-need * self.tp.size // budget)}) or raise the budget"
             )
@@ -115,6 +128,7 @@ class ModelRunner:
         model.eval()
         self.log.info(
             "model_loaded", model=self.config.model, device=str(self.device), dtype=str(self.dtype),
+            quantization=self.quantization,
             weight_bytes=resident_weight_bytes(model), seconds=round(time.perf_counter() - start, 2),
         )
         return model

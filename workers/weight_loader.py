@@ -41,6 +41,11 @@ def load_weights(model: nn.Module, folder: str | Path) -> None:
                     loaded.setdefault(target, set()).add(shard_id)
         except SafetensorError as exc:
             raise ModelLoadError(f"{path} is not a readable safetensors file: {exc}") from None
+    # Scales that online quantization computed while loading count as loaded.
+    for name in params:
+        module = modules[name.rsplit(".", 1)[0]]
+        if name.endswith(".weight_scale") and getattr(module, "scale_computed", False):
+            loaded.setdefault(name, set()).update(loaded.get(name.replace("weight_scale", "weight"), set()))
     _check_complete(params, packed, loaded, tied)
 
 

@@ -2,6 +2,10 @@
 
 A weight loader gets a safetensors slice object (`safe_open(...).get_slice(name)`) and
 reads only this rank's rows or columns from disk, never the whole tensor.
+
+Every layer here may hold a quantized weight (workers/layers/quantization.py): then it also
+holds `weight_scale`, one scale per output row, filled either by quantizing the rows it loads
+(online) or from a pre-quantized checkpoint's own `weight_scale` tensors.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.layers.quantization import WeightQuantization, method_being_built
 from workers.parallel import TensorParallel
 
 # A safetensors PySafeSlice: indexable like a tensor, read lazily from the file.
@@ -24,38 +29,67 @@ def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
     param.data.copy_(loaded)
 
 
-class ReplicatedLinear(nn.Module):
+class LinearBase(nn.Module):
+    """Holds the weight [out, in] (and maybe a bias [out]) in the serving dtype or quantized."""
+
+    quant: WeightQuantization | None
+
+    def _make_params(self, out_features: int, in_features: int, bias: bool) -> None:
+        self.quant = method_being_built()
+        dtype = self.quant.storage_dtype if self.quant else None  # None: the default dtype
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        if self.quant:
+            self.weight_scale = nn.Parameter(torch.empty(out_features, dtype=torch.float32),
+                                             requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def _store(self, param: nn.Parameter, rows: slice, loaded: torch.Tensor, name: str) -> None:
+        """Write checkpoint data into rows `rows` of `param` (dim 0)."""
+        if param is self.weight and self.quant and loaded.dtype != self.quant.storage_dtype:
+            # A full-precision checkpoint: quantize this slice's rows as they arrive.
+            quantized, scale = self.quant.quantize_rows(loaded)
+            _copy_checked(param.data[rows], quantized, name)
+            self.weight_scale.data[rows].copy_(scale)
+            self.scale_computed = True  # weight_loader's completeness check needs no file scale
+            return
+        if param is getattr(self, "weight_scale", None):
+            loaded = loaded.reshape(-1)  # compressed-tensors writes channel scales as [out, 1]
+        _copy_checked(param.data[rows], loaded, name)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant:
+            return self.quant.linear(x, self.weight, self.weight_scale)
+        return F.linear(x, self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._matmul(x)
+        return y + self.bias if self.bias is not None else y
+
+
+class ReplicatedLinear(LinearBase):
     """Every rank holds the whole weight (small projections, TP=1)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel) -> None:
         super().__init__()
         self.tp = tp
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self._make_params(out_features, in_features, bias)
 
     def weight_loader(self, param: nn.Parameter, tensor_slice: TensorSlice, shard_id: Any = None) -> None:
-        _copy_checked(param, tensor_slice[:], "replicated")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        self._store(param, slice(None), tensor_slice[:], "replicated")
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(LinearBase):
     """Output features split over ranks: y_local = x @ W[rows of this rank].T; no collective."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel) -> None:
         super().__init__()
         self.tp = tp
         self.out_start, self.out_per_rank = tp.shard(out_features)
-        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False) if bias else None
+        self._make_params(self.out_per_rank, in_features, bias)
 
     def weight_loader(self, param: nn.Parameter, tensor_slice: TensorSlice, shard_id: Any = None) -> None:
-        _copy_checked(param, tensor_slice[self.out_start : self.out_start + self.out_per_rank],
-                      "column-parallel")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        self._store(param, slice(None), tensor_slice[self.out_start : self.out_start + self.out_per_rank],
+                    "column-parallel")
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -69,14 +103,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.tp = tp
         self.shards = [tp.shard(size) for size in out_sizes]  # (start, size) per projection
         self.out_per_rank = sum(size for _, size in self.shards)
-        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False) if bias else None
+        self._make_params(self.out_per_rank, in_features, bias)
 
     def weight_loader(self, param: nn.Parameter, tensor_slice: TensorSlice, shard_id: Any = None) -> None:
         index = int(shard_id)
         start, part = self.shards[index]
         offset = sum(size for _, size in self.shards[:index])
-        _copy_checked(param.data[offset : offset + part], tensor_slice[start : start + part], "merged")
+        self._store(param, slice(offset, offset + part), tensor_slice[start : start + part], "merged")
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
@@ -106,14 +139,13 @@ class QKVParallelLinear(MergedColumnParallelLinear):
             (kv_start * head_dim, num_kv * head_dim),
         ]
         self.out_per_rank = sum(size for _, size in self.shards)
-        self.weight = nn.Parameter(torch.empty(self.out_per_rank, hidden), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False) if bias else None
+        self._make_params(self.out_per_rank, hidden, bias)
 
     def weight_loader(self, param: nn.Parameter, tensor_slice: TensorSlice, shard_id: Any = None) -> None:
         super().weight_loader(param, tensor_slice, {"q": 0, "k": 1, "v": 2}[shard_id])
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(LinearBase):
     """Input features split over ranks; partial sums meet in one all-reduce at the end."""
 
     def __init__(
@@ -125,17 +157,18 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp = tp
         self.in_start, self.in_per_rank = in_shard or tp.shard(in_features)
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank), requires_grad=False)
         # The bias is added once, after the reduction, so only the full sum carries it.
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self._make_params(out_features, self.in_per_rank, bias)
 
     def weight_loader(self, param: nn.Parameter, tensor_slice: TensorSlice, shard_id: Any = None) -> None:
-        if param.dim() == 1:  # bias: replicated
-            _copy_checked(param, tensor_slice[:], "row-parallel bias")
+        if param.dim() == 1:  # bias, or a pre-quantized file's per-row scales: whole on every rank
+            self._store(param, slice(None), tensor_slice[:], "row-parallel bias or scale")
             return
         start = self.in_start
-        _copy_checked(param, tensor_slice[:, start : start + self.in_per_rank], "row-parallel")
+        # Online quantization scales this rank's columns only: each rank's partial sum is
+        # dequantized before the all-reduce adds them.
+        self._store(param, slice(None), tensor_slice[:, start : start + self.in_per_rank], "row-parallel")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(self._matmul(x))
         return y + self.bias if self.bias is not None else y

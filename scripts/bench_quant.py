@@ -1,0 +1,184 @@
+"""Quantized weights against bf16 on one GPU, in one run: speed, bytes, the budget, accuracy.
+
+    python3 scripts/bench_quant.py                        # H200: Llama-3-8B shape, 500 requests
+    python3 scripts/bench_quant.py --smoke --device cpu   # tiny model and workload: checks the script
+    python3 scripts/bench_quant.py --smoke --device cpu --methods bf16,int8 --accuracy-model PATH
+
+For each method (bf16, fp8, int8 as --methods says) an engine loads the same random-weight
+Llama-3-8B-shaped checkpoint (bench_gpu.py's) and runs bench_gpu's 500-request workload, then
+its batch-1 decode latency. Reported against bf16, measured in the same run:
+- output tok/s and its ratio (goal for fp8 on an H200: >= 1.4x);
+- batch-1 decode ms/token and its ratio (goal: <= 0.6x);
+- weight bytes per rank and their ratio (goal: halved, embedding and LM head aside);
+- the budget of the seed's scenario: a per-rank budget of 60% of the bf16 weights, which bf16
+  must be refused under and each quantized method loads under (its engine runs with it);
+- accuracy on the random model: the relative error of the last-position logits against bf16
+  and the share of 16 greedy 32-token outputs identical to bf16's. With --accuracy-model (a real
+  checkpoint such as SmolLM2), also the perplexity of README.md under each method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+# bench_common before the product: importing it puts the repository on sys.path.
+from bench_common import (
+    LLAMA3_8B,
+    checkpoint_folder,
+    log,
+    module_bytes,
+    print_command,
+    random_llama,
+    run_engine_workload,
+    sharegpt_workload,
+    warm_up,
+)
+from bench_gpu import TINY_LLAMA, engine_decode_latency
+
+from scheduler.engine import LLMEngine
+from shared.config import EngineConfig
+from shared.errors import ModelLoadError
+from shared.logging import configure_logging
+from shared.sampling import SamplingParams
+from shared.step import SequenceWork, StepBatch
+from workers.model_runner import format_bytes
+
+REPO = Path(__file__).resolve().parents[1]
+# The smoke model's linear layers outweigh its embeddings, as Llama-3-8B's do, so that the 60%
+# budget binds the same way.
+SMOKE_LLAMA = {**TINY_LLAMA, "hidden_size": 128, "intermediate_size": 512, "vocab_size": 256}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--smoke", action="store_true", help="tiny model and workload (checks the script)")
+    parser.add_argument("--methods", default="bf16,fp8", help="comma-separated: bf16, fp8, int8")
+    parser.add_argument("--num-requests", type=int, help="default 500 (24 with --smoke)")
+    parser.add_argument("--engine-seconds", type=float, default=240.0)
+    parser.add_argument("--accuracy-model", type=Path, help="a real checkpoint for perplexity (e.g. SmolLM2)")
+    return parser.parse_args(argv)
+
+
+def engine_config(folder: Path, args, quantization: str | None, **overrides) -> EngineConfig:
+    return EngineConfig(model=str(folder), device=args.device, dtype="bfloat16", quantization=quantization,
+                        max_num_seqs=64 if args.smoke else 512, **overrides)
+
+
+def greedy_outputs_and_logits(engine: LLMEngine,
+                              prompts: list[list[int]]) -> tuple[list[list[int]], torch.Tensor]:
+    outputs = [r.token_ids for r in engine.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))]
+    runner = engine.executor.runner
+    prompt = prompts[0]
+    blocks = list(range(-(-len(prompt) // runner.block_size)))
+    work = SequenceWork("logits", prompt, 0, blocks, True, SamplingParams(temperature=0.0))
+    logits = runner.forward(StepBatch(0, [work]), use_graphs=False)[0].float().cpu()
+    return outputs, logits
+
+
+def measure(method: str, folder: Path, args, workload, vocab_size: int, budget: int,
+            prompts: list[list[int]]) -> dict:
+    quantization = None if method == "bf16" else method
+    result: dict = {"method": method}
+    overrides = {} if quantization is None else {"max_weight_bytes_per_rank": budget}
+    engine = LLMEngine(engine_config(folder, args, quantization, **overrides), load_tokenizer_files=False)
+    try:
+        result["weight_bytes"] = engine.executor.runner.weight_bytes
+        result["outputs"], result["logits"] = greedy_outputs_and_logits(engine, prompts)
+        warm_up(engine, vocab_size)
+        run = run_engine_workload(engine, workload, args.engine_seconds, torch.device(args.device))
+        result["output_rate"] = run.output_rate
+        result["partial"] = run.partial_limit_s is not None
+        result["ms_per_token"] = engine_decode_latency(engine, vocab_size, torch.device(args.device)) * 1e3
+    finally:
+        engine.close()
+        del engine
+        gc.collect()
+    return result
+
+
+def bf16_refused_under(folder: Path, args, budget: int) -> str:
+    try:
+        LLMEngine(engine_config(folder, args, None, max_weight_bytes_per_rank=budget),
+                  load_tokenizer_files=False).close()
+    except ModelLoadError as exc:
+        return f"refused: {str(exc)[:120]}"
+    return "LOADED (the budget did not bind)"
+
+
+def perplexities(model: Path, methods: list[str], args) -> dict[str, float]:
+    from transformers import AutoTokenizer
+
+    from workers.model_runner import ModelRunner
+    from workers.parallel import SINGLE_DEVICE
+    from workers.perplexity import perplexity
+
+    token_ids = AutoTokenizer.from_pretrained(model)((REPO / "README.md").read_text())["input_ids"][:2048]
+    found = {}
+    for method in methods:
+        config = engine_config(model, args, None if method == "bf16" else method, num_kv_blocks=64)
+        runner = ModelRunner(config, SINGLE_DEVICE)
+        found[method] = perplexity(runner, token_ids)
+        runner.close()
+    return found
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    print_command()
+    configure_logging("WARNING")
+    methods = args.methods.split(",")
+    if methods[0] != "bf16" or not set(methods) <= {"bf16", "fp8", "int8"}:
+        raise SystemExit("--methods: bf16 first (the baseline), then fp8 and/or int8")
+    device = torch.device(args.device)
+    shape = SMOKE_LLAMA if args.smoke else LLAMA3_8B
+    num_requests = args.num_requests or (24 if args.smoke else 500)
+    workload = sharegpt_workload(num_requests, shape["vocab_size"], prompt_max=200 if args.smoke else 1024,
+                                 output_max=48 if args.smoke else 512)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(shape["vocab_size"]) for _ in range(rng.randrange(16, 200))] for _ in range(16)]
+    model = random_llama(shape, device)
+    bf16_bytes = module_bytes(model)
+    folder = checkpoint_folder(bf16_bytes)
+    model.save_pretrained(folder)
+    del model
+    gc.collect()
+    budget = int(0.6 * bf16_bytes)
+    results = []
+    try:
+        for method in methods:
+            start = time.perf_counter()
+            results.append(measure(method, folder, args, workload, shape["vocab_size"], budget, prompts))
+            log(f"{method}: {results[-1]['output_rate']:,.0f} output tok/s, "
+                f"{results[-1]['ms_per_token']:.2f} ms/token ({time.perf_counter() - start:.0f} s)")
+        refusal = bf16_refused_under(folder, args, budget)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    ppl = perplexities(args.accuracy_model, methods, args) if args.accuracy_model else {}
+    base = results[0]
+    print(f"\n{'SMOKE RUN, not a measurement: ' if args.smoke else ''}{device}, "
+          f"{'tiny' if args.smoke else 'Llama-3-8B'} shape, {num_requests} requests; "
+          f"budget {format_bytes(budget)}/rank (60% of bf16); bf16 under it: {refusal}\n")
+    print("| method | output tok/s | vs bf16 | batch-1 ms/token | vs bf16 | weight bytes/rank | vs bf16 "
+          "| logits rel. err | greedy same | perplexity |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        error = float((r["logits"] - base["logits"]).norm() / base["logits"].norm())
+        same = sum(a == b for a, b in zip(r["outputs"], base["outputs"], strict=True))
+        print(f"| {r['method']} | {r['output_rate']:,.0f}{' (partial)' if r['partial'] else ''} "
+              f"| {r['output_rate'] / base['output_rate']:.2f}x | {r['ms_per_token']:.2f} "
+              f"| {r['ms_per_token'] / base['ms_per_token']:.2f}x | {format_bytes(r['weight_bytes'])} "
+              f"| {r['weight_bytes'] / base['weight_bytes']:.2f}x | {error:.4f} | {same}/16 "
+              f"| {ppl.get(r['method'], float('nan')):.3f} |")
+
+
+if __name__ == "__main__":
+    main()
