@@ -8,6 +8,8 @@
 | {p}cancel                             | pub/sub       | gateway                 | schedulers            |
 | {p}cancelled:{req_id}                 | string + TTL  | gateway                 | schedulers            |
 | {p}sched:{scheduler_id}               | hash with TTL | scheduler (heartbeat)   | gateway, metrics      |
+| {p}drain:{scheduler_id}               | string + TTL  | autoscaler              | that scheduler        |
+| {p}replicas:{model}                   | hash          | autoscaler              | status, metrics       |
 | {p}dead                               | stream        | scheduler               | operators             |
 | {p}batch:in                           | stream        | any Redis client        | batch ingesters       |
 | {p}batch:{job}                        | hash          | batch ingesters         | clients, CLI, gateway |
@@ -61,6 +63,20 @@ class Keys:
     @property
     def scheduler_pattern(self) -> str:
         return f"{self.prefix}sched:*"
+
+    def drain(self, scheduler_id: str) -> str:
+        """Set (value: a deadline, unix seconds) to ask one scheduler to drain: it reads no new
+        entries, finishes what it runs (what is left at the deadline is taken over), then exits."""
+        return f"{self.prefix}drain:{scheduler_id}"
+
+    def replicas(self, model: str) -> str:
+        """The autoscaler's view of one model: desired, actual, starting, draining, min, max,
+        unplaced (placements that timed out), last_event, last_event_at, updated_at."""
+        return f"{self.prefix}replicas:{model}"
+
+    @property
+    def replicas_pattern(self) -> str:
+        return f"{self.prefix}replicas:*"
 
     @property
     def dead(self) -> str:
