@@ -279,7 +279,7 @@ def _reserved_placement_group(name: str, tp: int):
     try:
         pg = ray.util.get_placement_group(name)
     except ValueError:
-        raise ModelLoadError(f"no Ray placement group named {name!r} in namespace {RAY_NAMESPACE!r}") from None
+        raise ModelLoadError(f"no Ray placement group {name!r} in namespace {RAY_NAMESPACE!r}") from None
     num_bundles = len(ray.util.placement_group_table(pg).get("bundles", {}))
     if num_bundles != tp:
         raise ModelLoadError(f"placement group {name!r} has {num_bundles} bundles for {tp} ranks")

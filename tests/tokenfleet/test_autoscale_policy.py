@@ -5,14 +5,22 @@ from __future__ import annotations
 import pytest
 
 from shared.errors import InvalidRequestError
-from tokenfleet.autoscale.policy import Decision, FleetSignals, PolicyState, ReplicaLoad, ScalingPolicy, decide
+from tokenfleet.autoscale.policy import (
+    Decision,
+    FleetSignals,
+    PolicyState,
+    ReplicaLoad,
+    ScalingPolicy,
+    decide,
+)
 
 POLICY = ScalingPolicy(min_replicas=1, max_replicas=3, target_queue_per_replica=4, target_wait_s=2.0,
                        scale_down_load=0.5, scale_up_cooldown_s=5, scale_down_cooldown_s=10)
 
 
 def _replicas(*loads: int, max_num_seqs: int = 8, draining: tuple[str, ...] = ()) -> tuple[ReplicaLoad, ...]:
-    return tuple(ReplicaLoad(f"m-r{i}", load, 0, max_num_seqs, f"m-r{i}" in draining) for i, load in enumerate(loads))
+    return tuple(ReplicaLoad(f"m-r{i}", load, 0, max_num_seqs, f"m-r{i}" in draining)
+                 for i, load in enumerate(loads))
 
 
 def _signals(queued: int = 0, age: float = 0.0, loads: tuple[int, ...] = (0,), starting: int = 0,

@@ -32,7 +32,8 @@ STARTUP_TIMEOUT_S = 600.0  # a launched replica with no heartbeat after this is 
 
 class AutoscaleController:
     def __init__(self, client: redis.Redis, keys: Keys, model_name: str, policy: ScalingPolicy,
-                 launcher: ReplicaLauncher, *, interval_s: float = 1.0, drain_timeout_s: float = 300.0) -> None:
+                 launcher: ReplicaLauncher, *, interval_s: float = 1.0,
+                 drain_timeout_s: float = 300.0) -> None:
         self.client = client
         self.keys = keys
         self.model_name = model_name
@@ -133,12 +134,14 @@ class AutoscaleController:
 
     def _event(self, event: str, reason: str, now: float, **fields) -> None:
         self.last_event, self.last_event_at = f"{event}: {reason}", time.time()
-        log = self.log.warning if event == "replica_unplaced" else self.log.info
-        log(event, reason=reason, **{k: v for k, v in fields.items() if v is not None})
+        # At warning level: `tokenfleet up` logs warnings and above by default, and a change in the
+        # fleet's size is what an operator reading that log wants to see.
+        self.log.warning(event, reason=reason, **{k: v for k, v in fields.items() if v is not None})
 
     def _publish(self, signals: FleetSignals) -> None:
         self.client.hset(self.keys.replicas(self.model_name), mapping={
-            "desired": self.state.desired, "actual": len(signals.serving) - self._num_draining_not_reported(signals),
+            "desired": self.state.desired,
+            "actual": len(signals.serving) - self._num_draining_not_reported(signals),
             "starting": len(self.started_at), "draining": len(self.draining),
             "min": self.policy.min_replicas, "max": self.policy.max_replicas,
             "queued": signals.num_queued, "oldest_queued_age_s": round(signals.oldest_queued_age_s, 3),

@@ -58,7 +58,8 @@ class PlacementRequest:
 class RayPlacement:
     """Named placement groups for replicas, reserved from this process's Ray connection."""
 
-    def __init__(self, ray_address: str, request: PlacementRequest, env: dict[str, str] | None = None) -> None:
+    def __init__(self, ray_address: str | None, request: PlacementRequest,
+                 env: dict[str, str] | None = None) -> None:
         # The token of an authenticated cluster (tokenfleet up starts Ray with one) is read
         # from the environment by ray.init.
         for name, value in (env or {}).items():

@@ -108,7 +108,8 @@ def decide(policy: ScalingPolicy, state: PolicyState, signals: FleetSignals,
                    and num_replicas >= desired and now - state.last_scale_up_at >= policy.scale_up_cooldown_s)
         if not can_add:
             return state, Decision(desired)
-        reason = (f"{waiting} waiting > {policy.target_queue_per_replica:g} per replica x {max(1, num_replicas)}"
+        reason = (f"{waiting} waiting > {policy.target_queue_per_replica:g} per replica "
+                  f"x {max(1, num_replicas)}"
                   if is_queue_over else
                   f"oldest waiting {signals.oldest_queued_age_s:.1f} s > {policy.target_wait_s:g} s")
         state = replace(state, desired=desired + 1, last_scale_up_at=now)

@@ -1,0 +1,169 @@
+"""`tokenfleet up --min-replicas 1 --max-replicas 2`: a burst grows the fleet, low load shrinks it
+back by draining a replica that still streams, and no request is cut, repeated or lost."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import redis
+
+from scheduler.engine import LLMEngine
+from shared.config import EngineConfig
+from shared.keys import Keys
+from shared.net import free_port
+from shared.sampling import SamplingParams
+from tests.tiny_chat import make_tiny_chat_model
+
+pytestmark = pytest.mark.slow
+KEYS = Keys()
+MODEL = "tiny"
+NUM_BURST, BURST_TOKENS = 32, 400  # 8 rounds of 4 slots: long enough for a second replica to start
+NUM_TAIL, TAIL_TOKENS = 4, 2000  # still streaming when the cooldown ends
+
+
+def _prompt(index: int) -> str:
+    return f"Request {index}: tell me a long story about the sea."
+
+
+def stream_completion(url: str, index: int, max_tokens: int) -> dict:
+    """One streamed /v1/completions call: its text, tokens counted from usage, finish reason."""
+    body = {"model": MODEL, "prompt": _prompt(index), "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    request = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    text, finish, usage, num_chunks = "", None, None, 0
+    with urllib.request.urlopen(request, timeout=600) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices", []):
+                text += choice.get("text") or ""
+                finish = choice.get("finish_reason") or finish
+            usage = chunk.get("usage") or usage
+            num_chunks += 1
+    return {"id": chunk["id"].removeprefix("cmpl-"), "text": text, "finish_reason": finish, "usage": usage}
+
+
+class FleetWatch:
+    """Polls Redis: how many heartbeats, which replicas drain, tf:replicas:{model}, over time."""
+
+    def __init__(self, url: str) -> None:
+        self.client = redis.Redis.from_url(url)
+        self.samples: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            beats = {k.decode()[len(KEYS.scheduler("")):]: self.client.hget(k, "draining")
+                     for k in self.client.scan_iter(match=KEYS.scheduler_pattern)}
+            replicas = {k.decode(): v.decode() for k, v in self.client.hgetall(KEYS.replicas(MODEL)).items()}
+            self.samples.append({"at": time.time(), "schedulers": sorted(beats),
+                                 "draining": sorted(s for s, d in beats.items() if d == b"1"),
+                                 "replicas": replicas})
+
+    def wait_for(self, predicate, timeout_s: float, what: str) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.samples and predicate(self.samples[-1]):
+                return self.samples[-1]
+            time.sleep(0.1)
+        raise AssertionError(f"not seen within {timeout_s} s: {what}; last: {self.samples[-1:]}")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(smollm2, tmp_path_factory) -> Path:
+    return make_tiny_chat_model(tmp_path_factory.mktemp("tiny_chat"), smollm2)
+
+
+def _single_replica_texts(model: Path, requests: list[tuple[int, int]]) -> dict[int, str]:
+    with LLMEngine(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=1024)) as engine:
+        prompts = [engine.encode(_prompt(i)) for i, _ in requests]
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in requests]
+        return {i: r.text for (i, _), r in zip(requests, engine.generate(prompts, params), strict=True)}
+
+
+def test_burst_adds_a_replica_and_low_load_drains_it_without_cutting_a_stream(tiny_chat, tmp_path):
+    port, redis_port = free_port(), free_port()
+    home = tmp_path / "home"
+    env = {**os.environ, "TOKENFLEET_HOME": str(home), "TOKENFLEET_LOG_LEVEL": "INFO"}
+    up = subprocess.Popen(
+        [sys.executable, "-m", "tokenfleet.cli", "up", "--port", str(port), "--redis-port", str(redis_port),
+         "--model", str(tiny_chat), "--model-name", MODEL, "--dtype", "float32", "--num-kv-blocks", "1024",
+         "--max-num-seqs", "4", "--gateway-workers", "1", "--min-replicas", "1", "--max-replicas", "2",
+         "--target-queue", "2", "--target-wait-s", "2", "--scale-up-cooldown-s", "1",
+         "--scale-down-cooldown-s", "6", "--scale-down-load", "1.0", "--autoscale-interval-s", "0.5"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    url = f"http://127.0.0.1:{port}"
+    watch = None
+    lines: list[str] = []  # up's output, read all along (a full pipe would stall it)
+    reader = threading.Thread(target=lambda: lines.extend(iter(up.stdout.readline, "")), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 300
+        while not any("tokenfleet is up" in line for line in lines):
+            assert up.poll() is None, "".join(lines)
+            assert time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.1)
+        assert any("1-2 replicas, autoscaled" in line for line in lines)
+        watch = FleetWatch(f"redis://127.0.0.1:{redis_port}/0")
+        watch.wait_for(lambda s: s["replicas"].get("actual") == "1" and len(s["schedulers"]) == 1, 30,
+                       "one replica at rest")
+        with ThreadPoolExecutor(NUM_BURST + NUM_TAIL) as pool:
+            burst = [pool.submit(stream_completion, url, i, BURST_TOKENS) for i in range(NUM_BURST)]
+            grown = watch.wait_for(lambda s: len(s["schedulers"]) == 2, 240, "a second scheduler")
+            burst_results = [f.result() for f in burst]
+            # Straight after the burst: long streams, still running when the low-load cooldown ends.
+            tail = []
+            for i in range(NUM_BURST, NUM_BURST + NUM_TAIL):
+                tail.append(pool.submit(stream_completion, url, i, TAIL_TOKENS))
+                time.sleep(0.1)
+            drained = watch.wait_for(lambda s: s["draining"], 120, "a replica draining")
+            tail_results = [f.result() for f in tail]
+        shrunk = watch.wait_for(lambda s: len(s["schedulers"]) == 1 and s["replicas"].get("actual") == "1"
+                                and s["replicas"].get("desired") == "1", 60, "back to one replica")
+        client = redis.Redis.from_url(f"redis://127.0.0.1:{redis_port}/0")
+        records = {r["id"]: client.hgetall(KEYS.result(r["id"])) for r in burst_results + tail_results}
+    finally:
+        if watch is not None:
+            watch.close()
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=120) == 0
+        reader.join(timeout=10)
+    # the second scheduler took work from the burst
+    owners = [records[r["id"]][b"scheduler"].decode() for r in burst_results]
+    assert len(set(owners)) == 2, owners
+    # the scale-down drained a replica that was streaming: some request it ran ended after its drain began
+    [victim] = drained["draining"]
+    ran_on_victim = [rec for rec in records.values() if rec[b"scheduler"].decode() == victim]
+    assert any(float(rec[b"finished_at"]) > drained["at"] for rec in ran_on_victim), victim
+    assert set(grown["schedulers"]) >= {victim, *shrunk["schedulers"]}
+    # every request completed once, all its tokens there, greedy text as a single replica makes it
+    want = _single_replica_texts(tiny_chat, [(i, BURST_TOKENS) for i in range(NUM_BURST)]
+                                 + [(i, TAIL_TOKENS) for i in range(NUM_BURST, NUM_BURST + NUM_TAIL)])
+    for index, result in enumerate(burst_results + tail_results):
+        max_tokens = BURST_TOKENS if index < NUM_BURST else TAIL_TOKENS
+        assert result["finish_reason"] == "length"
+        assert result["usage"]["completion_tokens"] == max_tokens
+        assert result["text"] == want[index], index
+        assert records[result["id"]][b"state"] == b"completed"
+    output = "".join(lines)  # the scale events are in up's log
+    assert "scale_up" in output and "scale_down" in output and "replica_drained" in output
