@@ -27,8 +27,10 @@ from tests.tiny_chat import make_tiny_chat_model
 pytestmark = pytest.mark.slow
 KEYS = Keys()
 MODEL = "tiny"
-NUM_BURST, BURST_TOKENS = 32, 400  # 8 rounds of 4 slots: long enough for a second replica to start
-NUM_TAIL, TAIL_TOKENS = 4, 2000  # still streaming when the cooldown ends
+SHORT_TOKENS = 64  # the burst: short requests, kept queued until the second replica serves
+LONG_TOKENS = 1200  # sent last: still streaming when the low-load cooldown ends
+NUM_LONG = 4
+BURST_QUEUE = 12  # requests kept in flight while the fleet grows: 8 queued past 4 slots > target 2
 
 
 def _prompt(index: int) -> str:
@@ -109,7 +111,7 @@ def test_burst_adds_a_replica_and_low_load_drains_it_without_cutting_a_stream(ti
          "--model", str(tiny_chat), "--model-name", MODEL, "--dtype", "float32", "--num-kv-blocks", "1024",
          "--max-num-seqs", "4", "--gateway-workers", "1", "--min-replicas", "1", "--max-replicas", "2",
          "--target-queue", "2", "--target-wait-s", "2", "--scale-up-cooldown-s", "1",
-         "--scale-down-cooldown-s", "6", "--scale-down-load", "1.0", "--autoscale-interval-s", "0.5"],
+         "--scale-down-cooldown-s", "4", "--scale-down-load", "1.0", "--autoscale-interval-s", "0.5"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
     url = f"http://127.0.0.1:{port}"
@@ -127,21 +129,31 @@ def test_burst_adds_a_replica_and_low_load_drains_it_without_cutting_a_stream(ti
         watch = FleetWatch(f"redis://127.0.0.1:{redis_port}/0")
         watch.wait_for(lambda s: s["replicas"].get("actual") == "1" and len(s["schedulers"]) == 1, 30,
                        "one replica at rest")
-        with ThreadPoolExecutor(NUM_BURST + NUM_TAIL) as pool:
-            burst = [pool.submit(stream_completion, url, i, BURST_TOKENS) for i in range(NUM_BURST)]
-            grown = watch.wait_for(lambda s: len(s["schedulers"]) == 2, 240, "a second scheduler")
-            burst_results = [f.result() for f in burst]
-            # Straight after the burst: long streams, still running when the low-load cooldown ends.
-            tail = []
-            for i in range(NUM_BURST, NUM_BURST + NUM_TAIL):
-                tail.append(pool.submit(stream_completion, url, i, TAIL_TOKENS))
-                time.sleep(0.1)
-            drained = watch.wait_for(lambda s: s["draining"], 120, "a replica draining")
-            tail_results = [f.result() for f in tail]
-        shrunk = watch.wait_for(lambda s: len(s["schedulers"]) == 1 and s["replicas"].get("actual") == "1"
-                                and s["replicas"].get("desired") == "1", 60, "back to one replica")
+        with ThreadPoolExecutor(64) as pool:
+            requests: dict[int, tuple[int, object]] = {}  # index -> (max_tokens, future)
+
+            def send(max_tokens: int) -> None:
+                index = len(requests)
+                requests[index] = (max_tokens, pool.submit(stream_completion, url, index, max_tokens))
+
+            # The burst lasts until a second scheduler serves, however long it takes to start here.
+            while len(watch.samples[-1]["schedulers"]) < 2:
+                if sum(1 for _, f in requests.values() if not f.done()) < BURST_QUEUE:
+                    send(SHORT_TOKENS)
+                else:
+                    time.sleep(0.05)
+                assert len(requests) < 2000, "no second scheduler"
+            grown = watch.samples[-1]
+            for _ in range(BURST_QUEUE):  # a last wave for both, the long ones at its end
+                send(SHORT_TOKENS)
+            for _ in range(NUM_LONG):
+                send(LONG_TOKENS)
+            shrinking = watch.wait_for(lambda s: s["replicas"].get("desired") == "1", 600, "a scale-down")
+            results = {i: f.result() for i, (_, f) in requests.items()}
+        shrunk = watch.wait_for(lambda s: len(s["schedulers"]) == 1 and s["replicas"].get("actual") == "1",
+                                120, "back to one replica")
         client = redis.Redis.from_url(f"redis://127.0.0.1:{redis_port}/0")
-        records = {r["id"]: client.hgetall(KEYS.result(r["id"])) for r in burst_results + tail_results}
+        records = {i: client.hgetall(KEYS.result(r["id"])) for i, r in results.items()}
     finally:
         if watch is not None:
             watch.close()
@@ -149,21 +161,19 @@ def test_burst_adds_a_replica_and_low_load_drains_it_without_cutting_a_stream(ti
         assert up.wait(timeout=120) == 0
         reader.join(timeout=10)
     # the second scheduler took work from the burst
-    owners = [records[r["id"]][b"scheduler"].decode() for r in burst_results]
-    assert len(set(owners)) == 2, owners
-    # the scale-down drained a replica that was streaming: some request it ran ended after its drain began
-    [victim] = drained["draining"]
+    owners = {rec[b"scheduler"].decode() for rec in records.values()}
+    assert len(owners) == 2 and len(grown["schedulers"]) == 2, owners
+    # the scale-down drained a replica that was streaming: a request it ran ended after the drain began
+    [victim] = set(grown["schedulers"]) - set(shrunk["schedulers"])
     ran_on_victim = [rec for rec in records.values() if rec[b"scheduler"].decode() == victim]
-    assert any(float(rec[b"finished_at"]) > drained["at"] for rec in ran_on_victim), victim
-    assert set(grown["schedulers"]) >= {victim, *shrunk["schedulers"]}
-    # every request completed once, all its tokens there, greedy text as a single replica makes it
-    want = _single_replica_texts(tiny_chat, [(i, BURST_TOKENS) for i in range(NUM_BURST)]
-                                 + [(i, TAIL_TOKENS) for i in range(NUM_BURST, NUM_BURST + NUM_TAIL)])
-    for index, result in enumerate(burst_results + tail_results):
-        max_tokens = BURST_TOKENS if index < NUM_BURST else TAIL_TOKENS
+    assert any(float(rec[b"finished_at"]) > shrinking["at"] for rec in ran_on_victim), victim
+    # every request completed once, with all its tokens, the greedy text a single replica makes
+    want = _single_replica_texts(tiny_chat, [(i, n) for i, (n, _) in requests.items()])
+    for index, result in results.items():
+        max_tokens = requests[index][0]
         assert result["finish_reason"] == "length"
         assert result["usage"]["completion_tokens"] == max_tokens
         assert result["text"] == want[index], index
-        assert records[result["id"]][b"state"] == b"completed"
+        assert records[index][b"state"] == b"completed"
     output = "".join(lines)  # the scale events are in up's log
     assert "scale_up" in output and "scale_down" in output and "replica_drained" in output

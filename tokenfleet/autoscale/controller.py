@@ -28,6 +28,7 @@ from tokenfleet.autoscale.policy import Decision, FleetSignals, PolicyState, Sca
 from tokenfleet.autoscale.signals import read_signals
 
 STARTUP_TIMEOUT_S = 600.0  # a launched replica with no heartbeat after this is stopped
+MAX_PLACEMENT_BACKOFF_S = 300.0  # the longest wait before asking Ray again after a placement timed out
 
 
 class AutoscaleController:
@@ -45,6 +46,8 @@ class AutoscaleController:
         self.started_at: dict[str, float] = {}  # replica_id -> launch time, until its first heartbeat
         self.draining: dict[str, float] = {}  # replica_id -> when its drain was asked for
         self.num_unplaced = 0
+        self.next_launch_at = 0.0  # monotonic; later after placements that timed out
+        self.placement_backoff_s = 0.0
         self.last_event, self.last_event_at = "", 0.0
         self._ids = itertools.count()
         self.log = get_logger("tokenfleet.autoscale", model=model_name)
@@ -101,17 +104,23 @@ class AutoscaleController:
 
     def _launch_missing(self, signals: FleetSignals, now: float) -> None:
         num_serving = len(signals.serving) + len(self.started_at) - self._num_draining_not_reported(signals)
-        while num_serving < self.state.desired:
+        while num_serving < self.state.desired and now >= self.next_launch_at:
             replica_id = self._new_replica_id(signals)
             try:
                 self.launcher.launch(replica_id)
             except PlacementTimeout as exc:
+                # Reported, not retried at once: a scale-up is taken back (the minimum stays
+                # wanted), and Ray is asked again only after a back-off that doubles each time.
                 self.num_unplaced += 1
-                # Reported, not retried at once: the decision is taken back and the next attempt
-                # waits for the scale-up cooldown, and for the signals to still ask for it.
-                self.state = replace(self.state, desired=num_serving, last_scale_up_at=now)
-                self._event("replica_unplaced", exc.message, now, replica=replica_id)
+                backoff = max(1.0, self.policy.scale_up_cooldown_s, 2 * self.placement_backoff_s)
+                self.placement_backoff_s = min(MAX_PLACEMENT_BACKOFF_S, backoff)
+                self.next_launch_at = now + self.placement_backoff_s
+                self.state = replace(self.state, desired=max(num_serving, self.policy.min_replicas),
+                                     last_scale_up_at=now)
+                self._event("replica_unplaced", exc.message, now, replica=replica_id,
+                            retry_in_s=self.placement_backoff_s)
                 return
+            self.placement_backoff_s = 0.0
             self.started_at[replica_id] = now
             num_serving += 1
 
