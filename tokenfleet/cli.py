@@ -490,6 +490,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
     if args.num_kv_blocks:
         scheduler_args += ["--num-kv-blocks", str(args.num_kv_blocks)]
     autoscale = _autoscale_options(args)
+    if autoscale is not None and autoscale.policy.min_replicas < 1:
+        # `up` waits for a serving replica before it says the fleet is up.
+        raise InvalidRequestError("up needs --min-replicas >= 1 (tokenfleet autoscale allows 0)",
+                                  param="min-replicas")
     options = FleetOptions(
         autoscale=autoscale, model=model, model_name=args.model_name or Path(model).name, host=args.host,
         port=args.port,
