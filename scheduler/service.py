@@ -492,6 +492,9 @@ class SchedulerService:
         self.client.delete(self.keys.scheduler(self.settings.scheduler_id),
                            self.keys.drain(self.settings.scheduler_id))
         left = sorted([*self.inflight, *self._finishing])
+        if not left:  # (a consumer's pending entries go with it: only one that owns none leaves)
+            for stream in self.streams:
+                self.client.xgroup_delconsumer(stream, CONSUMER_GROUP, self.settings.scheduler_id)
         self.log.info("drained", num_left_for_takeover=len(left), req_ids=left[:16])
         return True
 

@@ -127,3 +127,16 @@ def test_unplaced_replica_is_reported_and_not_retried_before_the_back_off(redis_
     assert client.hget(KEYS.replicas(MODEL), "unplaced") == b"2"
     assert controller.placement_backoff_s == pytest.approx(8.0)
     assert launcher.launched == ["m-r0"]
+
+
+def test_a_restarted_controller_adopts_the_replicas_it_finds_and_names_new_ones_apart(redis_server):
+    client = redis_server.client()
+    _beat(client, "m-r0", running=4)
+    _beat(client, "m-r1", running=4)
+    launcher = RecordingLauncher()
+    policy = ScalingPolicy(min_replicas=1, max_replicas=3, target_queue_per_replica=1, scale_up_cooldown_s=0)
+    controller = AutoscaleController(client, KEYS, MODEL, policy, launcher)
+    assert controller.tick(now=0.0).desired == 2 and launcher.launched == []
+    _queue(client, 5)
+    controller.tick(now=1.0)
+    assert launcher.launched == ["m-r2"]

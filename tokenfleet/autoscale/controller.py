@@ -42,7 +42,8 @@ class AutoscaleController:
         self.launcher = launcher
         self.interval_s = interval_s
         self.drain_timeout_s = drain_timeout_s
-        self.state = PolicyState(desired=policy.min_replicas)
+        # Made at the first tick from the replicas serving then: a restarted controller adopts them.
+        self.state: PolicyState | None = None
         self.started_at: dict[str, float] = {}  # replica_id -> launch time, until its first heartbeat
         self.draining: dict[str, float] = {}  # replica_id -> when its drain was asked for
         self.num_unplaced = 0
@@ -71,6 +72,8 @@ class AutoscaleController:
         for replica_id in [r for r in self.draining if r not in live and r not in self.launcher.running()]:
             del self.draining[replica_id]  # drained a scheduler some other launcher started
         signals = replace(signals, num_starting=len(self.started_at))
+        if self.state is None:
+            self.state = PolicyState(desired=max(self.policy.min_replicas, len(signals.serving)))
         self.state, decision = decide(self.policy, self.state, signals, now)
         if decision.reason:
             self._event("scale_up" if decision.drain_replica_id is None else "scale_down",
@@ -149,7 +152,7 @@ class AutoscaleController:
 
     def _publish(self, signals: FleetSignals) -> None:
         self.client.hset(self.keys.replicas(self.model_name), mapping={
-            "desired": self.state.desired,
+            "desired": self.state.desired if self.state else self.policy.min_replicas,
             "actual": len(signals.serving) - self._num_draining_not_reported(signals),
             "starting": len(self.started_at), "draining": len(self.draining),
             "min": self.policy.min_replicas, "max": self.policy.max_replicas,
