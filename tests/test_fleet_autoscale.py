@@ -181,3 +181,51 @@ def test_burst_adds_a_replica_and_low_load_drains_it_without_cutting_a_stream(ti
         assert records[index][b"state"] == b"completed"
     output = "".join(lines)  # the scale events are in up's log
     assert "scale_up" in output and "scale_down" in output and "replica_drained" in output
+
+
+def test_autoscaled_tp2_replica_runs_in_the_placement_group_it_reserved_and_sigterm_leaves_nothing(
+        tiny_chat, tmp_path):
+    """With Ray groups, `up` reserves each replica's placement group itself (by name), the
+    scheduler's ranks run in it, and a SIGTERM (which ray.init would turn into an abort in
+    the driver) stops the fleet cleanly."""
+    import psutil
+
+    port, redis_port = free_port(), free_port()
+    home = tmp_path / "home"
+    env = {**os.environ, "TOKENFLEET_HOME": str(home), "TOKENFLEET_LOG_LEVEL": "INFO"}
+    up = subprocess.Popen(
+        [sys.executable, "-m", "tokenfleet.cli", "up", "--port", str(port), "--redis-port", str(redis_port),
+         "--model", str(tiny_chat), "--model-name", MODEL, "--dtype", "float32", "--num-kv-blocks", "64",
+         "--gateway-workers", "1", "--tp", "2", "--min-replicas", "1", "--max-replicas", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(up.stdout.readline, "")), daemon=True)
+    reader.start()
+    descendants: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 300
+        while not any("tokenfleet is up" in line for line in lines):
+            assert up.poll() is None, "".join(lines)
+            assert time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.2)
+        body = {"model": MODEL, "prompt": _prompt(0), "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            assert json.loads(response.read())["usage"]["completion_tokens"] == 8
+        replicas = redis.Redis.from_url(f"redis://127.0.0.1:{redis_port}/0").hgetall(KEYS.replicas(MODEL))
+        assert (replicas[b"desired"], replicas[b"actual"]) == (b"1", b"1")
+        descendants = psutil.Process(up.pid).children(recursive=True)
+        ranks = [p for p in descendants if "RankWorker" in " ".join(p.cmdline())]
+        assert len(ranks) == 2
+    finally:
+        up.send_signal(signal.SIGTERM)
+        code = up.wait(timeout=120)
+        reader.join(timeout=10)
+    output = "".join(lines)
+    assert code == 0, output[-3000:]
+    assert '"placement_group": "tokenfleet-replica-tiny-r0"' in output
+    time.sleep(1)
+    alive = [p for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, [p.cmdline() for p in alive]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,7 +68,14 @@ class RayPlacement:
                 os.environ[name] = value
         from workers.ray_group import ensure_ray
 
+        # ray.init installs a SIGTERM handler that aborts the process: keep the caller's
+        # (`up` and `autoscale` stop their replicas on SIGTERM).
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
         ensure_ray(ray_address)
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in handlers.items():
+                if handler is not None:  # (None: not set from Python, nothing to restore)
+                    signal.signal(sig, handler)
         self.request = request
         self.log = get_logger("tokenfleet.autoscale.placement")
 
