@@ -9,6 +9,11 @@ One tick:
 A request's stream entry is acknowledged only together with its terminal state, so a
 scheduler that dies leaves its entries pending for a successor, which resumes each from
 the tokens stored in tf:res:{id}: the client sees neither a gap nor a duplicate.
+
+Draining (scale-down): when tf:drain:{scheduler_id} appears (checked at each maintenance),
+the scheduler reads no new entries and takes none over, finishes what it runs, removes its
+heartbeat and returns from `run`. Whatever is still running at the drain's deadline is left
+pending: another scheduler takes it over after the lease, as after a crash.
 """
 
 from __future__ import annotations
@@ -118,6 +123,11 @@ class SchedulerService:
         self._groups_ready = False
         self.telemetry = SchedulerTelemetry(engine, settings.model_name, settings.scheduler_id,
                                             settings.log_stats_interval_s)
+        self.drain_deadline: float | None = None  # set once a drain was asked for (unix seconds)
+
+    @property
+    def is_draining(self) -> bool:
+        return self.drain_deadline is not None
 
     # -- the loop -----------------------------------------------------------------------
 
@@ -132,6 +142,8 @@ class SchedulerService:
         while not stop.is_set():
             try:
                 self.tick()
+                if self.is_draining and self._drain_done():
+                    break
                 backoff = 0.1
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 self._flush()  # the writer keeps them, in order, until Redis is back
@@ -148,6 +160,7 @@ class SchedulerService:
         self._flush()
         self.writer.gate.set()
         self.writer.close()
+        stop.set()  # (the listener thread's signal, also when the loop ended by draining)
         listener.join(timeout=5)
 
     def tick(self) -> None:
@@ -163,11 +176,14 @@ class SchedulerService:
         self._apply_cancellations()
         if self._gates_writer:
             self.writer.gate.clear()
-        self._admit(block=not self.engine.has_unfinished_requests())
+        if not self.is_draining:
+            self._admit(block=not self.engine.has_unfinished_requests())
         if self.engine.has_unfinished_requests():
             self._hand_over_step(self.engine.step())
         else:
             self.writer.gate.set()  # idle: nothing here needs the GIL
+            if self.is_draining:
+                time.sleep(0.01)  # waiting for the writer's last writes, not reading the streams
         self._flush()
 
     @property
@@ -478,10 +494,41 @@ class SchedulerService:
     # -- maintenance ---------------------------------------------------------------------
 
     def _maintain(self) -> None:
+        self._check_drain()
         self._heartbeat()
         self._renew_claims()
-        self._take_over_abandoned()
+        if not self.is_draining:
+            self._take_over_abandoned()
         self._check_cancel_keys_and_deadlines()
+
+    def _check_drain(self) -> None:
+        if self.is_draining:
+            return
+        value = self.client.get(self.keys.drain(self.settings.scheduler_id))
+        if value is None:
+            return
+        try:
+            self.drain_deadline = float(value)
+        except ValueError:
+            self.drain_deadline = float("inf")  # any other value: drain with no deadline
+        self.log.info("drain_started", num_inflight=len(self.inflight), deadline=self.drain_deadline)
+
+    def _drain_done(self) -> bool:
+        """Whether a draining scheduler may stop now: nothing left, or the deadline passed (what
+        is left stays pending for a successor). Its heartbeat and drain keys go with it."""
+        is_empty = not (self.inflight or self._finishing or self.engine.has_unfinished_requests())
+        if not is_empty and time.time() < self.drain_deadline:
+            return False
+        self.flush_and_wait()
+        self._drop_lost_requests()
+        self.client.delete(self.keys.scheduler(self.settings.scheduler_id),
+                           self.keys.drain(self.settings.scheduler_id))
+        left = sorted([*self.inflight, *self._finishing])
+        if not left:  # (a consumer's pending entries go with it: only one that owns none leaves)
+            for stream in self.streams:
+                self.client.xgroup_delconsumer(stream, CONSUMER_GROUP, self.settings.scheduler_id)
+        self.log.info("drained", num_left_for_takeover=len(left), req_ids=left[:16])
+        return True
 
     def _heartbeat(self) -> None:
         scheduler = self.engine.scheduler
@@ -492,6 +539,7 @@ class SchedulerService:
             "num_waiting": scheduler.num_waiting_requests, "kv_usage": scheduler.block_manager.usage,
             "max_num_seqs": self.engine.config.max_num_seqs, "updated_at": time.time(),
             **self.telemetry.heartbeat_fields(),
+            "draining": int(self.is_draining),
         })
         ttl_s = max(2, int(3 * self.settings.heartbeat_s))
         pipe.expire(key, ttl_s)

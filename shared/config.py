@@ -54,6 +54,9 @@ class EngineConfig:
     ray_address: str | None = None  # None: a local Ray started by this process
     placement_strategy: str = "STRICT_PACK"  # PACK or SPREAD to allow ranks on several nodes
     num_cpus_per_rank: float = 1.0  # Ray CPUs of each rank's bundle on CPU hosts
+    # A placement group someone else reserved for this engine (the autoscaler, by name, in
+    # RAY_NAMESPACE): the group uses its bundles, and leaves removing it to its owner.
+    placement_group_name: str | None = None
     step_timeout_s: float = 120.0  # a step slower than this means a rank is gone
     max_group_restarts: int = 3  # rebuilds of a failed worker group before giving up
 

@@ -14,6 +14,8 @@
 | {p}sched:{scheduler_id}               | hash with TTL | scheduler (heartbeat)   | gateway, metrics      |
 | {p}metrics:{scheduler_id}             | string + TTL  | scheduler (heartbeat)   | gateway /metrics      |
 | {p}gw:{gateway_id}                    | hash with TTL | gateway (heartbeat)     | status (CLI, page)    |
+| {p}drain:{scheduler_id}               | string + TTL  | autoscaler              | that scheduler        |
+| {p}replicas:{model}                   | hash          | autoscaler              | status, metrics       |
 | {p}dead                               | stream        | scheduler               | operators             |
 | {p}batch:in                           | stream        | any Redis client        | batch ingesters       |
 | {p}batch:{job}                        | hash          | batch ingesters         | clients, CLI, gateway |
@@ -108,6 +110,19 @@ class Keys:
     @property
     def request_stream_pattern(self) -> str:
         return f"{self.prefix}req:*"
+    def drain(self, scheduler_id: str) -> str:
+        """Set (value: a deadline, unix seconds) to ask one scheduler to drain: it reads no new
+        entries, finishes what it runs (what is left at the deadline is taken over), then exits."""
+        return f"{self.prefix}drain:{scheduler_id}"
+
+    def replicas(self, model: str) -> str:
+        """The autoscaler's view of one model: desired, actual, starting, draining, min, max,
+        unplaced (placements that timed out), last_event, last_event_at, updated_at."""
+        return f"{self.prefix}replicas:{model}"
+
+    @property
+    def replicas_pattern(self) -> str:
+        return f"{self.prefix}replicas:*"
 
     @property
     def dead(self) -> str:

