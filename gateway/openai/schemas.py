@@ -103,8 +103,8 @@ class ToolCall(StrictModel):
 
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = Field(None, description="may be null only for an assistant "
-                                                 "message with tool_calls")
+    content: str | list[TextPart] | None = Field(description="null or absent only in an assistant message "
+                                                 "with tool_calls")
     name: str | None = None
     tool_calls: list[ToolCall] | None = Field(None, description="an assistant's earlier calls")
     tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
@@ -117,6 +117,8 @@ class ChatMessage(StrictModel):
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind != "text":
                     raise ValueError(f"content part of type {kind!r} is not supported; only 'text'")
+        if isinstance(data, dict) and data.get("tool_calls") and "content" not in data:
+            data = {**data, "content": None}  # OpenAI lets an assistant's call go without content
         return data
 
     @model_validator(mode="after")
