@@ -49,7 +49,8 @@ def assert_error(body: dict, param: str | None, error_type: str = "invalid_reque
      "tools[0].function.parameters"),
     ("/v1/chat/completions", {**CHAT, "functions": [TOOL["function"]]}, "functions"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, "response_format.type"),
-    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema"}},
+     "response_format.json_schema"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"$ref": "#/defs/nowhere"}}}}, "response_format.json_schema.schema"),
     ("/v1/chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": "required",

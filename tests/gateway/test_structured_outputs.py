@@ -98,8 +98,8 @@ async def test_a_tool_round_trip_tools_then_calls_then_a_tool_message_then_the_a
     conversation = [*ASK_WEATHER, choice.message.model_dump(exclude_none=True),
                     {"role": "tool", "tool_call_id": call.id,
                      "content": json.dumps({"city": arguments["city"], "temperature_c": 21, "sky": "sunny"})}]
-    second = await sdk.chat.completions.create(model=MODEL, messages=conversation, tools=[WEATHER_TOOL, TIME_TOOL],
-                                               max_tokens=24, temperature=0)  # tool_choice: auto
+    second = await sdk.chat.completions.create(model=MODEL, messages=conversation, max_tokens=24,
+                                               temperature=0, tools=[WEATHER_TOOL, TIME_TOOL])  # auto
     answer = second.choices[0].message
     assert answer.tool_calls is None and answer.content
     assert second.usage.prompt_tokens > first.usage.prompt_tokens  # the call and its result are in the prompt
@@ -145,13 +145,15 @@ async def test_an_invalid_schema_is_a_400_naming_it(sdk):
             tools=[{"type": "function", "function": {"name": "f", "parameters": BAD_SCHEMA}}])
     assert bad_tool.value.body["param"] == "tools[0].function.parameters"
     with pytest.raises(openai.BadRequestError) as bad_choice:
-        await sdk.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=8, tools=[WEATHER_TOOL],
+        await sdk.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=8,
+                                          tools=[WEATHER_TOOL],
                                           tool_choice={"type": "function", "function": {"name": "nope"}})
     assert bad_choice.value.body["param"] == "tool_choice"
 
 
 async def test_the_same_in_a_batch_job(sdk):
-    schema = {"name": "city_fact", "strict": True, "schema": openai.lib._pydantic.to_strict_json_schema(CityFact)}
+    schema = {"name": "city_fact", "strict": True,
+              "schema": openai.lib._pydantic.to_strict_json_schema(CityFact)}
     bodies = {
         "json": {"model": MODEL, "max_tokens": 96, "temperature": 0,
                  "response_format": {"type": "json_schema", "json_schema": schema},
@@ -159,7 +161,8 @@ async def test_the_same_in_a_batch_job(sdk):
         "tool": {"model": MODEL, "max_tokens": 48, "temperature": 0, "tools": [WEATHER_TOOL],
                  "tool_choice": "required", "parallel_tool_calls": False, "messages": ASK_WEATHER},
         "bad": {"model": MODEL, "max_tokens": 8, "messages": ASK_WEATHER,
-                "response_format": {"type": "json_schema", "json_schema": {"name": "bad", "schema": BAD_SCHEMA}}},
+                "response_format": {"type": "json_schema",
+                                    "json_schema": {"name": "bad", "schema": BAD_SCHEMA}}},
     }
     lines = [json.dumps({"custom_id": key, "method": "POST", "url": "/v1/chat/completions", "body": body})
              for key, body in bodies.items()]

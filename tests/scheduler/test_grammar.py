@@ -40,7 +40,8 @@ def _engine(folder, **overrides) -> LLMEngine:
 
 
 def _params(i: int, grammar: str | None, **overrides) -> SamplingParams:
-    return SamplingParams(**{"max_tokens": 40, "temperature": 1.0, "seed": i, "grammar": grammar, **overrides})
+    fields = {"max_tokens": 40, "temperature": 1.0, "seed": i, "grammar": grammar}
+    return SamplingParams(**{**fields, **overrides})
 
 
 def test_random_weights_answer_schema_valid_json_and_free_rows_are_untouched(tiny_chat):
@@ -64,7 +65,8 @@ def test_the_grammar_survives_preemption(tiny_chat):
     with _engine(tiny_chat) as roomy:
         expected = roomy.generate(PROMPTS[:2], greedy, chat=True)
     with _engine(tiny_chat, num_kv_blocks=6) as tight:
-        ids = [tight.add_request(tight.encode(p, chat=True), sp) for p, sp in zip(PROMPTS[:2], greedy, strict=True)]
+        ids = [tight.add_request(tight.encode(p, chat=True), sp)
+               for p, sp in zip(PROMPTS[:2], greedy, strict=True)]
         requests = [tight.scheduler.get_request(i) for i in ids]
         outputs = {i: [] for i in ids}
         while tight.has_unfinished_requests():
