@@ -7,6 +7,7 @@ again against its model's vocabulary (scheduler/grammar.py), with a cache per sc
 
 from __future__ import annotations
 
+import functools
 import json
 
 from gateway.errors import BadRequest
@@ -17,13 +18,21 @@ def check_schema(schema: object, param: str, *, strict: bool = True) -> None:
     """Raise BadRequest naming `param` when `schema` is not a JSON schema we can enforce."""
     if not isinstance(schema, dict):
         raise BadRequest(f"{param} must be a JSON schema object", param=param)
+    reason = _schema_error(json.dumps(schema, sort_keys=True), strict)
+    if reason is not None:
+        raise BadRequest(f"{param} is not a JSON schema this server can enforce: {reason}", param=param)
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_error(schema: str, strict: bool) -> str | None:
+    """Why xgrammar cannot compile the schema, or None; cached, as clients resend the same schemas."""
     import xgrammar as xgr
 
     try:
-        xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=strict)
+        xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
     except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError, ValueError, TypeError...
-        raise BadRequest(f"{param} is not a JSON schema this server can enforce: "
-                         f"{compile_error_message(exc)}", param=param) from None
+        return compile_error_message(exc)
+    return None
 
 
 def response_format_grammar(response_format) -> str | None:

@@ -44,6 +44,7 @@ def _params(i: int, grammar: str | None, **overrides) -> SamplingParams:
     return SamplingParams(**{**fields, **overrides})
 
 
+@pytest.mark.slow
 def test_random_weights_answer_schema_valid_json_and_free_rows_are_untouched(tiny_chat):
     with _engine(tiny_chat) as engine:
         free_alone = engine.generate(PROMPTS, [_params(i, None, max_tokens=12) for i in range(4)], chat=True)
@@ -59,6 +60,7 @@ def test_random_weights_answer_schema_valid_json_and_free_rows_are_untouched(tin
     assert not any(r.text.startswith('{"kind"') for r in free_alone)
 
 
+@pytest.mark.slow
 def test_the_grammar_survives_preemption(tiny_chat):
     # Four blocks of 16 tokens for two ~40-token prompts growing to ~60 tokens: they preempt each other.
     greedy = [_params(i, PET_GRAMMAR, temperature=0.0) for i in range(2)]
@@ -78,6 +80,7 @@ def test_the_grammar_survives_preemption(tiny_chat):
         Pet.model_validate_json(result.text)
 
 
+@pytest.mark.slow
 def test_a_takeover_rebuilds_the_grammar_from_the_stored_tokens(tiny_chat):
     sampling = _params(7, PET_GRAMMAR, temperature=0.0)
     with _engine(tiny_chat) as first:
@@ -118,3 +121,15 @@ def test_only_the_sampled_constrained_rows_get_a_mask(smollm2):
     with pytest.raises(InvalidRequestError) as bad:
         grammars.add("bad", json.dumps({"type": "json_schema", "schema": {"type": "strin"}}), [])
     assert bad.value.param == "response_format" and "strin" in bad.value.message
+
+
+@pytest.mark.slow
+def test_at_tp2_the_mask_reaches_the_rank_that_samples(tiny_chat):
+    greedy = [_params(i, PET_GRAMMAR, temperature=0.0) for i in range(2)]
+    with _engine(tiny_chat) as one_rank:
+        expected = one_rank.generate(PROMPTS[:2], greedy, chat=True)
+    with _engine(tiny_chat, tp=2) as two_ranks:  # a Ray group: the batch, mask included, is pickled
+        results = two_ranks.generate(PROMPTS[:2], greedy, chat=True)
+    assert [r.token_ids for r in results] == [r.token_ids for r in expected]
+    for result in results:
+        Pet.model_validate_json(result.text)
