@@ -133,3 +133,16 @@ def test_at_tp2_the_mask_reaches_the_rank_that_samples(tiny_chat):
     assert [r.token_ids for r in results] == [r.token_ids for r in expected]
     for result in results:
         Pet.model_validate_json(result.text)
+
+
+def test_logits_wider_than_the_tokenizer_never_allow_the_padding_ids(smollm2):
+    from gateway.models import _load_tokenizer
+
+    padded = 49152 + 64  # models round their vocabulary up; those ids are no tokenizer's tokens
+    grammars = Grammars(_load_tokenizer(str(smollm2)), padded, [2])
+    grammars.add("any", json.dumps({"type": "json_object"}), [])
+    grammars.accept("any", _load_tokenizer(str(smollm2)).encode('{"a": "', add_special_tokens=False)[0])
+    mask = grammars.fill([SequenceWork("any", [1], 3, [0], True, SamplingParams())])
+    assert tuple(mask.bits.shape) == (1, padded // 32)
+    inside_a_string = [t for t in range(padded) if mask.bits[0, t // 32] >> (t % 32) & 1]
+    assert len(inside_a_string) > 1000 and max(inside_a_string) < 49152
