@@ -173,6 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--steps", type=int, help="timed decode steps per pass (default 16 cpu, 64 cuda)")
+    parser.add_argument("--threads", type=int, help="torch threads on cpu (default: torch's)")
     args = parser.parse_args(argv)
     print_command()
     configure_logging("WARNING")
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     folder, description = prepare_model(args)
     config = EngineConfig(model=folder, device=args.device, dtype=args.dtype, max_num_seqs=args.batch,
                           max_num_batched_tokens=max(2048, args.batch * args.prompt_len),
-                          cuda_graph_max_batch_size=args.batch, num_kv_blocks=None)
+                          cuda_graph_max_batch_size=args.batch, num_threads=args.threads)
     rng = random.Random(0)
     with LLMEngine(config) as engine:
         vocab = engine.model_config.vocab_size
