@@ -59,7 +59,7 @@ def submissions(plan: Plan, req_ids: list[str], deadline: float | None = None) -
     return [
         Submission(req_id, RequestMessage.make(req_id, plan.model.name, choice.prompt_ids, choice.sampling,
                                                priority=plan.priority, arrival_time=now, deadline=deadline),
-                   plan.api, plan.logprobs)
+                   plan.api, plan.logprobs, plan.tool_format, plan.parallel_tool_calls)
         for req_id, choice in zip(req_ids, plan.choices, strict=True)
     ]
 

@@ -67,6 +67,8 @@ class Submission:
     message: RequestMessage
     api: str  # "chat" or "completion"
     top_logprobs: int | None = None
+    tool_format: str | None = None  # chat with tools: how to read calls from its text
+    parallel_tool_calls: bool = True
 
 
 class RequestStore:
@@ -113,6 +115,9 @@ class RequestStore:
             fields["deadline"] = message.deadline
         if sub.top_logprobs is not None:
             fields["top_logprobs"] = sub.top_logprobs
+        if sub.tool_format is not None:
+            fields["tool_format"] = sub.tool_format
+            fields["parallel_tool_calls"] = int(sub.parallel_tool_calls)
         args: list[object] = [self.result_ttl_s, message.encode()]
         for name, value in fields.items():
             args += [name, value]

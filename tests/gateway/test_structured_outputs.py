@@ -184,3 +184,20 @@ async def test_the_same_in_a_batch_job(sdk):
     (call,) = message["tool_calls"]
     assert call["function"]["name"] == "get_weather" and "city" in json.loads(call["function"]["arguments"])
     assert "response_format.json_schema.schema" in json.dumps(by_id["bad"])
+
+
+async def test_submit_and_poll_answers_tool_calls_too(real_client):
+    http = await real_client()
+    body = {"kind": "chat", "model": MODEL, "messages": ASK_WEATHER, "tools": [WEATHER_TOOL],
+            "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 48, "temperature": 0}
+    submitted = await http.post("/v1/requests", json=body)
+    assert submitted.status == 202, await submitted.text()
+    req_id = (await submitted.json())["id"]
+    deadline = time.monotonic() + 120
+    while (view := await (await http.get(f"/v1/requests/{req_id}")).json())["status"] != "completed":
+        assert view["status"] in ("queued", "running") and time.monotonic() < deadline, view
+        await asyncio.sleep(0.3)
+    choice = view["result"]["choices"][0]
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and "city" in json.loads(call["function"]["arguments"])
+    assert choice["finish_reason"] == "tool_calls"
