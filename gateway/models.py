@@ -47,6 +47,11 @@ class ServedModel:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
+    @property
+    def chat_template(self) -> str | None:
+        template = getattr(self.tokenizer, "chat_template", None)
+        return template if isinstance(template, str) else None
+
     def encode_text(self, text: str, *, param: str = "prompt") -> list[int]:
         ids = self.tokenizer(text).input_ids
         if not ids:
@@ -61,13 +66,15 @@ class ServedModel:
             raise BadRequest(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param=param)
         return ids
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
-        """The chat template's text (ending with the assistant's turn opening) and its ids."""
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, list[int]]:
+        """The chat template's text (ending with the assistant's turn opening) and its ids;
+        `tools` go to a template that renders them itself (gateway/openai/tools.py)."""
         if not self.has_chat_template:
             raise BadRequest(f"model {self.name!r} has no chat template; use /v1/completions",
                              param="messages")
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                      tokenize=False)
         except Exception as exc:  # noqa: BLE001 - a template may raise anything (jinja raise_exception)
             raise BadRequest(f"the chat template refused the messages: {exc}", param="messages") from None
         ids = self.tokenizer(text, add_special_tokens=False).input_ids

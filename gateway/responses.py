@@ -42,9 +42,21 @@ class ChatLogprobs(Shape):
     content: list[TokenLogprob] | None
 
 
+class FunctionCall(Shape):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(Shape):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(Shape):
     role: Literal["assistant"]
     content: str | None
+    tool_calls: list[ToolCall] | None = None  # with tools in play: the calls the answer makes
 
 
 class ChatChoice(Shape):

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from scheduler.grammar import Grammars
 from scheduler.request import FinishReason, Request, TokenLogprobs
 from scheduler.scheduler import RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
 from shared.config import EngineConfig
@@ -107,6 +108,7 @@ class LLMEngine:
                 max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
             ),
             self.tokenizer,
+            Grammars(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)),
         )
         self._req_counter = itertools.count()
         self._num_failed_steps = 0  # consecutive, reset by a good step

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from scheduler.block_manager import BlockManager, cdiv
 from scheduler.detokenizer import IncrementalDetokenizer, Tokenizer
 from scheduler.fair_share import FairShare
+from scheduler.grammar import Grammars
 from scheduler.request import BATCH_PRIORITY, FinishReason, Request, RequestStatus, TokenLogprobs
 from shared.errors import InvalidRequestError, WorkerError
 from shared.logging import get_logger
@@ -95,9 +96,12 @@ def _importance(request: Request) -> tuple[int, float]:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, tokenizer: Tokenizer | None = None) -> None:
-        """Without a tokenizer, outputs carry token ids only (no text, no stop strings)."""
+    def __init__(self, config: SchedulerConfig, tokenizer: Tokenizer | None = None,
+                 grammars: Grammars | None = None) -> None:
+        """Without a tokenizer, outputs carry token ids only (no text, no stop strings); without
+        `grammars`, requests with a grammar are refused."""
         self.config = config
+        self.grammars = grammars
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
         self._tokenizer = tokenizer
         # A sequence may not outgrow the model's window, nor the whole cache: a request
@@ -121,6 +125,11 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a new request; raise InvalidRequestError if it can never run."""
         self._validate(request)
+        if request.sampling.grammar is not None:
+            if self.grammars is None:
+                raise InvalidRequestError("this scheduler runs no grammars", param="response_format")
+            # Replays the output a resumed request already has: the grammar continues after it.
+            self.grammars.add(request.req_id, request.sampling.grammar, request.output_token_ids)
         self._requests[request.req_id] = request
         if self._tokenizer is not None and (request.sampling.stop or not self.text_for_stop_strings_only):
             self._detokenizers[request.req_id] = IncrementalDetokenizer(
@@ -202,6 +211,8 @@ class Scheduler:
             for req_id, num_tokens in plan.num_scheduled_tokens.items()
         ]
         batch = StepBatch(step_id=self._next_step_id, works=works)
+        if self.grammars is not None:
+            batch.token_mask = self.grammars.fill(works)
         self._next_step_id += 1
         return SchedulerOutput(batch, plan.num_scheduled_tokens, plan.preempted_req_ids)
 
@@ -352,11 +363,16 @@ class Scheduler:
         return outputs
 
     def _report_abort(self, request: Request) -> RequestOutput:
-        del self._requests[request.req_id]
-        self._detokenizers.pop(request.req_id, None)
+        self._forget(request.req_id)
         return RequestOutput(
             request.req_id, [], "", finished=True, finish_reason=FinishReason.ABORT
         )
+
+    def _forget(self, req_id: str) -> None:
+        del self._requests[req_id]
+        self._detokenizers.pop(req_id, None)
+        if self.grammars is not None:
+            self.grammars.discard(req_id)
 
     def _append_token(self, request: Request, sampled: SampledToken) -> RequestOutput:
         request.output_token_ids.append(sampled.token_id)
@@ -369,8 +385,7 @@ class Scheduler:
         if request.is_finished:
             self._running.remove(request)
             self.block_manager.free(request)
-            del self._requests[request.req_id]
-            self._detokenizers.pop(request.req_id, None)
+            self._forget(request.req_id)
         return RequestOutput(
             request.req_id,
             [sampled.token_id],
@@ -386,8 +401,10 @@ class Scheduler:
         detokenizer = self._detokenizers.get(request.req_id)
         sampling = request.sampling
         text_delta = ""
-        if token_id in request.eos_token_ids and not sampling.ignore_eos:
-            # As in vLLM: EOS and stop tokens stay in the token ids but add no text.
+        grammar_ended = self.grammars is not None and self.grammars.accept(request.req_id, token_id)
+        if grammar_ended or (token_id in request.eos_token_ids and not sampling.ignore_eos):
+            # As in vLLM: EOS and stop tokens stay in the token ids but add no text. A grammar
+            # ends only on one of its stop tokens (the EOS ids), with or without ignore_eos.
             request.finish(RequestStatus.FINISHED_STOPPED)
         elif token_id in sampling.stop_token_ids:
             request.finish(RequestStatus.FINISHED_STOPPED, stop_reason=token_id)

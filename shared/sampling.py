@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from shared.errors import InvalidRequestError
 
 # Cap on top-N logprobs, as in OpenAI's API (top_logprobs <= 20).
 MAX_TOP_LOGPROBS = 20
+
+# What a grammar spec (SamplingParams.grammar, a JSON text) may ask for; the scheduler compiles
+# it (scheduler/grammar.py): any JSON value, one matching a JSON schema, or an xgrammar
+# structural tag (tool calls in a model's own format).
+GRAMMAR_TYPES = ("json_object", "json_schema", "structural_tag")
 
 
 @dataclass
@@ -25,6 +31,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF/CTRL semantics, over prompt + generated tokens
     logprobs: int | None = None  # None: none; 0: the chosen token's; N: also the top N
     ignore_eos: bool = False
+    # Grammar-constrained decoding: a JSON text {"type": one of GRAMMAR_TYPES, ...}; None: free.
+    # A string (not a dict) so that it crosses to the workers with the batch at no copying cost.
+    grammar: str | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -81,7 +90,24 @@ class SamplingParams:
             raise bad("logprobs", f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        if self.grammar is not None:
+            _check_grammar(self.grammar)
         return self
+
+
+def _check_grammar(grammar: object) -> None:
+    """The spec's shape only; whether its schema compiles is the scheduler's to say."""
+    message = None
+    try:
+        spec = json.loads(grammar) if isinstance(grammar, str) else None
+    except ValueError:
+        spec = None
+    if not isinstance(spec, dict):
+        message = "grammar must be the JSON text of an object"
+    elif spec.get("type") not in GRAMMAR_TYPES:
+        message = f"grammar type must be one of {list(GRAMMAR_TYPES)}, got {spec.get('type')!r}"
+    if message is not None:
+        raise InvalidRequestError(message, param="response_format")
 
 
 def _is_number(value: object) -> bool:

@@ -33,9 +33,21 @@ class SequenceWork:
 
 
 @dataclass
+class TokenBitmask:
+    """Which tokens the grammar-constrained rows of a step may sample (scheduler/grammar.py)."""
+
+    # Row i of `bits` applies to logits row rows[i]: the index among the step's sampled works.
+    rows: list[int]
+    # int32 CPU tensor [len(rows), ceil(vocab / 32)]: bit t set = token t allowed. Typed as
+    # object so that this contract does not import torch.
+    bits: object
+
+
+@dataclass
 class StepBatch:
     step_id: int
     works: list[SequenceWork]
+    token_mask: TokenBitmask | None = None  # None: no row is constrained (the common case)
 
     @property
     def num_tokens(self) -> int:

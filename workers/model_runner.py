@@ -19,6 +19,7 @@ from shared.logging import get_logger
 from shared.step import SequenceWork, StepBatch, StepResult
 from workers.cuda_graphs import DecodeGraphs, use_cuda_graphs
 from workers.device import resolve_device, resolve_dtype
+from workers.grammar_mask import apply_token_mask
 from workers.layers.quantization import METHODS, building_with, method_named
 from workers.model_config import ModelConfig, load_model_config
 from workers.models.registry import MODEL_CLASSES
@@ -224,6 +225,8 @@ class ModelRunner:
             return None
         if logits is None:
             return StepResult(batch.step_id, [])
+        if batch.token_mask is not None:
+            apply_token_mask(logits, batch.token_mask)
         # The step's one host synchronisation: the sampler's .tolist() of the chosen ids.
         gate = self.gpu_wait_gate
         if gate is not None:

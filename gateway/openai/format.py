@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from gateway.models import ServedModel
 from gateway.openai.params import Plan
+from gateway.openai.tools import ToolCallStream, parse_tool_calls
 from gateway.requests.records import Delta
 from gateway.requests.sse import Template, encode_basestring, frame
 
@@ -92,11 +93,27 @@ def chat_completion(plan: Plan, response_id: str, outputs: list[ChoiceOutput]) -
         logprobs = None
         if plan.logprobs is not None:
             logprobs = {"content": chat_logprobs(plan.model, out.logprobs, plan.logprobs)}
-        choices.append({"index": out.index, "message": {"role": "assistant", "content": out.text},
-                        "logprobs": logprobs, "finish_reason": out.finish_reason})
+        message = chat_message(plan, out.text)
+        finish_reason = out.finish_reason
+        if message.get("tool_calls") and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        choices.append({"index": out.index, "message": message, "logprobs": logprobs,
+                        "finish_reason": finish_reason})
     return {"id": response_id, "object": "chat.completion", "created": plan.created, "model": plan.model.name,
             "system_fingerprint": None, "choices": choices,
             "usage": usage(plan, [o.num_tokens for o in outputs])}
+
+
+def chat_message(plan: Plan, text: str) -> dict:
+    """The assistant's message: its text, or with tools in play its calls and the text around them."""
+    if plan.tool_format is None:
+        return {"role": "assistant", "content": text}
+    content, calls = parse_tool_calls(text, plan.tool_format)
+    if not calls:
+        return {"role": "assistant", "content": text}
+    if not plan.parallel_tool_calls:
+        calls = calls[:1]
+    return {"role": "assistant", "content": content, "tool_calls": calls}
 
 
 def text_completion(plan: Plan, response_id: str, outputs: list[ChoiceOutput]) -> dict:
@@ -123,6 +140,11 @@ class ChunkMaker:
         self.object = "chat.completion.chunk" if self.is_chat else "text_completion"
         self.text_offsets = [0] * len(plan.choices)  # choice -> characters sent (completions logprobs)
         self._templates: dict[int, Template | None] = {}  # choice -> frame of a plain text delta
+        # With tools in play: choice -> its text split into content and calls, calls sent so far.
+        self._tool_streams = None
+        if plan.tool_format is not None:
+            self._tool_streams = [ToolCallStream(plan.tool_format) for _ in plan.choices]
+            self._num_calls_sent = [0] * len(plan.choices)
 
     def _chunk(self, choice: dict) -> dict:
         chunk = {"id": self.response_id, "object": self.object, "created": self.plan.created,
@@ -167,6 +189,8 @@ class ChunkMaker:
     def delta_frame(self, index: int, delta: Delta) -> bytes | None:
         """delta()'s chunk as an SSE frame. A plain text delta (not the last, no logprobs to
         show) is the choice's template with the text put in: the same bytes, built faster."""
+        if self._tool_streams is not None:
+            return self._tool_frames(index, delta)
         if delta.text and delta.state is None and (self.plan.logprobs is None or not delta.logprobs):
             template = self._templates.get(index, _UNSET)
             if template is _UNSET:
@@ -178,6 +202,44 @@ class ChunkMaker:
                 return template.fill(encode_basestring(delta.text))
         chunk = self.delta(index, delta)
         return None if chunk is None else frame(chunk)
+
+    def _tool_frames(self, index: int, delta: Delta) -> bytes | None:
+        """A delta's chunks when its text may hold tool calls: content as it is known to be
+        content; each call, when its block closes, as OpenAI streams one (a chunk with its id
+        and name, then one with its arguments); the finish reason last, in a chunk of its own."""
+        stream = self._tool_streams[index]
+        content, calls = stream.feed(delta.text)
+        finish = None
+        if delta.is_final:
+            rest, more = stream.finish()
+            content, calls = content + rest, calls + more
+            finish = delta.finish_reason or ("abort" if delta.state != "completed" else "stop")
+        chunks = []
+        if content:
+            chunks.append({"content": content})
+        for call in calls:
+            k = self._num_calls_sent[index]
+            if k >= 1 and not self.plan.parallel_tool_calls:
+                break
+            self._num_calls_sent[index] += 1
+            function = call["function"]
+            chunks.append({"tool_calls": [{"index": k, "id": call["id"], "type": "function",
+                                           "function": {"name": function["name"], "arguments": ""}}]})
+            chunks.append({"tool_calls": [{"index": k, "function": {"arguments": function["arguments"]}}]})
+        if finish == "stop" and self._num_calls_sent[index]:
+            finish = "tool_calls"
+        logprobs = None
+        if self.plan.logprobs is not None and delta.logprobs:
+            logprobs = {"content": chat_logprobs(self.plan.model, delta.logprobs, self.plan.logprobs)}
+        if logprobs is not None and not chunks:
+            chunks.append({})
+        frames = [frame(self._chunk({"index": index, "delta": body, "logprobs": logprobs if i == 0 else None,
+                                     "finish_reason": None}))
+                  for i, body in enumerate(chunks)]
+        if finish is not None:
+            frames.append(frame(self._chunk({"index": index, "delta": {}, "logprobs": None,
+                                             "finish_reason": finish})))
+        return b"".join(frames) if frames else None
 
     def _frame_of_text(self, index: int, text: str) -> bytes:
         offset = self.text_offsets[index]

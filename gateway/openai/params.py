@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 
 from gateway.errors import BadRequest
 from gateway.models import ServedModel
+from gateway.openai.chat_tools import chat_grammar, chat_tools
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.openai.tools import prompt_messages
 from gateway.settings import GatewaySettings
 from shared.sampling import SamplingParams
 
@@ -41,6 +43,8 @@ class Plan:
     include_usage: bool = False
     logprobs: int | None = None  # None: none; N: the chosen token's and the top N
     echo: bool = False
+    tool_format: str | None = None  # chat with tools: the format calls are read in (gateway/openai/tools.py)
+    parallel_tool_calls: bool = True  # False: an answer's first call only
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -109,22 +113,36 @@ def plan_chat(body: ChatCompletionRequest, model: ServedModel, settings: Gateway
             and body.max_tokens != body.max_completion_tokens:
         raise BadRequest("give max_completion_tokens or max_tokens, not both", param="max_tokens")
     max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    messages = []
-    for message in body.messages:
-        entry = {"role": message.role, "content": message.text}
-        if message.name is not None:
-            entry["name"] = message.name
-        messages.append(entry)
-    text, ids = model.encode_chat(messages)
+    tools = chat_tools(body, model)
+    grammar = chat_grammar(body, tools)
+    messages, template_tools = prompt_messages(_message_dicts(body), tools.definitions, model.chat_template)
+    text, ids = model.encode_chat(messages, tools=template_tools)
     max_tokens = _check_length(model, len(ids), body.max_completion_tokens or body.max_tokens,
                                prompt_param="messages", max_param=max_param)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    choices = _choices(body, [ids], [max_tokens], logprobs)
+    for choice in choices:
+        choice.sampling.grammar = grammar
     return Plan(
-        "chat", model, _choices(body, [ids], [max_tokens], logprobs), [text], [len(ids)],
+        "chat", model, choices, [text], [len(ids)],
         priority=body.priority, stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
-        logprobs=logprobs,
+        logprobs=logprobs, tool_format=tools.format, parallel_tool_calls=tools.is_parallel,
     )
+
+
+def _message_dicts(body: ChatCompletionRequest) -> list[dict]:
+    messages = []
+    for message in body.messages:
+        entry: dict = {"role": message.role, "content": message.text}
+        if message.name is not None:
+            entry["name"] = message.name
+        if message.tool_calls:
+            entry["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        messages.append(entry)
+    return messages
 
 
 def _prompt_list(prompt: str | list) -> list[str | list[int]]:

@@ -90,10 +90,24 @@ class TextPart(StrictModel):
     text: str
 
 
+class FunctionCall(StrictModel):
+    name: str = Field(min_length=1)
+    arguments: str = Field(description="the arguments as JSON text")
+
+
+class ToolCall(StrictModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(StrictModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = Field(description="null or absent only in an assistant message "
+                                                 "with tool_calls")
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant's earlier calls")
+    tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
 
     @model_validator(mode="before")
     @classmethod
@@ -103,19 +117,68 @@ class ChatMessage(StrictModel):
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind != "text":
                     raise ValueError(f"content part of type {kind!r} is not supported; only 'text'")
-        if isinstance(data, dict) and data.get("tool_calls"):
-            raise ValueError("tool_calls are not supported by this server")
+        if isinstance(data, dict) and data.get("tool_calls") and "content" not in data:
+            data = {**data, "content": None}  # OpenAI lets an assistant's call go without content
         return data
+
+    @model_validator(mode="after")
+    def _roles_fields(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (null only for an assistant message with tool_calls)")
+        return self
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
 
 
+class JsonSchemaFormat(StrictModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    # "schema" shadows a BaseModel attribute, hence the alias.
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="a JSON schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(StrictModel):
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise BadRequest("response_format.json_schema is required with type json_schema, and only "
+                             "then", param="response_format.json_schema")
+        return self
+
+
+class FunctionDefinition(StrictModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments")
+    strict: bool | None = None
+
+
+class Tool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -125,17 +188,17 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = Field(None, description="only [] (not supported)",
-                                               json_schema_extra={"maxItems": 0})
-    tool_choice: Literal["none"] | None = None
-    functions: list[dict[str, Any]] | None = Field(None, description="only [] (not supported)",
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="default: auto with tools, none without")
+    functions: list[dict[str, Any]] | None = Field(None, description="only [] (deprecated: use tools)",
                                                    json_schema_extra={"maxItems": 0})
     function_call: Literal["none"] | None = None
-    parallel_tool_calls: bool | None = Field(None, description="no effect: tools are not supported")
+    parallel_tool_calls: bool | None = Field(None, description="default true: several calls in one answer")
 
-    @field_validator("tools", "functions")
+    @field_validator("functions")
     @classmethod
-    def _no_tools(cls, value: list | None, info) -> list | None:
+    def _no_functions(cls, value: list | None, info) -> list | None:
         return _only_default(info.field_name, value)
 
     @model_validator(mode="after")

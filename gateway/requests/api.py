@@ -145,7 +145,8 @@ def _result(record: ResultRecord, model: ServedModel) -> dict | None:
     if record.state != "completed":
         return None
     plan = Plan(record.api or "completion", model, [], [""], [record.prompt_tokens],
-                logprobs=record.top_logprobs, created=int(record.queued_at or time.time()))
+                logprobs=record.top_logprobs, created=int(record.queued_at or time.time()),
+                tool_format=record.tool_format, parallel_tool_calls=record.parallel_tool_calls)
     out = ChoiceOutput(0, record.text, len(record.token_ids), record.logprobs or [], record.finish_reason,
                        state=record.state)
     if plan.api == "chat":

@@ -76,6 +76,8 @@ class ResultRecord:
     model: str | None
     api: str | None  # "chat" or "completion" (written by the gateway)
     top_logprobs: int | None  # the logprobs the client asked for (written by the gateway)
+    tool_format: str | None  # chat with tools: how calls are read from the text (written by the gateway)
+    parallel_tool_calls: bool
     prompt_tokens: int
     queued_at: float | None
     started_at: float | None
@@ -102,6 +104,8 @@ class ResultRecord:
             error=json.loads(raw[b"error"]) if b"error" in raw else None,
             owner=_text(raw, "owner"), model=_text(raw, "model"), api=_text(raw, "api"),
             top_logprobs=int(top) if top not in (None, "") else None,
+            tool_format=_text(raw, "tool_format") or None,
+            parallel_tool_calls=_text(raw, "parallel_tool_calls") != "0",
             prompt_tokens=int(raw.get(b"prompt_tokens", 0)),
             queued_at=_float(raw, "queued_at"), started_at=_float(raw, "started_at"),
             first_token_at=_float(raw, "first_token_at"), finished_at=_float(raw, "finished_at"),

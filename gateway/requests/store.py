@@ -72,6 +72,8 @@ class Submission:
     message: RequestMessage
     api: str  # "chat" or "completion"
     top_logprobs: int | None = None
+    tool_format: str | None = None  # chat with tools: how to read calls from its text
+    parallel_tool_calls: bool = True
     lease_until: float | None = None  # when its tenant lease lapses (None: it holds none)
 
 
@@ -119,6 +121,9 @@ class RequestStore:
             fields["deadline"] = message.deadline
         if sub.top_logprobs is not None:
             fields["top_logprobs"] = sub.top_logprobs
+        if sub.tool_format is not None:
+            fields["tool_format"] = sub.tool_format
+            fields["parallel_tool_calls"] = int(sub.parallel_tool_calls)
         tenant = message.tenant
         if tenant is not None:
             fields["tenant"] = tenant  # the terminal write ends its lease by it

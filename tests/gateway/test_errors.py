@@ -15,6 +15,7 @@ pytestmark = pytest.mark.asyncio
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 
 
 def assert_error(body: dict, param: str | None, error_type: str = "invalid_request_error") -> None:
@@ -38,8 +39,25 @@ def assert_error(body: dict, param: str | None, error_type: str = "invalid_reque
     ("/v1/chat/completions", {**CHAT, "stop": ["ok", ""]}, "stop"),
     ("/v1/chat/completions", {**CHAT, "frobnicate": True}, "frobnicate"),  # unknown: rejected, not ignored
     ("/v1/chat/completions", {**CHAT, "logit_bias": {"50": 10}}, "logit_bias"),
-    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools"),
-    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, "response_format.type"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools[0].function"),
+    ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice"),  # no tools
+    ("/v1/chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": {"type": "function", "function": {
+        "name": "nope"}}}, "tool_choice"),
+    ("/v1/chat/completions", {**CHAT, "tools": [TOOL, TOOL]}, "tools"),  # the same name twice
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "strin"}}}}}]},
+     "tools[0].function.parameters"),
+    ("/v1/chat/completions", {**CHAT, "functions": [TOOL["function"]]}, "functions"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, "response_format.type"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema"}},
+     "response_format.json_schema"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"$ref": "#/defs/nowhere"}}}}, "response_format.json_schema.schema"),
+    ("/v1/chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": "required",
+                              "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "tool", "content": "x"}]}, "messages[0]"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0]"),
     ("/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}, "top_logprobs"),
     ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),

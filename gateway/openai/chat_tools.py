@@ -1,0 +1,66 @@
+"""A chat request's tools and response_format -> what the prompt shows, which grammar constrains
+the answer, and how calls are read back (the request-level rules; the formats are in tools.py).
+
+- no tools, or tool_choice "none": the tools are left out of the prompt and nothing is parsed;
+- "auto" (the default with tools): the model may answer or call; calls are parsed from its text;
+- "required" or a named function: a grammar makes the answer calls (one, or with
+  parallel_tool_calls one or more) whose arguments fit the function's parameters schema.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.errors import BadRequest
+from gateway.models import ServedModel
+from gateway.openai.schemas import ChatCompletionRequest
+from gateway.openai.structured import check_schema, response_format_grammar
+from gateway.openai.tools import tool_call_grammar, tool_format
+
+
+@dataclass
+class ChatTools:
+    definitions: list[dict] | None = None  # the tools shown to the model (None: no tools in play)
+    format: str | None = None  # how calls are read back from its text
+    forced_names: list[str] | None = None  # required or named: the functions the grammar allows
+    is_parallel: bool = True  # may the answer hold several calls
+
+
+def chat_tools(body: ChatCompletionRequest, model: ServedModel) -> ChatTools:
+    tools, choice = body.tools or [], body.tool_choice
+    if not tools:
+        if choice not in (None, "none"):
+            raise BadRequest("tool_choice needs tools", param="tool_choice")
+        if body.parallel_tool_calls is not None:
+            raise BadRequest("parallel_tool_calls needs tools", param="parallel_tool_calls")
+        return ChatTools()
+    names = [tool.function.name for tool in tools]
+    if len(set(names)) < len(names):
+        raise BadRequest("tools must have different function names", param="tools")
+    for i, tool in enumerate(tools):
+        if tool.function.parameters is not None:
+            check_schema(tool.function.parameters, f"tools[{i}].function.parameters",
+                         strict=bool(tool.function.strict))
+    if choice == "none":
+        return ChatTools()
+    forced = None
+    if choice == "required":
+        forced = names
+    elif choice not in (None, "auto"):
+        if choice.function.name not in names:
+            raise BadRequest(f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                             param="tool_choice")
+        forced = [choice.function.name]
+    return ChatTools([tool.model_dump(exclude_none=True) for tool in tools],
+                     tool_format(model.chat_template), forced, body.parallel_tool_calls is not False)
+
+
+def chat_grammar(body: ChatCompletionRequest, tools: ChatTools) -> str | None:
+    """The grammar spec that constrains the answer, if any."""
+    rf_grammar = response_format_grammar(body.response_format)
+    if tools.forced_names is None:
+        return rf_grammar
+    if rf_grammar is not None:
+        raise BadRequest("response_format cannot constrain an answer that tool_choice makes a tool call",
+                         param="response_format")
+    return tool_call_grammar(tools.definitions, tools.forced_names, tools.format, tools.is_parallel)

@@ -1,0 +1,148 @@
+"""Grammar-constrained decoding in the engine: a random-weight model (which left alone writes
+noise) answers schema-valid JSON under the mask; unconstrained rows in the same batch are not
+touched; the grammar's state survives preemption and a takeover from stored tokens."""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import pytest
+from pydantic import BaseModel
+
+from scheduler.engine import LLMEngine
+from scheduler.grammar import Grammars
+from shared.config import EngineConfig
+from shared.errors import InvalidRequestError
+from shared.sampling import SamplingParams
+from shared.step import SequenceWork
+from tests.gateway.batch_fleet import make_tiny_chat_model
+
+
+class Pet(BaseModel):
+    kind: Literal["cat", "dog", "fish"]
+    is_friendly: bool
+    legs: Literal[0, 2, 4]
+
+
+PET_GRAMMAR = json.dumps({"type": "json_schema", "schema": Pet.model_json_schema()})
+PROMPTS = ["Describe a pet.", "Name an animal.", "What lives in water?", "Tell me about dogs."]
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(smollm2, tmp_path_factory):
+    return make_tiny_chat_model(smollm2, tmp_path_factory.mktemp("models") / "tiny-chat")
+
+
+def _engine(folder, **overrides) -> LLMEngine:
+    config = dict(model=str(folder), dtype="float32", num_kv_blocks=64, max_num_seqs=8)
+    return LLMEngine(EngineConfig(**{**config, **overrides}))
+
+
+def _params(i: int, grammar: str | None, **overrides) -> SamplingParams:
+    fields = {"max_tokens": 40, "temperature": 1.0, "seed": i, "grammar": grammar}
+    return SamplingParams(**{**fields, **overrides})
+
+
+@pytest.mark.slow
+def test_random_weights_answer_schema_valid_json_and_free_rows_are_untouched(tiny_chat):
+    with _engine(tiny_chat) as engine:
+        free_alone = engine.generate(PROMPTS, [_params(i, None, max_tokens=12) for i in range(4)], chat=True)
+        mixed = engine.generate(PROMPTS * 2, [_params(i, PET_GRAMMAR) for i in range(4)]
+                                + [_params(i, None, max_tokens=12) for i in range(4)], chat=True)
+    constrained, free = mixed[:4], mixed[4:]
+    for result in constrained:
+        assert result.finish_reason.value == "stop"  # the grammar ended it (EOS after the JSON)
+        Pet.model_validate_json(result.text)
+    # The same seeded unconstrained requests draw the same tokens with or without grammar rows beside them.
+    assert [r.token_ids for r in free] == [r.token_ids for r in free_alone]
+    # Without the grammar, the random model writes no JSON.
+    assert not any(r.text.startswith('{"kind"') for r in free_alone)
+
+
+@pytest.mark.slow
+def test_the_grammar_survives_preemption(tiny_chat):
+    # Four blocks of 16 tokens for two ~40-token prompts growing to ~60 tokens: they preempt each other.
+    greedy = [_params(i, PET_GRAMMAR, temperature=0.0) for i in range(2)]
+    with _engine(tiny_chat) as roomy:
+        expected = roomy.generate(PROMPTS[:2], greedy, chat=True)
+    with _engine(tiny_chat, num_kv_blocks=6) as tight:
+        ids = [tight.add_request(tight.encode(p, chat=True), sp)
+               for p, sp in zip(PROMPTS[:2], greedy, strict=True)]
+        requests = [tight.scheduler.get_request(i) for i in ids]
+        outputs = {i: [] for i in ids}
+        while tight.has_unfinished_requests():
+            for out in tight.step():
+                outputs[out.req_id] += out.new_token_ids
+        assert sum(r.num_preemptions for r in requests) > 0
+    assert [outputs[i] for i in ids] == [r.token_ids for r in expected]
+    for result in expected:
+        Pet.model_validate_json(result.text)
+
+
+@pytest.mark.slow
+def test_a_takeover_rebuilds_the_grammar_from_the_stored_tokens(tiny_chat):
+    sampling = _params(7, PET_GRAMMAR, temperature=0.0)
+    with _engine(tiny_chat) as first:
+        prompt = first.encode(PROMPTS[0], chat=True)
+        (whole,) = first.generate([prompt], sampling)
+    assert len(whole.token_ids) > 6
+    with _engine(tiny_chat) as successor:
+        stored = whole.token_ids[:5]  # what the dead scheduler had written to tf:res
+        req_id = successor.add_request(prompt, sampling, output_token_ids=stored)
+        rest = []
+        while successor.has_unfinished_requests():
+            for out in successor.step():
+                rest += out.new_token_ids
+        assert stored + rest == whole.token_ids
+        # Stored tokens the grammar cannot have produced: refused, naming the grammar's field.
+        with pytest.raises(InvalidRequestError) as refused:
+            successor.add_request(prompt, sampling, output_token_ids=successor.encode("hello"))
+        assert refused.value.param == "response_format"
+        assert req_id not in successor.scheduler.grammars
+
+
+def test_only_the_sampled_constrained_rows_get_a_mask(smollm2):
+    from gateway.models import _load_tokenizer
+
+    grammars = Grammars(_load_tokenizer(str(smollm2)), 49152, [2])
+    grammars.add("json", json.dumps({"type": "json_object"}), [])
+    grammars.add("free", None, [])
+    sampling = SamplingParams()
+    works = [SequenceWork("json-prefill", [1, 2], 0, [0], False, sampling),  # a chunk that samples nothing
+             SequenceWork("free", [3], 5, [1], True, sampling),
+             SequenceWork("json", [4], 5, [2], True, sampling)]
+    mask = grammars.fill(works)
+    assert mask.rows == [1]  # the second sampled row
+    assert tuple(mask.bits.shape) == (1, 49152 // 32)
+    allowed = [t for t in range(49152) if mask.bits[0, t // 32] >> (t % 32) & 1]
+    assert 0 < len(allowed) < 49152 and 2 not in allowed  # "{"-like tokens; not EOS before any JSON
+    assert grammars.fill(works[:2]) is None  # no constrained row: no mask at all
+    with pytest.raises(InvalidRequestError) as bad:
+        grammars.add("bad", json.dumps({"type": "json_schema", "schema": {"type": "strin"}}), [])
+    assert bad.value.param == "response_format" and "strin" in bad.value.message
+
+
+@pytest.mark.slow
+def test_at_tp2_the_mask_reaches_the_rank_that_samples(tiny_chat):
+    greedy = [_params(i, PET_GRAMMAR, temperature=0.0) for i in range(2)]
+    with _engine(tiny_chat) as one_rank:
+        expected = one_rank.generate(PROMPTS[:2], greedy, chat=True)
+    with _engine(tiny_chat, tp=2) as two_ranks:  # a Ray group: the batch, mask included, is pickled
+        results = two_ranks.generate(PROMPTS[:2], greedy, chat=True)
+    assert [r.token_ids for r in results] == [r.token_ids for r in expected]
+    for result in results:
+        Pet.model_validate_json(result.text)
+
+
+def test_logits_wider_than_the_tokenizer_never_allow_the_padding_ids(smollm2):
+    from gateway.models import _load_tokenizer
+
+    padded = 49152 + 64  # models round their vocabulary up; those ids are no tokenizer's tokens
+    grammars = Grammars(_load_tokenizer(str(smollm2)), padded, [2])
+    grammars.add("any", json.dumps({"type": "json_object"}), [])
+    grammars.accept("any", _load_tokenizer(str(smollm2)).encode('{"a": "', add_special_tokens=False)[0])
+    mask = grammars.fill([SequenceWork("any", [1], 3, [0], True, SamplingParams())])
+    assert tuple(mask.bits.shape) == (1, padded // 32)
+    inside_a_string = [t for t in range(padded) if mask.bits[0, t // 32] >> (t % 32) & 1]
+    assert len(inside_a_string) > 1000 and max(inside_a_string) < 49152
