@@ -8,6 +8,17 @@ import sys
 import structlog
 
 
+class _CurrentStderr:
+    """Writes to whatever sys.stderr is at the time of the write, not at configuration: a
+    replaced stderr (a test's capture, since closed) must not keep receiving log lines."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(level: str = "INFO", *, json: bool | None = None) -> None:
     if json is None:
         json = not sys.stderr.isatty()
@@ -21,7 +32,7 @@ def configure_logging(level: str = "INFO", *, json: bool | None = None) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
         cache_logger_on_first_use=True,
     )
 
