@@ -75,3 +75,13 @@ def test_a_short_chaos_run_loses_nothing_and_repeats_nothing():
     faults = int(report.split("faults injected: ")[1].split()[0])
     accepted = int(report.split("requests accepted: ")[1].split()[0])
     assert faults >= 3 and accepted >= 5, report
+
+
+def test_rss_growth_counts_only_processes_watched_long_enough(chaos):
+    watch = chaos.RssWatch(up_pid=0)
+    watch.first = {1: ("scheduler", 0.0, 300.0), 2: ("gateway", 0.0, 100.0), 3: ("redis", 0.0, 5.0)}
+    watch.last = {1: (600.0, 301.0), 2: (30.0, 400.0), 3: (600.0, 205.0)}
+    report = chaos.Report()
+    chaos.check_rss(watch, limit_mb=100.0, min_span_s=120.0, report=report)
+    assert report.violations == ["RSS of redis (pid 3) grew 200.0 MB in 600 s (> 100)"]  # not the gateway: 30 s
+    assert "scheduler 300 -> 301 MB (+1.0) over 600 s" in report.lines[0]
