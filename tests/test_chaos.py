@@ -83,5 +83,6 @@ def test_rss_growth_counts_only_processes_watched_long_enough(chaos):
     watch.last = {1: (600.0, 301.0), 2: (30.0, 400.0), 3: (600.0, 205.0)}
     report = chaos.Report()
     chaos.check_rss(watch, limit_mb=100.0, min_span_s=120.0, report=report)
-    assert report.violations == ["RSS of redis (pid 3) grew 200.0 MB in 600 s (> 100)"]  # not the gateway: 30 s
+    # not the gateway: watched for 30 s only
+    assert report.violations == ["RSS of redis (pid 3) grew 200.0 MB in 600 s (> 100)"]
     assert "scheduler 300 -> 301 MB (+1.0) over 600 s" in report.lines[0]
