@@ -9,7 +9,7 @@ then every promise of the fleet is checked.
    its own; `--short`: 1 replica) on a tiny random llama with SmolLM2's tokenizer (`--model`
    for another), leases of a few seconds so that takeovers happen within the run.
 3. Load (scripts/chaos_clients.py): SSE streams, resumable event streams read with
-   Last-Event-ID reconnects, submit-and-poll, cancels, clients that disconnect, and a batch job.
+   Last-Event-ID reconnects, submit-and-poll, cancels, clients that disconnect, and batch jobs.
 4. Faults, every --fault-interval-s on average: kill -9 of a scheduler, a gateway worker, the
    gateway's parent, the batch ingester, a rank worker (--tp 2, a Ray group), or Redis (which
    `up` restarts from its append-only file).
@@ -180,8 +180,26 @@ def submit_batch(client: redis.Redis, job_id: str, model: str, prompts: list[lis
         lines.append(json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
                                  "body": {"model": model, "prompt": prompt, "max_tokens": max_tokens[index],
                                           "temperature": 0, "ignore_eos": True}}))
-    client.xadd(KEYS.batch_in, {"job_id": job_id, "lines": "\n".join(lines)})
-    return custom_ids
+    while True:  # Redis may be down (or come back) right now
+        try:
+            client.xadd(KEYS.batch_in, {"job_id": job_id, "lines": "\n".join(lines)})
+            return custom_ids
+        except redis.ConnectionError:
+            time.sleep(0.5)
+
+
+async def submit_batches(client: redis.Redis, model: str, prompts: list[list[int]], max_tokens: list[int],
+                         until: float, interval_s: float, prefix: str) -> list[tuple[str, list[str]]]:
+    """A batch job of every prompt now, and another every interval_s until `until`:
+    [(job id, custom ids)]."""
+    jobs = []
+    while True:
+        job_id = f"{prefix}-{len(jobs)}"
+        custom_ids = await asyncio.to_thread(submit_batch, client, job_id, model, prompts, max_tokens)
+        jobs.append((job_id, custom_ids))
+        if time.monotonic() + interval_s >= until:
+            return jobs
+        await asyncio.sleep(interval_s)
 
 
 # -- checks ---------------------------------------------------------------------------------------
@@ -366,12 +384,14 @@ async def chaos(args: argparse.Namespace, children: Children, workdir: Path) -> 
         client = Client(session, url, model.name, prompts, max_tokens)
         outcomes = await run_load(client, time.monotonic() + args.warmup_s, args.concurrency, rng)
         rss = RssWatch(up_pid)
-        job_id = f"chaos-{args.seed}"
-        custom_ids = submit_batch(store, job_id, model.name, prompts, max_tokens)
         log(f"chaos for {args.minutes:g} min: faults every ~{args.fault_interval_s:g} s among {roles}")
         until = time.monotonic() + args.minutes * 60
         load = run_load(client, until, args.concurrency, rng)
-        outcomes += (await asyncio.gather(load, faults.run(until, args.fault_interval_s), rss.run(until)))[0]
+        batches = submit_batches(store, model.name, prompts, max_tokens, until, args.batch_interval_s,
+                                 f"chaos-{args.seed}")
+        outcomes_now, jobs, *_ = await asyncio.gather(load, batches, faults.run(until, args.fault_interval_s),
+                                                      rss.run(until))
+        outcomes += outcomes_now
         log("load over; waiting for the fleet to settle")
         await wait_ready(url, children)
         views, problems = {}, collections.Counter()
@@ -389,7 +409,10 @@ async def chaos(args: argparse.Namespace, children: Children, workdir: Path) -> 
                 report.violation(f"{out.kind} request {out.req_id}: {problem}")
                 problems["wrong"] += 1
         rss.sample()
-    batch_problems = await asyncio.to_thread(_wait_batch, store, job_id, custom_ids, want_texts, args.drain_s)
+    batch_problems = []
+    for job_id, custom_ids in jobs:
+        batch_problems += await asyncio.to_thread(_wait_batch, store, job_id, custom_ids, want_texts,
+                                                  args.drain_s)
     for problem in batch_problems:
         report.violation(problem)
     left = await asyncio.to_thread(_wait_no_pending, store, model.name, 60.0)
@@ -411,7 +434,8 @@ async def chaos(args: argparse.Namespace, children: Children, workdir: Path) -> 
                f"{problems['wrong']}")
     report.add(f"event streams resumed with Last-Event-ID: {reconnects} reconnects; "
                f"broken SSE completions: {sum(out.is_broken for out in outcomes)}")
-    report.add(f"batch: {len(custom_ids)} lines, problems: {len(batch_problems)}; pending left: {left or 0}; "
+    report.add(f"batch: {len(jobs)} jobs, {sum(len(ids) for _, ids in jobs)} lines, problems: "
+               f"{len(batch_problems)}; pending left: {left or 0}; "
                f"dead letters: {dead}")
     check_rss(rss, args.max_rss_growth_mb, min(120.0, args.minutes * 30), report)
     for out in not_accepted[:5]:
@@ -462,6 +486,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--fault-interval-s", type=float,
                         help="mean seconds between faults (default 15; --short: 8)")
     parser.add_argument("--warmup-s", type=float, help="load before the first fault (default 20; --short: 5)")
+    parser.add_argument("--batch-interval-s", type=float, default=120.0,
+                        help="a batch job of every prompt at the start and then this often")
     parser.add_argument("--lease-s", type=float, default=3.0, help="schedulers' and ingesters' lease")
     parser.add_argument("--max-deliveries", type=int, default=10,
                         help="deliveries before dead-lettering (each kill of its scheduler is one)")
