@@ -394,20 +394,7 @@ async def chaos(args: argparse.Namespace, children: Children, workdir: Path) -> 
         outcomes += outcomes_now
         log("load over; waiting for the fleet to settle")
         await wait_ready(url, children)
-        views, problems = {}, collections.Counter()
-        for out in outcomes:
-            if out.req_id is None:
-                continue
-            try:
-                views[out.req_id] = await client.wait_status(out.req_id, timeout_s=args.drain_s)
-            except Exception as exc:  # noqa: BLE001 - a request that never ended
-                report.violation(f"{out.kind} request {out.req_id} did not end: {exc}")
-                problems["lost"] += 1
-                continue
-            for problem in check_request(out, views[out.req_id], want_texts[out.prompt_index],
-                                         want_ids[out.prompt_index]):
-                report.violation(f"{out.kind} request {out.req_id}: {problem}")
-                problems["wrong"] += 1
+        views, problems = await verify_requests(client, outcomes, want_texts, want_ids, args.drain_s, report)
         rss.sample()
     batch_problems = []
     for job_id, custom_ids in jobs:
@@ -421,7 +408,36 @@ async def chaos(args: argparse.Namespace, children: Children, workdir: Path) -> 
     dead = store.xlen(KEYS.dead)
     if dead:
         report.violation(f"{dead} dead-lettered entries")
+    summarize(report, outcomes, views, problems, faults)
+    report.add(f"batch: {len(jobs)} jobs, {sum(len(ids) for _, ids in jobs)} lines, problems: "
+               f"{len(batch_problems)}; pending left: {left or 0}; dead letters: {dead}")
+    check_rss(rss, args.max_rss_growth_mb, min(120.0, args.minutes * 30), report)
+    return report
 
+
+async def verify_requests(client: Client, outcomes: list[Outcome], want_texts: list[str],
+                          want_ids: list[list[int]], drain_s: float,
+                          report: Report) -> tuple[dict[str, dict], collections.Counter]:
+    """Wait for every accepted request's end and check it: (req_id -> its view, problem counts)."""
+    views, problems = {}, collections.Counter()
+    for out in outcomes:
+        if out.req_id is None:
+            continue
+        try:
+            views[out.req_id] = await client.wait_status(out.req_id, timeout_s=drain_s)
+        except Exception as exc:  # noqa: BLE001 - a request that never ended
+            report.violation(f"{out.kind} request {out.req_id} did not end: {exc}")
+            problems["lost"] += 1
+            continue
+        for problem in check_request(out, views[out.req_id], want_texts[out.prompt_index],
+                                     want_ids[out.prompt_index]):
+            report.violation(f"{out.kind} request {out.req_id}: {problem}")
+            problems["wrong"] += 1
+    return views, problems
+
+
+def summarize(report: Report, outcomes: list[Outcome], views: dict[str, dict], problems: collections.Counter,
+              faults: Faults) -> None:
     by_kind = collections.Counter(out.kind for out in outcomes if out.req_id is not None)
     not_accepted = [out for out in outcomes if out.req_id is None]
     states = collections.Counter(view["status"] for view in views.values())
@@ -434,13 +450,8 @@ async def chaos(args: argparse.Namespace, children: Children, workdir: Path) -> 
                f"{problems['wrong']}")
     report.add(f"event streams resumed with Last-Event-ID: {reconnects} reconnects; "
                f"broken SSE completions: {sum(out.is_broken for out in outcomes)}")
-    report.add(f"batch: {len(jobs)} jobs, {sum(len(ids) for _, ids in jobs)} lines, problems: "
-               f"{len(batch_problems)}; pending left: {left or 0}; "
-               f"dead letters: {dead}")
-    check_rss(rss, args.max_rss_growth_mb, min(120.0, args.minutes * 30), report)
     for out in not_accepted[:5]:
-        report.add(f"  not accepted: {out.kind}: {out.errors[-1:] }")
-    return report
+        report.add(f"  not accepted: {out.kind}: {out.errors[-1:]}")
 
 
 def _counts(counter: collections.Counter, names) -> str:
