@@ -111,3 +111,21 @@ def test_tail_lines_reads_the_end_of_a_long_log(tmp_path) -> None:
     path.write_text("".join(f"line {i}\n" for i in range(10000)))
     assert tail_lines(path, 3) == ["line 9997", "line 9998", "line 9999"]
     assert tail_lines(tmp_path / "missing.log", 3) == []
+
+
+def test_up_waits_until_a_child_is_given_up_and_names_it(tmp_path, monkeypatch) -> None:
+    """Fleet.wait (what `tokenfleet up` runs once the fleet is up) restarts through the
+    supervisor and ends with ChildGaveUp, which the CLI prints as its one-line error."""
+    from tokenfleet.up import Fleet, FleetOptions
+
+    monkeypatch.setenv("TOKENFLEET_HOME", str(tmp_path))
+    fleet = Fleet(FleetOptions(model=str(tmp_path), model_name="m"))
+    policy = RestartPolicy(initial_delay_s=0.01, max_delay_s=0.02, min_uptime_s=60.0, max_fast_failures=2)
+    argv = [sys.executable, "-c", "print('no model here'); raise SystemExit(2)"]
+    fleet.supervisor.add("batch-ingester-0", argv, policy=policy)
+    try:
+        with pytest.raises(ChildGaveUp, match=r"^batch-ingester-0 exited with code 2(.|\n)*\| no model here"):
+            fleet.wait(lambda: False)
+    finally:
+        fleet.stop()
+    assert (tmp_path / "logs" / "batch-ingester-0.log").read_text().count("no model here") == 2
