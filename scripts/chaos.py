@@ -49,9 +49,11 @@ from shared.config import EngineConfig
 from shared.keys import CONSUMER_GROUP, INGESTER_GROUP, Keys
 from shared.net import free_port
 from shared.sampling import SamplingParams
+from tokenfleet.supervise import RestartPolicy
 
 KIND_WEIGHTS = {"stream": 3, "resume": 3, "poll": 2, "cancel": 1, "disconnect": 1}
 KEYS = Keys()
+MIN_VICTIM_AGE_S = RestartPolicy().min_uptime_s + 2.0
 
 
 # -- the fleet's processes ---------------------------------------------------------------------
@@ -131,8 +133,14 @@ class Faults:
 
     def inject(self) -> None:
         victims = collections.defaultdict(list)
-        for pid, (role, _) in fleet_processes(self.up_pid).items():
-            if role in self.roles:
+        for pid, (role, proc) in fleet_processes(self.up_pid).items():
+            try:
+                age_s = time.time() - proc.create_time()
+            except psutil.Error:
+                continue
+            # Kills of a process that has just been restarted are `up`'s repeated fast failures,
+            # which end in giving up by design: victims are older than its min_uptime_s.
+            if role in self.roles and age_s > MIN_VICTIM_AGE_S:
                 victims[role].append(pid)
         if not victims:
             return
