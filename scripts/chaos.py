@@ -98,8 +98,9 @@ def fleet_processes(up_pid: int) -> dict[int, tuple[str, psutil.Process]]:
 @dataclass
 class RssWatch:
     """The RSS of every process under `up`, sampled through the run. A process's first sample
-    is taken once it has lived settle_s (start-up, slow on a loaded machine, is not growth); its growth is
-    its last sample minus that one, over however long it then lived (kills cut many short)."""
+    is taken once it has lived settle_s (its start-up, slow on a loaded machine, is not
+    growth); its growth is its last sample minus that one, over however long it then lived
+    (kills cut many lives short)."""
 
     up_pid: int
     settle_s: float = 60.0
