@@ -370,6 +370,19 @@ async def wait_ready(url: str, children: Children, timeout_s: float = 300.0) -> 
             await asyncio.sleep(0.3)
 
 
+async def recorded_fleet(home: Path, children: Children, timeout_s: float = 60.0) -> dict:
+    """fleet.json, which `up` writes just after the gateway first answers /ready."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        children.check()
+        try:
+            return json.loads((home / "fleet.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
 async def chaos(args: argparse.Namespace, children: Children, workdir: Path) -> Report:
     rng = random.Random(args.seed)
     model = tiny_llama_with_smollm2_tokenizer(workdir / "chaos-tiny-llama") if args.model is None \
@@ -390,7 +403,7 @@ async def chaos(args: argparse.Namespace, children: Children, workdir: Path) -> 
     roles = ["scheduler", "gateway-worker", "gateway", "ingester", "redis"]
     roles += ["rank"] if args.tp > 1 else []
     faults = Faults(up_pid, roles, random.Random(args.seed + 1))
-    redis_url = json.loads((workdir / "home" / "fleet.json").read_text())["redis_url"]
+    redis_url = (await recorded_fleet(workdir / "home", children))["redis_url"]
     store = redis.Redis.from_url(redis_url)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=60)
     async with aiohttp.ClientSession(timeout=timeout) as session:
