@@ -24,6 +24,13 @@ def chaos():
         sys.path.remove(str(SCRIPTS))
 
 
+@pytest.fixture(scope="module")
+def checks(chaos):
+    import chaos_checks
+
+    return chaos_checks
+
+
 def _resume(seqs: list[int], token_ids: list[int], num_final_events: int = 1):
     from chaos_clients import Outcome
 
@@ -31,30 +38,31 @@ def _resume(seqs: list[int], token_ids: list[int], num_final_events: int = 1):
                    is_done=True)
 
 
-def test_event_checks_accept_a_catch_up_and_catch_repeats_gaps_and_double_endings(chaos):
+def test_event_checks_accept_a_catch_up_and_catch_repeats_gaps_and_double_endings(checks):
     want = [5, 6, 7, 8]
-    assert chaos.check_events(_resume([1, 2, 4], want), want) == []  # seq 4 caught up 3 and 4
-    assert "repeat or go back" in chaos.check_events(_resume([1, 2, 2, 3], want), want)[0]
-    assert "differ from the reference" in chaos.check_events(_resume([1, 2, 3], [5, 6, 8]), want)[0]
-    assert "differ from the reference" in chaos.check_events(_resume([1, 2, 3, 4, 5], want + [8]), want)[0]
-    assert chaos.check_events(_resume([1, 2, 3, 4], want, num_final_events=2), want) == ["2 final events"]
+    assert checks.check_events(_resume([1, 2, 4], want), want) == []  # seq 4 caught up 3 and 4
+    assert "repeat or go back" in checks.check_events(_resume([1, 2, 2, 3], want), want)[0]
+    assert "differ from the reference" in checks.check_events(_resume([1, 2, 3], [5, 6, 8]), want)[0]
+    assert "differ from the reference" in checks.check_events(_resume([1, 2, 3, 4, 5], want + [8]), want)[0]
+    assert checks.check_events(_resume([1, 2, 3, 4], want, num_final_events=2), want) == ["2 final events"]
 
 
-def test_request_checks_hold_each_kind_to_its_own_ending(chaos):
+def test_request_checks_hold_each_kind_to_its_own_ending(checks):
     from chaos_clients import Outcome
 
     def view(status: str, text: str, num_tokens: int) -> dict:
         return {"status": status, "output": {"text": text, "num_tokens": num_tokens}}
 
     poll = Outcome("poll", 0, req_id="r", is_done=True)
-    assert chaos.check_request(poll, view("completed", "abcd", 4), "abcd", [1, 2, 3, 4]) == []
-    assert "ended cancelled" in chaos.check_request(poll, view("cancelled", "ab", 2), "abcd", [1, 2, 3, 4])[0]
-    assert "differs" in chaos.check_request(poll, view("completed", "abcdcd", 6), "abcd", [1, 2, 3, 4])[0]
+    assert checks.check_request(poll, view("completed", "abcd", 4), "abcd", [1, 2, 3, 4]) == []
+    want_ids = [1, 2, 3, 4]
+    assert "ended cancelled" in checks.check_request(poll, view("cancelled", "ab", 2), "abcd", want_ids)[0]
+    assert "differs" in checks.check_request(poll, view("completed", "abcdcd", 6), "abcd", [1, 2, 3, 4])[0]
     cancel = Outcome("cancel", 0, req_id="r")
-    assert chaos.check_request(cancel, view("cancelled", "ab", 2), "abcd", [1, 2, 3, 4]) == []
-    assert "not a prefix" in chaos.check_request(cancel, view("cancelled", "ax", 2), "abcd", [1, 2, 3, 4])[0]
+    assert checks.check_request(cancel, view("cancelled", "ab", 2), "abcd", [1, 2, 3, 4]) == []
+    assert "not a prefix" in checks.check_request(cancel, view("cancelled", "ax", 2), "abcd", [1, 2, 3, 4])[0]
     broken = Outcome("stream", 0, req_id="r", text="abx", is_broken=True)
-    problems = chaos.check_request(broken, view("completed", "abcd", 4), "abcd", [1, 2, 3, 4])
+    problems = checks.check_request(broken, view("completed", "abcd", 4), "abcd", [1, 2, 3, 4])
     assert "stream's text" in problems[0]
 
 
@@ -77,12 +85,12 @@ def test_a_short_chaos_run_loses_nothing_and_repeats_nothing():
     assert faults >= 3 and accepted >= 5, report
 
 
-def test_rss_growth_counts_only_processes_watched_long_enough(chaos):
+def test_rss_growth_counts_only_processes_watched_long_enough(chaos, checks):
     watch = chaos.RssWatch(up_pid=0)
     watch.first = {1: ("scheduler", 0.0, 300.0), 2: ("gateway", 0.0, 100.0), 3: ("redis", 0.0, 5.0)}
     watch.last = {1: (600.0, 301.0), 2: (30.0, 400.0), 3: (600.0, 205.0)}
-    report = chaos.Report()
-    chaos.check_rss(watch, limit_mb=100.0, min_span_s=120.0, report=report)
+    report = checks.Report()
+    checks.check_rss(watch.first, watch.last, limit_mb=100.0, min_span_s=120.0, report=report)
     # not the gateway: watched for 30 s only
     assert report.violations == ["RSS of redis (pid 3) grew 200.0 MB in 600 s (> 100)"]
     assert "scheduler 300 -> 301 MB (+1.0) over 600 s" in report.lines[0]
