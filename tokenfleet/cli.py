@@ -187,6 +187,8 @@ def _add_up_parser(commands) -> None:
     _flag(up, "tenants-file", help="the gateway's tenants: API keys and limits (see `tokenfleet gateway`)")
     _flag(up, "gateway-workers", type=int,
           help="gateway processes on the one port (default: from the cores, max(1, min(8, cores // 4)))")
+    _flag(up, "batch-ingesters", type=int, default=0,
+          help="batch ingester processes besides the one in each gateway process")
     _add_autoscale_flags(up)
 
 
@@ -576,6 +578,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             flag = name.replace("_", "-")
             raise InvalidRequestError(f"--{flag} must be >= 1, got {value}", param=flag)
+    if args.batch_ingesters < 0:
+        raise InvalidRequestError(f"--batch-ingesters must be >= 0, got {args.batch_ingesters}",
+                                  param="batch-ingesters")
     model = _resolve_model(args.model)
     scheduler_args = ["--executor", args.executor]
     if args.max_num_seqs:
@@ -597,6 +602,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         tp=args.tp, replicas=args.replicas, redis_url=args.redis_url, redis_port=args.redis_port,
         ray_address=args.ray_address, executor=args.executor, scheduler_args=scheduler_args,
         gateway_workers=args.gateway_workers or default_gateway_workers(),
+        batch_ingesters=args.batch_ingesters,
         gateway_args=["--tenants-file", os.path.abspath(args.tenants_file)] if args.tenants_file else [],
     )
     stop = threading.Event()

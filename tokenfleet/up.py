@@ -7,17 +7,24 @@
     tokenfleet gateway    on --host:--port, --gateway-workers processes (default: from the cores)
 
 Each child runs in its own process group, so stopping it takes its own children (Ray's
-raylet and workers, a scheduler's rank actors) with it. Ctrl-C / SIGTERM, or any child
-dying, stops everything in reverse order; nothing is left behind.
+raylet and workers, a scheduler's rank actors) with it. Once the fleet is up, a child that
+dies is started again with backoff (tokenfleet/supervise.py): Redis from its append-only
+file, on the same port; a scheduler under the same id, taking its own unfinished work back.
+Only the local Ray head is not restarted. A child that keeps failing fast, or a child dying
+while the fleet starts, stops the fleet with a message naming it and its last log lines.
+Ctrl-C / SIGTERM stops everything in reverse order; nothing is left behind.
+
+With --min/--max-replicas the autoscaler (tokenfleet/autoscale/) starts and drains the
+schedulers itself, through its own launcher (Ray placement groups reserved by name), instead
+of the supervisor. `Fleet.supervisor` takes more children at runtime:
+`fleet.supervisor.add(name, *fleet.scheduler_command(index))`, `fleet.supervisor.stop(name)`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 import time
 import urllib.request
@@ -30,9 +37,9 @@ from shared.net import free_port
 from shared.redis_url import read_password_file
 from tokenfleet.autoscale.runner import AutoscaleOptions, AutoscaleRunner, placement_request
 from tokenfleet.redis_server import password_config, redis_server_binary
+from tokenfleet.supervise import NEVER_RESTART, Supervisor
 
 READY_TIMEOUT_S = 600.0
-STOP_TIMEOUT_S = 10.0
 
 
 def recorded_fleet() -> dict:
@@ -60,6 +67,7 @@ class FleetOptions:
     gateway_args: list[str] = field(default_factory=list)  # extra gateway flags
     gateway_workers: int = 1  # gateway processes on the one port
     autoscale: AutoscaleOptions | None = None  # set: replicas come and go with the load, not `replicas`
+    batch_ingesters: int = 0  # `tokenfleet batch ingester` processes besides the gateway's own
 
 
 def default_gateway_workers(num_cores: int | None = None) -> int:
@@ -73,17 +81,11 @@ def default_gateway_workers(num_cores: int | None = None) -> int:
     return max(1, min(8, num_cores // 4))
 
 
-@dataclass
-class Child:
-    name: str
-    process: subprocess.Popen
-
-
 class Fleet:
     def __init__(self, options: FleetOptions) -> None:
         self.options = options
         self.home = tokenfleet_home()
-        self.children: list[Child] = []
+        self.supervisor = Supervisor(self.home / "logs")
         self.log = get_logger("tokenfleet.up")
         self.env = dict(os.environ)
         self.redis_url = options.redis_url
@@ -93,39 +95,28 @@ class Fleet:
 
     # -- start --------------------------------------------------------------------------
 
-    def _spawn(self, name: str, argv: list[str], env: dict | None = None) -> Child:
-        log_dir = self.home / "logs"
-        log_dir.mkdir(parents=True, exist_ok=True)
-        log_file = open(log_dir / f"{name}.log", "ab")  # noqa: SIM115 - lives as long as the child
-        process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env or self.env,
-                                   start_new_session=True)
-        child = Child(name, process)
-        self.children.append(child)
-        self.log.info("started", child=name, pid=process.pid, log=str(log_dir / f"{name}.log"))
-        return child
+    def _spawn(self, name: str, argv: list[str], env: dict | None = None, **kwargs) -> None:
+        self.supervisor.add(name, argv, env or self.env, **kwargs)
 
     def start(self) -> None:
         if self.redis_url is None:
             self._start_redis()
-        needs_ray = uses_ray(self.options.executor, self.options.tp)
-        if needs_ray and self.ray_address is None:
+        if uses_ray(self.options.executor, self.options.tp) and self.ray_address is None:
             self._start_ray()
-        cli = [sys.executable, "-m", "tokenfleet.cli"]
-        num_gpus = 0 if needs_ray else _num_gpus()  # Ray places ranks on GPUs itself
         if self.options.autoscale is not None:
-            self._start_autoscaler(needs_ray)
+            self._start_autoscaler(uses_ray(self.options.executor, self.options.tp))
         for index in range(self.options.replicas if self.options.autoscale is None else 0):
-            env = self.env
-            if num_gpus > 1:  # one GPU per in-process replica, round robin
-                env = {**self.env, "CUDA_VISIBLE_DEVICES": str(index % num_gpus)}
-            scheduler_id = f"{self.options.model_name}-{index}"
-            self._spawn(f"scheduler-{index}", self.scheduler_argv(scheduler_id), env=env)
+            self._spawn(f"scheduler-{index}", *self.scheduler_command(index))
+        cli = [sys.executable, "-m", "tokenfleet.cli"]
         self._spawn("gateway", [
             *cli, "gateway", "--redis-url", self.redis_url, "--host", self.options.host,
             "--port", str(self.options.port), "--model", self.options.model,
             "--model-name", self.options.model_name, "--workers", str(self.options.gateway_workers),
             *self.options.gateway_args,
         ])
+        for index in range(self.options.batch_ingesters):
+            self._spawn(f"batch-ingester-{index}", [
+                *cli, "batch", "ingester", "--redis-url", self.redis_url, "--model", self.options.model])
         self._wait_ready()
         self._write_fleet_file()
 
@@ -137,6 +128,14 @@ class Fleet:
         return [sys.executable, "-m", "tokenfleet.cli", "scheduler", "--redis-url", self.redis_url, *ray_args,
                 *group_args, "--model", self.options.model, "--model-name", self.options.model_name,
                 "--tp", str(self.options.tp), "--scheduler-id", scheduler_id, *self.options.scheduler_args]
+
+    def scheduler_command(self, index: int) -> tuple[list[str], dict[str, str]]:
+        """argv and environment of replica `index`'s scheduler (id `{model_name}-{index}`)."""
+        num_gpus = 0 if uses_ray(self.options.executor, self.options.tp) else _num_gpus()
+        env = self.env
+        if num_gpus > 1:  # one GPU per in-process replica, round robin (Ray places ranks itself)
+            env = {**self.env, "CUDA_VISIBLE_DEVICES": str(index % num_gpus)}
+        return self.scheduler_argv(f"{self.options.model_name}-{index}"), env
 
     def _start_autoscaler(self, needs_ray: bool) -> None:
         """The controller owns the schedulers: it starts --min-replicas now and the rest on demand."""
@@ -154,6 +153,7 @@ class Fleet:
         port = self.options.redis_port or free_port()
         data_dir = self.home / "redis"
         data_dir.mkdir(parents=True, exist_ok=True)
+        # Restarted with the same flags, it reloads what it acknowledged from the append-only file.
         # With a password file (`--redis-password-file`, in the children's environment too), the
         # Redis started here requires that password.
         password_file = self.env.get("TOKENFLEET_REDIS_PASSWORD_FILE")
@@ -168,7 +168,8 @@ class Fleet:
         self.env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=os.urandom(16).hex())
         self._spawn("ray", [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
                             f"--port={port}", "--node-ip-address=127.0.0.1", "--include-dashboard=false",
-                            "--disable-usage-stats", f"--num-cpus={max(4, os.cpu_count() or 1)}"])
+                            "--disable-usage-stats", f"--num-cpus={max(4, os.cpu_count() or 1)}"],
+                    policy=NEVER_RESTART)  # a new head would not know the groups placed on the old one
         self.ray_address = f"127.0.0.1:{port}"
         self._wait_port(port, "ray")
 
@@ -199,11 +200,7 @@ class Fleet:
             time.sleep(0.3)
 
     def _check_children(self) -> None:
-        for child in self.children:
-            code = child.process.poll()
-            if code is not None:
-                raise TokenfleetError(f"{child.name} exited with code {code} "
-                                      f"(see {self.home / 'logs' / (child.name + '.log')})")
+        self.supervisor.check_all_running()
 
     def _write_fleet_file(self) -> None:
         """Where `tokenfleet batch` and `tokenfleet bench` find the fleet with no flags."""
@@ -216,42 +213,25 @@ class Fleet:
     # -- run and stop --------------------------------------------------------------------
 
     def wait(self, should_stop) -> int:
-        """Until `should_stop()` or a child dies; returns the exit code for `up`."""
+        """Until `should_stop()`, restarting children that die; ChildGaveUp (a TokenfleetError
+        naming the child and its last log lines) when one cannot be kept up."""
         while not should_stop():
             if self.autoscaler is not None and not self.autoscaler.is_alive():
                 self.log.error("autoscaler_exited", error=str(self.autoscaler.error))
                 return 1
-            for child in self.children:
-                code = child.process.poll()
-                if code is not None:
-                    self.log.error("child_exited", child=child.name, code=code)
-                    return 1
+            self.supervisor.poll()
             time.sleep(0.5)
         return 0
 
     def stop(self) -> None:
-        """Children in reverse start order: gateway, schedulers, Ray, Redis (the autoscaler's
-        schedulers first)."""
+        """The autoscaler's schedulers first, then children in reverse start order: ingesters,
+        gateway, schedulers, Ray, Redis."""
         if self.autoscaler is not None:
             self.autoscaler.stop()
-        for child in reversed(self.children):
-            _signal_group(child.process, signal.SIGTERM)
-            try:
-                child.process.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.log.warning("killing", child=child.name)
-            _signal_group(child.process, signal.SIGKILL)  # whatever the leader left behind
-            child.process.wait()
+        self.supervisor.stop_all()
         fleet_file = self.home / "fleet.json"
         if fleet_file.exists() and json.loads(fleet_file.read_text()).get("pid") == os.getpid():
             fleet_file.unlink()
-
-
-def _signal_group(process: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(process.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def curl_example(gateway_url: str, model_name: str) -> str:
