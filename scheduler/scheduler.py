@@ -5,6 +5,11 @@ prefilling), then waiting requests in order of importance, as long as the token 
 the sequence cap and the KV cache allow. When the cache runs out, the least important
 running request is preempted: its blocks are freed and it later recomputes its prompt
 and output from scratch (num_computed_tokens back to 0).
+
+With prefix caching, a request admitted from the waiting queue starts after the longest
+prefix of its tokens whose full blocks are in the cache (block_manager.py); blocks are made
+findable once the step that computed them is over, and a preempted request's blocks stay
+cached, so it usually resumes from them.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class SchedulerConfig:
     # Cap on one request's prefill chunk per step, so several prompts can progress at once;
     # None: a prefill takes whatever budget the decodes leave.
     long_prefill_chunk: int | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "num_kv_blocks", "block_size", "max_num_seqs",
@@ -70,6 +76,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[TokenLogprobs] | None = None  # of new_token_ids; None if not asked for
+    num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
 
 
 @dataclass
@@ -97,7 +104,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, tokenizer: Tokenizer | None = None) -> None:
         """Without a tokenizer, outputs carry token ids only (no text, no stop strings)."""
         self.config = config
-        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
+                                          config.enable_prefix_caching)
         self._tokenizer = tokenizer
         # A sequence may not outgrow the model's window, nor the whole cache: a request
         # alone must always fit, or preempting it and resuming it would loop forever.
@@ -233,24 +241,30 @@ class Scheduler:
                 # Batch prompts do not share a step with an interactive prompt: the step that
                 # gives an interactive request its first token stays as short as its own prefill.
                 break
-            num_new_tokens = self._num_new_tokens(request, plan.token_budget)
-            if not self._make_room(request, num_new_tokens, plan):
+            cached_block_ids = self.block_manager.find_cached_prefix(request)
+            num_new_tokens = self._num_new_tokens(
+                request, plan.token_budget, len(cached_block_ids) * self.config.block_size)
+            if not self._make_room(request, num_new_tokens, plan, cached_block_ids):
                 break  # strict order: later requests do not jump ahead of a stuck one
+            self.block_manager.record_first_admission(request)
             self._waiting.pop(0)
             admits_interactive = admits_interactive or request.priority < BATCH_PRIORITY
             request.status = RequestStatus.RUNNING
             self._running.append(request)
             plan.add(request, num_new_tokens)
 
-    def _make_room(self, request: Request, num_new_tokens: int, plan: _StepPlan) -> bool:
-        """Get a sequence slot and blocks for a waiting request; True when allocated.
+    def _make_room(self, request: Request, num_new_tokens: int, plan: _StepPlan,
+                   cached_block_ids: list[int]) -> bool:
+        """Get a sequence slot and blocks for a waiting request (starting with its cached
+        prefix); True when allocated.
 
         Only running requests of strictly lower importance (higher priority number) are
         preempted, fewest first, and only when that is enough.
         """
         num_victims_for_slot = max(0, len(self._running) + 1 - self.config.max_num_seqs)
-        num_blocks_needed = self.block_manager.num_blocks_needed(request, num_new_tokens)
-        num_free_blocks = self.block_manager.num_free_blocks
+        manager = self.block_manager
+        num_blocks_needed = manager.num_free_blocks_taken(request, num_new_tokens, cached_block_ids)
+        num_free_blocks = manager.num_free_blocks
         candidates = sorted(
             (r for r in self._running if r.priority > request.priority),
             key=_importance,
@@ -261,12 +275,13 @@ class Scheduler:
             if len(victims) >= num_victims_for_slot and num_free_blocks >= num_blocks_needed:
                 break
             victims.append(candidate)
-            num_free_blocks += len(candidate.block_ids)
+            # Blocks shared with others stay held; the newcomer's own hits it takes back.
+            num_free_blocks += manager.num_blocks_freed_by(candidate, keep=cached_block_ids)
         if len(victims) < num_victims_for_slot or num_free_blocks < num_blocks_needed:
             return False
         for victim in victims:
             self._preempt(victim, plan)
-        return self.block_manager.allocate_slots(request, num_new_tokens)
+        return manager.allocate_slots(request, num_new_tokens, cached_block_ids)
 
     def preempt_all_running(self) -> list[str]:
         """After a failed step (a worker group died, its KV cache with it): every running
@@ -275,6 +290,7 @@ class Scheduler:
         plan = _StepPlan(token_budget=0)
         for request in list(self._running):
             self._preempt(request, plan)
+        self.block_manager.reset_prefix_cache()  # the K/V behind it died with the group
         return plan.preempted_req_ids
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
@@ -292,8 +308,8 @@ class Scheduler:
             num_free_blocks=self.block_manager.num_free_blocks,
         )
 
-    def _num_new_tokens(self, request: Request, token_budget: int) -> int:
-        num_new_tokens = request.num_tokens - request.num_computed_tokens
+    def _num_new_tokens(self, request: Request, token_budget: int, num_cached_tokens: int = 0) -> int:
+        num_new_tokens = request.num_tokens - request.num_computed_tokens - num_cached_tokens
         if self.config.long_prefill_chunk is not None:
             num_new_tokens = min(num_new_tokens, self.config.long_prefill_chunk)
         return min(num_new_tokens, token_budget)
@@ -340,6 +356,7 @@ class Scheduler:
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted after schedule(): what the step did for it is moot
             request.num_computed_tokens += len(work.token_ids)
+            self.block_manager.register_full_blocks(request)
             if sampled is not None:
                 outputs.append(self._append_token(request, sampled))
         if next(sampled_tokens, None) is not None:
@@ -350,7 +367,8 @@ class Scheduler:
         del self._requests[request.req_id]
         self._detokenizers.pop(request.req_id, None)
         return RequestOutput(
-            request.req_id, [], "", finished=True, finish_reason=FinishReason.ABORT
+            request.req_id, [], "", finished=True, finish_reason=FinishReason.ABORT,
+            num_cached_tokens=request.num_cached_tokens or 0,
         )
 
     def _append_token(self, request: Request, sampled: SampledToken) -> RequestOutput:
@@ -374,6 +392,7 @@ class Scheduler:
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
             logprobs=logprobs,
+            num_cached_tokens=request.num_cached_tokens or 0,
         )
 
     def _detokenize_and_check_stop(self, request: Request, token_id: int) -> str:

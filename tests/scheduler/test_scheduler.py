@@ -33,6 +33,9 @@ class FakeRunner:
         self.block_size = block_size
         self.next_token = next_token
         self.slots: dict[tuple[int, int], tuple[str, int, int]] = {}  # -> (req_id, pos, token)
+        # req_id -> its tokens, to check reads of a cached prefix another request wrote
+        self.tokens_of: Callable[[str], list[int] | None] | None = None
+        self.num_shared_reads = 0
 
     def __call__(self, batch: StepBatch) -> StepResult:
         sampled = []
@@ -52,7 +55,13 @@ class FakeRunner:
 
     def _read(self, req_id: str, block_ids: list[int], pos: int) -> int:
         owner, owner_pos, token = self.slots[self._slot(block_ids, pos)]
-        assert (owner, owner_pos) == (req_id, pos), "block table points at someone else's KV"
+        # Another request's slot is fine when it is a shared prefix: the same token at the same
+        # position (the history sampled from is then the reader's own).
+        assert owner_pos == pos, "block table points at another position's KV"
+        if owner != req_id:
+            self.num_shared_reads += 1
+            own = self.tokens_of(req_id) if self.tokens_of is not None else None
+            assert own is not None and own[pos] == token, "block table points at someone else's KV"
         return token
 
 
@@ -71,7 +80,7 @@ class Collected:
     stop_reason: str | int | None = None
 
 
-def make_scheduler(tokenizer: object | None = None, **overrides: int) -> Scheduler:
+def make_scheduler(tokenizer: object | None = None, **overrides: int | bool) -> Scheduler:
     config = dict(max_model_len=1024, num_kv_blocks=1000, block_size=4,
                   max_num_seqs=8, max_num_batched_tokens=64)
     config.update(overrides)
@@ -88,6 +97,7 @@ def make_request(req_id: str, num_prompt: int = 4, first_token: int = 10, priori
 def step(scheduler: Scheduler, runner: FakeRunner, collected: dict[str, Collected]
          ) -> SchedulerOutput:
     """One schedule / run / update round; checks the step limits."""
+    runner.tokens_of = lambda req_id: getattr(scheduler.get_request(req_id), "all_token_ids", None)
     out = scheduler.schedule()
     config = scheduler.config
     assert out.batch.num_tokens <= config.max_num_batched_tokens
@@ -192,7 +202,7 @@ def test_tiny_cache_preempts_yet_output_matches_unconstrained_run() -> None:
 
 
 def test_preempted_request_frees_blocks_and_resumes_first_by_recomputing_everything() -> None:
-    scheduler = make_scheduler(block_size=2, num_kv_blocks=4, max_num_seqs=2)
+    scheduler = make_scheduler(block_size=2, num_kv_blocks=4, max_num_seqs=2, enable_prefix_caching=False)
     runner, collected = FakeRunner(block_size=2), {}
     scheduler.add_request(make_request("first", 3, 10, arrival_time=0.0, max_tokens=3))
     scheduler.add_request(make_request("second", 3, 50, arrival_time=1.0, max_tokens=4))
