@@ -387,7 +387,8 @@ class SchedulerService:
                 event = TokenEvent(out.req_id, flight.seq, out.new_token_ids, out.text_delta, logprobs)
             ack = None
             if out.finished:
-                usage = Usage(flight.num_prompt_tokens, len(flight.token_ids)).to_dict()
+                usage = Usage(flight.num_prompt_tokens, len(flight.token_ids),
+                              out.num_cached_tokens).to_dict()
                 if event is not None:
                     event.finish_reason = out.finish_reason.value
                     event.usage = usage
@@ -459,6 +460,9 @@ class SchedulerService:
             "model": self.settings.model_name, "num_running": scheduler.num_running_requests,
             "num_waiting": scheduler.num_waiting_requests, "kv_usage": scheduler.block_manager.usage,
             "max_num_seqs": self.engine.config.max_num_seqs, "updated_at": time.time(),
+            # Since the scheduler started, in prompt tokens (vLLM's counters of the same names).
+            "prefix_cache_queries": scheduler.block_manager.prefix_cache_queries,
+            "prefix_cache_hits": scheduler.block_manager.prefix_cache_hits,
         })
         pipe.expire(key, max(2, int(3 * self.settings.heartbeat_s)))
         pipe.execute()

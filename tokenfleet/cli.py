@@ -51,6 +51,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "placement-strategy", default="STRICT_PACK",
           help="Ray placement of a group's ranks: STRICT_PACK, PACK or SPREAD")
     _flag(parser, "num-cpus-per-rank", type=float, default=1.0, help="Ray CPUs per rank on CPU hosts")
+    _flag(parser, "no-prefix-caching", action="store_true",
+          help="recompute every prompt instead of reusing the KV blocks of a prefix seen before")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,6 +125,8 @@ def _add_up_parser(commands) -> None:
           help="cap on running sequences per replica (default: 512 on CUDA, 256 on CPU)")
     _flag(up, "executor", default="auto",
           help="auto (each scheduler's own process at TP=1, a Ray group above), inprocess or ray")
+    _flag(up, "no-prefix-caching", action="store_true",
+          help="schedulers recompute every prompt instead of reusing cached prefixes")
     _flag(up, "gateway-workers", type=int,
           help="gateway processes on the one port (default: from the cores, max(1, min(8, cores // 4)))")
 
@@ -285,7 +289,7 @@ def _engine_config(args: argparse.Namespace):
         cuda_graph_max_batch_size=args.cuda_graph_max_batch_size or max_num_seqs,
         num_threads=args.num_threads, ray_address=args.ray_address,
         placement_strategy=args.placement_strategy, num_cpus_per_rank=args.num_cpus_per_rank,
-        use_ray=uses_ray(args.executor, args.tp),
+        use_ray=uses_ray(args.executor, args.tp), enable_prefix_caching=not args.no_prefix_caching,
     )
 
 
@@ -376,6 +380,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         scheduler_args += ["--dtype", args.dtype]
     if args.num_kv_blocks:
         scheduler_args += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    if args.no_prefix_caching:
+        scheduler_args += ["--no-prefix-caching"]
     options = FleetOptions(
         model=model, model_name=args.model_name or Path(model).name, host=args.host, port=args.port,
         tp=args.tp, replicas=args.replicas, redis_url=args.redis_url, redis_port=args.redis_port,

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from scheduler.request import FinishReason, Request, RequestStatus
+from scheduler.request import BATCH_PRIORITY, FinishReason, Request, RequestStatus
 from scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from shared.errors import InvalidRequestError, WorkerError
 from shared.sampling import SamplingParams
@@ -449,3 +449,72 @@ def test_batch_prompts_do_not_share_a_step_with_an_interactive_prompt() -> None:
     for i, priority in enumerate((0, 3, 7)):
         scheduler.add_request(make_request(f"i{i}", num_prompt=8, priority=priority, arrival_time=float(i)))
     assert sorted(step(scheduler, FakeRunner(), {}).scheduled_req_ids) == ["i0", "i1", "i2"]
+
+
+# -- prefix caching -------------------------------------------------------------------
+
+
+def shared_prefix_requests(seed: int, num: int) -> list[Request]:
+    """Prompts made of one of two shared prefixes (or none) and a distinct tail; mixed
+    priorities, batch items among them."""
+    rng = random.Random(seed)
+    prefixes = [[], [rng.randrange(VOCAB) for _ in range(13)], [rng.randrange(VOCAB) for _ in range(22)]]
+    requests = []
+    for i in range(num):
+        prompt = rng.choice(prefixes) + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 9))]
+        priority = rng.choice([0, 1, BATCH_PRIORITY])
+        requests.append(Request(f"r{i}", prompt, SamplingParams(max_tokens=rng.randint(1, 12)),
+                                priority, float(i)))
+    return requests
+
+
+@pytest.mark.parametrize("limits", [
+    dict(num_kv_blocks=14, max_num_seqs=4),  # preemption forced by a tiny cache
+    dict(long_prefill_chunk=3, max_num_batched_tokens=8, max_num_seqs=4),  # small chunks
+])
+def test_shared_prefixes_give_the_same_tokens_with_and_without_prefix_caching(limits) -> None:
+    runs = {}
+    for caching in (False, True):
+        scheduler = make_scheduler(**limits, enable_prefix_caching=caching)
+        runs[caching] = run_all(scheduler, shared_prefix_requests(3, 24), next_token_from_history)
+        manager = scheduler.block_manager
+        if caching:
+            assert manager.prefix_cache_hits > 0 and manager.prefix_cache_queries > manager.prefix_cache_hits
+    tokens = {caching: {k: v.token_ids for k, v in collected.items()} for caching, (collected, _) in runs.items()}
+    assert tokens[True] == tokens[False]
+    if "num_kv_blocks" in limits:
+        assert all(sum(len(out.preempted_req_ids) for out in outs) > 0 for _, outs in runs.values())
+    tokens_computed = {caching: sum(o.batch.num_tokens for o in outs) for caching, (_, outs) in runs.items()}
+    assert tokens_computed[True] < tokens_computed[False]
+
+
+def test_a_request_starts_after_the_prefix_an_earlier_one_computed() -> None:
+    scheduler = make_scheduler(block_size=4)
+    runner, collected = FakeRunner(next_token=next_token_from_history), {}
+    first = Request("first", list(range(10)), SamplingParams(max_tokens=5))
+    scheduler.add_request(first)
+    step(scheduler, runner, collected)  # its 10 prompt tokens: blocks 0-1 full and cached
+    scheduler.add_request(Request("second", list(range(8)) + [99], SamplingParams(max_tokens=2)))
+    out = step(scheduler, runner, collected)
+    second_work = out.batch.works[-1]
+    assert (second_work.req_id, second_work.start_pos, second_work.token_ids) == ("second", 8, [99])
+    assert second_work.block_ids[:2] == first.block_ids[:2]
+    assert runner.num_shared_reads > 0
+    outputs = []
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        outputs += scheduler.update_from_output(out, runner(out.batch))
+    [second_end] = [o for o in outputs if o.req_id == "second" and o.finished]
+    assert second_end.num_cached_tokens == 8
+
+
+def test_a_failed_worker_group_takes_the_prefix_cache_with_it() -> None:
+    scheduler = make_scheduler(block_size=4)
+    runner, collected = FakeRunner(), {}
+    scheduler.add_request(Request("a", list(range(10)), SamplingParams(max_tokens=5)))
+    step(scheduler, runner, collected)
+    assert scheduler.block_manager.num_cached_blocks == 2
+    scheduler.preempt_all_running()
+    assert scheduler.block_manager.num_cached_blocks == 0
+    out = scheduler.schedule()
+    assert out.batch.works[0].start_pos == 0  # recomputed from scratch
