@@ -480,7 +480,7 @@ def test_shared_prefixes_give_the_same_tokens_with_and_without_prefix_caching(li
         manager = scheduler.block_manager
         if caching:
             assert manager.prefix_cache_hits > 0 and manager.prefix_cache_queries > manager.prefix_cache_hits
-    tokens = {caching: {k: v.token_ids for k, v in collected.items()} for caching, (collected, _) in runs.items()}
+    tokens = {caching: {k: v.token_ids for k, v in got.items()} for caching, (got, _) in runs.items()}
     assert tokens[True] == tokens[False]
     if "num_kv_blocks" in limits:
         assert all(sum(len(out.preempted_req_ids) for out in outs) > 0 for _, outs in runs.values())
