@@ -17,7 +17,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from scheduler.block_manager import BlockManager, cdiv
+from scheduler.block_manager import BlockManager, cdiv, update_block_hashes
 from scheduler.detokenizer import IncrementalDetokenizer, Tokenizer
 from scheduler.request import BATCH_PRIORITY, FinishReason, Request, RequestStatus, TokenLogprobs
 from shared.errors import InvalidRequestError, WorkerError
@@ -86,6 +86,8 @@ class _StepPlan:
     token_budget: int
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # req_id -> tokens
     preempted_req_ids: list[str] = field(default_factory=list)
+    # Hashes of the full blocks this step's prefills compute: cached from the next step on.
+    computing_block_hashes: set[bytes] = field(default_factory=set)
 
     def add(self, request: Request, num_tokens: int) -> None:
         self.num_scheduled_tokens[request.req_id] = num_tokens
@@ -230,6 +232,7 @@ class Scheduler:
                     break
             else:
                 plan.add(request, num_new_tokens)
+                self._note_computing(request, num_new_tokens, plan)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         admits_interactive = False
@@ -242,6 +245,10 @@ class Scheduler:
                 # gives an interactive request its first token stays as short as its own prefill.
                 break
             cached_block_ids = self.block_manager.find_cached_prefix(request)
+            if self._prefix_is_being_computed(request, len(cached_block_ids), plan):
+                # Wait one step and take those blocks from the cache, rather than compute them
+                # twice (a burst of chats with one system prompt computes it once).
+                break
             num_new_tokens = self._num_new_tokens(
                 request, plan.token_budget, len(cached_block_ids) * self.config.block_size)
             if not self._make_room(request, num_new_tokens, plan, cached_block_ids):
@@ -252,6 +259,23 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self._running.append(request)
             plan.add(request, num_new_tokens)
+            self._note_computing(request, num_new_tokens, plan)
+
+    def _note_computing(self, request: Request, num_new_tokens: int, plan: _StepPlan) -> None:
+        if num_new_tokens <= 1 or not self.config.enable_prefix_caching:
+            return  # a decode's block is its own output: not worth waiting for
+        hashes = update_block_hashes(request, self.config.block_size)
+        first = request.num_computed_tokens // self.config.block_size
+        end = (request.num_computed_tokens + num_new_tokens) // self.config.block_size
+        plan.computing_block_hashes.update(hashes[first:end])
+
+    def _prefix_is_being_computed(self, request: Request, num_cached_blocks: int, plan: _StepPlan) -> bool:
+        """Whether the request's first block not in the cache is computed in this step by another."""
+        if not plan.computing_block_hashes:
+            return False
+        max_blocks = (request.num_tokens - 1) // self.config.block_size
+        return (num_cached_blocks < max_blocks
+                and request.block_hashes[num_cached_blocks] in plan.computing_block_hashes)
 
     def _make_room(self, request: Request, num_new_tokens: int, plan: _StepPlan,
                    cached_block_ids: list[int]) -> bool:

@@ -165,7 +165,7 @@ def test_long_prefill_chunk_lets_several_prompts_progress_in_one_step() -> None:
     scheduler = make_scheduler(max_num_batched_tokens=32, long_prefill_chunk=5)
     runner = FakeRunner()
     scheduler.add_request(make_request("a", num_prompt=12))
-    scheduler.add_request(make_request("b", num_prompt=12))
+    scheduler.add_request(make_request("b", num_prompt=12, first_token=500))
     out = step(scheduler, runner, {})
     assert out.num_scheduled_tokens == {"a": 5, "b": 5}
 
@@ -225,7 +225,7 @@ def test_no_waiting_request_is_admitted_in_a_step_that_had_to_preempt() -> None:
     scheduler = make_scheduler(block_size=2, num_kv_blocks=4)
     runner = FakeRunner(block_size=2)
     scheduler.add_request(make_request("a", 3, priority=1, arrival_time=0.0))
-    scheduler.add_request(make_request("b", 3, priority=1, arrival_time=1.0))
+    scheduler.add_request(make_request("b", 3, 60, priority=1, arrival_time=1.0))
     step(scheduler, runner, {})
     step(scheduler, runner, {})
     scheduler.add_request(make_request("urgent", 1, priority=0, arrival_time=2.0))
@@ -243,8 +243,8 @@ def test_preemption_victim_is_highest_priority_number_then_latest_arrival(
 ) -> None:
     scheduler = make_scheduler(block_size=2, num_kv_blocks=4)
     runner = FakeRunner(block_size=2)
-    for req_id, priority, arrival in zip("ab", priorities, arrivals, strict=True):
-        scheduler.add_request(make_request(req_id, 3, priority=priority, arrival_time=arrival))
+    for req_id, first_token, priority, arrival in zip("ab", (10, 60), priorities, arrivals, strict=True):
+        scheduler.add_request(make_request(req_id, 3, first_token, priority=priority, arrival_time=arrival))
     step(scheduler, runner, {})
     step(scheduler, runner, {})
     assert step(scheduler, runner, {}).preempted_req_ids == [victim]
@@ -437,9 +437,9 @@ def test_batch_prompts_do_not_share_a_step_with_an_interactive_prompt() -> None:
     scheduler.add_request(make_request("b0", num_prompt=8, priority=BATCH_PRIORITY, max_tokens=20))
     step(scheduler, runner, {})
     for i in range(1, 4):
-        scheduler.add_request(make_request(f"b{i}", num_prompt=8, priority=BATCH_PRIORITY,
-                                           arrival_time=1.0 + i))
-    scheduler.add_request(make_request("chat", num_prompt=8, priority=0, arrival_time=9.0))
+        scheduler.add_request(make_request(f"b{i}", num_prompt=8, first_token=100 * i,
+                                           priority=BATCH_PRIORITY, arrival_time=1.0 + i))
+    scheduler.add_request(make_request("chat", num_prompt=8, first_token=500, priority=0, arrival_time=9.0))
     out = step(scheduler, runner, {})
     assert sorted(out.scheduled_req_ids) == ["b0", "chat"]  # b0's decode and the chat's prefill only
     assert sorted(step(scheduler, runner, {}).scheduled_req_ids) == ["b0", "b1", "b2", "b3", "chat"]
@@ -447,7 +447,8 @@ def test_batch_prompts_do_not_share_a_step_with_an_interactive_prompt() -> None:
     # it was alone), and interactive prompts of any priority share steps as before.
     scheduler = make_scheduler()
     for i, priority in enumerate((0, 3, 7)):
-        scheduler.add_request(make_request(f"i{i}", num_prompt=8, priority=priority, arrival_time=float(i)))
+        scheduler.add_request(make_request(f"i{i}", num_prompt=8, first_token=100 * i, priority=priority,
+                                           arrival_time=float(i)))
     assert sorted(step(scheduler, FakeRunner(), {}).scheduled_req_ids) == ["i0", "i1", "i2"]
 
 
@@ -518,3 +519,18 @@ def test_a_failed_worker_group_takes_the_prefix_cache_with_it() -> None:
     assert scheduler.block_manager.num_cached_blocks == 0
     out = scheduler.schedule()
     assert out.batch.works[0].start_pos == 0  # recomputed from scratch
+
+
+def test_a_request_whose_prefix_another_computes_in_this_step_waits_one_step_for_it() -> None:
+    scheduler = make_scheduler(block_size=4)
+    runner, collected = FakeRunner(), {}
+    for req_id, tail in (("first", 90), ("second", 91), ("other", 92)):
+        prompt = (list(range(200, 210)) if req_id != "other" else list(range(300, 310))) + [tail]
+        scheduler.add_request(Request(req_id, prompt, SamplingParams(max_tokens=2)))
+    out = step(scheduler, runner, collected)
+    # "second" would compute the same two full blocks as "first": it waits, and in strict
+    # order "other" waits behind it.
+    assert out.scheduled_req_ids == ["first"]
+    out = step(scheduler, runner, collected)
+    starts = {work.req_id: work.start_pos for work in out.batch.works}
+    assert starts == {"first": 11, "second": 8, "other": 0}
