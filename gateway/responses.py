@@ -22,10 +22,15 @@ class ErrorResponse(Shape):
     error: ErrorDetail
 
 
+class PromptTokensDetails(Shape):
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+
+
 class Usage(Shape):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class TopLogprob(Shape):

@@ -1,54 +1,220 @@
-"""Hands out fixed-size KV cache blocks to requests from one free list (no prefix caching)."""
+"""Hands out fixed-size KV cache blocks to requests, and keeps full blocks for reuse.
+
+Automatic prefix caching: a full block is addressed by a hash that chains its parent
+block's hash with its own token ids, so equal hashes mean equal tokens at equal positions
+from the start of the sequence, hence equal K/V. Blocks carry reference counts; a block
+nobody holds stays in the cache, free to be taken back by the next request with the same
+prefix, until a new block is needed and none is left that holds nothing: then the least
+recently used cached one is evicted. Only full blocks are shared; a request's last partial
+block (where it writes) is its own.
+"""
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+
 from scheduler.request import Request
+
+# A sha256 digest: Python's hash() of ints is unkeyed, so a crafted prompt could collide with
+# another user's prefix and read its K/V.
+BlockHash = bytes
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# The root of every chain. A model or weights change would change the K/V of every block, but
+# one scheduler serves one model and its cache dies with it; anything that someday changes a
+# block's K/V within one cache (LoRA adapters, multimodal inputs) must be hashed in here too.
+_ROOT_HASH: BlockHash = hashlib.sha256(b"tokenfleet-kv-block").digest()
+
+
+def hash_block(parent_hash: BlockHash, token_ids: Sequence[int]) -> BlockHash:
+    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
+
+
+def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
+    """The hashes of every full block of the request's tokens, extended in place (the tokens
+    of a request only ever grow, so earlier hashes never change)."""
+    hashes = request.block_hashes
+    num_full_blocks = request.num_tokens // block_size
+    parent = hashes[-1] if hashes else _ROOT_HASH
+    for index in range(len(hashes), num_full_blocks):
+        start = index * block_size
+        parent = hash_block(parent, request.token_ids_slice(start, start + block_size))
+        hashes.append(parent)
+    return hashes
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
                 f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}"
             )
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         # Popped from the end: reversed so blocks are handed out 0, 1, 2... on a fresh cache,
-        # which keeps block tables easy to read in logs and tests.
-        self._free_block_ids: list[int] = list(range(num_blocks - 1, -1, -1))
+        # which keeps block tables easy to read in logs and tests. Blocks here hold nothing.
+        self._empty_block_ids: list[int] = list(range(num_blocks - 1, -1, -1))
+        # Free blocks that still hold a cached prefix, least recently used first: evicted
+        # from the front only when no empty block is left.
+        self._free_cached: OrderedDict[int, None] = OrderedDict()
+        self._ref_counts = [0] * num_blocks  # block id -> requests holding it
+        self._hash_of_block: dict[int, BlockHash] = {}  # block id -> its hash, for cached blocks
+        self._block_of_hash: dict[BlockHash, int] = {}  # hash -> the block holding it
+        # As vLLM counts them, in tokens: prompt tokens looked up on first admission, and
+        # how many of them were found in the cache.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_block_ids)
+        """Blocks no request holds (cached ones included: they can be taken at any time)."""
+        return len(self._empty_block_ids) + len(self._free_cached)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._block_of_hash)
 
     @property
     def usage(self) -> float:
         """Fraction of blocks held by requests, in [0, 1]."""
-        return 1.0 - len(self._free_block_ids) / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def num_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
-        """Blocks to add so that num_computed_tokens + num_new_tokens slots are covered."""
-        num_slots = request.num_computed_tokens + num_new_tokens
-        return max(0, cdiv(num_slots, self.block_size) - len(request.block_ids))
+    # -- lookup ----------------------------------------------------------------------
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Block ids holding the longest cached prefix of the request's tokens (nothing changes).
+
+        At most (num_tokens - 1) // block_size blocks: the last token is always computed,
+        so that the step that admits the request has logits to sample from.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hashes = update_block_hashes(request, self.block_size)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        block_ids = []
+        for block_hash in hashes[:max_blocks]:
+            block_id = self._block_of_hash.get(block_hash)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        return block_ids
+
+    # -- allocation ------------------------------------------------------------------
+
+    def num_blocks_needed(self, request: Request, num_new_tokens: int, num_cached_blocks: int = 0) -> int:
+        """Blocks to add so that num_computed_tokens + num_new_tokens slots are covered (after
+        taking num_cached_blocks cached blocks, for a request that holds none yet)."""
+        num_slots = request.num_computed_tokens + num_cached_blocks * self.block_size + num_new_tokens
+        return max(0, cdiv(num_slots, self.block_size) - len(request.block_ids) - num_cached_blocks)
+
+    def num_free_blocks_taken(self, request: Request, num_new_tokens: int,
+                              cached_block_ids: Sequence[int] = ()) -> int:
+        """What allocate_slots would take out of the free blocks: the new ones, and the cached
+        hits that nobody holds now."""
+        num_idle_hits = sum(1 for b in cached_block_ids if self._ref_counts[b] == 0)
+        return self.num_blocks_needed(request, num_new_tokens, len(cached_block_ids)) + num_idle_hits
+
+    def num_blocks_freed_by(self, request: Request, keep: Sequence[int] = ()) -> int:
+        """Free blocks that freeing the request would add, not counting those in `keep` (a
+        newcomer's cached hits, which it would take straight back)."""
+        return sum(1 for b in request.block_ids if self._ref_counts[b] == 1 and b not in keep)
 
     def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
-        return self.num_blocks_needed(request, num_new_tokens) <= len(self._free_block_ids)
+        return self.num_free_blocks_taken(request, num_new_tokens) <= self.num_free_blocks
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Grow request.block_ids to cover the new tokens; False (and no change) when short."""
-        num_needed = self.num_blocks_needed(request, num_new_tokens)
-        if num_needed > len(self._free_block_ids):
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       cached_block_ids: Sequence[int] = ()) -> bool:
+        """Grow request.block_ids to cover the new tokens; False (and no change) when short.
+
+        cached_block_ids (from find_cached_prefix, for a request holding no blocks) become the
+        start of its block table, and its num_computed_tokens moves past them.
+        """
+        if self.num_free_blocks_taken(request, num_new_tokens, cached_block_ids) > self.num_free_blocks:
             return False
-        for _ in range(num_needed):
-            request.block_ids.append(self._free_block_ids.pop())
+        if cached_block_ids:
+            if request.block_ids or request.num_computed_tokens:
+                raise ValueError(f"{request.req_id}: cached blocks are for a request with none yet")
+            for block_id in cached_block_ids:
+                self._take(block_id)
+            request.block_ids = list(cached_block_ids)
+            request.num_computed_tokens = len(cached_block_ids) * self.block_size
+            request.num_registered_blocks = len(cached_block_ids)
+        for _ in range(self.num_blocks_needed(request, num_new_tokens)):
+            request.block_ids.append(self._take_empty())
         return True
 
+    def record_first_admission(self, request: Request) -> None:
+        """Count the request in prefix_cache_queries / _hits (once: a preempted request that
+        comes back is not counted again) and remember its hit for its usage."""
+        if request.num_cached_tokens is not None:
+            return
+        request.num_cached_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += request.num_prompt_tokens
+            self.prefix_cache_hits += request.num_cached_tokens
+
+    def _take(self, block_id: int) -> None:
+        if self._ref_counts[block_id] == 0:
+            del self._free_cached[block_id]
+        self._ref_counts[block_id] += 1
+
+    def _take_empty(self) -> int:
+        if self._empty_block_ids:
+            block_id = self._empty_block_ids.pop()
+        else:  # evict the least recently used cached block
+            block_id, _ = self._free_cached.popitem(last=False)
+            del self._block_of_hash[self._hash_of_block.pop(block_id)]
+        self._ref_counts[block_id] = 1
+        return block_id
+
+    # -- caching and freeing ---------------------------------------------------------
+
+    def register_full_blocks(self, request: Request) -> None:
+        """Make the request's blocks whose tokens are all computed findable by hash (called
+        once their K/V is in the cache, so no other request reads a block still being written)."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        if num_full <= request.num_registered_blocks:
+            return
+        hashes = update_block_hashes(request, self.block_size)
+        for index in range(request.num_registered_blocks, num_full):
+            block_id, block_hash = request.block_ids[index], hashes[index]
+            # The same tokens computed twice (two requests admitted before either's blocks were
+            # registered): the first block keeps the hash, this one stays private.
+            if block_hash not in self._block_of_hash and block_id not in self._hash_of_block:
+                self._block_of_hash[block_hash] = block_id
+                self._hash_of_block[block_id] = block_hash
+        request.num_registered_blocks = num_full
+
     def free(self, request: Request) -> None:
-        """Return all of the request's blocks; its block table becomes empty."""
-        # Reversed so the request's first block is the next one handed out again.
-        self._free_block_ids.extend(reversed(request.block_ids))
+        """Let go of the request's blocks; its block table becomes empty. A block nobody else
+        holds keeps its cached prefix, if it has one, until it is evicted."""
+        # Reversed: the tail of a sequence is evicted before its head, which more requests
+        # share, and an empty block freed first is handed out again first.
+        for block_id in reversed(request.block_ids):
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                if block_id in self._hash_of_block:
+                    self._free_cached[block_id] = None
+                else:
+                    self._empty_block_ids.append(block_id)
         request.block_ids = []
+        request.num_registered_blocks = 0
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (the K/V behind them is gone: a worker group was rebuilt).
+        Blocks that requests still hold stay theirs, but can no longer be found by hash."""
+        for block_id in self._free_cached:
+            self._empty_block_ids.append(block_id)
+        self._free_cached.clear()
+        self._block_of_hash.clear()
+        self._hash_of_block.clear()

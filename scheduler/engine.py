@@ -34,14 +34,17 @@ from workers.model_config import load_model_config
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict:
+        """OpenAI's usage object."""
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.total_tokens}
+                "total_tokens": self.total_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
 
 @dataclass
@@ -53,10 +56,11 @@ class GenerationResult:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int = 0
 
     @property
     def usage(self) -> Usage:
-        return Usage(len(self.prompt_token_ids), len(self.token_ids))
+        return Usage(len(self.prompt_token_ids), len(self.token_ids), self.num_cached_tokens)
 
     def to_json_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids,
@@ -106,6 +110,7 @@ class LLMEngine:
                 block_size=self.executor.block_size,
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
+                enable_prefix_caching=config.enable_prefix_caching,
             ),
             self.tokenizer,
             Grammars(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)),
@@ -264,3 +269,4 @@ def collect_output(result: GenerationResult, out: RequestOutput) -> None:
     if out.finished:
         result.finish_reason = out.finish_reason
         result.stop_reason = out.stop_reason
+        result.num_cached_tokens = out.num_cached_tokens

@@ -74,6 +74,12 @@ class Request:
     # preemption (which resets this to 0) are the same rule.
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)  # block table, in position order
+    # Prefix caching: the hash of each full block of all_token_ids so far (they never change),
+    # how many of block_ids are findable by their hash, and how many prompt tokens the first
+    # admission found in the cache (None until admitted; reported as usage's cached_tokens).
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    num_cached_tokens: int | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None

@@ -5,6 +5,11 @@ prefilling), then waiting requests in order of importance, as long as the token 
 the sequence cap and the KV cache allow. When the cache runs out, the least important
 running request is preempted: its blocks are freed and it later recomputes its prompt
 and output from scratch (num_computed_tokens back to 0).
+
+With prefix caching, a request admitted from the waiting queue starts after the longest
+prefix of its tokens whose full blocks are in the cache (block_manager.py); blocks are made
+findable once the step that computed them is over, and a preempted request's blocks stay
+cached, so it usually resumes from them.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from scheduler.block_manager import BlockManager, cdiv
+from scheduler.block_manager import BlockManager, cdiv, update_block_hashes
 from scheduler.detokenizer import IncrementalDetokenizer, Tokenizer
 from scheduler.fair_share import FairShare
 from scheduler.grammar import Grammars
@@ -34,6 +39,7 @@ class SchedulerConfig:
     # Cap on one request's prefill chunk per step, so several prompts can progress at once;
     # None: a prefill takes whatever budget the decodes leave.
     long_prefill_chunk: int | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "num_kv_blocks", "block_size", "max_num_seqs",
@@ -72,6 +78,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[TokenLogprobs] | None = None  # of new_token_ids; None if not asked for
+    num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
 
 
 @dataclass
@@ -81,6 +88,8 @@ class _StepPlan:
     token_budget: int
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # req_id -> tokens
     preempted_req_ids: list[str] = field(default_factory=list)
+    # Hashes of the full blocks this step's prefills compute: cached from the next step on.
+    computing_block_hashes: set[bytes] = field(default_factory=set)
 
     def add(self, request: Request, num_tokens: int) -> None:
         self.num_scheduled_tokens[request.req_id] = num_tokens
@@ -102,7 +111,8 @@ class Scheduler:
         `grammars`, requests with a grammar are refused."""
         self.config = config
         self.grammars = grammars
-        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
+                                          config.enable_prefix_caching)
         self._tokenizer = tokenizer
         # A sequence may not outgrow the model's window, nor the whole cache: a request
         # alone must always fit, or preempting it and resuming it would loop forever.
@@ -235,6 +245,7 @@ class Scheduler:
                     break
             else:
                 plan.add(request, num_new_tokens)
+                self._note_computing(request, num_new_tokens, plan)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         admits_interactive = False
@@ -248,25 +259,52 @@ class Scheduler:
                 # Batch prompts do not share a step with an interactive prompt: the step that
                 # gives an interactive request its first token stays as short as its own prefill.
                 break
-            num_new_tokens = self._num_new_tokens(request, plan.token_budget)
-            if not self._make_room(request, num_new_tokens, plan):
+            cached_block_ids = self.block_manager.find_cached_prefix(request)
+            if self._prefix_is_being_computed(request, len(cached_block_ids), plan):
+                # Wait one step and take those blocks from the cache, rather than compute them
+                # twice (a burst of chats with one system prompt computes it once).
+                break
+            num_new_tokens = self._num_new_tokens(
+                request, plan.token_budget, len(cached_block_ids) * self.config.block_size)
+            if not self._make_room(request, num_new_tokens, plan, cached_block_ids):
                 break  # strict order: later requests do not jump ahead of a stuck one
+            self.block_manager.record_first_admission(request)
             self._waiting.remove(request)
             self._fair_share.started(request)
             admits_interactive = admits_interactive or request.priority < BATCH_PRIORITY
             request.status = RequestStatus.RUNNING
             self._running.append(request)
             plan.add(request, num_new_tokens)
+            self._note_computing(request, num_new_tokens, plan)
 
-    def _make_room(self, request: Request, num_new_tokens: int, plan: _StepPlan) -> bool:
-        """Get a sequence slot and blocks for a waiting request; True when allocated.
+    def _note_computing(self, request: Request, num_new_tokens: int, plan: _StepPlan) -> None:
+        if num_new_tokens <= 1 or not self.config.enable_prefix_caching:
+            return  # a decode's block is its own output: not worth waiting for
+        hashes = update_block_hashes(request, self.config.block_size)
+        first = request.num_computed_tokens // self.config.block_size
+        end = (request.num_computed_tokens + num_new_tokens) // self.config.block_size
+        plan.computing_block_hashes.update(hashes[first:end])
+
+    def _prefix_is_being_computed(self, request: Request, num_cached_blocks: int, plan: _StepPlan) -> bool:
+        """Whether the request's first block not in the cache is computed in this step by another."""
+        if not plan.computing_block_hashes:
+            return False
+        max_blocks = (request.num_tokens - 1) // self.config.block_size
+        return (num_cached_blocks < max_blocks
+                and request.block_hashes[num_cached_blocks] in plan.computing_block_hashes)
+
+    def _make_room(self, request: Request, num_new_tokens: int, plan: _StepPlan,
+                   cached_block_ids: list[int]) -> bool:
+        """Get a sequence slot and blocks for a waiting request (starting with its cached
+        prefix); True when allocated.
 
         Only running requests of strictly lower importance (higher priority number) are
         preempted, fewest first, and only when that is enough.
         """
         num_victims_for_slot = max(0, len(self._running) + 1 - self.config.max_num_seqs)
-        num_blocks_needed = self.block_manager.num_blocks_needed(request, num_new_tokens)
-        num_free_blocks = self.block_manager.num_free_blocks
+        manager = self.block_manager
+        num_blocks_needed = manager.num_free_blocks_taken(request, num_new_tokens, cached_block_ids)
+        num_free_blocks = manager.num_free_blocks
         candidates = sorted(
             (r for r in self._running if r.priority > request.priority),
             key=_importance,
@@ -277,12 +315,13 @@ class Scheduler:
             if len(victims) >= num_victims_for_slot and num_free_blocks >= num_blocks_needed:
                 break
             victims.append(candidate)
-            num_free_blocks += len(candidate.block_ids)
+            # Blocks shared with others stay held; the newcomer's own hits it takes back.
+            num_free_blocks += manager.num_blocks_freed_by(candidate, keep=cached_block_ids)
         if len(victims) < num_victims_for_slot or num_free_blocks < num_blocks_needed:
             return False
         for victim in victims:
             self._preempt(victim, plan)
-        return self.block_manager.allocate_slots(request, num_new_tokens)
+        return manager.allocate_slots(request, num_new_tokens, cached_block_ids)
 
     def preempt_all_running(self) -> list[str]:
         """After a failed step (a worker group died, its KV cache with it): every running
@@ -291,6 +330,7 @@ class Scheduler:
         plan = _StepPlan(token_budget=0)
         for request in list(self._running):
             self._preempt(request, plan)
+        self.block_manager.reset_prefix_cache()  # the K/V behind it died with the group
         return plan.preempted_req_ids
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
@@ -308,8 +348,8 @@ class Scheduler:
             num_free_blocks=self.block_manager.num_free_blocks,
         )
 
-    def _num_new_tokens(self, request: Request, token_budget: int) -> int:
-        num_new_tokens = request.num_tokens - request.num_computed_tokens
+    def _num_new_tokens(self, request: Request, token_budget: int, num_cached_tokens: int = 0) -> int:
+        num_new_tokens = request.num_tokens - request.num_computed_tokens - num_cached_tokens
         if self.config.long_prefill_chunk is not None:
             num_new_tokens = min(num_new_tokens, self.config.long_prefill_chunk)
         return min(num_new_tokens, token_budget)
@@ -356,6 +396,7 @@ class Scheduler:
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted after schedule(): what the step did for it is moot
             request.num_computed_tokens += len(work.token_ids)
+            self.block_manager.register_full_blocks(request)
             if sampled is not None:
                 outputs.append(self._append_token(request, sampled))
         if next(sampled_tokens, None) is not None:
@@ -365,7 +406,8 @@ class Scheduler:
     def _report_abort(self, request: Request) -> RequestOutput:
         self._forget(request.req_id)
         return RequestOutput(
-            request.req_id, [], "", finished=True, finish_reason=FinishReason.ABORT
+            request.req_id, [], "", finished=True, finish_reason=FinishReason.ABORT,
+            num_cached_tokens=request.num_cached_tokens or 0,
         )
 
     def _forget(self, req_id: str) -> None:
@@ -394,6 +436,7 @@ class Scheduler:
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
             logprobs=logprobs,
+            num_cached_tokens=request.num_cached_tokens or 0,
         )
 
     def _detokenize_and_check_stop(self, request: Request, token_id: int) -> str:

@@ -435,7 +435,8 @@ class SchedulerService:
                 event = TokenEvent(out.req_id, flight.seq, out.new_token_ids, out.text_delta, logprobs)
             ack = None
             if out.finished:
-                usage = Usage(flight.num_prompt_tokens, len(flight.token_ids)).to_dict()
+                usage = Usage(flight.num_prompt_tokens, len(flight.token_ids),
+                              out.num_cached_tokens).to_dict()
                 if event is not None:
                     event.finish_reason = out.finish_reason.value
                     event.usage = usage
@@ -540,6 +541,9 @@ class SchedulerService:
             "max_num_seqs": self.engine.config.max_num_seqs, "updated_at": time.time(),
             **self.telemetry.heartbeat_fields(),
             "draining": int(self.is_draining),
+            # Since the scheduler started, in prompt tokens (vLLM's counters of the same names).
+            "prefix_cache_queries": scheduler.block_manager.prefix_cache_queries,
+            "prefix_cache_hits": scheduler.block_manager.prefix_cache_hits,
         })
         ttl_s = max(2, int(3 * self.settings.heartbeat_s))
         pipe.expire(key, ttl_s)

@@ -35,6 +35,8 @@ class EngineConfig:
     max_num_seqs: int = 256  # cap on running sequences
     max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
     max_model_len: int | None = None  # None: the model's context window
+    # Reuse the KV blocks of prompt prefixes computed before (hash-addressed full blocks).
+    enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch threads per rank on CPU
     # CUDA graphs of decode-only steps (CUDA with Triton only; CPU always runs eagerly).
     cuda_graphs: bool = True

@@ -89,6 +89,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "num-cpus-per-rank", type=float, default=1.0, help="Ray CPUs per rank on CPU hosts")
     _flag(parser, "placement-group", help="use this named Ray placement group (reserved by the autoscaler) "
                                           "for the worker group instead of reserving one")
+    _flag(parser, "no-prefix-caching", action="store_true",
+          help="recompute every prompt instead of reusing the KV blocks of a prefix seen before")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -185,6 +187,8 @@ def _add_up_parser(commands) -> None:
     _flag(up, "executor", default="auto",
           help="auto (each scheduler's own process at TP=1, a Ray group above), inprocess or ray")
     _flag(up, "tenants-file", help="the gateway's tenants: API keys and limits (see `tokenfleet gateway`)")
+    _flag(up, "no-prefix-caching", action="store_true",
+          help="schedulers recompute every prompt instead of reusing cached prefixes")
     _flag(up, "gateway-workers", type=int,
           help="gateway processes on the one port (default: from the cores, max(1, min(8, cores // 4)))")
     _flag(up, "batch-ingesters", type=int, default=0,
@@ -492,6 +496,7 @@ def _engine_config(args: argparse.Namespace):
         num_threads=args.num_threads, ray_address=args.ray_address,
         placement_strategy=args.placement_strategy, num_cpus_per_rank=args.num_cpus_per_rank,
         use_ray=uses_ray(args.executor, args.tp), placement_group_name=args.placement_group,
+        enable_prefix_caching=not args.no_prefix_caching,
     )
 
 
@@ -596,6 +601,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         # `up` waits for a serving replica before it says the fleet is up.
         raise InvalidRequestError("up needs --min-replicas >= 1 (tokenfleet autoscale allows 0)",
                                   param="min-replicas")
+    if args.no_prefix_caching:
+        scheduler_args += ["--no-prefix-caching"]
     options = FleetOptions(
         autoscale=autoscale, model=model, model_name=args.model_name or Path(model).name, host=args.host,
         port=args.port,

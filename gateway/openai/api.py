@@ -148,7 +148,7 @@ async def _stream(request: web.Request, plan: Plan, response_id: str, watch: Wat
                 await stream.write(frames[0] if len(frames) == 1 else b"".join(frames))
         timer.finished(outputs)
         if plan.include_usage:
-            await stream.send(chunks.usage([o.num_tokens for o in outputs]))
+            await stream.send(chunks.usage(outputs))
         await stream.send("[DONE]")
     except ConnectionError:
         pass  # the client left; following() cancels what has not ended

@@ -65,6 +65,7 @@ class ChoiceOutput:
     finish_reason: str | None = None
     error: dict | None = None
     state: str | None = None
+    cached_tokens: int = 0  # prompt tokens its scheduler found in the prefix cache
 
     def add(self, delta: Delta) -> None:
         self.text += delta.text
@@ -78,13 +79,30 @@ class ChoiceOutput:
         if delta.is_final:
             self.state = delta.state
             self.error = delta.error
+            self.cached_tokens = cached_tokens_of(delta.usage)
             self.finish_reason = delta.finish_reason or ("abort" if delta.state != "completed" else "stop")
 
 
-def usage(plan: Plan, num_tokens: list[int]) -> dict:
+def cached_tokens_of(usage: dict | None) -> int:
+    """usage.prompt_tokens_details.cached_tokens of a scheduler's usage record (0 if absent)."""
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens", 0)
+    return cached if isinstance(cached, int) else 0
+
+
+def usage(plan: Plan, outputs: list[ChoiceOutput]) -> dict:
+    """Each prompt counted once however many choices it has (as OpenAI does); its cached
+    tokens are the fewest any of its choices got, so none claims more than it had."""
     prompt = sum(plan.num_prompt_tokens)
-    completion = sum(num_tokens)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    completion = sum(o.num_tokens for o in outputs)
+    prompt_index_of = {choice.index: choice.prompt_index for choice in plan.choices}
+    cached_per_prompt: dict[int, int] = {}
+    for out in outputs:
+        prompt_index = prompt_index_of.get(out.index, out.index)
+        cached_per_prompt[prompt_index] = min(cached_per_prompt.get(prompt_index, out.cached_tokens),
+                                              out.cached_tokens)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(cached_per_prompt.values())}}
 
 
 def chat_completion(plan: Plan, response_id: str, outputs: list[ChoiceOutput]) -> dict:
@@ -101,7 +119,7 @@ def chat_completion(plan: Plan, response_id: str, outputs: list[ChoiceOutput]) -
                         "finish_reason": finish_reason})
     return {"id": response_id, "object": "chat.completion", "created": plan.created, "model": plan.model.name,
             "system_fingerprint": None, "choices": choices,
-            "usage": usage(plan, [o.num_tokens for o in outputs])}
+            "usage": usage(plan, outputs)}
 
 
 def chat_message(plan: Plan, text: str) -> dict:
@@ -127,7 +145,7 @@ def text_completion(plan: Plan, response_id: str, outputs: list[ChoiceOutput]) -
                         "finish_reason": out.finish_reason})
     return {"id": response_id, "object": "text_completion", "created": plan.created, "model": plan.model.name,
             "system_fingerprint": None, "choices": choices,
-            "usage": usage(plan, [o.num_tokens for o in outputs])}
+            "usage": usage(plan, outputs)}
 
 
 class ChunkMaker:
@@ -247,7 +265,7 @@ class ChunkMaker:
         self.text_offsets[index] = offset  # rendering a template sends nothing
         return frame(chunk)
 
-    def usage(self, num_tokens: list[int]) -> dict:
+    def usage(self, outputs: list[ChoiceOutput]) -> dict:
         return {"id": self.response_id, "object": self.object, "created": self.plan.created,
                 "model": self.plan.model.name, "system_fingerprint": None, "choices": [],
-                "usage": usage(self.plan, num_tokens)}
+                "usage": usage(self.plan, outputs)}

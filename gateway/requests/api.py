@@ -15,7 +15,13 @@ from pydantic import TypeAdapter
 from gateway.appkeys import LIMITER, MODELS, SETTINGS, STORE
 from gateway.errors import BadRequest, Conflict, NotFound
 from gateway.models import ServedModel
-from gateway.openai.format import ChoiceOutput, chat_completion, chat_logprobs, text_completion
+from gateway.openai.format import (
+    ChoiceOutput,
+    cached_tokens_of,
+    chat_completion,
+    chat_logprobs,
+    text_completion,
+)
 from gateway.openai.params import Plan, plan_chat, plan_completion
 from gateway.openai.schemas import SubmitChat, SubmitRequest
 from gateway.requests.follow import EXPIRED_MESSAGE
@@ -148,7 +154,7 @@ def _result(record: ResultRecord, model: ServedModel) -> dict | None:
                 logprobs=record.top_logprobs, created=int(record.queued_at or time.time()),
                 tool_format=record.tool_format, parallel_tool_calls=record.parallel_tool_calls)
     out = ChoiceOutput(0, record.text, len(record.token_ids), record.logprobs or [], record.finish_reason,
-                       state=record.state)
+                       state=record.state, cached_tokens=cached_tokens_of(record.usage))
     if plan.api == "chat":
         return chat_completion(plan, "chatcmpl-" + record.req_id, [out])
     return text_completion(plan, "cmpl-" + record.req_id, [out])

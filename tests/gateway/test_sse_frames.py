@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.models import ServedModel
-from gateway.openai.format import ChunkMaker
+from gateway.openai.format import ChoiceOutput, ChunkMaker, chat_completion
 from gateway.openai.params import ChoicePlan, Plan
 from gateway.requests.api import EventFrames, _event_data, _kind
 from gateway.requests.follow import decode_delta
@@ -157,3 +157,17 @@ def test_the_fast_event_decode_refuses_what_the_strict_decode_refuses(data: byte
         decode_event(data)
     with pytest.raises(MessageDecodeError):
         decode_delta(data)
+
+
+def test_usage_reports_the_cached_prompt_tokens_of_each_prompt_once() -> None:
+    """Two choices of one prompt: the prompt counts once, with the fewer cached tokens of the two."""
+    the_plan = plan("chat", n=2, include_usage=True)
+    outputs = [ChoiceOutput(0), ChoiceOutput(1)]
+    for out, cached in zip(outputs, (32, 16), strict=True):
+        out.add(Delta(1, [7], "x", finish_reason="length", state="completed",
+                      usage={"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4,
+                             "prompt_tokens_details": {"cached_tokens": cached}}))
+    expected = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                "prompt_tokens_details": {"cached_tokens": 16}}
+    assert chat_completion(the_plan, "chatcmpl-1", outputs)["usage"] == expected
+    assert ChunkMaker(the_plan, "chatcmpl-1").usage(outputs)["usage"] == expected

@@ -49,7 +49,11 @@ async def test_chat_answers_paris_and_the_stream_concatenates_to_the_same_text(s
             finish = choice.finish_reason or finish
     assert "".join(deltas) == answer
     assert finish == "stop"
-    assert usage.model_dump() == plain.usage.model_dump()
+    # The same prompt again: its full KV blocks came from the prefix cache, and usage says so.
+    assert usage.prompt_tokens == plain.usage.prompt_tokens
+    assert usage.completion_tokens == plain.usage.completion_tokens
+    cached = usage.prompt_tokens_details.cached_tokens
+    assert cached == (plain.usage.prompt_tokens - 1) // 16 * 16 > 0
     # And over plain HTTP: the stream's last line is data: [DONE].
     body = {"model": MODEL, "messages": CAPITAL, "max_tokens": 32, "temperature": 0, "stream": True}
     raw = await sdk.http.post("/v1/chat/completions", json=body)
@@ -137,6 +141,9 @@ async def test_submit_poll_and_reattach_half_way_equals_the_non_streamed_result(
     assert view["status"] == "completed"
     assert view["output"]["text"] == expected["message"]["content"]
     assert view["usage"]["completion_tokens"] == 40
+    # The chat call before it computed the same prompt: the submitted one reused its blocks.
+    cached = view["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0 and view["result"]["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
     assert view["timings"]["queue_s"] is not None and view["timings"]["time_to_first_token_s"] > 0
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from scheduler.request import FinishReason, Request, RequestStatus
+from scheduler.request import BATCH_PRIORITY, FinishReason, Request, RequestStatus
 from scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from shared.errors import InvalidRequestError, WorkerError
 from shared.sampling import SamplingParams
@@ -33,6 +33,9 @@ class FakeRunner:
         self.block_size = block_size
         self.next_token = next_token
         self.slots: dict[tuple[int, int], tuple[str, int, int]] = {}  # -> (req_id, pos, token)
+        # req_id -> its tokens, to check reads of a cached prefix another request wrote
+        self.tokens_of: Callable[[str], list[int] | None] | None = None
+        self.num_shared_reads = 0
 
     def __call__(self, batch: StepBatch) -> StepResult:
         sampled = []
@@ -52,7 +55,13 @@ class FakeRunner:
 
     def _read(self, req_id: str, block_ids: list[int], pos: int) -> int:
         owner, owner_pos, token = self.slots[self._slot(block_ids, pos)]
-        assert (owner, owner_pos) == (req_id, pos), "block table points at someone else's KV"
+        # Another request's slot is fine when it is a shared prefix: the same token at the same
+        # position (the history sampled from is then the reader's own).
+        assert owner_pos == pos, "block table points at another position's KV"
+        if owner != req_id:
+            self.num_shared_reads += 1
+            own = self.tokens_of(req_id) if self.tokens_of is not None else None
+            assert own is not None and own[pos] == token, "block table points at someone else's KV"
         return token
 
 
@@ -71,7 +80,7 @@ class Collected:
     stop_reason: str | int | None = None
 
 
-def make_scheduler(tokenizer: object | None = None, **overrides: int) -> Scheduler:
+def make_scheduler(tokenizer: object | None = None, **overrides: int | bool) -> Scheduler:
     config = dict(max_model_len=1024, num_kv_blocks=1000, block_size=4,
                   max_num_seqs=8, max_num_batched_tokens=64)
     config.update(overrides)
@@ -88,6 +97,7 @@ def make_request(req_id: str, num_prompt: int = 4, first_token: int = 10, priori
 def step(scheduler: Scheduler, runner: FakeRunner, collected: dict[str, Collected]
          ) -> SchedulerOutput:
     """One schedule / run / update round; checks the step limits."""
+    runner.tokens_of = lambda req_id: getattr(scheduler.get_request(req_id), "all_token_ids", None)
     out = scheduler.schedule()
     config = scheduler.config
     assert out.batch.num_tokens <= config.max_num_batched_tokens
@@ -155,7 +165,7 @@ def test_long_prefill_chunk_lets_several_prompts_progress_in_one_step() -> None:
     scheduler = make_scheduler(max_num_batched_tokens=32, long_prefill_chunk=5)
     runner = FakeRunner()
     scheduler.add_request(make_request("a", num_prompt=12))
-    scheduler.add_request(make_request("b", num_prompt=12))
+    scheduler.add_request(make_request("b", num_prompt=12, first_token=500))
     out = step(scheduler, runner, {})
     assert out.num_scheduled_tokens == {"a": 5, "b": 5}
 
@@ -192,7 +202,7 @@ def test_tiny_cache_preempts_yet_output_matches_unconstrained_run() -> None:
 
 
 def test_preempted_request_frees_blocks_and_resumes_first_by_recomputing_everything() -> None:
-    scheduler = make_scheduler(block_size=2, num_kv_blocks=4, max_num_seqs=2)
+    scheduler = make_scheduler(block_size=2, num_kv_blocks=4, max_num_seqs=2, enable_prefix_caching=False)
     runner, collected = FakeRunner(block_size=2), {}
     scheduler.add_request(make_request("first", 3, 10, arrival_time=0.0, max_tokens=3))
     scheduler.add_request(make_request("second", 3, 50, arrival_time=1.0, max_tokens=4))
@@ -215,7 +225,7 @@ def test_no_waiting_request_is_admitted_in_a_step_that_had_to_preempt() -> None:
     scheduler = make_scheduler(block_size=2, num_kv_blocks=4)
     runner = FakeRunner(block_size=2)
     scheduler.add_request(make_request("a", 3, priority=1, arrival_time=0.0))
-    scheduler.add_request(make_request("b", 3, priority=1, arrival_time=1.0))
+    scheduler.add_request(make_request("b", 3, 60, priority=1, arrival_time=1.0))
     step(scheduler, runner, {})
     step(scheduler, runner, {})
     scheduler.add_request(make_request("urgent", 1, priority=0, arrival_time=2.0))
@@ -233,8 +243,8 @@ def test_preemption_victim_is_highest_priority_number_then_latest_arrival(
 ) -> None:
     scheduler = make_scheduler(block_size=2, num_kv_blocks=4)
     runner = FakeRunner(block_size=2)
-    for req_id, priority, arrival in zip("ab", priorities, arrivals, strict=True):
-        scheduler.add_request(make_request(req_id, 3, priority=priority, arrival_time=arrival))
+    for req_id, first_token, priority, arrival in zip("ab", (10, 60), priorities, arrivals, strict=True):
+        scheduler.add_request(make_request(req_id, 3, first_token, priority=priority, arrival_time=arrival))
     step(scheduler, runner, {})
     step(scheduler, runner, {})
     assert step(scheduler, runner, {}).preempted_req_ids == [victim]
@@ -427,9 +437,9 @@ def test_batch_prompts_do_not_share_a_step_with_an_interactive_prompt() -> None:
     scheduler.add_request(make_request("b0", num_prompt=8, priority=BATCH_PRIORITY, max_tokens=20))
     step(scheduler, runner, {})
     for i in range(1, 4):
-        scheduler.add_request(make_request(f"b{i}", num_prompt=8, priority=BATCH_PRIORITY,
-                                           arrival_time=1.0 + i))
-    scheduler.add_request(make_request("chat", num_prompt=8, priority=0, arrival_time=9.0))
+        scheduler.add_request(make_request(f"b{i}", num_prompt=8, first_token=100 * i,
+                                           priority=BATCH_PRIORITY, arrival_time=1.0 + i))
+    scheduler.add_request(make_request("chat", num_prompt=8, first_token=500, priority=0, arrival_time=9.0))
     out = step(scheduler, runner, {})
     assert sorted(out.scheduled_req_ids) == ["b0", "chat"]  # b0's decode and the chat's prefill only
     assert sorted(step(scheduler, runner, {}).scheduled_req_ids) == ["b0", "b1", "b2", "b3", "chat"]
@@ -437,5 +447,90 @@ def test_batch_prompts_do_not_share_a_step_with_an_interactive_prompt() -> None:
     # it was alone), and interactive prompts of any priority share steps as before.
     scheduler = make_scheduler()
     for i, priority in enumerate((0, 3, 7)):
-        scheduler.add_request(make_request(f"i{i}", num_prompt=8, priority=priority, arrival_time=float(i)))
+        scheduler.add_request(make_request(f"i{i}", num_prompt=8, first_token=100 * i, priority=priority,
+                                           arrival_time=float(i)))
     assert sorted(step(scheduler, FakeRunner(), {}).scheduled_req_ids) == ["i0", "i1", "i2"]
+
+
+# -- prefix caching -------------------------------------------------------------------
+
+
+def shared_prefix_requests(seed: int, num: int) -> list[Request]:
+    """Prompts made of one of two shared prefixes (or none) and a distinct tail; mixed
+    priorities, batch items among them."""
+    rng = random.Random(seed)
+    prefixes = [[], [rng.randrange(VOCAB) for _ in range(13)], [rng.randrange(VOCAB) for _ in range(22)]]
+    requests = []
+    for i in range(num):
+        prompt = rng.choice(prefixes) + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 9))]
+        priority = rng.choice([0, 1, BATCH_PRIORITY])
+        requests.append(Request(f"r{i}", prompt, SamplingParams(max_tokens=rng.randint(1, 12)),
+                                priority, float(i)))
+    return requests
+
+
+@pytest.mark.parametrize("limits", [
+    dict(num_kv_blocks=14, max_num_seqs=4),  # preemption forced by a tiny cache
+    dict(long_prefill_chunk=3, max_num_batched_tokens=8, max_num_seqs=4),  # small chunks
+])
+def test_shared_prefixes_give_the_same_tokens_with_and_without_prefix_caching(limits) -> None:
+    runs = {}
+    for caching in (False, True):
+        scheduler = make_scheduler(**limits, enable_prefix_caching=caching)
+        runs[caching] = run_all(scheduler, shared_prefix_requests(3, 24), next_token_from_history)
+        manager = scheduler.block_manager
+        if caching:
+            assert manager.prefix_cache_hits > 0 and manager.prefix_cache_queries > manager.prefix_cache_hits
+    tokens = {caching: {k: v.token_ids for k, v in got.items()} for caching, (got, _) in runs.items()}
+    assert tokens[True] == tokens[False]
+    if "num_kv_blocks" in limits:
+        assert all(sum(len(out.preempted_req_ids) for out in outs) > 0 for _, outs in runs.values())
+    tokens_computed = {caching: sum(o.batch.num_tokens for o in outs) for caching, (_, outs) in runs.items()}
+    assert tokens_computed[True] < tokens_computed[False]
+
+
+def test_a_request_starts_after_the_prefix_an_earlier_one_computed() -> None:
+    scheduler = make_scheduler(block_size=4)
+    runner, collected = FakeRunner(next_token=next_token_from_history), {}
+    first = Request("first", list(range(10)), SamplingParams(max_tokens=5))
+    scheduler.add_request(first)
+    step(scheduler, runner, collected)  # its 10 prompt tokens: blocks 0-1 full and cached
+    scheduler.add_request(Request("second", list(range(8)) + [99], SamplingParams(max_tokens=2)))
+    out = step(scheduler, runner, collected)
+    second_work = out.batch.works[-1]
+    assert (second_work.req_id, second_work.start_pos, second_work.token_ids) == ("second", 8, [99])
+    assert second_work.block_ids[:2] == first.block_ids[:2]
+    assert runner.num_shared_reads > 0
+    outputs = []
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        outputs += scheduler.update_from_output(out, runner(out.batch))
+    [second_end] = [o for o in outputs if o.req_id == "second" and o.finished]
+    assert second_end.num_cached_tokens == 8
+
+
+def test_a_failed_worker_group_takes_the_prefix_cache_with_it() -> None:
+    scheduler = make_scheduler(block_size=4)
+    runner, collected = FakeRunner(), {}
+    scheduler.add_request(Request("a", list(range(10)), SamplingParams(max_tokens=5)))
+    step(scheduler, runner, collected)
+    assert scheduler.block_manager.num_cached_blocks == 2
+    scheduler.preempt_all_running()
+    assert scheduler.block_manager.num_cached_blocks == 0
+    out = scheduler.schedule()
+    assert out.batch.works[0].start_pos == 0  # recomputed from scratch
+
+
+def test_a_request_whose_prefix_another_computes_in_this_step_waits_one_step_for_it() -> None:
+    scheduler = make_scheduler(block_size=4)
+    runner, collected = FakeRunner(), {}
+    for req_id, tail in (("first", 90), ("second", 91), ("other", 92)):
+        prompt = (list(range(200, 210)) if req_id != "other" else list(range(300, 310))) + [tail]
+        scheduler.add_request(Request(req_id, prompt, SamplingParams(max_tokens=2)))
+    out = step(scheduler, runner, collected)
+    # "second" would compute the same two full blocks as "first": it waits, and in strict
+    # order "other" waits behind it.
+    assert out.scheduled_req_ids == ["first"]
+    out = step(scheduler, runner, collected)
+    starts = {work.req_id: work.start_pos for work in out.batch.works}
+    assert starts == {"first": 11, "second": 8, "other": 0}
