@@ -28,7 +28,9 @@ pytestmark = pytest.mark.slow
 KEYS = Keys()
 MODEL = "tiny"
 SHORT_TOKENS = 64  # the burst: short requests, kept queued until the second replica serves
-LONG_TOKENS = 400  # sent after the burst, one per replica: streaming when the low-load cooldown ends
+# Sent after the burst, one per replica: still streaming when the low-load cooldown ends, on a
+# quiet machine too (a few ms a token there).
+LONG_TOKENS = 1200
 NUM_LONG = 2
 BURST_QUEUE = 12  # requests kept in flight while the fleet grows: 8 queued past 4 slots > target 2
 
@@ -214,7 +216,13 @@ def test_autoscaled_tp2_replica_runs_in_the_placement_group_it_reserved_and_sigt
                                          {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=120) as response:
             assert json.loads(response.read())["usage"]["completion_tokens"] == 8
-        replicas = redis.Redis.from_url(f"redis://127.0.0.1:{redis_port}/0").hgetall(KEYS.replicas(MODEL))
+        client = redis.Redis.from_url(f"redis://127.0.0.1:{redis_port}/0")
+        deadline = time.monotonic() + 30  # the controller publishes what it sees at its next tick
+        replicas = client.hgetall(KEYS.replicas(MODEL))
+        while ((replicas.get(b"desired"), replicas.get(b"actual")) != (b"1", b"1")
+               and time.monotonic() < deadline):
+            time.sleep(0.2)
+            replicas = client.hgetall(KEYS.replicas(MODEL))
         assert (replicas[b"desired"], replicas[b"actual"]) == (b"1", b"1")
         descendants = psutil.Process(up.pid).children(recursive=True)
         ranks = [p for p in descendants if "RankWorker" in " ".join(p.cmdline())]

@@ -22,7 +22,9 @@ pytestmark = pytest.mark.slow
 MODEL = "smol"
 QUESTIONS = ["What is the capital of France?", "Name three colours.", "Write a haiku about rain.",
              "What is 2 + 2?", "Describe a cat.", "Why is the sky blue?"]
-NUM_TOKENS = 200  # ~30 ms a step on a loaded 2-core machine: the drain (within 1 s) finds them running
+# Long enough that the drain (seen within a maintenance tick, --heartbeat-s 0.2) finds them running
+# on a quiet machine too, where the tiny model makes a token in a few ms.
+NUM_TOKENS = 600
 SAMPLING = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
 
 
@@ -31,7 +33,7 @@ def _start_scheduler(model: Path, url: str, name: str, log_dir: Path) -> subproc
         return subprocess.Popen(
             [sys.executable, "-m", "tokenfleet.cli", "scheduler", "--redis-url", url, "--model", str(model),
              "--model-name", MODEL, "--scheduler-id", name, "--lease-s", "5", "--dtype", "float32",
-             "--num-kv-blocks", "256", "--max-num-seqs", "4"],
+             "--num-kv-blocks", "512", "--max-num-seqs", "4", "--heartbeat-s", "0.2"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "TOKENFLEET_LOG_LEVEL": "INFO"},
         )
