@@ -34,6 +34,7 @@ from scheduler.result_writer import ResultWriter
 from scheduler.scheduler import RequestOutput
 from scheduler.telemetry import SchedulerTelemetry
 from scheduler.tenant_streams import TenantStreams
+from shared.abandoned import claim_abandoned
 from shared.errors import InvalidRequestError
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.logging import get_logger
@@ -565,10 +566,10 @@ class SchedulerService:
         self._ensure_groups(self.tenant_streams.learn(
             self.client.smembers(self.keys.tenants(self.settings.model_name))))
         for stream in self.streams:
-            _, entries, *_ = self.client.xautoclaim(
-                stream, CONSUMER_GROUP, self.settings.scheduler_id, lease_ms, "0-0",
-                count=self.engine.config.max_num_seqs,
-            )
+            entries, gone = claim_abandoned(self.client, stream, CONSUMER_GROUP, self.settings.scheduler_id,
+                                            lease_ms, count=self.engine.config.max_num_seqs)
+            if gone:
+                self.log.warning("pending_entries_gone", stream=stream, count=len(gone))
             for entry_id, fields in entries:
                 entry_id = entry_id.decode()
                 pending = self.client.xpending_range(stream, CONSUMER_GROUP, entry_id, entry_id, 1)

@@ -42,7 +42,15 @@ import redis
 
 # bench_common before the product: importing it puts the repository on sys.path.
 from bench_common import Children, log, tiny_llama_with_smollm2_tokenizer
-from chaos_checks import KEYS, Report, check_request, check_rss, wait_batch, wait_no_pending
+from chaos_checks import (
+    KEYS,
+    Report,
+    check_request,
+    check_rss,
+    pending_details,
+    wait_batch,
+    wait_no_pending,
+)
 from chaos_clients import KINDS, Client, Outcome
 
 from scheduler.engine import LLMEngine
@@ -323,6 +331,8 @@ async def chaos(args: argparse.Namespace, children: Children, workdir: Path) -> 
     left = await asyncio.to_thread(wait_no_pending, store, model.name, 60.0)
     if left:
         report.violation(f"entries left pending: {left}")
+        for line in pending_details(store, model.name):
+            report.add("  pending " + line)
     dead = store.xlen(KEYS.dead)
     if dead:
         report.violation(f"{dead} dead-lettered entries")
@@ -400,6 +410,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--drain-s", type=float, default=300.0,
                         help="how long an accepted request may take to end")
     parser.add_argument("--max-rss-growth-mb", type=float, default=100.0)
+    parser.add_argument("--keep", metavar="DIR",
+                        help="work in DIR (a new folder) and keep it: the fleet's logs, its Redis files")
     args = parser.parse_args()
     defaults = dict(replicas=(1, 2), concurrency=(4, 6), fault_interval_s=(8.0, 15.0), warmup_s=(5.0, 20.0))
     for name, (short, long) in defaults.items():
@@ -412,8 +424,8 @@ def main() -> int:
     args = parse_args()
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tokenfleet-chaos-") as tmp:
-        workdir = Path(tmp)
-        (workdir / "logs").mkdir()
+        workdir = Path(args.keep) if args.keep else Path(tmp)
+        (workdir / "logs").mkdir(parents=True)
         children = Children(workdir / "logs")
         try:
             report = asyncio.run(chaos(args, children, workdir))

@@ -102,6 +102,26 @@ def pending_entries(client: redis.Redis, model: str) -> dict[str, int]:
     return left
 
 
+def pending_details(client: redis.Redis, model: str, limit: int = 5) -> list[str]:
+    """For a report: who holds the oldest pending entries, how long, and whether each still
+    exists in its stream (an entry deleted while pending can jam a takeover)."""
+    details = []
+    streams = [(KEYS.request_stream(model, kind), CONSUMER_GROUP) for kind in ("interactive", "batch")]
+    streams += [(KEYS.batch_in, INGESTER_GROUP), (KEYS.batch_done, INGESTER_GROUP)]
+    for stream, group in streams:
+        try:
+            pending = client.xpending_range(stream, group, "-", "+", limit)
+        except redis.ResponseError:
+            continue
+        for entry in pending:
+            entry_id = entry["message_id"]
+            exists = bool(client.xrange(stream, entry_id, entry_id))
+            details.append(f"{stream} {entry_id.decode()}: owner {entry['consumer'].decode()}, idle "
+                           f"{entry['time_since_delivered'] / 1000:.0f} s, delivered "
+                           f"{entry['times_delivered']}x, {'in' if exists else 'deleted from'} the stream")
+    return details
+
+
 def check_rss(first: dict[int, tuple[str, float, float]], last: dict[int, tuple[float, float]],
               limit_mb: float, min_span_s: float, report: Report) -> None:
     """Per role, the process watched longest: its RSS then and at its last sample. Growth

@@ -54,6 +54,7 @@ from gateway.requests.records import ResultRecord
 from gateway.requests.store import GatewayKeys, RequestStore
 from gateway.settings import GatewaySettings
 from gateway.tenant_registry import TenantRegistry
+from shared.abandoned import claim_abandoned_async
 from shared.keys import INGESTER_GROUP, JOB_ID_PATTERN, TENANT_PATTERN, Keys
 from shared.logging import get_logger
 from shared.messages import RequestMessage
@@ -404,7 +405,7 @@ class BatchIngester:
                 await self._finalize(job_id)
         if notices:
             entry_ids = [entry_id for entry_id, _ in notices]
-            pipe = self.client.pipeline(transaction=False)
+            pipe = self.client.pipeline(transaction=True)  # never deleted yet still pending
             pipe.xack(self.keys.batch_done, INGESTER_GROUP, *entry_ids)
             pipe.xdel(self.keys.batch_done, *entry_ids)
             await pipe.execute()
@@ -493,13 +494,15 @@ class BatchIngester:
 
     async def _take_over_pending(self) -> None:
         """What an ingester that died left pending: after the lease, someone else does it."""
-        _, entries, *_ = await self.client.xautoclaim(self.keys.batch_in, INGESTER_GROUP, self.consumer,
-                                                      self._lease_ms, "0-0", count=4)
+        entries, gone = await claim_abandoned_async(self.client, self.keys.batch_in, INGESTER_GROUP,
+                                                    self.consumer, self._lease_ms, count=4)
         for entry_id, fields in entries:
             log.info("batch_entry_taken_over", entry_id=entry_id.decode())
             await self.intake(entry_id.decode(), fields or {})
-        _, notices, *_ = await self.client.xautoclaim(self.keys.batch_done, INGESTER_GROUP, self.consumer,
-                                                      self._lease_ms, "0-0", count=512)
+        notices, gone_notices = await claim_abandoned_async(self.client, self.keys.batch_done, INGESTER_GROUP,
+                                                            self.consumer, self._lease_ms, count=512)
+        if gone or gone_notices:
+            log.warning("batch_pending_entries_gone", jobs=len(gone), notices=len(gone_notices))
         if notices:
             await self.collect(notices)
 
