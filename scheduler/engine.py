@@ -1,8 +1,13 @@
 """The in-process engine: the scheduler core driving a worker group, no Redis, no Ray.
 
     engine.add_request(...)  ->  engine.step()  ->  scheduler.schedule()
-                                               ->  executor.execute(batch)   (all ranks)
+                                               ->  executor.submit(batch)    (all ranks)
+                                               ->  executor.collect(...)
                                                ->  scheduler.update_from_output(...)
+
+A pipeline-parallel group takes `executor.pipeline_depth` steps in flight: `step` keeps that
+many submitted (each with requests the others do not have) and takes back the oldest, so
+every stage has a step to work on while the scheduler handles the tokens of another.
 
 `generate` runs a list of prompts to completion; the Redis service loop (a later issue)
 calls `add_request` / `step` itself.
@@ -10,6 +15,7 @@ calls `add_request` / `step` itself.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import random
 import threading
@@ -117,6 +123,8 @@ class LLMEngine:
         )
         self._req_counter = itertools.count()
         self._num_failed_steps = 0  # consecutive, reset by a good step
+        # Steps submitted and not yet collected, oldest first: (output, executor handle, submitted at).
+        self._in_flight: collections.deque[tuple[SchedulerOutput, object, float]] = collections.deque()
         self.num_group_restarts = 0
         self.num_steps = 0  # steps that ran on the workers
         self.step_observer: StepObserver | None = None
@@ -177,27 +185,42 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        started = time.perf_counter()
-        output = self.scheduler.schedule()
-        if not output.batch.works:  # only aborts to report
-            outputs = self.scheduler.update_from_output(output, StepResult(output.batch.step_id, []))
-        else:
-            try:
-                result = self.executor.execute(output.batch)
-            except WorkerError as exc:
-                self._recover(exc)
-                return []
-            self._num_failed_steps = 0
-            self.num_steps += 1
-            outputs = self.scheduler.update_from_output(output, result)
+        """Submit steps until the executor's pipeline is full (or nothing more can run), then
+        take back the oldest; returns what it (and any step with nothing to run) produced."""
+        outputs: list[RequestOutput] = []
+        try:
+            while len(self._in_flight) < self.executor.pipeline_depth:
+                started = time.perf_counter()
+                output = self.scheduler.schedule()
+                if not output.batch.works:  # only aborts (or preemption) to report
+                    done = self.scheduler.update_from_output(output, StepResult(output.batch.step_id, []))
+                    if done or output.preempted_req_ids:
+                        self._observe(output, done, started)
+                    outputs += done
+                    break
+                self._in_flight.append((output, self.executor.submit(output.batch), started))
+            if not self._in_flight:
+                return outputs
+            output, handle, started = self._in_flight.popleft()
+            result = self.executor.collect(handle)
+        except WorkerError as exc:
+            self._recover(exc)
+            return outputs
+        self._num_failed_steps = 0
+        self.num_steps += 1
+        done = self.scheduler.update_from_output(output, result)
+        self._observe(output, done, started)
+        return outputs + done
+
+    def _observe(self, output: SchedulerOutput, outputs: list[RequestOutput], started: float) -> None:
         if self.step_observer is not None:
             self.step_observer.record_step(output, outputs, time.perf_counter() - started)
-        return outputs
 
     def _recover(self, exc: WorkerError) -> None:
         """A rank died mid-step: its KV cache is gone. Rebuild the group, and let every
         running request recompute from the tokens it already has (nothing is re-sent)."""
         self._num_failed_steps += 1
+        self._in_flight.clear()  # their steps died with the group
         if self._num_failed_steps > self.config.max_group_restarts:
             raise exc
         preempted = self.scheduler.preempt_all_running()

@@ -10,6 +10,11 @@ With prefix caching, a request admitted from the waiting queue starts after the 
 prefix of its tokens whose full blocks are in the cache (block_manager.py); blocks are made
 findable once the step that computed them is over, and a preempted request's blocks stay
 cached, so it usually resumes from them.
+
+Under pipeline parallelism several steps are in flight at once (the engine submits the next
+before the last one's tokens are back). A request in a step still in flight is left out of
+the next ones, and never preempted, until that step's output has been taken back: its next
+token, and the blocks the step writes, are not known before.
 """
 
 from __future__ import annotations
@@ -124,6 +129,7 @@ class Scheduler:
         self._waiting: list[Request] = []
         self._fair_share = FairShare()  # which tenant's waiting request starts next, per priority
         self._running: list[Request] = []  # in admission order
+        self._in_flight: set[str] = set()  # req_ids in steps scheduled and not yet taken back
         self._aborted: list[Request] = []  # aborted since the last update_from_output
         self._next_step_id = 0
         # When set, only requests with stop strings are detokenized here (their text decides when
@@ -224,6 +230,7 @@ class Scheduler:
         if self.grammars is not None:
             batch.token_mask = self.grammars.fill(works)
         self._next_step_id += 1
+        self._in_flight.update(plan.num_scheduled_tokens)
         return SchedulerOutput(batch, plan.num_scheduled_tokens, plan.preempted_req_ids)
 
     def _schedule_running(self, plan: _StepPlan) -> None:
@@ -233,13 +240,14 @@ class Scheduler:
             self._running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1
         )
         for request in by_decodes_first:
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted for another request earlier in this loop
+            if request.status is not RequestStatus.RUNNING or request.req_id in self._in_flight:
+                continue  # preempted for another request earlier in this loop, or in flight
             num_new_tokens = self._num_new_tokens(request, plan.token_budget)
             if num_new_tokens == 0:
                 continue
             while not self.block_manager.allocate_slots(request, num_new_tokens):
-                victim = max(self._running, key=_importance)
+                victim = max((r for r in self._running if r.req_id not in self._in_flight),
+                             key=_importance)  # `request` itself at worst
                 self._preempt(victim, plan)
                 if victim is request:
                     break
@@ -306,7 +314,7 @@ class Scheduler:
         num_blocks_needed = manager.num_free_blocks_taken(request, num_new_tokens, cached_block_ids)
         num_free_blocks = manager.num_free_blocks
         candidates = sorted(
-            (r for r in self._running if r.priority > request.priority),
+            (r for r in self._running if r.priority > request.priority and r.req_id not in self._in_flight),
             key=_importance,
             reverse=True,
         )
@@ -328,6 +336,7 @@ class Scheduler:
         request goes back to waiting to recompute its prompt and output so far. Tokens
         already returned stay returned, so callers see no gap and no repeat."""
         plan = _StepPlan(token_budget=0)
+        self._in_flight.clear()  # those steps died with the group
         for request in list(self._running):
             self._preempt(request, plan)
         self.block_manager.reset_prefix_cache()  # the K/V behind it died with the group
@@ -385,6 +394,7 @@ class Scheduler:
         batch = scheduler_output.batch
         if step_result.step_id != batch.step_id:
             raise WorkerError(f"result of step {step_result.step_id} for batch {batch.step_id}")
+        self._in_flight.difference_update(scheduler_output.num_scheduled_tokens)
         outputs = [self._report_abort(request) for request in self._aborted]
         self._aborted = []
         sampled_tokens = iter(step_result.sampled)

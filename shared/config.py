@@ -25,7 +25,8 @@ class EngineConfig:
     """Knobs of one engine (scheduler core + its worker group)."""
 
     model: str  # path of a Hugging Face model folder
-    tp: int = 1
+    tp: int = 1  # tensor-parallel ranks per pipeline stage
+    pp: int = 1  # pipeline stages: the layers split into pp contiguous runs (Ray groups only)
     device: str | None = None  # None: cuda when present, else cpu
     dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
     block_size: int = 16  # tokens per KV block
@@ -51,7 +52,7 @@ class EngineConfig:
     # workers' collective_times()); steps then run eagerly, without CUDA graphs.
     time_collectives: bool = False
     seed: int = 0
-    # Worker groups (Ray). Groups are used for tp > 1, for replicas, or when use_ray is set.
+    # Worker groups (Ray). Groups are used for tp * pp > 1, for replicas, or when use_ray is set.
     use_ray: bool = False
     ray_address: str | None = None  # None: a local Ray started by this process
     placement_strategy: str = "STRICT_PACK"  # PACK or SPREAD to allow ranks on several nodes
@@ -63,7 +64,7 @@ class EngineConfig:
     max_group_restarts: int = 3  # rebuilds of a failed worker group before giving up
 
 
-def uses_ray(executor: str, tp: int) -> bool:
-    """Whether an engine runs its ranks as a Ray group. "auto" keeps TP=1 in the scheduler's own
-    process: a Ray group there costs a hop per step and buys nothing a takeover does not."""
-    return executor == "ray" or (executor == "auto" and tp > 1)
+def uses_ray(executor: str, tp: int, pp: int = 1) -> bool:
+    """Whether an engine runs its ranks as a Ray group. "auto" keeps one rank in the scheduler's
+    own process: a Ray group there costs a hop per step and buys nothing a takeover does not."""
+    return executor == "ray" or (executor == "auto" and tp * pp > 1)

@@ -10,6 +10,11 @@ more than it reports) and attend over that block alone (context length 1). The T
 kernel takes its loop bound from the context lengths only, so the fixed table width costs
 nothing. Sampling stays outside the graph.
 
+Under pipeline parallelism a stage's graph covers its own layers: a stage after the first
+reads the previous stage's activation from a static input buffer, and a stage before the last
+writes its activation (not logits) to the output buffer; the sends and receives between stages
+happen outside the graph.
+
 Everything else (steps with a prefill chunk, batches above the largest size, CPU) runs
 eagerly. All ranks of a TP group capture the same sizes in the same order, and pick graph or
 eager from the batch alone, so their collectives always line up.
@@ -61,7 +66,13 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(size + 1, dtype=torch.long, device=device)  # one token each
         self.block_tables = torch.full((size, self.max_blocks), scratch_block, dtype=torch.long,
                                        device=device)
-        self.logits: torch.Tensor | None = None  # [size, vocab], written by every graph
+        stage = model.stage
+        # The previous pipeline stage's activation, for a stage that does not embed tokens.
+        self.hidden_in = None if stage.is_first else torch.zeros(
+            size, model.cfg.hidden_size, dtype=kv_caches.dtype, device=device)
+        self.makes_logits = stage.is_last
+        # [size, vocab] logits (the last stage) or [size, hidden] activations, written by every graph
+        self.out: torch.Tensor | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # batch size -> its graph
 
     # -- which steps ----------------------------------------------------------------
@@ -91,19 +102,21 @@ class DecodeGraphs:
         )
 
     def _forward(self, size: int) -> torch.Tensor:
-        # -> logits [size, vocab], written into self.logits so that one buffer serves every size
-        hidden = self.model(self.token_ids[:size], self.positions[:size], self.kv_caches, self._meta(size))
-        logits = self.model.compute_logits(hidden)
-        if self.logits is None:
-            self.logits = torch.empty((self.sizes[-1], logits.shape[-1]), dtype=logits.dtype,
-                                      device=logits.device)
-        self.logits[:size].copy_(logits)
-        return self.logits[:size]
+        # -> logits [size, vocab] or the stage's activation, written into self.out so that one
+        # buffer serves every size
+        hidden_in = None if self.hidden_in is None else self.hidden_in[:size]
+        hidden = self.model(self.token_ids[:size], self.positions[:size], self.kv_caches, self._meta(size),
+                            hidden_in)
+        out = self.model.compute_logits(hidden) if self.makes_logits else hidden
+        if self.out is None:
+            self.out = torch.empty((self.sizes[-1], out.shape[-1]), dtype=out.dtype, device=out.device)
+        self.out[:size].copy_(out)
+        return self.out[:size]
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size, largest first, all in one memory pool (only one runs at a time)."""
-        self._forward(self.sizes[-1])  # allocates self.logits outside any graph's pool
+        self._forward(self.sizes[-1])  # allocates self.out outside any graph's pool
         torch.cuda.synchronize(self.device)
         pool = None
         for size in reversed(self.sizes):
@@ -118,16 +131,19 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def run(self, works: list[SequenceWork]) -> torch.Tensor:
-        """Logits [len(works), vocab] of a decode-only batch (check can_run first)."""
+    def run(self, works: list[SequenceWork], hidden_in: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [len(works), vocab] of a decode-only batch (check can_run first); on a stage
+        before the last, its activation [len(works), hidden]. `hidden_in`: the previous stage's."""
         num_seqs = len(works)
         size = self.padded_size(num_seqs)
         self._load_inputs(works, size)
+        if hidden_in is not None:
+            self.hidden_in[:num_seqs].copy_(hidden_in)
         if self.graphs:
             self.graphs[size].replay()
         else:  # not captured (CPU tests): the same forward over the same buffers, eagerly
             self._forward(size)
-        return self.logits[:num_seqs]
+        return self.out[:num_seqs]
 
     def close(self) -> None:
         """Destroy every graph and drop the buffers, the model and the KV cache. The graphs'
@@ -136,7 +152,7 @@ class DecodeGraphs:
         for graph in self.graphs.values():
             graph.reset()
         self.graphs.clear()
-        self.model = self.kv_caches = self.logits = None
+        self.model = self.kv_caches = self.out = self.hidden_in = None
         self.token_ids = self.positions = self.slot_mapping = None
         self.context_lens = self.query_start_loc = self.block_tables = None
 

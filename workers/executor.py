@@ -1,8 +1,11 @@
 """Runs a StepBatch on every rank of a worker group and returns rank 0's StepResult.
 
 - `InProcessExecutor`: one rank in the caller's process (TP=1, no Ray).
-- `RayWorkerGroup` (workers/ray_group.py): TP ranks as Ray actors on a placement group;
-  used for TP > 1, for replicas, or when `EngineConfig.use_ray` is set.
+- `RayWorkerGroup` (workers/ray_group.py): PP x TP ranks as Ray actors on placement groups;
+  used for TP or PP > 1, for replicas, or when `EngineConfig.use_ray` is set.
+
+`submit` starts a step and `collect` waits for its result; a pipelined group (PP > 1) takes
+`pipeline_depth` steps in flight at once, so that every stage has work. `execute` is the two.
 """
 
 from __future__ import annotations
@@ -22,8 +25,17 @@ class Executor(Protocol):
     max_model_len: int
     block_size: int
 
+    # Steps that may be in flight at once (submitted, not yet collected): 1 but for pipelines.
+    pipeline_depth: int
+
     def execute(self, batch: StepBatch) -> StepResult:
         """Raises WorkerError when a rank failed; the KV cache is then lost."""
+
+    def submit(self, batch: StepBatch) -> object:
+        """Start a step; returns what `collect` takes."""
+
+    def collect(self, handle: object) -> StepResult:
+        """The result of a submitted step, in submission order. Raises WorkerError like execute."""
 
     def restart(self) -> None:
         """Rebuild the group after a WorkerError (fresh, empty KV cache)."""
@@ -35,6 +47,8 @@ class Executor(Protocol):
 
 
 class InProcessExecutor:
+    pipeline_depth = 1
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.gpu_wait_gate: threading.Event | None = None
@@ -49,6 +63,12 @@ class InProcessExecutor:
 
     def execute(self, batch: StepBatch) -> StepResult:
         return self.runner.execute(batch)
+
+    def submit(self, batch: StepBatch) -> StepResult:
+        return self.runner.execute(batch)  # one rank, one step at a time: it runs now
+
+    def collect(self, handle: StepResult) -> StepResult:
+        return handle
 
     def set_gpu_wait_gate(self, gate: threading.Event) -> None:
         """Set `gate` while each step waits for the GPU (see ModelRunner.gpu_wait_gate)."""
@@ -72,7 +92,9 @@ class InProcessExecutor:
 def make_executor(config: EngineConfig) -> Executor:
     if config.tp < 1:
         raise ModelLoadError(f"tensor-parallel size must be >= 1, got {config.tp}")
-    if config.tp == 1 and not config.use_ray:
+    if config.pp < 1:
+        raise ModelLoadError(f"pipeline-parallel size must be >= 1, got {config.pp}")
+    if config.tp == 1 and config.pp == 1 and not config.use_ray:
         return InProcessExecutor(config)
     from workers.ray_group import RayWorkerGroup  # Ray is imported only when a group is used
 

@@ -1,8 +1,10 @@
 """One rank's model: builds it, loads its weight shards, owns its KV cache, runs steps.
 
-Every rank runs `execute` on the same StepBatch; only the driver rank samples and
-returns a StepResult (the others return None). Decode-only steps replay a CUDA graph on
-CUDA (`workers/cuda_graphs.py`); every other step runs eagerly.
+Every rank runs `execute` on the same StepBatch; only the driver rank (rank 0 of the last
+pipeline stage) samples and returns a StepResult (the others return None). Under pipeline
+parallelism a rank holds its stage's layers and their KV cache only; a stage after the first
+receives its input activation from the previous stage, one before the last sends its output on.
+Decode-only steps replay a CUDA graph on CUDA (`workers/cuda_graphs.py`); every other step runs eagerly.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from workers.layers.quantization import METHODS, building_with, method_named
 from workers.model_config import ModelConfig, load_model_config
 from workers.models.registry import MODEL_CLASSES
 from workers.parallel import TensorParallel, all_reduce_min
+from workers.pipeline import SINGLE_STAGE, PipelineStage
 from workers.sampler import Sampler
 from workers.step_inputs import build_step_inputs
 from workers.weight_loader import load_weights, resident_weight_bytes
@@ -62,13 +65,17 @@ def release_device_memory(device: torch.device) -> None:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, tp: TensorParallel) -> None:
+    def __init__(self, config: EngineConfig, tp: TensorParallel, stage: PipelineStage = SINGLE_STAGE) -> None:
         self.config = config
         self.tp = tp
-        self.log = get_logger("tokenfleet.worker", rank=tp.rank)
+        self.stage = stage
+        self.world_size = tp.size * stage.size
+        self.rank = stage.index * tp.size + tp.rank  # in the whole group
+        self.is_driver = tp.is_driver and stage.is_last  # samples, and answers the scheduler
+        self.log = get_logger("tokenfleet.worker", rank=self.rank)
         self.device = resolve_device(config.device)
         if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", tp.rank % torch.cuda.device_count())
+            self.device = torch.device("cuda", self.rank % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         if config.num_threads and self.device.type == "cpu":
@@ -84,7 +91,7 @@ class ModelRunner:
         self.num_kv_blocks = self._decide_num_kv_blocks()  # what the scheduler may hand out
         self.kv_caches = self._allocate_kv_cache()  # holds one more: the scratch block
         self.decode_graphs = self._capture_decode_graphs()
-        self.sampler = Sampler(seed=config.seed) if tp.is_driver else None
+        self.sampler = Sampler(seed=config.seed) if self.is_driver else None
         # Set while this thread waits for the GPU (the sampler's copy of the chosen ids): a
         # caller's helper thread (the scheduler's result writer) uses the GIL then, rather than
         # while this thread launches the next step.
@@ -97,7 +104,7 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)  # parameters are born in the serving dtype
         try:
             with torch.device(device), building_with(method_named(self.quantization)):
-                return cls(self.model_config, self.tp, self.max_model_len)
+                return cls(self.model_config, self.tp, self.max_model_len, self.stage)
         except ValueError as exc:  # e.g. heads that do not divide by TP
             raise ModelLoadError(f"cannot shard {self.config.model!r}: {exc}") from None
         finally:
@@ -114,12 +121,15 @@ class ModelRunner:
             return
         need = self.weight_bytes_needed()
         if need > budget:
+            stage = self.stage
+            where = f" in pipeline stage {stage.index} of pp={stage.size}" if stage.size > 1 else ""
             raise ModelLoadError(
-                f"the weights of {self.config.model!r} do not fit: rank {self.tp.rank} of tp={self.tp.size} "
+                f"the weights of {self.config.model!r} do not fit: rank {self.tp.rank} of "
+                f"tp={self.tp.size}{where} "
                 f"needs {format_bytes(need)} for its shard ({self.dtype}"
                 f"{', ' + self.quantization + ' linear weights' if self.quantization else ''}), over "
                 f"max_weight_bytes_per_rank = {format_bytes(budget)}; shard it over more ranks "
-                f"(about tp={-(-need * self.tp.size // budget)}) or raise the budget"
+                f"(about tp={-(-need * self.tp.size // budget)}, or more pipeline stages) or raise the budget"
             )
 
     def _build_model(self) -> torch.nn.Module:
@@ -135,11 +145,16 @@ class ModelRunner:
         return model
 
     @property
+    def num_stage_layers(self) -> int:
+        """The layers this rank holds, and keeps KV for: its pipeline stage's."""
+        return len(self.stage.layers(self.model_config.num_layers))
+
+    @property
     def kv_block_bytes(self) -> int:
         cfg = self.model_config
         kv_heads = self.tp.shard(cfg.num_kv_heads)[1]
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * cfg.num_layers * self.block_size * kv_heads * cfg.head_dim * elem
+        return 2 * self.num_stage_layers * self.block_size * kv_heads * cfg.head_dim * elem
 
     def _decide_num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -156,7 +171,7 @@ class ModelRunner:
         else:
             local = kv_blocks_for_budget(self.config.kv_cache_bytes_cpu, fraction=1.0, activation_bytes=0,
                                          block_bytes=self.kv_block_bytes)
-        num_blocks = all_reduce_min(self.tp, local)
+        num_blocks = all_reduce_min(self.world_size, local)
         if num_blocks < 1:
             raise ModelLoadError("no memory is left for the KV cache after loading the weights")
         return num_blocks
@@ -164,7 +179,7 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> torch.Tensor:
         cfg = self.model_config
         # Block num_kv_blocks is the scratch block: padded rows of graph steps write there.
-        shape = (cfg.num_layers, 2, self.num_kv_blocks + 1, self.block_size,
+        shape = (self.num_stage_layers, 2, self.num_kv_blocks + 1, self.block_size,
                  self.tp.shard(cfg.num_kv_heads)[1], cfg.head_dim)
         self.log.info("kv_cache_allocated", num_blocks=self.num_kv_blocks,
                       bytes=(self.num_kv_blocks + 1) * self.kv_block_bytes)
@@ -192,7 +207,7 @@ class ModelRunner:
         except Exception as exc:  # noqa: BLE001 - a capture failure costs speed, not service
             self.log.warning("cuda_graph_capture_failed", error=f"{type(exc).__name__}: {exc}"[:500])
             captured = 0
-        if not all_reduce_min(self.tp, captured):  # every rank must take the same path
+        if not all_reduce_min(self.world_size, captured):  # every rank must take the same path
             return None
         self.log.info("cuda_graphs_captured", sizes=len(graphs.sizes), max_batch_size=graphs.sizes[-1],
                       seconds=round(time.perf_counter() - start, 2))
@@ -203,13 +218,25 @@ class ModelRunner:
                 use_graphs: bool = True) -> tuple[torch.Tensor | None, list[SequenceWork]]:
         """The step's forward pass: the logits of the rows to sample ([num_sampled, vocab], in
         the model's dtype; None when no row samples) and the works they belong to. A captured
-        CUDA graph runs it when one fits and `use_graphs`; otherwise it runs eagerly."""
+        CUDA graph runs it when one fits and `use_graphs`; otherwise it runs eagerly. A stage
+        before the last sends its activation on and returns (None, [])."""
         if self.is_closed:
             raise RuntimeError("this model runner is closed; it runs no more steps")
+        hidden_in = None
+        if not self.stage.is_first:
+            hidden_in = self.stage.receive(batch.num_tokens, self.model_config.hidden_size, self.dtype,
+                                           self.device)
         if use_graphs and self.decode_graphs is not None and self.decode_graphs.can_run(batch.works):
-            return self.decode_graphs.run(batch.works), batch.works  # every decode row samples
+            out = self.decode_graphs.run(batch.works, hidden_in)
+            if not self.stage.is_last:
+                self.stage.send(out)
+                return None, []
+            return out, batch.works  # every decode row samples
         inputs = build_step_inputs(batch, self.block_size, self.device)
-        hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, inputs.meta)
+        hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, inputs.meta, hidden_in)
+        if not self.stage.is_last:
+            self.stage.send(hidden)
+            return None, []
         if not inputs.sampled_works:
             return None, []
         return self.model.compute_logits(hidden[inputs.sample_rows]), inputs.sampled_works
@@ -221,7 +248,7 @@ class ModelRunner:
         logits, sampled_works = self.forward(batch)
         if timer:
             timer.stop("step", start)
-        if not self.tp.is_driver:
+        if not self.is_driver:
             return None
         if logits is None:
             return StepResult(batch.step_id, [])

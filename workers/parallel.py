@@ -65,6 +65,8 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     timer: CudaSpanTimer | None = None  # set only to profile (EngineConfig.time_collectives)
+    # The stage's own process group under pipeline parallelism; None: the default (world) group.
+    group: object | None = None
 
     @property
     def is_driver(self) -> bool:
@@ -95,7 +97,7 @@ class TensorParallel:
         """Sum over ranks, in place; where a row-parallel layer ends."""
         if self.size > 1:
             start = self.timer.start(x.device) if self.timer else None
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=self.group)
             if self.timer:
                 self.timer.stop("collective", start)
         return x
@@ -106,7 +108,7 @@ class TensorParallel:
             return x
         parts = [torch.empty_like(x) for _ in range(self.size)]
         start = self.timer.start(x.device) if self.timer else None
-        dist.all_gather(parts, x.contiguous())
+        dist.all_gather(parts, x.contiguous(), group=self.group)
         if self.timer:
             self.timer.stop("collective", start)
         return torch.cat(parts, dim=-1)
@@ -115,9 +117,10 @@ class TensorParallel:
 SINGLE_DEVICE = TensorParallel()
 
 
-def all_reduce_min(tp: TensorParallel, value: int) -> int:
-    """The smallest of every rank's `value` (ranks must agree on sizes such as KV blocks)."""
-    if tp.size == 1:
+def all_reduce_min(world_size: int, value: int) -> int:
+    """The smallest of every rank's `value` over the whole group, every pipeline stage's
+    ranks included (they must agree on sizes such as KV blocks: one block table serves all)."""
+    if world_size == 1:
         return value
     t = torch.tensor([value], dtype=torch.int64)
     if dist.get_backend() == "nccl":

@@ -1,5 +1,10 @@
 """One rank of a worker group: joins the torch.distributed group, loads its shard, runs steps.
 
+Rank r of a group of PP x TP ranks is rank r % TP of pipeline stage r // TP: it loads that
+stage's layers, TP-sharded. The whole group is one torch.distributed world (the pipeline's
+sends and receives, and agreeing on sizes), and each stage also has a process group of its own
+for its tensor-parallel collectives.
+
 The class is plain Python; `workers/ray_group.py` wraps it as a Ray actor. Every rank runs
 `execute` on the same StepBatch; only rank 0 samples and returns a StepResult.
 
@@ -28,6 +33,7 @@ from shared.step import StepBatch, StepResult
 from workers.device import resolve_device
 from workers.model_runner import ModelRunner
 from workers.parallel import CollectiveTimes, CudaSpanTimer, TensorParallel
+from workers.pipeline import PipelineStage
 
 # A collective that waits longer than this means a peer rank died: fail instead of hanging.
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
@@ -46,6 +52,7 @@ class Park:
 @dataclass
 class RankInfo:
     rank: int
+    stage: int  # its pipeline stage
     pid: int
     hostname: str
     weight_bytes: int
@@ -88,16 +95,26 @@ class RankWorker:
 
     def load(self, master_addr: str, master_port: int) -> RankInfo:
         timer = CudaSpanTimer() if self.config.time_collectives else None
-        tp = TensorParallel(rank=self.rank, size=self.config.tp, timer=timer)
-        if tp.size > 1:
+        tp_size, pp_size = self.config.tp, self.config.pp
+        stage_index, tp_rank = divmod(self.rank, tp_size)
+        world_size = tp_size * pp_size
+        stage_group = None
+        if world_size > 1:
             device = resolve_device(self.config.device)
             backend = "nccl" if device.type == "cuda" else "gloo"
-            self._store = dist.TCPStore(master_addr, master_port, tp.size, is_master=self.rank == 0,
+            self._store = dist.TCPStore(master_addr, master_port, world_size, is_master=self.rank == 0,
                                         timeout=COLLECTIVE_TIMEOUT)
-            dist.init_process_group(backend, store=self._store, rank=self.rank, world_size=tp.size,
+            dist.init_process_group(backend, store=self._store, rank=self.rank, world_size=world_size,
                                     timeout=COLLECTIVE_TIMEOUT)
-        self.runner = ModelRunner(self.config, tp)
-        return RankInfo(self.rank, os.getpid(), socket.gethostname(), self.runner.weight_bytes,
+            if pp_size > 1 and tp_size > 1:
+                # Every rank creates every stage's group, in the same order (new_group is collective).
+                groups = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size)),
+                                         timeout=COLLECTIVE_TIMEOUT) for s in range(pp_size)]
+                stage_group = groups[stage_index]
+        tp = TensorParallel(rank=tp_rank, size=tp_size, timer=timer, group=stage_group)
+        stage = PipelineStage(stage_index, pp_size, tp_rank, tp_size)
+        self.runner = ModelRunner(self.config, tp, stage)
+        return RankInfo(self.rank, stage_index, os.getpid(), socket.gethostname(), self.runner.weight_bytes,
                         self.runner.num_kv_blocks, self.runner.max_model_len, self.runner.block_size,
                         self._wake_socket.getsockname())
 

@@ -1,14 +1,20 @@
-"""A tensor-parallel worker group placed by Ray: one actor per rank on its own bundle.
+"""A worker group placed by Ray: one actor per rank on its own bundle; PP stages of TP ranks.
 
-    placement group (one bundle per rank: {"GPU": 1} on GPU hosts, N CPUs otherwise)
+    placement group per pipeline stage (one bundle per rank: {"GPU": 1} on GPU hosts, N CPUs
+    otherwise; the strategy, PACK by default, applies within a stage, so stages may sit on
+    different nodes)
       └─ RankWorker actor per rank ── torch.distributed (NCCL on CUDA, gloo on CPU),
                                       rendezvous at rank 0's node on a free port
 
 Steps are dispatched through a Ray Compiled Graph: the batch is written once into Ray's
 shared-memory channels and every rank reads it (about 0.2 ms per step here, against
 about 1.6 ms for plain actor calls; see scripts/bench_dispatch.py). Only rank 0 returns
-sampled tokens. A rank that dies, or a step that exceeds its timeout, raises WorkerError;
-`restart()` tears the group down and builds a new one.
+sampled tokens (rank 0 of the last stage). A rank that dies, or a step that exceeds its
+timeout, raises WorkerError; `restart()` tears the group down and builds a new one.
+
+A pipeline keeps up to PP steps in flight (`submit` several, `collect` in order): every rank
+reads each step from the graph's input channel in turn, so stage 0 starts step k+1 while
+stage 1 still computes step k, and only the last stage's rank 0 returns anything.
 
 Idle ranks park. A rank waiting for its next step spins in Ray's channel read (a
 sched_yield loop with no blocking mode: a full core per rank). That is what back-to-back
@@ -26,6 +32,7 @@ import os
 import socket
 import threading
 import time
+from contextlib import contextmanager
 
 import ray
 from ray.dag import InputNode, MultiOutputNode
@@ -85,7 +92,12 @@ class RayWorkerGroup:
         self._last_step_at = time.monotonic()
         self.compiled = None
         self.actors: list = []
-        self.pg = None
+        self.pgs: list = []  # one placement group per pipeline stage (or the one reserved for us)
+        self.num_in_flight = 0  # steps submitted and not yet collected
+        self.peak_in_flight = 0  # the most ever in flight at once (a full pipeline: PP)
+        self.pipeline_depth = config.pp
+        # The rank whose result the scheduler gets: rank 0 of the last pipeline stage.
+        self.driver_rank = (config.pp - 1) * config.tp
         self._wake_socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # to ranks on this host
         self._wake_socket.setblocking(False)
         ensure_ray(config.ray_address)
@@ -100,20 +112,31 @@ class RayWorkerGroup:
             return {"GPU": 1, "CPU": 1}
         return {"CPU": self.config.num_cpus_per_rank}
 
+    def _place(self) -> list[tuple[object, int]]:
+        """(placement group, bundle index) of every rank, in rank order."""
+        tp, pp = self.config.tp, self.config.pp
+        if self.config.placement_group_name:
+            self.pgs = [_reserved_placement_group(self.config.placement_group_name, tp * pp)]
+            spots = [(self.pgs[0], rank) for rank in range(tp * pp)]
+        else:
+            self.pgs = [placement_group([self._bundle()] * tp, strategy=self.config.placement_strategy)
+                        for _ in range(pp)]
+            spots = [(self.pgs[rank // tp], rank % tp) for rank in range(tp * pp)]
+        if not all(pg.wait(timeout_seconds=60) for pg in self.pgs):
+            if not self.config.placement_group_name:
+                for pg in self.pgs:
+                    remove_placement_group(pg)
+            self.pgs = []
+            raise ModelLoadError(
+                f"Ray could not place {pp} stage(s) of {tp} ranks of {self._bundle()} with "
+                f"{self.config.placement_strategy} (cluster resources: {ray.cluster_resources()})"
+            )
+        return spots
+
     def _start(self) -> None:
         start = time.perf_counter()
-        tp = self.config.tp
-        if self.config.placement_group_name:
-            self.pg = _reserved_placement_group(self.config.placement_group_name, tp)
-        else:
-            self.pg = placement_group([self._bundle()] * tp, strategy=self.config.placement_strategy)
-        if not self.pg.wait(timeout_seconds=60):
-            if not self.config.placement_group_name:
-                remove_placement_group(self.pg)
-            raise ModelLoadError(
-                f"Ray could not place {tp} ranks of {self._bundle()} with {self.config.placement_strategy} "
-                f"(cluster resources: {ray.cluster_resources()})"
-            )
+        tp, pp = self.config.tp, self.config.pp
+        spots = self._place()
         threads = self.config.num_threads or max(1, int(self.config.num_cpus_per_rank))
         config = self.config if self.config.num_threads else _with_threads(self.config, threads)
         actor_cls = ray.remote(RankWorker)
@@ -121,11 +144,11 @@ class RayWorkerGroup:
             actor_cls.options(
                 num_cpus=self._bundle().get("CPU", 1), num_gpus=self._bundle().get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.pg, placement_group_bundle_index=rank
+                    placement_group=pg, placement_group_bundle_index=bundle
                 ),
                 max_restarts=0,
             ).remote(config, rank)
-            for rank in range(tp)
+            for rank, (pg, bundle) in enumerate(spots)
         ]
         try:
             addr, port = ray.get(self.actors[0].rendezvous_address.remote(), timeout=STARTUP_TIMEOUT_S)
@@ -143,20 +166,23 @@ class RayWorkerGroup:
             dag = MultiOutputNode([a.execute.bind(batch) for a in self.actors])
         with self._lock:
             self.compiled = dag.experimental_compile()
+            self.num_in_flight = 0
             self._last_step_at = time.monotonic()
             self._can_park = True
             self._lock.notify_all()
         self.num_kv_blocks = min(info.num_kv_blocks for info in self.infos)
         self.max_model_len = self.infos[0].max_model_len
         self.block_size = self.infos[0].block_size
-        self.log.info("worker_group_ready", tp=tp, seconds=round(time.perf_counter() - start, 2),
+        self.log.info("worker_group_ready", tp=tp, pp=pp, seconds=round(time.perf_counter() - start, 2),
                       pids=[i.pid for i in self.infos], num_kv_blocks=self.num_kv_blocks)
 
     def _warn_if_spread(self) -> None:
-        hosts = {info.hostname for info in self.infos}
-        if self.config.tp > 1 and len(hosts) > 1:
-            self.log.warning("tp_ranks_on_several_nodes", hosts=sorted(hosts),
-                             hint="every layer all-reduces across the network; expect slow steps")
+        for stage in range(self.config.pp):
+            hosts = {info.hostname for info in self.infos if info.stage == stage}
+            if self.config.tp > 1 and len(hosts) > 1:
+                self.log.warning("tp_ranks_on_several_nodes", stage=stage, hosts=sorted(hosts),
+                                 hint="every layer all-reduces across the network; expect slow steps; "
+                                      "split across nodes with pipeline stages (--pp) instead")
 
     def restart(self) -> None:
         """Tear the (broken) group down and build a new one with fresh KV caches."""
@@ -181,9 +207,11 @@ class RayWorkerGroup:
             for actor in reversed(self.actors):  # rank 0, the TCPStore's server, last
                 ray.kill(actor, no_restart=True)
             self.actors = []
-            if self.pg is not None and not self.config.placement_group_name:
-                remove_placement_group(self.pg)
-            self.pg = None
+            if not self.config.placement_group_name:
+                for pg in self.pgs:
+                    remove_placement_group(pg)
+            self.pgs = []
+            self.num_in_flight = 0
 
     def _leave_process_group(self) -> None:
         """Every rank frees its model and leaves torch.distributed, all at once; a rank that
@@ -216,7 +244,7 @@ class RayWorkerGroup:
         """The parking thread: park the ranks once no step has come for park_after_s."""
         with self._lock:
             while not self._is_closed:
-                if not self._can_park or self._park_ref is not None:
+                if not self._can_park or self._park_ref is not None or self.num_in_flight:
                     self._lock.wait()  # until a step (or a new graph) makes parking possible
                     continue
                 idle_s = time.monotonic() - self._last_step_at
@@ -249,24 +277,32 @@ class RayWorkerGroup:
     # -- steps ------------------------------------------------------------------------
 
     def execute(self, batch: StepBatch) -> StepResult:
-        with self._lock:
-            try:
-                return self._execute(batch)
-            finally:
-                self._last_step_at = time.monotonic()
+        return self.collect(self.submit(batch))
 
-    def _execute(self, batch: StepBatch) -> StepResult:
+    def submit(self, batch: StepBatch) -> tuple[int, object]:
+        """Start a step on every rank; returns its handle for `collect`."""
+        with self._lock:
+            with _worker_errors(batch.step_id):
+                if self._park_ref is not None:
+                    self._unpark(self.step_timeout_s)
+                ref = self.compiled.execute(batch)
+            self.num_in_flight += 1
+            self.peak_in_flight = max(self.peak_in_flight, self.num_in_flight)
+            self._last_step_at = time.monotonic()
+            return batch.step_id, ref
+
+    def collect(self, handle: tuple[int, object]) -> StepResult:
+        """The result of a submitted step (collected in submission order)."""
+        step_id, ref = handle
         try:
-            if self._park_ref is not None:
-                self._unpark(self.step_timeout_s)
-            results = ray.get(self.compiled.execute(batch), timeout=self.step_timeout_s)
-        except ray.exceptions.RayTaskError as exc:
-            raise WorkerError(f"step {batch.step_id} failed on a rank: {_root_message(exc)}") from None
-        except (ray.exceptions.RayActorError, ray.exceptions.RayChannelError,
-                ray.exceptions.GetTimeoutError, ray.exceptions.RaySystemError) as exc:
-            name = type(exc).__name__
-            raise WorkerError(f"step {batch.step_id}: the worker group failed ({name})") from None
-        return results[0]
+            with _worker_errors(step_id):
+                results = ray.get(ref, timeout=self.step_timeout_s)
+        finally:
+            with self._lock:
+                self.num_in_flight = max(0, self.num_in_flight - 1)
+                self._last_step_at = time.monotonic()
+                self._lock.notify_all()  # the parking thread may start timing the idle gap
+        return results[self.driver_rank]
 
     def rank_weight_bytes(self) -> list[int]:
         return [info.weight_bytes for info in self.infos]
@@ -275,14 +311,26 @@ class RayWorkerGroup:
         return [info.pid for info in self.infos]
 
 
-def _reserved_placement_group(name: str, tp: int):
+@contextmanager
+def _worker_errors(step_id: int):
+    """Ray's ways of saying a rank failed or vanished, as one WorkerError."""
+    try:
+        yield
+    except ray.exceptions.RayTaskError as exc:
+        raise WorkerError(f"step {step_id} failed on a rank: {_root_message(exc)}") from None
+    except (ray.exceptions.RayActorError, ray.exceptions.RayChannelError,
+            ray.exceptions.GetTimeoutError, ray.exceptions.RaySystemError) as exc:
+        raise WorkerError(f"step {step_id}: the worker group failed ({type(exc).__name__})") from None
+
+
+def _reserved_placement_group(name: str, num_ranks: int):
     try:
         pg = ray.util.get_placement_group(name)
     except ValueError:
         raise ModelLoadError(f"no Ray placement group {name!r} in namespace {RAY_NAMESPACE!r}") from None
     num_bundles = len(ray.util.placement_group_table(pg).get("bundles", {}))
-    if num_bundles != tp:
-        raise ModelLoadError(f"placement group {name!r} has {num_bundles} bundles for {tp} ranks")
+    if num_bundles != num_ranks:
+        raise ModelLoadError(f"placement group {name!r} has {num_bundles} bundles for {num_ranks} ranks")
     return pg
 
 

@@ -26,7 +26,11 @@ def load_weights(model: nn.Module, folder: str | Path) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
     packed = getattr(model, "packed_modules", {})
-    tied = bool(getattr(getattr(model, "cfg", None), "tie_word_embeddings", False))
+    # Tied: the LM head is the embedding's parameter (a last pipeline stage without the
+    # embedding has a head of its own, loaded from the embedding's tensor).
+    tied = (bool(getattr(getattr(model, "cfg", None), "tie_word_embeddings", False))
+            and "model.embed_tokens.weight" in params and "lm_head.weight" in params)
+    stage_tensor_name = getattr(model, "stage_tensor_name", lambda name: name)
     loaded: dict[str, set] = {}  # our parameter name -> shard ids filled
     for path in files:
         try:
@@ -34,7 +38,10 @@ def load_weights(model: nn.Module, folder: str | Path) -> None:
                 for name in reader.keys():  # noqa: SIM118 (safe_open is no dict)
                     if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
                         continue
-                    target, shard_id = _map_name(name, packed)
+                    stage_name = stage_tensor_name(name)
+                    if stage_name is None:
+                        continue  # another pipeline stage's: this rank never reads it
+                    target, shard_id = _map_name(stage_name, packed)
                     if target not in params:
                         raise ModelLoadError(f"{path.name}: tensor {name!r} matches no model parameter")
                     _load_one(modules, params, target, shard_id, reader.get_slice(name), path)

@@ -3,6 +3,11 @@
 Reads like single-device code: tensor parallelism lives inside the layers, and the only
 collectives are at the end of `o_proj` and `down_proj` (row-parallel) and in the
 vocab-parallel embedding and LM head.
+
+Under pipeline parallelism (workers/pipeline.py) a model holds only its stage's layers:
+the others are `MissingLayer`s, so that layer indices (and checkpoint names) stay global.
+Stage 0 alone has the embedding, the last stage alone the final norm and the LM head; a
+stage other than the last returns the residual stream for the next one.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding
 from workers.model_config import ModelConfig
 from workers.parallel import TensorParallel
+from workers.pipeline import SINGLE_STAGE, PipelineStage
 
 
 class LlamaAttention(nn.Module):
@@ -98,26 +104,41 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+class MissingLayer(nn.Module):
+    """A layer another pipeline stage holds: no parameters, never called."""
+
+
 class LlamaModel(nn.Module):
     layer_class = LlamaDecoderLayer
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, max_positions: int,
+                 stage: PipelineStage = SINGLE_STAGE) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.stage = stage
+        self.layer_range = stage.layers(cfg.num_layers)
+        self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+                             if stage.is_first else None)
         # One table shared by every layer.
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(self.layer_class(cfg, tp, rotary) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            self.layer_class(cfg, tp, rotary) if index in self.layer_range else MissingLayer()
+            for index in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if stage.is_last else None
 
     def forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata, hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # token_ids, positions: [num_tokens]; kv_caches: [num_layers, 2, blocks, ...]
-        x = self.embed_tokens(token_ids)
+        # token_ids, positions: [num_tokens]; kv_caches: [this stage's layers, 2, blocks, ...];
+        # hidden: [num_tokens, hidden], the previous stage's output (None on stage 0)
+        x = self.embed_tokens(token_ids) if hidden is None else hidden
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        layers = self.layers[self.layer_range.start:self.layer_range.stop]
+        for layer, kv_cache in zip(layers, kv_caches, strict=True):
             x, residual = layer(positions, x, residual, kv_cache, meta)
+        if self.norm is None:  # the next stage's first layer starts from the residual stream
+            return x + residual
         x, _ = self.norm(x, residual)
         return x  # [num_tokens, hidden]
 
@@ -133,19 +154,35 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, max_positions: int,
+                 stage: PipelineStage = SINGLE_STAGE) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = self.model_class(cfg, tp, max_positions)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
-        if cfg.tie_word_embeddings:
+        self.stage = stage
+        self.model = self.model_class(cfg, tp, max_positions, stage)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp) if stage.is_last else None
+        if cfg.tie_word_embeddings and stage.is_first and stage.is_last:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata, hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.model(token_ids, positions, kv_caches, meta)
+        return self.model(token_ids, positions, kv_caches, meta, hidden)
+
+    def stage_tensor_name(self, name: str) -> str | None:
+        """The parameter a checkpoint tensor loads into on this pipeline stage (before q/k/v
+        and gate/up fusing); None when another stage holds it."""
+        if name.startswith("model.layers."):
+            return name if int(name.split(".")[2]) in self.model.layer_range else None
+        if name.startswith("model.embed_tokens."):
+            if self.stage.is_first:
+                return name
+            # A last stage without the embedding loads it as its own LM head when they are tied.
+            return "lm_head.weight" if self.cfg.tie_word_embeddings and self.stage.is_last else None
+        if name.startswith(("model.norm.", "lm_head.")):
+            return name if self.stage.is_last else None
+        return name
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_seqs, hidden] -> [num_seqs, vocab] (full vocab on every rank)
