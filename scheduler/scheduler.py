@@ -39,16 +39,19 @@ class SchedulerConfig:
     max_model_len: int  # prompt + output tokens of one sequence
     num_kv_blocks: int
     block_size: int = 16  # tokens per KV block
-    max_num_seqs: int = 256  # cap on running sequences
+    max_num_seqs: int = 256  # cap on the sequences of one step (and on running ones, per step in flight)
     max_num_batched_tokens: int = 2048  # per-step token budget
     # Cap on one request's prefill chunk per step, so several prompts can progress at once;
     # None: a prefill takes whatever budget the decodes leave.
     long_prefill_chunk: int | None = None
     enable_prefix_caching: bool = True
+    # Steps in flight at once (a pipeline's stages): each step takes about 1/depth of the
+    # requests, so that every in-flight step has some.
+    pipeline_depth: int = 1
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "num_kv_blocks", "block_size", "max_num_seqs",
-                     "max_num_batched_tokens"):
+                     "max_num_batched_tokens", "pipeline_depth"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.long_prefill_chunk is not None and self.long_prefill_chunk < 1:
@@ -91,6 +94,7 @@ class _StepPlan:
     """What schedule() has decided so far; preemption can take a decision back."""
 
     token_budget: int
+    max_num_seqs: int  # sequences this step may take
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # req_id -> tokens
     preempted_req_ids: list[str] = field(default_factory=list)
     # Hashes of the full blocks this step's prefills compute: cached from the next step on.
@@ -99,6 +103,10 @@ class _StepPlan:
     def add(self, request: Request, num_tokens: int) -> None:
         self.num_scheduled_tokens[request.req_id] = num_tokens
         self.token_budget -= num_tokens
+
+    @property
+    def has_seq_room(self) -> bool:
+        return len(self.num_scheduled_tokens) < self.max_num_seqs
 
     def remove(self, request: Request) -> None:
         self.token_budget += self.num_scheduled_tokens.pop(request.req_id, 0)
@@ -216,7 +224,8 @@ class Scheduler:
     # -- one step: schedule ----------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        plan = _StepPlan(token_budget=self.config.max_num_batched_tokens)
+        plan = _StepPlan(token_budget=self.config.max_num_batched_tokens,
+                         max_num_seqs=self._step_seq_budget())
         self._schedule_running(plan)
         # Blocks just freed by preemption are for the running requests that needed them;
         # admitting new ones now would only preempt again.
@@ -233,6 +242,15 @@ class Scheduler:
         self._in_flight.update(plan.num_scheduled_tokens)
         return SchedulerOutput(batch, plan.num_scheduled_tokens, plan.preempted_req_ids)
 
+    def _step_seq_budget(self) -> int:
+        """Sequences this step may take: all of max_num_seqs, but for a pipeline a 1/depth share
+        of the requests there are (rounded up), so that the steps in flight split them evenly."""
+        depth = self.config.pipeline_depth
+        if depth == 1:
+            return self.config.max_num_seqs
+        num_requests = len(self._running) + len(self._waiting)
+        return max(1, min(self.config.max_num_seqs, -(-num_requests // depth)))
+
     def _schedule_running(self, plan: _StepPlan) -> None:
         # Decodes first: a request still prefilling gets what they leave, so a long prompt
         # never holds back the decodes of others for more than its current chunk.
@@ -240,6 +258,8 @@ class Scheduler:
             self._running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1
         )
         for request in by_decodes_first:
+            if not plan.has_seq_room:
+                break  # the rest go with the next step (a pipeline's share)
             if request.status is not RequestStatus.RUNNING or request.req_id in self._in_flight:
                 continue  # preempted for another request earlier in this loop, or in flight
             num_new_tokens = self._num_new_tokens(request, plan.token_budget)
@@ -261,6 +281,8 @@ class Scheduler:
         for request in self._fair_share.order(self._waiting):
             if plan.token_budget <= 0:
                 break
+            if self.config.pipeline_depth > 1 and not plan.has_seq_room:
+                break  # this step's share is taken; the next step in flight takes the next ones
             if request.req_id in plan.preempted_req_ids:
                 break  # just made room for a more important one; not back in this step
             if admits_interactive and request.priority >= BATCH_PRIORITY:
@@ -309,7 +331,8 @@ class Scheduler:
         Only running requests of strictly lower importance (higher priority number) are
         preempted, fewest first, and only when that is enough.
         """
-        num_victims_for_slot = max(0, len(self._running) + 1 - self.config.max_num_seqs)
+        max_running = self.config.max_num_seqs * self.config.pipeline_depth
+        num_victims_for_slot = max(0, len(self._running) + 1 - max_running)
         manager = self.block_manager
         num_blocks_needed = manager.num_free_blocks_taken(request, num_new_tokens, cached_block_ids)
         num_free_blocks = manager.num_free_blocks
@@ -335,7 +358,7 @@ class Scheduler:
         """After a failed step (a worker group died, its KV cache with it): every running
         request goes back to waiting to recompute its prompt and output so far. Tokens
         already returned stay returned, so callers see no gap and no repeat."""
-        plan = _StepPlan(token_budget=0)
+        plan = _StepPlan(token_budget=0, max_num_seqs=0)
         self._in_flight.clear()  # those steps died with the group
         for request in list(self._running):
             self._preempt(request, plan)

@@ -443,24 +443,32 @@ def run_engine_workload(engine: LLMEngine, workload: Workload, seconds_limit: fl
     is aborted and the run is partial). Counts steps, CUDA-graph replays and time in execute."""
     runner = getattr(engine.executor, "runner", None)
     counts = {"steps": 0, "graph_steps": 0, "execute_s": 0.0}
-    execute = engine.executor.execute
+    executor = engine.executor
+    submit, collect = executor.submit, executor.collect
 
-    def timed_execute(batch):
+    def timed_submit(batch):
         start = time.perf_counter()
         try:
-            return execute(batch)
+            return submit(batch)
+        finally:
+            counts["execute_s"] += time.perf_counter() - start
+
+    def timed_collect(handle):
+        start = time.perf_counter()
+        try:
+            return collect(handle)
         finally:
             counts["steps"] += 1
             counts["execute_s"] += time.perf_counter() - start
 
-    engine.executor.execute = timed_execute
+    executor.submit, executor.collect = timed_submit, timed_collect
     graphs = getattr(runner, "decode_graphs", None)
     if graphs is not None:
         graph_run = graphs.run
 
-        def counted_run(works):
+        def counted_run(works, hidden_in=None):
             counts["graph_steps"] += 1
-            return graph_run(works)
+            return graph_run(works, hidden_in)
 
         graphs.run = counted_run
     prompt_len: dict[str, int] = {}
@@ -481,7 +489,7 @@ def run_engine_workload(engine: LLMEngine, workload: Workload, seconds_limit: fl
             partial = True
             break
     elapsed = time.perf_counter() - start
-    engine.executor.execute = execute
+    del executor.submit, executor.collect  # the class's own again
     if graphs is not None:
         graphs.run = graph_run
     if partial:

@@ -128,7 +128,7 @@ def main() -> None:
         profiled = {"decode": 0, "mixed": 0}
         prof_tables = {}
         mixed_sizes = []  # (prefill tokens, decodes) per mixed step
-        execute = engine.executor.execute
+        execute = engine.executor.submit  # in-process: submit runs the step
 
         def timed_execute(batch):
             kind = "mixed" if any(len(w.token_ids) > 1 for w in batch.works) else "decode"
@@ -153,7 +153,7 @@ def main() -> None:
             stats[kind][2] += num_tokens
             return result
 
-        engine.executor.execute = timed_execute
+        engine.executor.submit = timed_execute
         start = time.perf_counter()
         while engine.has_unfinished_requests():
             engine.step()

@@ -13,17 +13,20 @@ import torch.distributed as dist
 
 
 class CudaSpanTimer:
-    """A profiling hook (EngineConfig.time_collectives): CUDA events around every step and
-    every collective of one rank, summed by `read()` with one synchronize.
+    """A profiling hook (EngineConfig.time_collectives): CUDA events around every step, every
+    collective and every pipeline-stage send or receive of one rank, with the bytes each moved,
+    summed by `read()` with one synchronize.
 
     Records nothing during a CUDA-graph capture; the runner runs every step eagerly while a
     timer is set, so that every collective is seen. A collective's time includes waiting for
     the slowest rank to reach it, which is part of what tensor parallelism costs.
     """
 
+    KINDS = ("step", "collective", "p2p")
+
     def __init__(self) -> None:
-        self._spans: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {
-            "step": [], "collective": []}
+        self._spans: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {k: [] for k in self.KINDS}
+        self._bytes: dict[str, int] = dict.fromkeys(self.KINDS, 0)
 
     def start(self, device: torch.device) -> torch.cuda.Event | None:
         if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
@@ -32,7 +35,8 @@ class CudaSpanTimer:
         event.record()
         return event
 
-    def stop(self, kind: str, start: torch.cuda.Event | None) -> None:
+    def stop(self, kind: str, start: torch.cuda.Event | None, num_bytes: int = 0) -> None:
+        self._bytes[kind] += num_bytes  # counted on CPU too (no events there)
         if start is None:
             return
         end = torch.cuda.Event(enable_timing=True)
@@ -45,19 +49,26 @@ class CudaSpanTimer:
             torch.cuda.synchronize()
         totals = {kind: sum(s.elapsed_time(e) for s, e in spans) for kind, spans in self._spans.items()}
         times = CollectiveTimes(len(self._spans["step"]), totals["step"], len(self._spans["collective"]),
-                                totals["collective"])
-        self._spans = {"step": [], "collective": []}
+                                totals["collective"], self._bytes["collective"], len(self._spans["p2p"]),
+                                totals["p2p"], self._bytes["p2p"])
+        self._spans = {k: [] for k in self.KINDS}
+        self._bytes = dict.fromkeys(self.KINDS, 0)
         return times
 
 
 @dataclass
 class CollectiveTimes:
-    """GPU milliseconds of the steps and of the collectives inside them, since the last reading."""
+    """GPU milliseconds of the steps and of the collectives and stage hand-offs inside them, and
+    the bytes those moved (this rank's tensors), since the last reading."""
 
-    num_steps: int
-    step_ms: float
-    num_collectives: int
-    collective_ms: float
+    num_steps: int = 0
+    step_ms: float = 0.0
+    num_collectives: int = 0
+    collective_ms: float = 0.0
+    collective_bytes: int = 0
+    num_p2p: int = 0  # pipeline-stage sends and receives
+    p2p_ms: float = 0.0
+    p2p_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -99,7 +110,7 @@ class TensorParallel:
             start = self.timer.start(x.device) if self.timer else None
             dist.all_reduce(x, group=self.group)
             if self.timer:
-                self.timer.stop("collective", start)
+                self.timer.stop("collective", start, x.numel() * x.element_size())
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,7 +121,7 @@ class TensorParallel:
         start = self.timer.start(x.device) if self.timer else None
         dist.all_gather(parts, x.contiguous(), group=self.group)
         if self.timer:
-            self.timer.stop("collective", start)
+            self.timer.stop("collective", start, x.numel() * x.element_size())
         return torch.cat(parts, dim=-1)
 
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from workers.parallel import CudaSpanTimer
+
 
 def split_layers(num_layers: int, num_stages: int) -> list[range]:
     """Contiguous layer ranges, as even as possible; earlier stages take the extra layers
@@ -42,6 +44,7 @@ class PipelineStage:
     size: int = 1
     tp_rank: int = 0
     tp_size: int = 1
+    timer: CudaSpanTimer | None = None  # set only to profile (EngineConfig.time_collectives)
 
     @property
     def is_first(self) -> bool:
@@ -61,16 +64,21 @@ class PipelineStage:
     def receive(self, num_tokens: int, hidden: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The previous stage's activation for this step: [num_tokens, hidden]."""
         buffer = torch.empty(num_tokens, hidden, dtype=dtype, device=device)
+        start = self.timer.start(device) if self.timer else None
         dist.recv(buffer, src=self._peer(self.index - 1))
+        if self.timer:
+            self.timer.stop("p2p", start, buffer.numel() * buffer.element_size())
         return buffer
 
-    def receive_into(self, buffer: torch.Tensor) -> None:
-        dist.recv(buffer, src=self._peer(self.index - 1))
-
     def send(self, activation: torch.Tensor) -> None:
-        """Hand this step's activation to the next stage. On CUDA NCCL queues the send on the
-        stream and returns; gloo returns once the bytes are on their way."""
-        dist.send(activation.contiguous(), dst=self._peer(self.index + 1))
+        """Hand this step's activation to the next stage. On CUDA, NCCL queues the send on the
+        stream and the host goes on (the stream waits for the receiver); gloo returns once the
+        bytes are on their way."""
+        activation = activation.contiguous()
+        start = self.timer.start(activation.device) if self.timer else None
+        dist.send(activation, dst=self._peer(self.index + 1))
+        if self.timer:
+            self.timer.stop("p2p", start, activation.numel() * activation.element_size())
 
 
 SINGLE_STAGE = PipelineStage()

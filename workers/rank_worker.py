@@ -112,7 +112,7 @@ class RankWorker:
                                          timeout=COLLECTIVE_TIMEOUT) for s in range(pp_size)]
                 stage_group = groups[stage_index]
         tp = TensorParallel(rank=tp_rank, size=tp_size, timer=timer, group=stage_group)
-        stage = PipelineStage(stage_index, pp_size, tp_rank, tp_size)
+        stage = PipelineStage(stage_index, pp_size, tp_rank, tp_size, timer=timer)
         self.runner = ModelRunner(self.config, tp, stage)
         return RankInfo(self.rank, stage_index, os.getpid(), socket.gethostname(), self.runner.weight_bytes,
                         self.runner.num_kv_blocks, self.runner.max_model_len, self.runner.block_size,
@@ -150,7 +150,7 @@ class RankWorker:
     def collective_times(self) -> CollectiveTimes:
         """Step and collective GPU time since the last call (EngineConfig.time_collectives)."""
         timer = self.runner.tp.timer if self.runner is not None else None
-        return timer.read() if timer is not None else CollectiveTimes(0, 0.0, 0, 0.0)
+        return timer.read() if timer is not None else CollectiveTimes()
 
     def receive(self, batch: StepBatch) -> None:
         """Take a batch and do nothing: measures the transport alone (scripts/bench_dispatch.py)."""
