@@ -89,20 +89,19 @@ async def submit(request: web.Request) -> web.Response:
     tenant = await admit_tenant(request, plan, [req_id])
     # No call waits for it: its lease lasts until the scheduler writes its end (or it lapses).
     lease_until = request.app[LIMITER].lease_for_queue(tenant) if tenant is not None else None
+    (submission,) = submissions(plan, [req_id], deadline, tenant=tenant, lease_until=lease_until)
+    if idempotency is not None:  # taken in the same script that queues it: never one without the other
+        submission.idempotency_key, submission.fingerprint = idempotency
     try:
-        if idempotency is not None:
-            existing = await store.reserve_idempotency(idempotency[0], req_id, idempotency[1])
-            if existing is not None:  # a concurrent retry got there first
-                if tenant is not None:
-                    await request.app[LIMITER].release(tenant.name, [req_id])
-                return await _replay(request, plan, existing, idempotency[1])
-        await store.submit(submissions(plan, [req_id], deadline, tenant=tenant, lease_until=lease_until))
+        (existing,) = await store.submit([submission])
     except BaseException:
-        if idempotency is not None:
-            await asyncio.shield(store.release_idempotency(idempotency[0], req_id, idempotency[1]))
         if tenant is not None:
             await asyncio.shield(request.app[LIMITER].release(tenant.name, [req_id]))
         raise
+    if existing is not None:  # a concurrent retry got there first
+        if tenant is not None:
+            await request.app[LIMITER].release(tenant.name, [req_id])
+        return await _replay(request, plan, existing, idempotency[1])
     return web.json_response(_queued_view(req_id, plan, deadline), status=202,
                              headers={"Location": _links(req_id)["self"]})
 

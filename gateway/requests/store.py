@@ -4,7 +4,10 @@ remember an Idempotency-Key, measure a model's queue.
 Queueing is one Lua call per request (all pipelined into one round trip): the `tf:res:{id}`
 record is created in state "queued" *before* the stream entry exists, so a poll never
 finds nothing, and the record learns its entry id, so a cancel before any scheduler took
-the request removes it from the queue.
+the request removes it from the queue. An Idempotency-Key is taken by the same call: a key
+that maps to an id always has that id's record and entry, whatever dies when (a key taken by
+a command of its own, and Redis or the gateway dying before the script, left the key naming a
+request that was never queued: the client's retry got that id back, and a 404 for it).
 """
 
 from __future__ import annotations
@@ -22,18 +25,23 @@ from gateway.requests.records import ResultRecord
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.messages import ErrorEvent, RequestMessage
 
-# KEYS: result hash, request stream, the model's tenant set, the tenant's lease set.
-# ARGV: ttl, message, tenant ('' = none), lease lapses at ('' = no lease), req id, then
-# field/value pairs. A tenant's request goes to the tenant's stream, and the tenant into the
-# set the schedulers read; its lease (taken before, gateway/limits.py) now lasts its full term.
+# KEYS: result hash, request stream, the model's tenant set, the tenant's lease set, the
+# Idempotency-Key's key. ARGV: ttl, message, tenant ('' = none), lease lapses at ('' = no lease),
+# req id, the key's value ('' = no key), the key's ttl, then field/value pairs. A tenant's
+# request goes to the tenant's stream, and the tenant into the set the schedulers read; its
+# lease (taken before, gateway/limits.py) now lasts its full term. An Idempotency-Key another
+# request holds queues nothing: {0, what the key maps to}; else {1, entry id}.
 _SUBMIT_SCRIPT = """
-redis.call('HSET', KEYS[1], unpack(ARGV, 6))
+if ARGV[6] ~= '' and not redis.call('SET', KEYS[5], ARGV[6], 'NX', 'EX', tonumber(ARGV[7])) then
+  return {0, redis.call('GET', KEYS[5])}
+end
+redis.call('HSET', KEYS[1], unpack(ARGV, 8))
 local entry = redis.call('XADD', KEYS[2], '*', 'm', ARGV[2])
 redis.call('HSET', KEYS[1], 'entry_id', entry)
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
 if ARGV[3] ~= '' then redis.call('SADD', KEYS[3], ARGV[3]) end
 if ARGV[4] ~= '' then redis.call('ZADD', KEYS[4], 'XX', ARGV[4], ARGV[5]) end
-return entry
+return {1, entry}
 """
 
 # A request nobody has claimed yet ends here, in the gateway (cancel, or a passed deadline):
@@ -48,12 +56,6 @@ redis.call('PUBLISH', ARGV[4], ARGV[5])
 local entry = redis.call('HGET', KEYS[1], 'entry_id')
 if entry then redis.call('XDEL', KEYS[2], entry) end
 return 1
-"""
-
-# Delete an idempotency key only if it still maps to the request we failed to queue.
-_RELEASE_SCRIPT = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
 """
 
 QUEUE_KIND = "interactive"  # what the gateway writes; the batch ingester writes "batch"
@@ -75,6 +77,8 @@ class Submission:
     tool_format: str | None = None  # chat with tools: how to read calls from its text
     parallel_tool_calls: bool = True
     lease_until: float | None = None  # when its tenant lease lapses (None: it holds none)
+    idempotency_key: str | None = None  # the Redis key of its Idempotency-Key (None: it has none)
+    fingerprint: str = ""  # of its body, kept with the key: a reuse with another body is refused
 
 
 class RequestStore:
@@ -87,29 +91,36 @@ class RequestStore:
         self.idempotency_ttl_s = idempotency_ttl_s
         self._submit = client.register_script(_SUBMIT_SCRIPT)
         self._finish_unclaimed = client.register_script(_FINISH_UNCLAIMED_SCRIPT)
-        self._release = client.register_script(_RELEASE_SCRIPT)
         self._depth_reads: dict[str, asyncio.Future] = {}  # model -> the queue-depth read on its way
 
     # -- queueing ---------------------------------------------------------------------
 
-    async def submit(self, submissions: list[Submission]) -> None:
-        """One round trip for all: EVALSHA of each (a pipeline running registered scripts would ask
-        SCRIPT EXISTS first, a second round trip per call); the script is loaded when Redis lacks
-        it, and only the calls it refused are sent again (a refused EVALSHA did nothing)."""
-        calls = [self._submit_args(sub) for sub in submissions]
+    async def submit(self, submissions: list[Submission]) -> list[dict | None]:
+        """Queue each, unless its Idempotency-Key maps to another request already: then nothing
+        of it is written, and its answer is what the key maps to ({"id", "fingerprint"}); None
+        for each one queued. One round trip for all: EVALSHA of each (a pipeline running
+        registered scripts would ask SCRIPT EXISTS first, a second round trip per call); the
+        script is loaded when Redis lacks it, and only the calls it refused are sent again (a
+        refused EVALSHA did nothing)."""
+        answers: list[dict | None] = [None] * len(submissions)
+        calls = {i: self._submit_args(sub) for i, sub in enumerate(submissions)}
         while calls:
             pipe = self.client.pipeline(transaction=False)
-            for keys, args in calls:
+            for keys, args in calls.values():
                 pipe.evalsha(self._submit.sha, len(keys), *keys, *args)
             results = await pipe.execute(raise_on_error=False)
-            failed = [call for call, result in zip(calls, results, strict=True)
-                      if isinstance(result, Exception)]
-            for result in results:
-                if isinstance(result, Exception) and not isinstance(result, NoScriptError):
+            failed = {}
+            for (i, call), result in zip(calls.items(), results, strict=True):
+                if isinstance(result, NoScriptError):
+                    failed[i] = call
+                elif isinstance(result, Exception):
                     raise result
+                elif not result[0]:
+                    answers[i] = json.loads(result[1])
             if failed:
                 await self.client.script_load(_SUBMIT_SCRIPT)
             calls = failed
+        return answers
 
     def _submit_args(self, sub: Submission) -> tuple[list[str], list[object]]:
         message = sub.message
@@ -127,13 +138,17 @@ class RequestStore:
         tenant = message.tenant
         if tenant is not None:
             fields["tenant"] = tenant  # the terminal write ends its lease by it
+        idempotency = "" if sub.idempotency_key is None else json.dumps(
+            {"id": sub.req_id, "fingerprint": sub.fingerprint})
         args: list[object] = [self.result_ttl_s, message.encode(), tenant or "",
-                              "" if sub.lease_until is None else sub.lease_until, sub.req_id]
+                              "" if sub.lease_until is None else sub.lease_until, sub.req_id,
+                              idempotency, self.idempotency_ttl_s]
         for name, value in fields.items():
             args += [name, value]
         stream = self.keys.request_stream(message.model, QUEUE_KIND, tenant)
+        idempotency_key = sub.idempotency_key or self.keys.idempotency("-")  # (untouched without a value)
         return [self.keys.result(sub.req_id), stream, self.keys.tenants(message.model),
-                self.keys.tenant_leases(tenant or "-")], args
+                self.keys.tenant_leases(tenant or "-"), idempotency_key], args
 
     async def queue_depth(self, model: str) -> int:
         """Entries of the model's interactive stream that no scheduler has taken yet. Callers
@@ -244,18 +259,3 @@ class RequestStore:
     async def find_idempotency(self, redis_key: str) -> dict | None:
         value = await self.client.get(redis_key)
         return json.loads(value) if value is not None else None
-
-    async def reserve_idempotency(self, redis_key: str, req_id: str, fingerprint: str) -> dict | None:
-        """Map the key to req_id unless it is taken; then return what it maps to."""
-        value = json.dumps({"id": req_id, "fingerprint": fingerprint})
-        if await self.client.set(redis_key, value, nx=True, ex=self.idempotency_ttl_s):
-            return None
-        existing = await self.client.get(redis_key)
-        if existing is None:  # expired in between: take it
-            await self.client.set(redis_key, value, ex=self.idempotency_ttl_s)
-            return None
-        return json.loads(existing)
-
-    async def release_idempotency(self, redis_key: str, req_id: str, fingerprint: str) -> None:
-        value = json.dumps({"id": req_id, "fingerprint": fingerprint})
-        await self._release(keys=[redis_key], args=[value])

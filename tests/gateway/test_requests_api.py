@@ -222,3 +222,25 @@ async def test_an_idempotent_retry_is_answered_even_when_the_queue_is_full(make_
         retry = await client.post("/v1/requests", json=SUBMIT, headers=headers)
         assert retry.status == 202 and (await retry.json())["id"] == first["id"]
         assert (await client.post("/v1/requests", json=SUBMIT)).status == 429
+
+
+async def test_a_retry_after_a_submit_redis_half_took_finds_a_request_that_exists(make_client, redis_server,
+                                                                                   fake_scheduler):
+    """Redis takes the submit's first write and then no more (as when Redis, or the gateway
+    worker, dies between two of its commands): the client's retry with the same
+    Idempotency-Key must answer a request that exists, never an id that was never queued."""
+    client = await make_client()
+    admin = redis_server.client()
+    headers = {"Idempotency-Key": "half-taken"}
+    admin.execute_command("ACL", "SETUSER", "default", "-@scripting")  # plain commands pass, scripts fail
+    try:
+        failed = await client.post("/v1/requests", json=SUBMIT, headers=headers)
+    finally:
+        admin.execute_command("ACL", "SETUSER", "default", "+@all")
+    assert failed.status >= 500
+    retry = await client.post("/v1/requests", json=SUBMIT, headers=headers)
+    assert retry.status == 202
+    polled = await client.get(retry.headers["Location"])
+    assert polled.status == 200, await polled.text()
+    view = await _poll_until_done(client, retry.headers["Location"])
+    assert view["status"] == "completed"

@@ -1,4 +1,5 @@
-"""RequestStore on a real Redis: the queue depth that admission reads."""
+"""RequestStore on a real Redis: the queue depth that admission reads, and queueing under an
+Idempotency-Key."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.requests.store import GatewayKeys, RequestStore
+from gateway.requests.store import GatewayKeys, RequestStore, Submission
 from shared.keys import CONSUMER_GROUP
+from shared.messages import RequestMessage
+from shared.sampling import SamplingParams
 
 pytestmark = pytest.mark.asyncio
 
@@ -29,5 +32,27 @@ async def test_concurrent_queue_depth_reads_share_one_and_see_the_queue(redis_se
         assert stats["cmdstat_xlen"]["calls"] == 1  # one read for the whole burst
         await client.xadd(stream, {"m": "5"})
         assert await store.queue_depth("m") == 4  # a later caller reads anew
+    finally:
+        await client.aclose()
+
+
+async def test_an_idempotency_key_taken_by_another_request_queues_nothing(redis_server) -> None:
+    """Two submits racing with one key: the one that takes it is queued, the other writes
+    nothing and learns whom the key names."""
+    client = aioredis.Redis.from_url(redis_server.url)
+    keys = GatewayKeys()
+    store = RequestStore(client, keys, result_ttl_s=60, cancel_ttl_s=60, idempotency_ttl_s=60)
+    idem = store.idempotency_key(None, "order-7")
+
+    def submission(req_id: str) -> Submission:
+        message = RequestMessage.make(req_id, "m", [1, 2, 3], SamplingParams(max_tokens=2))
+        return Submission(req_id, message, "completion", idempotency_key=idem, fingerprint="f")
+
+    try:
+        answers = await store.submit([submission("a" * 32), submission("b" * 32)])
+        assert answers == [None, {"id": "a" * 32, "fingerprint": "f"}]
+        assert await client.exists(keys.result("a" * 32)) and not await client.exists(keys.result("b" * 32))
+        assert await client.xlen(keys.request_stream("m", "interactive")) == 1
+        assert 0 < await client.ttl(idem) <= 60
     finally:
         await client.aclose()
