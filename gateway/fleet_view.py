@@ -59,7 +59,8 @@ async def _hashes(client: aioredis.Redis, pattern: str) -> dict[str, dict[str, s
 
 def _scheduler(scheduler_id: str, f: dict[str, str], now: float) -> dict:
     return {
-        "id": scheduler_id, "model": f.get("model", "?"), "tp": _num(f, "tp", int, 1),
+        "id": scheduler_id, "model": f.get("model", "?"),
+        "tp": _num(f, "tp", int, 1), "pp": _num(f, "pp", int, 1),
         "host": f.get("host"), "pid": _num(f, "pid", int, None),
         "num_running": _num(f, "num_running", int), "num_waiting": _num(f, "num_waiting", int),
         "max_num_seqs": _num(f, "max_num_seqs", int), "kv_usage": _num(f, "kv_usage"),

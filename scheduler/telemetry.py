@@ -40,7 +40,8 @@ class SchedulerTelemetry:
         rates, _ = self._heartbeat_rates.take(time.monotonic())
         history = self.metrics.generation_history.recent(time.time())
         return {
-            "tp": self.engine.config.tp, "host": socket.gethostname(), "pid": os.getpid(),
+            "tp": self.engine.config.tp, "pp": self.engine.config.pp,
+            "host": socket.gethostname(), "pid": os.getpid(),
             "started_at": self._started_at,
             "prompt_tokens_per_s": round(rates.prompt_tokens_per_s, 2),
             "generation_tokens_per_s": round(rates.generation_tokens_per_s, 2),

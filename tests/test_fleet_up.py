@@ -30,15 +30,16 @@ def _processes_mentioning(text: str) -> list[psutil.Process]:
     return found
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_up_serves_a_chat_completion_and_leaves_nothing_after_sigterm(smollm2, tmp_path, tp):
-    """TP=1, then a Ray TP=2 group on this CPU. At TP=1 a batch job also goes through, from the
-    CLI with no flags (it finds the fleet's Redis in fleet.json)."""
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (1, 2)])
+def test_up_serves_a_chat_completion_and_leaves_nothing_after_sigterm(smollm2, tmp_path, tp, pp):
+    """TP=1, then a Ray TP=2 group on this CPU, then two pipeline stages (SmolLM2's 30 layers
+    as 15 + 15, its tied embedding the last stage's LM head). At TP=1 a batch job also goes
+    through, from the CLI with no flags (it finds the fleet's Redis in fleet.json)."""
     port = free_port()
     env = {**os.environ, "TOKENFLEET_HOME": str(tmp_path / "home")}
     up = subprocess.Popen(
         [sys.executable, "-m", "tokenfleet.cli", "up", "--port", str(port), "--model", str(smollm2),
-         "--num-kv-blocks", "256", "--dtype", "float32", "--tp", str(tp)],
+         "--num-kv-blocks", "256", "--dtype", "float32", "--tp", str(tp), "--pp", str(pp)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
     descendants: list[psutil.Process] = []
@@ -54,8 +55,8 @@ def test_up_serves_a_chat_completion_and_leaves_nothing_after_sigterm(smollm2, t
         fleet = json.loads((tmp_path / "home" / "fleet.json").read_text())
         assert fleet["gateway_url"] == f"http://127.0.0.1:{port}"
         descendants = psutil.Process(up.pid).children(recursive=True)
-        # redis, scheduler, gateway (and their children); Ray only for the TP=2 group
-        assert len(descendants) >= (3 if tp == 1 else 4)
+        # redis, scheduler, gateway (and their children); Ray only for a group of several ranks
+        assert len(descendants) >= (3 if tp * pp == 1 else 4)
         body = json.dumps({"model": smollm2.name, "max_tokens": 16, "temperature": 0,
                            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
         request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body.encode(),
@@ -63,10 +64,10 @@ def test_up_serves_a_chat_completion_and_leaves_nothing_after_sigterm(smollm2, t
         with urllib.request.urlopen(request, timeout=120) as response:
             answer = json.loads(response.read())
         assert "Paris" in answer["choices"][0]["message"]["content"]
-        if tp == 2:
+        if tp * pp > 1:
             ranks = [p for p in psutil.Process(up.pid).children(recursive=True)
                      if "RankWorker" in " ".join(p.cmdline())]
-            assert len(ranks) == 2, [p.cmdline() for p in ranks]
+            assert len(ranks) == tp * pp, [p.cmdline() for p in ranks]
         else:
             job = tmp_path / "job.jsonl"
             job.write_text(json.dumps({"custom_id": "paris", "method": "POST", "url": "/v1/chat/completions",

@@ -65,7 +65,9 @@ def _resolve_redis_flags(args: argparse.Namespace) -> None:
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "model", help="Hugging Face model folder (default: SmolLM2-135M-Instruct, fetched once)")
-    _flag(parser, "tp", type=int, default=1, help="tensor-parallel size")
+    _flag(parser, "tp", type=int, default=1, help="tensor-parallel size (ranks per pipeline stage)")
+    _flag(parser, "pp", type=int, default=1,
+          help="pipeline-parallel size: the layers split into this many stages of --tp ranks (Ray groups)")
     _flag(parser, "device", help="cpu, cuda or cuda:N (default: cuda when present)")
     _flag(parser, "dtype", help="float32, bfloat16 or float16 (default: bfloat16 on cuda, float32 on cpu)")
     _flag(parser, "max-model-len", type=int, help="cap on prompt + output tokens")
@@ -175,6 +177,7 @@ def _add_up_parser(commands) -> None:
     _flag(up, "model", help="model folder (default: SmolLM2-135M-Instruct, fetched once)")
     _flag(up, "model-name", help="served model name (default: the model folder's name)")
     _flag(up, "tp", type=int, default=1, help="tensor-parallel size of each replica")
+    _flag(up, "pp", type=int, default=1, help="pipeline stages of each replica (each of --tp ranks)")
     _flag(up, "replicas", type=int, default=1, help="schedulers (each with its worker group)")
     _redis_flags(up, help="use this Redis instead of starting one (" + REDIS_URL_HELP + ")")
     _flag(up, "redis-port", type=int, help="port of the Redis started here (default: a free one)")
@@ -247,6 +250,7 @@ def _add_autoscale_parser(commands) -> None:
     _flag(auto, "model", help="model folder (default: SmolLM2-135M-Instruct, fetched once)")
     _flag(auto, "model-name", help="served model name (default: the model folder's name)")
     _flag(auto, "tp", type=int, default=1, help="tensor-parallel size of each replica")
+    _flag(auto, "pp", type=int, default=1, help="pipeline stages of each replica (each of --tp ranks)")
     _flag(auto, "executor", default="auto", help="auto (TP=1 in the scheduler's process), inprocess or ray")
     _flag(auto, "num-cpus-per-rank", type=float, default=1.0, help="Ray CPUs per rank on CPU hosts")
     _flag(auto, "placement-strategy", default="STRICT_PACK", help="of each replica's group")
@@ -269,7 +273,7 @@ def _cmd_autoscale(args: argparse.Namespace) -> int:
     options = _autoscale_options(args)
     model = _resolve_model(args.model)
     model_name = args.model_name or Path(model).name
-    needs_ray = uses_ray(args.executor, args.tp)
+    needs_ray = uses_ray(args.executor, args.tp, args.pp)
     if needs_ray and not args.ray_address:
         raise InvalidRequestError("--ray-address is required for replicas on Ray groups", param="ray-address")
     extra = [a for a in args.scheduler_args if a != "--"]
@@ -279,14 +283,15 @@ def _cmd_autoscale(args: argparse.Namespace) -> int:
         return [sys.executable, "-m", "tokenfleet.cli", "scheduler", "--redis-url", args.redis_url, *ray_args,
                 *(["--placement-group", group] if group else []), "--model", model,
                 "--model-name", model_name,
-                "--tp", str(args.tp), "--executor", args.executor, "--scheduler-id", replica_id,
+                "--tp", str(args.tp), "--pp", str(args.pp), "--executor", args.executor,
+                "--scheduler-id", replica_id,
                 "--key-prefix", args.key_prefix, "--num-cpus-per-rank", str(args.num_cpus_per_rank), *extra]
 
     import torch
 
     from shared.keys import Keys
 
-    placement = placement_request(args.tp, on_gpu=torch.cuda.is_available(),
+    placement = placement_request(args.tp * args.pp, on_gpu=torch.cuda.is_available(),
                                   num_cpus_per_rank=args.num_cpus_per_rank, strategy=args.placement_strategy,
                                   timeout_s=options.placement_timeout_s) if needs_ray else None
     runner = AutoscaleRunner(args.redis_url, model_name, options, argv_for, tokenfleet_home() / "logs",
@@ -488,14 +493,14 @@ def _engine_config(args: argparse.Namespace):
     defaults = hardware_defaults(resolve_device(args.device))
     max_num_seqs = args.max_num_seqs or defaults.max_num_seqs
     return EngineConfig(
-        model=_resolve_model(args.model), tp=args.tp, device=args.device, dtype=args.dtype,
+        model=_resolve_model(args.model), tp=args.tp, pp=args.pp, device=args.device, dtype=args.dtype,
         max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
         quantization=args.quantization, block_size=args.block_size, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens or defaults.max_num_batched_tokens,
         cuda_graph_max_batch_size=args.cuda_graph_max_batch_size or max_num_seqs,
         num_threads=args.num_threads, ray_address=args.ray_address,
         placement_strategy=args.placement_strategy, num_cpus_per_rank=args.num_cpus_per_rank,
-        use_ray=uses_ray(args.executor, args.tp), placement_group_name=args.placement_group,
+        use_ray=uses_ray(args.executor, args.tp, args.pp), placement_group_name=args.placement_group,
         enable_prefix_caching=not args.no_prefix_caching,
     )
 
@@ -578,7 +583,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from shared.errors import InvalidRequestError
     from tokenfleet.up import Fleet, FleetOptions, curl_example, default_gateway_workers
 
-    for name in ("port", "tp", "replicas", "gateway_workers"):
+    for name in ("port", "tp", "pp", "replicas", "gateway_workers"):
         value = getattr(args, name)
         if value is not None and value < 1:
             flag = name.replace("_", "-")
@@ -606,7 +611,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     options = FleetOptions(
         autoscale=autoscale, model=model, model_name=args.model_name or Path(model).name, host=args.host,
         port=args.port,
-        tp=args.tp, replicas=args.replicas, redis_url=args.redis_url, redis_port=args.redis_port,
+        tp=args.tp, pp=args.pp, replicas=args.replicas, redis_url=args.redis_url, redis_port=args.redis_port,
         ray_address=args.ray_address, executor=args.executor, scheduler_args=scheduler_args,
         gateway_workers=args.gateway_workers or default_gateway_workers(),
         batch_ingesters=args.batch_ingesters,
@@ -622,7 +627,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
                          f"{autoscale.policy.min_replicas}-{autoscale.policy.max_replicas} replicas, "
                          "autoscaled")
         print(f"tokenfleet is up: {fleet.gateway_url} serving {options.model_name!r} "
-              f"({replicas_text}, TP={options.tp}; {options.gateway_workers} gateway "
+              f"({replicas_text}, TP={options.tp}{f', PP={options.pp}' if options.pp > 1 else ''}; "
+              f"{options.gateway_workers} gateway "
               f"process(es); Redis {fleet.redis_url})")
         print("try:")
         print(curl_example(fleet.gateway_url, options.model_name))

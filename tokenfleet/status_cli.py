@@ -58,8 +58,10 @@ def format_view(view: dict, redis_url: str) -> str:
            f"{totals['queued']} queued in Redis; "
            f"{_rate(totals['generation_tokens_per_s'])} generation tok/s, "
            f"{_rate(totals['prompt_tokens_per_s'])} prompt tok/s", "", "Schedulers:"]
-    out += _table(["ID", "MODEL", "TP", "RUNNING", "WAITING", "KV", "GEN TOK/S", "FINISHED", "HEARTBEAT"], [
-        [s["id"], s["model"], s["tp"], f"{s['num_running']}/{s['max_num_seqs']}", s["num_waiting"],
+    columns = ["ID", "MODEL", "TPxPP", "RUNNING", "WAITING", "KV", "GEN TOK/S", "FINISHED", "HEARTBEAT"]
+    out += _table(columns, [
+        [s["id"], s["model"], f"{s['tp']}x{s.get('pp', 1)}", f"{s['num_running']}/{s['max_num_seqs']}",
+         s["num_waiting"],
          f"{100 * s['kv_usage']:.1f}%", _rate(s["generation_tokens_per_s"]), s["num_finished"],
          f"{s['heartbeat_age_s']:.1f}s ago"] for s in view["schedulers"]], "no live scheduler")
     out += ["", "Queues:"]

@@ -58,6 +58,7 @@ class FleetOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     tp: int = 1
+    pp: int = 1  # pipeline stages of each replica
     replicas: int = 1
     redis_url: str | None = None  # None: start a Redis server here
     redis_port: int | None = None  # for the Redis we start; None: a free port
@@ -101,10 +102,10 @@ class Fleet:
     def start(self) -> None:
         if self.redis_url is None:
             self._start_redis()
-        if uses_ray(self.options.executor, self.options.tp) and self.ray_address is None:
+        if uses_ray(self.options.executor, self.options.tp, self.options.pp) and self.ray_address is None:
             self._start_ray()
         if self.options.autoscale is not None:
-            self._start_autoscaler(uses_ray(self.options.executor, self.options.tp))
+            self._start_autoscaler(uses_ray(self.options.executor, self.options.tp, self.options.pp))
         for index in range(self.options.replicas if self.options.autoscale is None else 0):
             self._spawn(f"scheduler-{index}", *self.scheduler_command(index))
         cli = [sys.executable, "-m", "tokenfleet.cli"]
@@ -122,16 +123,17 @@ class Fleet:
 
     def scheduler_argv(self, scheduler_id: str, placement_group: str | None = None) -> list[str]:
         """The command line of one replica's scheduler."""
-        needs_ray = uses_ray(self.options.executor, self.options.tp)
+        needs_ray = uses_ray(self.options.executor, self.options.tp, self.options.pp)
         ray_args = ["--ray-address", self.ray_address] if needs_ray else []
         group_args = ["--placement-group", placement_group] if placement_group else []
         return [sys.executable, "-m", "tokenfleet.cli", "scheduler", "--redis-url", self.redis_url, *ray_args,
                 *group_args, "--model", self.options.model, "--model-name", self.options.model_name,
-                "--tp", str(self.options.tp), "--scheduler-id", scheduler_id, *self.options.scheduler_args]
+                "--tp", str(self.options.tp), "--pp", str(self.options.pp), "--scheduler-id", scheduler_id,
+                *self.options.scheduler_args]
 
     def scheduler_command(self, index: int) -> tuple[list[str], dict[str, str]]:
         """argv and environment of replica `index`'s scheduler (id `{model_name}-{index}`)."""
-        num_gpus = 0 if uses_ray(self.options.executor, self.options.tp) else _num_gpus()
+        num_gpus = 0 if uses_ray(self.options.executor, self.options.tp, self.options.pp) else _num_gpus()
         env = self.env
         if num_gpus > 1:  # one GPU per in-process replica, round robin (Ray places ranks itself)
             env = {**self.env, "CUDA_VISIBLE_DEVICES": str(index % num_gpus)}
@@ -140,7 +142,7 @@ class Fleet:
     def _start_autoscaler(self, needs_ray: bool) -> None:
         """The controller owns the schedulers: it starts --min-replicas now and the rest on demand."""
         autoscale = self.options.autoscale
-        placement = placement_request(self.options.tp, on_gpu=_num_gpus() > 0,
+        placement = placement_request(self.options.tp * self.options.pp, on_gpu=_num_gpus() > 0,
                                       timeout_s=autoscale.placement_timeout_s) if needs_ray else None
         self.autoscaler = AutoscaleRunner(self.redis_url, self.options.model_name, autoscale,
                                           self.scheduler_argv, self.home / "logs", env=self.env,

@@ -25,11 +25,12 @@ class AutoscaleOptions:
     drain_timeout_s: float = 300.0  # a draining replica's leftovers are taken over after this
 
 
-def placement_request(tp: int, *, on_gpu: bool, num_cpus_per_rank: float = 1.0,
+def placement_request(num_ranks: int, *, on_gpu: bool, num_cpus_per_rank: float = 1.0,
                       strategy: str = "STRICT_PACK", timeout_s: float = 60.0) -> PlacementRequest:
-    """The bundles a replica's worker group asks for (as workers/ray_group.py builds them)."""
+    """The bundles a replica's worker group asks for (as workers/ray_group.py builds them): one
+    per rank, PP x TP of them (rank r is bundle r, stage r // TP)."""
     bundle = {"GPU": 1.0, "CPU": 1.0} if on_gpu else {"CPU": num_cpus_per_rank}
-    return PlacementRequest([bundle] * tp, strategy, timeout_s)
+    return PlacementRequest([bundle] * num_ranks, strategy, timeout_s)
 
 
 class AutoscaleRunner:
