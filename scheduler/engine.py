@@ -101,6 +101,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, *, tokenizer=None, load_tokenizer_files: bool = True):
         # Read first: a missing or broken folder fails clearly before any process starts.
         self.model_config = load_model_config(config.model)
+        if config.pp > self.model_config.num_layers:
+            raise ModelLoadError(f"pp={config.pp} pipeline stages need at least as many layers; "
+                                 f"{config.model!r} has {self.model_config.num_layers}")
         self.config = config
         self.tokenizer = tokenizer
         if self.tokenizer is None and load_tokenizer_files:

@@ -79,3 +79,22 @@ def test_one_step_at_a_time_is_unchanged_by_the_pipeline_bookkeeping() -> None:
     requests = [make_request(f"r{i}", num_prompt=4, first_token=10 * i, max_tokens=12) for i in range(6)]
     _, outs = run_pipelined(scheduler, requests, depth=1)
     assert len(outs[0][0].batch.works) == 6
+
+
+def test_a_request_aborted_while_in_flight_drops_that_steps_token_and_frees_its_blocks() -> None:
+    scheduler = make_scheduler(pipeline_depth=2)
+    for i in range(4):
+        scheduler.add_request(make_request(f"r{i}", num_prompt=4, first_token=10 * i, max_tokens=3))
+    runner = FakeRunner(scheduler.config.block_size)
+    first, second = scheduler.schedule(), scheduler.schedule()
+    assert len(first.batch.works) == len(second.batch.works) == 2
+    victim = first.batch.works[0].req_id
+    scheduler.abort_request(victim)  # its step is still in flight
+    outputs = scheduler.update_from_output(first, runner(first.batch))
+    assert [o.req_id for o in outputs if o.finished] == [victim]  # reported aborted, no token
+    assert all(o.new_token_ids == [] for o in outputs if o.req_id == victim)
+    scheduler.update_from_output(second, runner(second.batch))
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, runner(out.batch))
+    assert scheduler.block_manager.num_free_blocks == scheduler.config.num_kv_blocks

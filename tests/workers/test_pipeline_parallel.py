@@ -133,3 +133,10 @@ def test_a_killed_stage_rank_is_rebuilt_and_every_request_completes_identically(
                 tokens[out.req_id].extend(out.new_token_ids)
         assert engine.num_group_restarts == 1
     assert [tokens[i] for i in ids] == undisturbed
+
+
+def test_more_stages_than_layers_is_refused_before_any_rank_starts(tiny_checkpoints):
+    from shared.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="pp=3 pipeline stages need at least as many layers"):
+        LLMEngine(_config(tiny_checkpoints["qwen3"], pp=3))  # 2 layers
