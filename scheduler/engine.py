@@ -186,7 +186,9 @@ class LLMEngine:
         self.scheduler.abort_request(req_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """True while requests wait or run, or a step is still in flight (collected before the
+        engine counts as idle, so that the group's ranks can park)."""
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def step(self) -> list[RequestOutput]:
         """Submit steps until the executor's pipeline is full (or nothing more can run), then

@@ -140,3 +140,4 @@ def test_more_stages_than_layers_is_refused_before_any_rank_starts(tiny_checkpoi
 
     with pytest.raises(ModelLoadError, match="pp=3 pipeline stages need at least as many layers"):
         LLMEngine(_config(tiny_checkpoints["qwen3"], pp=3))  # 2 layers
+
