@@ -6,11 +6,14 @@ ENV PYTHONUNBUFFERED=1 \
     TOKENFLEET_HOME=/data
 WORKDIR /app
 COPY pyproject.toml README.md ./
+COPY scripts/constraints.txt scripts/constraints.txt
+COPY tokenfleet tokenfleet
 COPY gateway gateway
 COPY scheduler scheduler
 COPY workers workers
 COPY shared shared
-RUN pip install --no-cache-dir . && mkdir -p /data/models
+# The constraints pin torch's CPU build (an unpinned torch pulls a multi-GB CUDA build).
+RUN pip install --no-cache-dir -c scripts/constraints.txt . && mkdir -p /data/models
 VOLUME ["/data"]
 ENTRYPOINT ["tokenfleet"]
 CMD ["--help"]

@@ -46,9 +46,16 @@ def test_services_point_at_each_other() -> None:
 
 
 def test_dockerfile_installs_the_project_and_runs_tokenfleet() -> None:
+    import tomllib
+
     dockerfile = (ROOT / "Dockerfile").read_text()
-    for package in ("gateway", "scheduler", "workers", "shared"):
+    # Every package pyproject installs (the `tokenfleet` entry point's own among them).
+    found = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    packages = [pattern.rstrip("*") for pattern in found["include"]]
+    assert "tokenfleet" in packages
+    for package in packages:
         assert f"COPY {package} {package}" in dockerfile
+    assert "-c scripts/constraints.txt" in dockerfile and "COPY scripts/constraints.txt" in dockerfile
     assert 'ENTRYPOINT ["tokenfleet"]' in dockerfile
 
 
