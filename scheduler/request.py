@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
@@ -89,6 +90,14 @@ class Request:
     # One entry per output token, only when sampling.logprobs is not None.
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_preemptions: int = 0
+    # What the workers need of `sampling` (sent with every step of this request): without the
+    # grammar and stop strings, which only the scheduler reads and which can be kilobytes.
+    worker_sampling: SamplingParams = field(init=False)
+
+    def __post_init__(self) -> None:
+        scheduler_only = self.sampling.grammar is not None or bool(self.sampling.stop)
+        self.worker_sampling = (dataclasses.replace(self.sampling, grammar=None, stop=[]) if scheduler_only
+                                else self.sampling)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -398,7 +398,7 @@ class Scheduler:
             start_pos=start,
             block_ids=list(request.block_ids),
             is_sampled=is_sampled,
-            sampling=request.sampling,
+            sampling=request.worker_sampling,
             num_output_tokens=request.num_output_tokens,
             prompt_token_ids=list(request.prompt_token_ids) if needs_history else [],
             output_token_ids=list(request.output_token_ids) if needs_history else [],

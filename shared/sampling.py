@@ -32,7 +32,8 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; 0: the chosen token's; N: also the top N
     ignore_eos: bool = False
     # Grammar-constrained decoding: a JSON text {"type": one of GRAMMAR_TYPES, ...}; None: free.
-    # A string (not a dict) so that it crosses to the workers with the batch at no copying cost.
+    # Read by the scheduler only: the workers get the token mask it computes (StepBatch.token_mask),
+    # and a copy of the params without it (Request.worker_sampling).
     grammar: str | None = None
 
     @property

@@ -534,3 +534,16 @@ def test_a_request_whose_prefix_another_computes_in_this_step_waits_one_step_for
     out = step(scheduler, runner, collected)
     starts = {work.req_id: work.start_pos for work in out.batch.works}
     assert starts == {"first": 11, "second": 8, "other": 0}
+
+
+def test_works_carry_no_stop_strings_or_grammar_to_the_workers() -> None:
+    """Both are the scheduler's to read; a JSON schema can be kilobytes, sent every step."""
+    scheduler = make_scheduler(CharTokenizer())
+    plain = make_request("plain", temperature=0.5, seed=7)
+    stopping = make_request("stopping", temperature=0.5, seed=7, stop=["xyz"])
+    scheduler.add_request(plain)
+    scheduler.add_request(stopping)
+    works = {w.req_id: w for w in scheduler.schedule().batch.works}
+    assert works["plain"].sampling is plain.sampling
+    assert works["stopping"].sampling.stop == [] and stopping.sampling.stop == ["xyz"]
+    assert (works["stopping"].sampling.temperature, works["stopping"].sampling.seed) == (0.5, 7)
