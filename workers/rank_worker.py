@@ -60,6 +60,7 @@ class RankInfo:
     max_model_len: int
     block_size: int
     wake_address: str | bytes  # this rank's wake socket: an AF_UNIX datagram address on its host
+    node_id: str = ""  # its Ray node ("" outside Ray)
 
 
 @dataclass
@@ -116,7 +117,7 @@ class RankWorker:
         self.runner = ModelRunner(self.config, tp, stage)
         return RankInfo(self.rank, stage_index, os.getpid(), socket.gethostname(), self.runner.weight_bytes,
                         self.runner.num_kv_blocks, self.runner.max_model_len, self.runner.block_size,
-                        self._wake_socket.getsockname())
+                        self._wake_socket.getsockname(), _ray_node_id())
 
     def execute(self, batch: StepBatch | Park) -> StepResult | None:
         if isinstance(batch, Park):
@@ -167,6 +168,16 @@ class RankWorker:
             dist.destroy_process_group()
         # self._store stays: rank 0's server lives until the process ends, after the others left.
         self.wake()  # a rank still parked returns, so the graph's loop can end
+
+
+def _ray_node_id() -> str:
+    """The Ray node this process runs on; "" when it is no Ray worker."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+    except ImportError:
+        return ""
 
 
 def _bind_wake_socket() -> socket.socket:

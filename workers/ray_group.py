@@ -174,11 +174,12 @@ class RayWorkerGroup:
         self.max_model_len = self.infos[0].max_model_len
         self.block_size = self.infos[0].block_size
         self.log.info("worker_group_ready", tp=tp, pp=pp, seconds=round(time.perf_counter() - start, 2),
+                      nodes=[info.node_id[:8] for info in self.infos],
                       pids=[i.pid for i in self.infos], num_kv_blocks=self.num_kv_blocks)
 
     def _warn_if_spread(self) -> None:
         for stage in range(self.config.pp):
-            hosts = {info.hostname for info in self.infos if info.stage == stage}
+            hosts = {info.node_id or info.hostname for info in self.infos if info.stage == stage}
             if self.config.tp > 1 and len(hosts) > 1:
                 self.log.warning("tp_ranks_on_several_nodes", stage=stage, hosts=sorted(hosts),
                                  hint="every layer all-reduces across the network; expect slow steps; "
