@@ -178,7 +178,7 @@ def prepare_model(args: argparse.Namespace, folder: Path) -> str:
 
 def run_engine_path(args: argparse.Namespace, folder: Path, workload: Workload) -> PathResult:
     result = PathResult("(a) in-process engine")
-    config = EngineConfig(model=str(folder), device=args.device, dtype=args.dtype,
+    config = EngineConfig(model=str(folder), device=args.device, dtype=args.dtype, tp=args.tp, pp=args.pp,
                           max_num_seqs=args.max_num_seqs, cuda_graph_max_batch_size=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens)
     with LLMEngine(config, load_tokenizer_files=False) as engine:
@@ -205,7 +205,8 @@ def start_scheduler(args: argparse.Namespace, children: Children, redis_url: str
             "--model", str(folder), "--model-name", MODEL_NAME, "--scheduler-id", scheduler_id,
             "--device", args.device, "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
             "--cuda-graph-max-batch-size", str(args.max_num_seqs),
-            "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--tp", str(args.tp), "--pp", str(args.pp)]
     if args.executor:
         argv += ["--executor", args.executor]
     children.spawn("scheduler", argv)
@@ -438,6 +439,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-requests", type=int, help="default 500 (32 with --smoke)")
     parser.add_argument("--concurrency", type=int,
                         help="SSE clients in flight (default: every request at once)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (both (a) and the fleet)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (both (a) and the fleet)")
     parser.add_argument("--max-num-seqs", type=int, default=512)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--executor", choices=("auto", "inprocess", "ray"),
@@ -493,7 +496,8 @@ def main(argv: list[str] | None = None) -> None:
             results.append(failed_path("building the model", exc))
         finally:
             shutil.rmtree(folder, ignore_errors=True)
-    caption = (f"{'SMOKE RUN, not a measurement: ' if args.smoke else ''}{where}, {model}; "
+    caption = (f"{'SMOKE RUN, not a measurement: ' if args.smoke else ''}{where}, {model}, "
+               f"TP={args.tp} x PP={args.pp}; "
                f"{args.num_requests} requests ({workload.num_prompt_tokens:,} prompt + "
                f"{workload.num_output_tokens:,} output tokens), max_num_seqs {args.max_num_seqs}, "
                f"max_num_batched_tokens {args.max_num_batched_tokens}, concurrency {args.concurrency}")
