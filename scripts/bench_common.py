@@ -22,7 +22,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import ctypes
-import io
 import itertools
 import json
 import math
@@ -310,12 +309,24 @@ def roofline(flops: float, weight_bytes: int, kv_bytes_per_token: int, workload:
 
 # -- checkpoints -------------------------------------------------------------------------------
 
+# Tiny checkpoints with SmolLM2's tokenizer live in workers/checkpoints.py (the tests build them
+# too); the scripts import them from here. Looked up on first use, so that importing this module
+# does not import torch.
+_FROM_CHECKPOINTS = ("SMOLLM2_VOCAB_SIZE", "TOKENIZER_FILES", "copy_tokenizer",
+                     "tiny_llama_with_smollm2_tokenizer")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_CHECKPOINTS:
+        import workers.checkpoints
+
+        return getattr(workers.checkpoints, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 LLAMA3_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                  intermediate_size=14336, vocab_size=128256, rope_theta=500000.0,
                  max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False)
-SMOLLM2_VOCAB_SIZE = 49152
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                   "special_tokens_map.json")
 INIT_STD = 0.02
 
 
@@ -357,29 +368,6 @@ def random_llama(shape: dict, device: torch.device, seed: int = 0) -> torch.nn.M
 
 def module_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def copy_tokenizer(source: Path, folder: Path) -> None:
-    """The tokenizer files (and chat template) of the model folder `source` into `folder`."""
-    copied = [name for name in TOKENIZER_FILES if (source / name).exists()]
-    if "tokenizer.json" not in copied:
-        raise FileNotFoundError(f"{source} holds no tokenizer.json")
-    for name in copied:
-        shutil.copy(source / name, folder / name)
-
-
-def tiny_llama_with_smollm2_tokenizer(folder: Path, tokenizer: Path | None = None, **overrides: Any) -> Path:
-    """A tiny random llama (2 layers, hidden 64) with SmolLM2's vocabulary, tokenizer and chat
-    template (from `tokenizer`, default: the default model's folder), so a gateway in front of it
-    does its real text work while the model costs little. `overrides`: config fields."""
-    from workers.checkpoints import make_tiny_checkpoint
-    from workers.default_model import fetch_default_model
-
-    with contextlib.redirect_stderr(io.StringIO()):  # transformers' progress bar
-        make_tiny_checkpoint("llama", folder, **{"vocab_size": SMOLLM2_VOCAB_SIZE, "num_hidden_layers": 2,
-                                                 **overrides})
-    copy_tokenizer(tokenizer or fetch_default_model(), folder)
-    return folder
 
 
 # -- engine runs ---------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from workers.checkpoints import TINY_ARCHS, make_tiny_checkpoint
+from tests.fleet_helpers import TINY_CHAT
+from workers.checkpoints import TINY_ARCHS, make_tiny_checkpoint, tiny_llama_with_smollm2_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -22,6 +23,15 @@ def smollm2() -> Path:
     from workers.default_model import fetch_default_model
 
     return fetch_default_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_chat(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random llama (2 layers, hidden 64) that speaks SmolLM2's tokenizer, chat template
+    and stop ids, with a 2,048-token window: the gateway's real text work applies while a step
+    costs milliseconds, so fleet tests measure the fleet. Built once per session."""
+    return tiny_llama_with_smollm2_tokenizer(tmp_path_factory.mktemp("models") / TINY_CHAT, smollm2,
+                                             with_stop_ids=True, max_position_embeddings=2048)
 
 
 @pytest.fixture

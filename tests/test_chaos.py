@@ -73,7 +73,10 @@ def _pythonpath() -> str:
 @pytest.mark.slow
 def test_a_short_chaos_run_loses_nothing_and_repeats_nothing():
     done = subprocess.run(
-        [sys.executable, str(SCRIPTS / "chaos.py"), "--minutes", "1", "--short", "--seed", "1"],
+        # 30 s of faults, one every 2-6 s (the kinds of process in turn, each victim at least 12 s
+        # old): more than the three asked for below, as many as a minute at the default interval.
+        [sys.executable, str(SCRIPTS / "chaos.py"), "--minutes", "0.5", "--fault-interval-s", "4", "--short",
+         "--seed", "1"],
         capture_output=True, text=True, timeout=1200,
         env={**os.environ, "PYTHONPATH": _pythonpath()},
     )

@@ -4,10 +4,6 @@ back by draining a replica that still streams, and no request is cut, repeated o
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -22,7 +18,7 @@ from shared.config import EngineConfig
 from shared.keys import Keys
 from shared.net import free_port
 from shared.sampling import SamplingParams
-from tests.tiny_chat import make_tiny_chat_model
+from tests.fleet_helpers import UpProcess
 
 pytestmark = pytest.mark.slow
 KEYS = Keys()
@@ -92,11 +88,6 @@ class FleetWatch:
         self._thread.join(timeout=5)
 
 
-@pytest.fixture(scope="module")
-def tiny_chat(smollm2, tmp_path_factory) -> Path:
-    return make_tiny_chat_model(tmp_path_factory.mktemp("tiny_chat"), smollm2)
-
-
 def _single_replica_texts(model: Path, requests: list[tuple[int, int]]) -> dict[int, str]:
     with LLMEngine(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=1024)) as engine:
         prompts = [engine.encode(_prompt(i)) for i, _ in requests]
@@ -106,28 +97,19 @@ def _single_replica_texts(model: Path, requests: list[tuple[int, int]]) -> dict[
 
 def test_burst_adds_a_replica_and_low_load_drains_it_without_cutting_a_stream(tiny_chat, tmp_path):
     port, redis_port = free_port(), free_port()
-    home = tmp_path / "home"
-    env = {**os.environ, "TOKENFLEET_HOME": str(home), "TOKENFLEET_LOG_LEVEL": "INFO"}
-    up = subprocess.Popen(
-        [sys.executable, "-m", "tokenfleet.cli", "up", "--port", str(port), "--redis-port", str(redis_port),
-         "--model", str(tiny_chat), "--model-name", MODEL, "--dtype", "float32", "--num-kv-blocks", "1024",
-         "--max-num-seqs", "4", "--gateway-workers", "1", "--min-replicas", "1", "--max-replicas", "2",
-         "--target-queue", "2", "--target-wait-s", "2", "--scale-up-cooldown-s", "1",
-         "--scale-down-cooldown-s", "4", "--scale-down-load", "1.0", "--autoscale-interval-s", "0.5"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )
+    up = UpProcess(
+        ["--port", str(port), "--redis-port", str(redis_port), "--model", str(tiny_chat),
+         "--model-name", MODEL, "--dtype", "float32", "--num-kv-blocks", "1024", "--max-num-seqs", "4",
+         "--gateway-workers", "1",
+         "--min-replicas", "1", "--max-replicas", "2", "--target-queue", "2", "--target-wait-s", "2",
+         "--scale-up-cooldown-s", "1", "--scale-down-cooldown-s", "4", "--scale-down-load", "1.0",
+         "--autoscale-interval-s", "0.5"],
+        tmp_path / "home", TOKENFLEET_LOG_LEVEL="INFO")
     url = f"http://127.0.0.1:{port}"
     watch = None
-    lines: list[str] = []  # up's output, read all along (a full pipe would stall it)
-    reader = threading.Thread(target=lambda: lines.extend(iter(up.stdout.readline, "")), daemon=True)
-    reader.start()
     try:
-        deadline = time.monotonic() + 300
-        while not any("tokenfleet is up" in line for line in lines):
-            assert up.poll() is None, "".join(lines)
-            assert time.monotonic() < deadline, "".join(lines)
-            time.sleep(0.1)
-        assert any("1-2 replicas, autoscaled" in line for line in lines)
+        up.wait_up()
+        assert "1-2 replicas, autoscaled" in up.output
         watch = FleetWatch(f"redis://127.0.0.1:{redis_port}/0")
         watch.wait_for(lambda s: s["replicas"].get("actual") == "1" and len(s["schedulers"]) == 1, 30,
                        "one replica at rest")
@@ -161,15 +143,11 @@ def test_burst_adds_a_replica_and_low_load_drains_it_without_cutting_a_stream(ti
         records = {i: client.hgetall(KEYS.result(r["id"])) for i, r in results.items()}
         # The controller logs the drained replica once it has reaped its process, which may come a
         # tick after the replica's heartbeat is gone.
-        deadline = time.monotonic() + 60
-        while "replica_drained" not in "".join(lines) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        up.wait_for_output("replica_drained", 60)
     finally:
         if watch is not None:
             watch.close()
-        up.send_signal(signal.SIGTERM)
-        assert up.wait(timeout=120) == 0
-        reader.join(timeout=10)
+        assert up.stop() == 0, up.output[-3000:]
     # the second scheduler took work from the burst
     owners = {rec[b"scheduler"].decode() for rec in records.values()}
     assert len(owners) == 2 and len(grown["schedulers"]) == 2, owners
@@ -186,8 +164,7 @@ def test_burst_adds_a_replica_and_low_load_drains_it_without_cutting_a_stream(ti
         assert result["usage"]["completion_tokens"] == max_tokens
         assert result["text"] == want[index], index
         assert records[index][b"state"] == b"completed"
-    output = "".join(lines)  # the scale events are in up's log
-    assert "scale_up" in output and "scale_down" in output and "replica_drained" in output
+    assert "scale_up" in up.output and "scale_down" in up.output  # the scale events are in up's log
 
 
 def test_autoscaled_tp2_replica_runs_in_the_placement_group_it_reserved_and_sigterm_leaves_nothing(
@@ -198,24 +175,15 @@ def test_autoscaled_tp2_replica_runs_in_the_placement_group_it_reserved_and_sigt
     import psutil
 
     port, redis_port = free_port(), free_port()
-    home = tmp_path / "home"
-    env = {**os.environ, "TOKENFLEET_HOME": str(home), "TOKENFLEET_LOG_LEVEL": "INFO"}
-    up = subprocess.Popen(
-        [sys.executable, "-m", "tokenfleet.cli", "up", "--port", str(port), "--redis-port", str(redis_port),
-         "--model", str(tiny_chat), "--model-name", MODEL, "--dtype", "float32", "--num-kv-blocks", "64",
-         "--gateway-workers", "1", "--tp", "2", "--min-replicas", "1", "--max-replicas", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(iter(up.stdout.readline, "")), daemon=True)
-    reader.start()
+    up = UpProcess(
+        ["--port", str(port), "--redis-port", str(redis_port), "--model", str(tiny_chat),
+         "--model-name", MODEL, "--dtype", "float32", "--num-kv-blocks", "64", "--gateway-workers", "1",
+         "--tp", "2",
+         "--min-replicas", "1", "--max-replicas", "2"],
+        tmp_path / "home", TOKENFLEET_LOG_LEVEL="INFO")
     descendants: list[psutil.Process] = []
     try:
-        deadline = time.monotonic() + 300
-        while not any("tokenfleet is up" in line for line in lines):
-            assert up.poll() is None, "".join(lines)
-            assert time.monotonic() < deadline, "".join(lines)
-            time.sleep(0.2)
+        up.wait_up()
         body = {"model": MODEL, "prompt": _prompt(0), "max_tokens": 8, "temperature": 0, "ignore_eos": True}
         request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
                                          {"Content-Type": "application/json"})
@@ -229,16 +197,13 @@ def test_autoscaled_tp2_replica_runs_in_the_placement_group_it_reserved_and_sigt
             time.sleep(0.2)
             replicas = client.hgetall(KEYS.replicas(MODEL))
         assert (replicas[b"desired"], replicas[b"actual"]) == (b"1", b"1")
-        descendants = psutil.Process(up.pid).children(recursive=True)
+        descendants = up.descendants()
         ranks = [p for p in descendants if "RankWorker" in " ".join(p.cmdline())]
         assert len(ranks) == 2
     finally:
-        up.send_signal(signal.SIGTERM)
-        code = up.wait(timeout=120)
-        reader.join(timeout=10)
-    output = "".join(lines)
-    assert code == 0, output[-3000:]
-    assert '"placement_group": "tokenfleet-replica-tiny-r0"' in output
+        code = up.stop()
+    assert code == 0, up.output[-3000:]
+    assert '"placement_group": "tokenfleet-replica-tiny-r0"' in up.output
     time.sleep(1)
     alive = [p for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, [p.cmdline() for p in alive]

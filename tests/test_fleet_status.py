@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -23,7 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared.net import free_port
-from tests.gateway.batch_fleet import make_tiny_chat_model
+from tests.fleet_helpers import UpProcess
 
 pytestmark = pytest.mark.slow
 
@@ -40,18 +39,13 @@ class Fleet:
         # Every flag also reads TOKENFLEET_<FLAG>: the schedulers beat (and publish their
         # metrics) every 0.25 s and log their throughput every second; a lease long enough that a
         # machine busy with other work never has one scheduler take the other's requests.
-        self.env = {**os.environ, "TOKENFLEET_HOME": str(home), "TOKENFLEET_HEARTBEAT_S": "0.25",
-                    "TOKENFLEET_LOG_STATS_INTERVAL_S": "1", "TOKENFLEET_LEASE_S": "120"}
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "tokenfleet.cli", "up", "--port", str(self.port), "--model", str(model),
-             "--replicas", "2", "--num-kv-blocks", "128", "--dtype", "float32", "--gateway-workers", "1"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env)
-        lines: list[str] = []
+        self.up = UpProcess(["--port", str(self.port), "--model", str(model), "--replicas", "2",
+                             "--num-kv-blocks", "128", "--dtype", "float32", "--gateway-workers", "1"],
+                            home, TOKENFLEET_HEARTBEAT_S="0.25", TOKENFLEET_LOG_STATS_INTERVAL_S="1",
+                            TOKENFLEET_LEASE_S="120")
+        self.env = self.up.env
+        self.up.wait_up()
         deadline = time.monotonic() + 300
-        while not any("tokenfleet is up" in line for line in lines):
-            assert self.process.poll() is None, "".join(lines)
-            assert time.monotonic() < deadline, "".join(lines)
-            lines.append(self.process.stdout.readline())
         self.scheduler_ids = [f"{self.model}-0", f"{self.model}-1"]
         while set(_kv(self.engine_samples())) != set(self.scheduler_ids):  # /ready needs only one
             assert time.monotonic() < deadline, "both schedulers never reported"
@@ -83,14 +77,12 @@ class Fleet:
                 for s in family.samples}
 
     def stop(self) -> None:
-        self.process.send_signal(signal.SIGTERM)
-        assert self.process.wait(timeout=120) == 0
+        assert self.up.stop() == 0, self.up.output[-3000:]
 
 
 @pytest.fixture(scope="module")
-def fleet(smollm2, tmp_path_factory):
-    model = make_tiny_chat_model(smollm2, tmp_path_factory.mktemp("models") / "tiny-chat")
-    fleet = Fleet(model, tmp_path_factory.mktemp("home"))
+def fleet(tiny_chat, tmp_path_factory):
+    fleet = Fleet(tiny_chat, tmp_path_factory.mktemp("home"))
     yield fleet
     fleet.stop()
 

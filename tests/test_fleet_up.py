@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,6 +12,7 @@ import psutil
 import pytest
 
 from shared.net import free_port
+from tests.fleet_helpers import UpProcess
 
 pytestmark = pytest.mark.slow
 
@@ -30,33 +28,54 @@ def _processes_mentioning(text: str) -> list[psutil.Process]:
     return found
 
 
+def _cpu_seconds(proc: psutil.Process) -> float:
+    times = proc.cpu_times()
+    return times.user + times.system
+
+
+def _busy_while_idle(up: UpProcess) -> dict[str, str]:
+    """Rank workers and schedulers of a fleet with no traffic that used 5% of a core or more
+    over 3 s. A rank waiting for its next step in Ray's compiled-graph channel read spins a
+    full core unless the group parks it (workers/ray_group.py)."""
+    time.sleep(1.0)  # past the group's parking delay (50 ms) and the start-up's tail
+    names = {p: " ".join(p.cmdline()).strip() for p in up.descendants()}
+    ranks = [p for p, name in names.items() if "RankWorker" in name]
+    schedulers = [p for p, name in names.items() if " scheduler " in name]
+    # Count on the whole command line: the labels below are cut short, and a long checkout
+    # path (CI's is) would cut " scheduler " off them.
+    assert len(ranks) == 2, list(names.values())
+    assert len(schedulers) == 1, list(names.values())
+    watched = {p: f"{names[p][-60:]} (pid {p.pid})" for p in ranks + schedulers}
+    before = {p: _cpu_seconds(p) for p in watched}
+    start = time.monotonic()
+    time.sleep(3.0)
+    elapsed = time.monotonic() - start
+    shares = {watched[p]: (_cpu_seconds(p) - before[p]) / elapsed for p in watched}
+    return {name: f"{share:.0%} of a core" for name, share in shares.items() if share >= 0.05}
+
+
 @pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (1, 2)])
 def test_up_serves_a_chat_completion_and_leaves_nothing_after_sigterm(smollm2, tmp_path, tp, pp):
     """TP=1, then a Ray TP=2 group on this CPU, then two pipeline stages (SmolLM2's 30 layers
     as 15 + 15, its tied embedding the last stage's LM head). At TP=1 a batch job also goes
-    through, from the CLI with no flags (it finds the fleet's Redis in fleet.json)."""
+    through, from the CLI with no flags (it finds the fleet's Redis in fleet.json). With a Ray
+    group (where a parked rank matters), the idle fleet first leaves its cores idle."""
     port = free_port()
-    env = {**os.environ, "TOKENFLEET_HOME": str(tmp_path / "home")}
-    up = subprocess.Popen(
-        [sys.executable, "-m", "tokenfleet.cli", "up", "--port", str(port), "--model", str(smollm2),
-         "--num-kv-blocks", "256", "--dtype", "float32", "--tp", str(tp), "--pp", str(pp)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )
+    home = tmp_path / "home"
+    up = UpProcess(["--port", str(port), "--model", str(smollm2), "--num-kv-blocks", "256",
+                    "--dtype", "float32", "--tp", str(tp), "--pp", str(pp)], home)
     descendants: list[psutil.Process] = []
     try:
-        lines = []
-        deadline = time.monotonic() + 300
-        while not any("tokenfleet is up" in line for line in lines):
-            assert up.poll() is None, "".join(lines)
-            assert time.monotonic() < deadline, "".join(lines)
-            lines.append(up.stdout.readline())
-        curl = up.stdout.readline() + up.stdout.readline()
-        assert f"http://127.0.0.1:{port}/v1/chat/completions" in curl
-        fleet = json.loads((tmp_path / "home" / "fleet.json").read_text())
+        up.wait_up()
+        up.wait_for_output(f"http://127.0.0.1:{port}/v1/chat/completions", 30)  # the curl it prints
+        fleet = json.loads((home / "fleet.json").read_text())
         assert fleet["gateway_url"] == f"http://127.0.0.1:{port}"
-        descendants = psutil.Process(up.pid).children(recursive=True)
+        descendants = up.descendants()
         # redis, scheduler, gateway (and their children); Ray only for a group of several ranks
         assert len(descendants) >= (3 if tp * pp == 1 else 4)
+        if tp * pp == 2:
+            busy = _busy_while_idle(up)
+            assert not busy, busy
         body = json.dumps({"model": smollm2.name, "max_tokens": 16, "temperature": 0,
                            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
         request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body.encode(),
@@ -65,8 +84,7 @@ def test_up_serves_a_chat_completion_and_leaves_nothing_after_sigterm(smollm2, t
             answer = json.loads(response.read())
         assert "Paris" in answer["choices"][0]["message"]["content"]
         if tp * pp > 1:
-            ranks = [p for p in psutil.Process(up.pid).children(recursive=True)
-                     if "RankWorker" in " ".join(p.cmdline())]
+            ranks = [p for p in up.descendants() if "RankWorker" in " ".join(p.cmdline())]
             assert len(ranks) == tp * pp, [p.cmdline() for p in ranks]
         else:
             job = tmp_path / "job.jsonl"
@@ -74,66 +92,16 @@ def test_up_serves_a_chat_completion_and_leaves_nothing_after_sigterm(smollm2, t
                                        "body": json.loads(body)}) + "\n")
             done = subprocess.run([sys.executable, "-m", "tokenfleet.cli", "batch", "submit", str(job),
                                    "--wait", "--output", str(tmp_path / "out.jsonl")],
-                                  env=env, capture_output=True, text=True, timeout=120)
+                                  env=up.env, capture_output=True, text=True, timeout=120)
             assert done.returncode == 0, done.stderr
             [line] = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
             assert line["custom_id"] == "paris"
             assert "Paris" in line["response"]["body"]["choices"][0]["message"]["content"]
     finally:
-        with contextlib.suppress(psutil.Error):  # Ray's workers too, by now
-            descendants = psutil.Process(up.pid).children(recursive=True)
-        up.send_signal(signal.SIGTERM)
-        assert up.wait(timeout=120) == 0
+        descendants = up.descendants() or descendants  # Ray's workers too, by now
+        assert up.stop() == 0, up.output[-3000:]
     time.sleep(1)
     alive = [p for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, [p.cmdline() for p in alive]
-    assert not _processes_mentioning(str(tmp_path / "home"))
-    assert not (tmp_path / "home" / "fleet.json").exists()
-
-
-def _cpu_seconds(proc: psutil.Process) -> float:
-    times = proc.cpu_times()
-    return times.user + times.system
-
-
-def test_an_idle_fleet_leaves_its_cores_idle(smollm2, tmp_path):
-    """With no traffic, every rank worker and every scheduler stays under 5% of a core.
-
-    --tp 2, so that the fleet runs a Ray group (at TP=1 the scheduler may run the model in
-    its own process): a rank waiting for its next step in Ray's compiled-graph channel read
-    spins a full core unless the group parks it (workers/ray_group.py).
-    """
-    port = free_port()
-    env = {**os.environ, "TOKENFLEET_HOME": str(tmp_path / "home")}
-    up = subprocess.Popen(
-        [sys.executable, "-m", "tokenfleet.cli", "up", "--port", str(port), "--model", str(smollm2),
-         "--num-kv-blocks", "64", "--dtype", "float32", "--tp", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )
-    try:
-        lines = []
-        deadline = time.monotonic() + 300
-        while not any("tokenfleet is up" in line for line in lines):
-            assert up.poll() is None, "".join(lines)
-            assert time.monotonic() < deadline, "".join(lines)
-            lines.append(up.stdout.readline())
-        time.sleep(1.0)  # past the group's parking delay (50 ms) and the start-up's tail
-        children = psutil.Process(up.pid).children(recursive=True)
-        names = {p: " ".join(p.cmdline()).strip() for p in children}
-        ranks = [p for p, name in names.items() if "RankWorker" in name]
-        schedulers = [p for p, name in names.items() if " scheduler " in name]
-        # Count on the whole command line: the labels below are cut short, and a long checkout
-        # path (CI's is) would cut " scheduler " off them.
-        assert len(ranks) == 2, list(names.values())
-        assert len(schedulers) == 1, list(names.values())
-        watched = {p: f"{names[p][-60:]} (pid {p.pid})" for p in ranks + schedulers}
-        before = {p: _cpu_seconds(p) for p in watched}
-        start = time.monotonic()
-        time.sleep(3.0)
-        elapsed = time.monotonic() - start
-        shares = {watched[p]: (_cpu_seconds(p) - before[p]) / elapsed for p in watched}
-    finally:
-        up.send_signal(signal.SIGTERM)
-        assert up.wait(timeout=120) == 0
-    busy = {name: f"{share:.0%} of a core" for name, share in shares.items() if share >= 0.05}
-    assert not busy, busy
+    assert not _processes_mentioning(str(home))
+    assert not (home / "fleet.json").exists()

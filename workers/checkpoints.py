@@ -22,7 +22,10 @@ tensor parallelism at TP=2 splits them evenly.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +129,37 @@ def make_tiny_checkpoint(
     if legacy_rope_keys:
         _write_legacy_rope_keys(path / "config.json")
     return path
+
+
+SMOLLM2_VOCAB_SIZE = 49152
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                   "special_tokens_map.json")
+
+
+def copy_tokenizer(source: Path, folder: Path, *, with_stop_ids: bool = False) -> None:
+    """The tokenizer files (and chat template) of the model folder `source` into `folder`;
+    `with_stop_ids`: its generation_config.json too, so the copy stops where `source` stops."""
+    names = TOKENIZER_FILES + (("generation_config.json",) if with_stop_ids else ())
+    copied = [name for name in names if (Path(source) / name).exists()]
+    if "tokenizer.json" not in copied:
+        raise FileNotFoundError(f"{source} holds no tokenizer.json")
+    for name in copied:
+        shutil.copy(Path(source) / name, Path(folder) / name)
+
+
+def tiny_llama_with_smollm2_tokenizer(folder: Path, tokenizer: Path | None = None, *,
+                                      with_stop_ids: bool = False, **overrides: Any) -> Path:
+    """A tiny random llama (2 layers, hidden 64) with SmolLM2's vocabulary, tokenizer and chat
+    template (from `tokenizer`, default: the default model's folder), so a gateway in front of it
+    does its real text work while the model costs little. `overrides`: config fields;
+    `with_stop_ids`: see copy_tokenizer."""
+    from workers.default_model import fetch_default_model
+
+    with contextlib.redirect_stderr(io.StringIO()):  # transformers' progress bar
+        make_tiny_checkpoint("llama", folder, **{"vocab_size": SMOLLM2_VOCAB_SIZE, "num_hidden_layers": 2,
+                                                 **overrides})
+    copy_tokenizer(tokenizer or fetch_default_model(), folder, with_stop_ids=with_stop_ids)
+    return Path(folder)
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:

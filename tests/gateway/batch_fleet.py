@@ -1,13 +1,11 @@
-"""What the batch tests run on: a tiny random-weight Llama that speaks SmolLM2's tokenizer and
-chat template (so the gateway's real tokenization and templates apply, while a step costs
-milliseconds), real schedulers on it (threads, or `tokenfleet scheduler` processes that a
-test can kill), and job files in the OpenAI Batch input format."""
+"""What the batch tests run on: real schedulers on the session's tiny_chat model
+(tests/conftest.py; threads, or `tokenfleet scheduler` processes that a test can kill), and job
+files in the OpenAI Batch input format."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -15,21 +13,7 @@ from pathlib import Path
 
 import redis
 
-from workers.checkpoints import make_tiny_checkpoint
-
-TINY_CHAT = "tiny-chat"  # the served name of the model (its folder's name)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja", "generation_config.json")
-
-
-def make_tiny_chat_model(smollm2: Path, folder: Path) -> Path:
-    """A tiny llama with SmolLM2's vocabulary size and tokenizer files."""
-    make_tiny_checkpoint("llama", folder, vocab_size=49152, max_position_embeddings=1024, num_hidden_layers=2,
-                         bos_token_id=1, eos_token_id=2)
-    for name in TOKENIZER_FILES:
-        if (smollm2 / name).exists():
-            shutil.copy(smollm2 / name, folder / name)
-    return folder
+from tests.fleet_helpers import TINY_CHAT, start_scheduler
 
 
 def job_lines(num_lines: int, *, max_tokens: int = 6, bad: bool = True,
@@ -59,7 +43,7 @@ def job_lines(num_lines: int, *, max_tokens: int = 6, bad: bool = True,
             elif kind == "field":
                 body["frobnicate"] = True
             elif kind == "long":
-                body["max_tokens"] = 5000  # past the 1024-token context window
+                body["max_tokens"] = 5000  # past the 2,048-token context window
             elif kind == "method":
                 line["method"] = "GET"
         lines.append(json.dumps(line))
@@ -76,11 +60,8 @@ def thread_scheduler(url: str, folder: Path):
 
 def spawn_scheduler(url: str, folder: Path, scheduler_id: str, *, lease_s: float = 2.0) -> subprocess.Popen:
     """`tokenfleet scheduler` as its own process (so that a test can kill -9 it)."""
-    argv = [sys.executable, "-m", "tokenfleet.cli", "scheduler", "--redis-url", url, "--model", str(folder),
-            "--scheduler-id", scheduler_id, "--lease-s", str(lease_s), "--dtype", "float32",
-            "--num-kv-blocks", "1024", "--max-num-seqs", "64", "--num-threads", "1"]
-    return subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[2], env={**os.environ},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return start_scheduler(url, folder, scheduler_id, "--lease-s", str(lease_s), "--num-kv-blocks", "1024",
+                           "--max-num-seqs", "64", "--num-threads", "1")
 
 
 def spawn_ingester(url: str, folder: Path, *, lease_s: float = 2.0) -> subprocess.Popen:

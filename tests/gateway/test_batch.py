@@ -22,7 +22,6 @@ from gateway.settings import GatewaySettings, ModelSpec
 from tests.gateway.batch_fleet import (
     TINY_CHAT,
     job_lines,
-    make_tiny_chat_model,
     read_outputs,
     spawn_ingester,
     spawn_scheduler,
@@ -33,11 +32,6 @@ from tests.gateway.batch_fleet import (
 
 pytestmark = [pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def tiny_chat(smollm2, tmp_path_factory) -> Path:
-    return make_tiny_chat_model(smollm2, tmp_path_factory.mktemp("models") / TINY_CHAT)
 
 
 @pytest.fixture(scope="module")
@@ -285,6 +279,11 @@ async def test_cli_submit_waits_with_a_progress_bar_and_writes_the_results(sched
 
 # -- crash safety: a Redis of their own; schedulers and ingesters as processes that get killed --------
 
+# A job that is a quarter (or 30%) written when its scheduler (or ingester) is killed: 400 lines
+# hold four bad ones, and keep both schedulers' 64 slots full.
+KILL_JOB_LINES = 400
+KILL_JOB_TOKENS = 16
+
 
 def _kill(process: subprocess.Popen) -> None:
     if process.poll() is None:
@@ -301,16 +300,17 @@ async def test_a_scheduler_killed_mid_job_and_the_job_completes_exactly_once(red
     await aiohttp_client(create_app(settings))  # its ingester feeds and collects
     schedulers = [spawn_scheduler(redis_server.url, tiny_chat, f"s{i}") for i in range(2)]
     try:
-        lines, broken = job_lines(1000, max_tokens=24)
+        lines, broken = job_lines(KILL_JOB_LINES, max_tokens=KILL_JOB_TOKENS)
         client.xadd("tf:batch:in", {"job_id": "crash-1", "lines": "\n".join(lines)})
-        await asyncio.to_thread(wait_written, client, "crash-1", 250, 240)
-        taken = client.xpending_range("tf:req:tiny-chat:batch", "schedulers", "-", "+", 1000,
+        await asyncio.to_thread(wait_written, client, "crash-1", KILL_JOB_LINES // 4, 240)
+        taken = client.xpending_range("tf:req:tiny-chat:batch", "schedulers", "-", "+", KILL_JOB_LINES,
                                       consumername="s0")
         assert taken, "the scheduler to be killed holds no work"
         _kill(schedulers[0])
         job = await asyncio.to_thread(wait_for_job, client, "crash-1", timeout_s=240)
         assert job["status"] == "completed", job
-        check_exactly_once(read_outputs(client, "crash-1"), 1000, broken, max_tokens=24)
+        check_exactly_once(read_outputs(client, "crash-1"), KILL_JOB_LINES, broken,
+                           max_tokens=KILL_JOB_TOKENS)
         assert int(job["failed"]) == len(broken)
     finally:
         for process in schedulers:
@@ -324,14 +324,15 @@ async def test_an_ingester_killed_mid_job_and_a_new_one_finishes_it_exactly_once
     first = spawn_ingester(redis_server.url, tiny_chat)
     second = None
     try:
-        lines, broken = job_lines(1000, max_tokens=24)
+        lines, broken = job_lines(KILL_JOB_LINES, max_tokens=KILL_JOB_TOKENS)
         client.xadd("tf:batch:in", {"job_id": "crash-2", "lines": "\n".join(lines)})
-        await asyncio.to_thread(wait_written, client, "crash-2", 300, 240)
+        await asyncio.to_thread(wait_written, client, "crash-2", KILL_JOB_LINES * 3 // 10, 240)
         _kill(first)
         second = spawn_ingester(redis_server.url, tiny_chat)
         job = await asyncio.to_thread(wait_for_job, client, "crash-2", timeout_s=240)
         assert job["status"] == "completed", job
-        check_exactly_once(read_outputs(client, "crash-2"), 1000, broken, max_tokens=24)
+        check_exactly_once(read_outputs(client, "crash-2"), KILL_JOB_LINES, broken,
+                           max_tokens=KILL_JOB_TOKENS)
     finally:
         for process in (first, second):
             if process is not None:

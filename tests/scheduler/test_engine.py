@@ -116,12 +116,20 @@ def test_tp2_greedy_matches_transformers(arch: str, tiny_checkpoints) -> None:
         assert_greedy_matches(result.token_ids, ref, allow_near_tie=True)
 
 
+SMOLLM2_PROMPTS = _prompts(5, 49152, [7, 120, 33, 300, 2])
+
+
+@pytest.fixture(scope="module")
+def smollm2_references(smollm2):
+    """transformers' greedy continuations of SMOLLM2_PROMPTS, computed once for every TP."""
+    return _references(smollm2, SMOLLM2_PROMPTS)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=needs_two_ranks)])
-def test_smollm2_greedy_matches_transformers(tp: int, smollm2) -> None:
+def test_smollm2_greedy_matches_transformers(tp: int, smollm2, smollm2_references) -> None:
     """The real model, no near-tie allowance: every one of 32 tokens identical."""
-    prompts = _prompts(5, 49152, [7, 120, 33, 300, 2])
-    refs = _references(smollm2, prompts)
+    prompts, refs = SMOLLM2_PROMPTS, smollm2_references
     with _engine(smollm2, tp=tp, block_size=16, num_kv_blocks=64, max_num_seqs=4,
                  max_num_batched_tokens=64) as engine:
         results = engine.generate(prompts, GREEDY)

@@ -16,7 +16,6 @@ from shared.config import EngineConfig
 from shared.errors import InvalidRequestError
 from shared.sampling import SamplingParams
 from shared.step import SequenceWork
-from tests.gateway.batch_fleet import make_tiny_chat_model
 
 
 class Pet(BaseModel):
@@ -27,11 +26,6 @@ class Pet(BaseModel):
 
 PET_GRAMMAR = json.dumps({"type": "json_schema", "schema": Pet.model_json_schema()})
 PROMPTS = ["Describe a pet.", "Name an animal.", "What lives in water?", "Tell me about dogs."]
-
-
-@pytest.fixture(scope="module")
-def tiny_chat(smollm2, tmp_path_factory):
-    return make_tiny_chat_model(smollm2, tmp_path_factory.mktemp("models") / "tiny-chat")
 
 
 def _engine(folder, **overrides) -> LLMEngine:

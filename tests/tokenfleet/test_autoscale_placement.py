@@ -18,7 +18,6 @@ import pytest
 from shared.net import free_port
 from shared.sampling import SamplingParams
 from tests.scheduler.service_client import KEYS, submit, wait_terminal
-from tests.tiny_chat import make_tiny_chat_model
 
 pytestmark = pytest.mark.slow
 RAY = [sys.executable, "-m", "ray.scripts.scripts"]
@@ -97,9 +96,9 @@ def _placements(address: str, env: dict, names: list[str]) -> dict:
 
 
 def test_second_replica_goes_to_the_node_with_room_and_a_third_is_reported_unplaced(
-        two_ray_nodes, redis_server, smollm2, tmp_path):
+        two_ray_nodes, redis_server, tiny_chat, tmp_path):
     address, env = two_ray_nodes
-    model = make_tiny_chat_model(tmp_path / "tiny", smollm2)
+    model = tiny_chat
     client = redis_server.client()
     log_path = tmp_path / "autoscale.log"
     with open(log_path, "wb") as log:

@@ -9,11 +9,8 @@ process. Outputs are judged against the same fleet's answers before anything was
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -23,12 +20,11 @@ import psutil
 import pytest
 
 from shared.net import free_port
-from workers.checkpoints import make_tiny_checkpoint
+from tests.fleet_helpers import TINY_CHAT, UpProcess
 
 pytestmark = pytest.mark.slow
 QUESTIONS = ["What is the capital of France?", "Name three colours.", "Write a haiku about rain."]
 MAX_TOKENS = 24
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
 class UpFleet:
@@ -86,35 +82,18 @@ class UpFleet:
 
 
 def _body(question: str, **extra) -> dict:
-    return {"model": "tiny-chat", "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+    return {"model": TINY_CHAT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
             "messages": [{"role": "user", "content": question}], **extra}
 
 
 @pytest.fixture(scope="module")
-def fleet(smollm2, tmp_path_factory):
-    home = tmp_path_factory.mktemp("up-home")
-    model = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("models") / "tiny-chat",
-                                 vocab_size=49152, num_hidden_layers=2)
-    for name in TOKENIZER_FILES:
-        shutil.copy(smollm2 / name, model / name)
+def fleet(tiny_chat, tmp_path_factory):
     port = free_port()
-    env = {**os.environ, "TOKENFLEET_HOME": str(home)}
-    up = subprocess.Popen(
-        [sys.executable, "-m", "tokenfleet.cli", "up", "--port", str(port), "--model", str(model),
-         "--num-kv-blocks", "256", "--dtype", "float32", "--gateway-workers", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )
-    lines: list[str] = []
-    deadline = time.monotonic() + 300
-    while not any("tokenfleet is up" in line for line in lines):
-        assert up.poll() is None, "".join(lines)
-        assert time.monotonic() < deadline, "".join(lines)
-        lines.append(up.stdout.readline())
-    # up's own log (child_exited, child_restarted) goes on in the background.
-    threading.Thread(target=lambda: [lines.append(line) for line in up.stdout], daemon=True).start()
-    yield UpFleet(up, port, home)
-    up.send_signal(signal.SIGTERM)
-    assert up.wait(timeout=120) == 0, "".join(lines)
+    up = UpProcess(["--port", str(port), "--model", str(tiny_chat), "--num-kv-blocks", "256",
+                    "--dtype", "float32", "--gateway-workers", "1"], tmp_path_factory.mktemp("up-home"))
+    up.wait_up()  # up's own log (child_exited, child_restarted) goes on in the background
+    yield UpFleet(up.process, port, up.home)
+    assert up.stop() == 0, up.output
 
 
 def _stream(fleet: UpFleet, question: str, out: dict, first_chunk: threading.Event) -> None:

@@ -151,6 +151,11 @@ def test_tp2_on_an_existing_cluster_started_with_ray_start(smollm2, tmp_path):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     address = f"127.0.0.1:{port}"
+    common = [sys.executable, "-m", "tokenfleet.cli", "generate", "--model", str(smollm2), "--json",
+              "--max-tokens", "16", "--dtype", "float32", "--num-kv-blocks", "64",
+              "The capital of France is", "1, 2, 3,"]
+    # The reference, TP=1 in its own process, runs while the head starts.
+    local = subprocess.Popen(common, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # Token authentication, as a real deployment should run it; the head and every
     # client share the token through the environment.
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": os.urandom(16).hex()}
@@ -168,14 +173,15 @@ def test_tp2_on_an_existing_cluster_started_with_ray_start(smollm2, tmp_path):
             if status.returncode == 0:
                 break
             time.sleep(1)
-        common = [sys.executable, "-m", "tokenfleet.cli", "generate", "--model", str(smollm2), "--json",
-                  "--max-tokens", "16", "--dtype", "float32", "--num-kv-blocks", "64",
-                  "The capital of France is", "1, 2, 3,"]
         on_cluster = subprocess.run([*common, "--tp", "2", "--ray-address", address],
                                     capture_output=True, text=True, timeout=300, env=env)
-        local = subprocess.run(common, capture_output=True, text=True, timeout=300)
+        local_stdout, local_stderr = local.communicate(timeout=300)
     finally:
         os.killpg(head.pid, signal.SIGTERM)
         head.wait(timeout=60)
+        if local.poll() is None:
+            local.kill()
+            local.wait()
     assert on_cluster.returncode == 0, on_cluster.stderr[-2000:]
-    assert on_cluster.stdout == local.stdout
+    assert local.returncode == 0, local_stderr[-2000:]
+    assert on_cluster.stdout == local_stdout
