@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import os
 
-MULTICAST_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                     "NVSHMEM_DISABLE_NVLS": "1"}
+import bench_common  # noqa: F401 - first: it puts the repository on sys.path (and imports no torch)
+
+from shared.config import MULTICAST_OFF_ENV
+
 os.environ.update(MULTICAST_OFF_ENV)  # before torch, NCCL or Ray start
 
 import argparse  # noqa: E402
@@ -33,6 +35,7 @@ import shutil  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 
+import bench_gpu  # noqa: E402
 import torch  # noqa: E402
 
 # bench_common before the product: importing it puts the repository on sys.path.
@@ -46,7 +49,6 @@ from bench_common import (  # noqa: E402
     random_llama,
     run_engine_workload,
     sharegpt_workload,
-    sync,
     warm_up,
 )
 
@@ -55,9 +57,7 @@ from shared.config import EngineConfig  # noqa: E402
 from shared.logging import configure_logging  # noqa: E402
 from workers.model_runner import format_bytes  # noqa: E402
 
-TINY_LLAMA = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=128, vocab_size=512, rope_theta=500000.0, max_position_embeddings=2048,
-                  rms_norm_eps=1e-5, tie_word_embeddings=False)
+TINY_LLAMA = {**bench_gpu.TINY_LLAMA, "num_hidden_layers": 4}  # two layers per stage
 LAYOUTS = {"TP=1": dict(tp=1, pp=1), "TP=2": dict(tp=2, pp=1), "PP=2": dict(tp=1, pp=2)}
 
 
@@ -65,21 +65,6 @@ def rank_calls(engine: LLMEngine, method: str) -> list:
     import ray
 
     return ray.get([getattr(actor, method).remote() for actor in engine.executor.actors], timeout=120)
-
-
-def batch1_ms_per_token(engine: LLMEngine, vocab_size: int, device: torch.device, num_output: int) -> float:
-    """Seconds per output token of one request alone, its prefill step left out (best of 2)."""
-    rng = random.Random(1)
-    best = float("inf")
-    for _ in range(2):
-        engine.add_request([rng.randrange(vocab_size) for _ in range(128)], greedy(num_output))
-        engine.step()  # the prefill and the first token
-        sync(device)
-        start, count = time.perf_counter(), 0
-        while engine.has_unfinished_requests():
-            count += sum(len(out.new_token_ids) for out in engine.step())
-        best = min(best, (time.perf_counter() - start) / max(count, 1))
-    return best * 1e3
 
 
 def measure(name: str, config: EngineConfig, args, vocab_size: int, prompts, workload, device) -> dict:
@@ -99,7 +84,8 @@ def measure(name: str, config: EngineConfig, args, vocab_size: int, prompts, wor
         run = run_engine_workload(engine, workload, 240.0, device)
         found["rate"], found["notes"] = run.output_rate, run.notes
         log(f"{name}: {run.output_rate:,.0f} output tok/s ({run.notes})")
-        found["batch1_ms"] = batch1_ms_per_token(engine, vocab_size, device, args.batch1_tokens)
+        found["batch1_ms"] = 1e3 * bench_gpu.engine_decode_latency(engine, vocab_size, device,
+                                                                   num_output=args.batch1_tokens)
         log(f"{name}: batch-1 {found['batch1_ms']:.2f} ms/token")
         found["peak_in_flight"] = engine.executor.peak_in_flight
     finally:

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import os
 
-MULTICAST_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                     "NVSHMEM_DISABLE_NVLS": "1"}
+import bench_common  # noqa: F401 - first: it puts the repository on sys.path (and imports no torch)
+
+from shared.config import MULTICAST_OFF_ENV
+
 os.environ.update(MULTICAST_OFF_ENV)  # before torch, NCCL or Ray start
 
 import argparse  # noqa: E402

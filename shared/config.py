@@ -8,6 +8,11 @@ from pathlib import Path
 
 ENV_PREFIX = "TOKENFLEET_"
 QUANTIZATIONS = ("fp8", "int8")  # what --quantization takes (workers/layers/quantization.py)
+# NVLink multicast (NVLS) off unless the environment says otherwise: on shared multi-GPU
+# hosts a program that uses it can take every GPU of the host out of service. Set before
+# NCCL (or PyTorch's symmetric memory) reads them, i.e. before a process group exists.
+MULTICAST_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                     "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def tokenfleet_home() -> Path:

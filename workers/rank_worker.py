@@ -26,7 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from shared.config import EngineConfig, env_default
+from shared.config import MULTICAST_OFF_ENV, EngineConfig, env_default
 from shared.logging import configure_logging
 from shared.net import free_port
 from shared.step import StepBatch, StepResult
@@ -37,11 +37,6 @@ from workers.pipeline import PipelineStage
 
 # A collective that waits longer than this means a peer rank died: fail instead of hanging.
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
-# NVLink multicast (NVLS) off unless the environment says otherwise: on shared multi-GPU
-# hosts a program that uses it can take every GPU of the host out of service. Set before
-# NCCL (or PyTorch's symmetric memory) reads them, i.e. before the process group exists.
-MULTICAST_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                     "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,7 @@ stage holding only its own, with greedy output token for token as transformers'.
 
 from __future__ import annotations
 
-import os
 import random
-import signal
 
 import pytest
 import torch
@@ -16,6 +14,7 @@ from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
 from tests.hf_reference import assert_greedy_matches, hf_greedy
+from tests.workers.test_ray_group import generate_killing_a_rank
 from workers.model_config import load_model_config
 from workers.models.registry import MODEL_CLASSES
 from workers.parallel import SINGLE_DEVICE
@@ -121,18 +120,8 @@ def test_a_killed_stage_rank_is_rebuilt_and_every_request_completes_identically(
     prompts = _prompts(6, seed=2)
     with LLMEngine(_config(folder, pp=2)) as engine:
         undisturbed = [r.token_ids for r in engine.generate(prompts, GREEDY)]
-        ids = [engine.add_request(p, GREEDY, req_id=f"again-{i}") for i, p in enumerate(prompts)]
-        tokens: dict[str, list[int]] = {i: [] for i in ids}
-        for _ in range(10):  # mid-generation: with steps of both stages in flight
-            for out in engine.step():
-                tokens[out.req_id].extend(out.new_token_ids)
-        assert any(tokens.values()) and not all(len(t) == NUM_TOKENS for t in tokens.values())
-        os.kill(engine.executor.rank_pids()[victim_rank], signal.SIGKILL)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                tokens[out.req_id].extend(out.new_token_ids)
-        assert engine.num_group_restarts == 1
-    assert [tokens[i] for i in ids] == undisturbed
+        # Mid-generation, with steps of both stages in flight.
+        assert generate_killing_a_rank(engine, prompts, GREEDY, victim_rank, steps_before=10) == undisturbed
 
 
 def test_more_stages_than_layers_is_refused_before_any_rank_starts(tiny_checkpoints):

@@ -33,25 +33,32 @@ def _config(folder, **overrides) -> EngineConfig:
     return EngineConfig(**{**base, **overrides})
 
 
+def generate_killing_a_rank(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
+                            victim_rank: int, steps_before: int) -> list[list[int]]:
+    """Every prompt's tokens, with one rank killed (kill -9) mid-generation, after `steps_before`
+    engine steps; exactly one rebuild of the group is expected."""
+    ids = [engine.add_request(p, params, req_id=f"killed-{i}") for i, p in enumerate(prompts)]
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    for _ in range(steps_before):
+        for out in engine.step():
+            tokens[out.req_id].extend(out.new_token_ids)
+    assert any(tokens.values()) and not all(len(t) == params.max_tokens for t in tokens.values())
+    os.kill(engine.executor.rank_pids()[victim_rank], signal.SIGKILL)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.req_id].extend(out.new_token_ids)
+    assert engine.num_group_restarts == 1
+    return [tokens[i] for i in ids]
+
+
 @pytest.mark.parametrize("victim_rank", [0, 1])
 def test_killed_rank_is_rebuilt_and_every_request_completes_identically(victim_rank, tiny_checkpoints):
     folder = tiny_checkpoints["qwen2"]
     prompts = _prompts(6)
     with LLMEngine(_config(folder, tp=2)) as engine:
         undisturbed = [r.token_ids for r in engine.generate(prompts, GREEDY)]
-    with LLMEngine(_config(folder, tp=2)) as engine:
-        ids = [engine.add_request(p, GREEDY) for p in prompts]
-        tokens: dict[str, list[int]] = {i: [] for i in ids}
-        for _ in range(8):  # mid-generation: prefills done, some tokens out
-            for out in engine.step():
-                tokens[out.req_id].extend(out.new_token_ids)
-        assert any(tokens.values()) and not all(len(t) == 24 for t in tokens.values())
-        os.kill(engine.executor.rank_pids()[victim_rank], signal.SIGKILL)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                tokens[out.req_id].extend(out.new_token_ids)
-        assert engine.num_group_restarts == 1
-    assert [tokens[i] for i in ids] == undisturbed
+    with LLMEngine(_config(folder, tp=2)) as engine:  # mid-generation: prefills done, some tokens out
+        assert generate_killing_a_rank(engine, prompts, GREEDY, victim_rank, steps_before=8) == undisturbed
 
 
 def test_two_replicas_both_serve_and_match_one_engine(tiny_checkpoints):
