@@ -2,7 +2,7 @@
 then every promise of the fleet is checked.
 
     PYTHONPATH=. python scripts/chaos.py --minutes 30                  # by hand, the long run
-    PYTHONPATH=. python scripts/chaos.py --minutes 1 --short           # what the test suite runs
+    PYTHONPATH=. python scripts/chaos.py --minutes 0.5 --fault-interval-s 4 --short   # the suite
 
 1. The reference: every prompt run greedily, undisturbed, by the engine in this process.
 2. The fleet: `tokenfleet up` (2 scheduler replicas, 2 gateway processes, a batch ingester of
