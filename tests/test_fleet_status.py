@@ -262,7 +262,7 @@ def test_status_page_in_headless_chromium_shows_the_running_fleet(fleet, batch_j
     page.feed(dom.stdout)
     schedulers = page.rows["schedulers"]
     assert [row[0] for row in schedulers] == fleet.scheduler_ids, schedulers
-    assert all(row[1] == fleet.model and row[2] == "1" for row in schedulers), schedulers
+    assert all(row[1] == fleet.model and row[2] == "1x1" for row in schedulers), schedulers  # TP x PP
     assert all(row[5].endswith("%") for row in schedulers), schedulers  # the KV bar's label
     [job] = page.rows["jobs"]
     assert job[0] == batch_job and job[2] == "completed" and "2 / 2" in job[3], job

@@ -30,6 +30,7 @@ from shared.config import EngineConfig
 from shared.step import SequenceWork
 from workers.attention_metadata import AttentionMetadata
 from workers.layers import triton_attention
+from workers.pipeline import SINGLE_STAGE
 from workers.step_inputs import flat_ids, pad_block_tables, upload
 
 
@@ -66,7 +67,7 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(size + 1, dtype=torch.long, device=device)  # one token each
         self.block_tables = torch.full((size, self.max_blocks), scratch_block, dtype=torch.long,
                                        device=device)
-        stage = model.stage
+        stage = getattr(model, "stage", SINGLE_STAGE)  # a whole model when it names none
         # The previous pipeline stage's activation, for a stage that does not embed tokens.
         self.hidden_in = None if stage.is_first else torch.zeros(
             size, model.cfg.hidden_size, dtype=kv_caches.dtype, device=device)

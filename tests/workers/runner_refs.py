@@ -21,7 +21,7 @@ def runner_weakrefs(runner: ModelRunner) -> dict[str, weakref.ref]:
     if graphs is not None:
         refs["decode_graphs.model"] = weakref.ref(graphs.model)
         for name in ("token_ids", "positions", "slot_mapping", "context_lens", "query_start_loc",
-                     "block_tables", "logits"):
+                     "block_tables", "out"):
             refs[f"decode_graphs.{name}"] = weakref.ref(getattr(graphs, name))
     return refs
 

@@ -401,7 +401,7 @@ def test_capture_records_every_size_largest_first_in_one_pool(tiny_checkpoints, 
     graphs.capture()
     assert list(graphs.graphs) == [12, 8, 4, 2, 1]
     assert fake_cuda_graphs == [None] + ["the-pool"] * 4  # the first capture's pool, shared by the rest
-    assert graphs.logits.shape[0] == 12  # one output buffer, allocated before any capture
+    assert graphs.out.shape[0] == 12  # one output buffer, allocated before any capture
 
     tables = [list(range(8 * i, 8 * i + 8)) for i in range(3)]
     works = [SequenceWork(f"r{i}", [7 + i], 0, tables[i], True, GREEDY) for i in range(3)]
