@@ -24,19 +24,24 @@ RAY = [sys.executable, "-m", "ray.scripts.scripts"]
 MODEL = "tiny"
 
 
-def _stop(process: subprocess.Popen) -> None:
-    """The `ray start --block` process and everything it started (its own session); no global `ray stop`."""
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
+def _stop(nodes: list[subprocess.Popen], grace_s: float = 5.0) -> None:
+    """Each `ray start --block` process and everything it started (its own session); no global
+    `ray stop`. All are asked at once, then killed after `grace_s` (a node whose head is gone
+    can wait for it much longer than that)."""
+    for process in nodes:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for process in nodes:
         try:
-            process.wait(timeout=30)
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    process.wait()
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
 
 
 @pytest.fixture
@@ -58,8 +63,7 @@ def two_ray_nodes():
         _wait_for_status(address, env, "node2")
         yield address, env
     finally:
-        for node in reversed(nodes):
-            _stop(node)
+        _stop(list(reversed(nodes)))
 
 
 def _wait_for_status(address: str, env: dict, needle: str) -> None:
