@@ -54,11 +54,13 @@ def _busy_while_idle(up: UpProcess) -> dict[str, str]:
     return {name: f"{share:.0%} of a core" for name, share in shares.items() if share >= 0.05}
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (1, 2)])
+# (TP=2 through `tokenfleet scheduler --tp 2` is served in tests/workers/test_ray_group.py and
+# tests/test_fleet_autoscale.py; here a two-rank Ray group is the pipeline's.)
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (1, 2)])
 def test_up_serves_a_chat_completion_and_leaves_nothing_after_sigterm(smollm2, tmp_path, tp, pp):
-    """TP=1, then a Ray TP=2 group on this CPU, then two pipeline stages (SmolLM2's 30 layers
-    as 15 + 15, its tied embedding the last stage's LM head). At TP=1 a batch job also goes
-    through, from the CLI with no flags (it finds the fleet's Redis in fleet.json). With a Ray
+    """TP=1, then a Ray group of two pipeline stages on this CPU (SmolLM2's 30 layers as
+    15 + 15, its tied embedding the last stage's LM head). At TP=1 a batch job also goes
+    through, from the CLI with no flags (it finds the fleet's Redis in fleet.json). With the Ray
     group (where a parked rank matters), the idle fleet first leaves its cores idle."""
     port = free_port()
     home = tmp_path / "home"
