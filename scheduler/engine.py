@@ -120,7 +120,7 @@ class LLMEngine:
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
                 enable_prefix_caching=config.enable_prefix_caching,
-                pipeline_depth=getattr(self.executor, "pipeline_depth", 1),
+                pipeline_depth=self.executor.pipeline_depth,
             ),
             self.tokenizer,
             Grammars(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)),

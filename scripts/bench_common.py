@@ -373,6 +373,15 @@ def module_bytes(model: torch.nn.Module) -> int:
 # -- engine runs ---------------------------------------------------------------------------------
 
 
+def start_local_ray(env_vars: dict[str, str]) -> None:
+    """A Ray for this run alone (never a cluster some `ray start` left recorded), its workers
+    started with `env_vars` (NCCL settings must reach every rank before NCCL starts)."""
+    import ray
+
+    ray.init(address="local", num_cpus=max(4, os.cpu_count() or 4), include_dashboard=False,
+             log_to_driver=False, runtime_env={"env_vars": env_vars})
+
+
 def greedy(max_tokens: int) -> SamplingParams:
     """What every benchmark asks for: greedy, exactly max_tokens (EOS ignored)."""
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

@@ -49,6 +49,7 @@ from bench_common import (  # noqa: E402
     random_llama,
     run_engine_workload,
     sharegpt_workload,
+    start_local_ray,
     warm_up,
 )
 
@@ -134,10 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     print_command()
     configure_logging("WARNING")
     device = torch.device(args.device)
-    import ray
-
-    ray.init(address="local", num_cpus=max(4, os.cpu_count() or 4), include_dashboard=False,
-             log_to_driver=False, runtime_env={"env_vars": MULTICAST_OFF_ENV})
+    start_local_ray(MULTICAST_OFF_ENV)
     shape = TINY_LLAMA if args.smoke else LLAMA3_8B
     folder = checkpoint_folder(1 << 20 if args.smoke else 17 << 30)
     rows: list[tuple[str, ...]] = []

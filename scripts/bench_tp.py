@@ -56,6 +56,7 @@ from bench_common import (  # noqa: E402
     random_model,
     run_engine_workload,
     sharegpt_workload,
+    start_local_ray,
     stop_on_sigterm,
 )
 
@@ -128,6 +129,8 @@ def _rank_main(config: EngineConfig, rank: int, port: int, conn) -> None:
 class ProcessGroup:
     """The Executor protocol over spawned processes (the fallback when Ray is not installed)."""
 
+    pipeline_depth = 1  # one step at a time: submit runs it, collect hands its result back
+
     def __init__(self, config: EngineConfig) -> None:
         if resolve_cpu(config):
             config = dataclasses.replace(config, num_threads=max(1, (os.cpu_count() or 2) // config.tp))
@@ -170,6 +173,11 @@ class ProcessGroup:
 
     def execute(self, batch: StepBatch) -> StepResult:
         return self.call_all("execute", batch)[0]
+
+    submit = execute
+
+    def collect(self, handle: StepResult) -> StepResult:
+        return handle
 
     def restart(self) -> None:
         raise WorkerError("this benchmark's process group does not restart")
@@ -329,10 +337,7 @@ def main(argv: list[str] | None = None) -> None:
     if device.type == "cuda" and num_gpus < 2:
         raise SystemExit(f"TP=2 needs two GPUs; this machine has {num_gpus}")
     if executor == "ray":
-        import ray
-
-        ray.init(address="local", num_cpus=max(4, os.cpu_count() or 4), include_dashboard=False,
-                 log_to_driver=False, runtime_env={"env_vars": MULTICAST_OFF_ENV})
+        start_local_ray(MULTICAST_OFF_ENV)
 
     shape = TINY_QWEN2 if args.smoke else QWEN2_7B
     how = ("Ray worker group" if executor == "ray"
