@@ -1,7 +1,7 @@
 """A worker group placed by Ray: one actor per rank on its own bundle; PP stages of TP ranks.
 
     placement group per pipeline stage (one bundle per rank: {"GPU": 1} on GPU hosts, N CPUs
-    otherwise; the strategy, PACK by default, applies within a stage, so stages may sit on
+    otherwise; --placement-strategy, STRICT_PACK by default, applies within a stage, so stages may sit on
     different nodes)
       └─ RankWorker actor per rank ── torch.distributed (NCCL on CUDA, gloo on CPU),
                                       rendezvous at rank 0's node on a free port
