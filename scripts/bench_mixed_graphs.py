@@ -44,8 +44,8 @@ from bench_common import (
     SMOLLM2_VOCAB_SIZE,
     checkpoint_folder,
     greedy,
-    lognormal_length,
     log,
+    lognormal_length,
     percentile,
     print_command,
     random_llama,
@@ -241,7 +241,8 @@ def main(argv: list[str] | None = None) -> None:
                         spy.wait(timeout=60)
                     log(str(rows[-1]))
                 if args.burst:
-                    rows.append(run_burst(engine, vocab, args.burst, device, f"{mode}, burst of {args.burst}"))
+                    label = f"{mode}, burst of {args.burst}"
+                    rows.append(run_burst(engine, vocab, args.burst, device, label))
                     log(str(rows[-1]))
             gc.collect()
     finally:

@@ -73,7 +73,8 @@ class MixedGraphs:
         self.slot_mapping = torch.full((size,), scratch_block * block_size, dtype=torch.long, device=device)
         self.seq_lens = torch.ones(num_slots, dtype=torch.long, device=device)
         self.query_start_loc = torch.zeros(num_slots + 1, dtype=torch.long, device=device)
-        self.block_tables = torch.full((num_slots, max_blocks), scratch_block, dtype=torch.long, device=device)
+        self.block_tables = torch.full((num_slots, max_blocks), scratch_block, dtype=torch.long,
+                                       device=device)
         stage = getattr(model, "stage", SINGLE_STAGE)
         self.hidden_in = None if stage.is_first else torch.zeros(size, hidden_size, dtype=kv_caches.dtype,
                                                                  device=device)
@@ -115,7 +116,8 @@ class MixedGraphs:
         hidden_in = None if self.hidden_in is None else self.hidden_in[:size]
         hidden = self.model(self.token_ids[:size], self.positions[:size], self.kv_caches, meta, hidden_in)
         if self.out is None:
-            self.out = torch.empty((self.sizes[-1], hidden.shape[-1]), dtype=hidden.dtype, device=hidden.device)
+            self.out = torch.empty((self.sizes[-1], hidden.shape[-1]), dtype=hidden.dtype,
+                                   device=hidden.device)
         self.out[:size].copy_(hidden)
         return self.out[:size]
 
@@ -210,7 +212,8 @@ class MixedGraphs:
         # Only the columns this step reads are copied; stale columns past them are never read.
         self.block_tables[:, :width].copy_(d_tables.view(num_slots, width))
         if not triton_attention.is_available(self.token_ids):
-            self._host_meta = self._portable_meta(size, ordered, num_decodes, row_starts, lens, starts, needed)
+            self._host_meta = self._portable_meta(size, ordered, num_decodes, row_starts, lens, starts,
+                                                  needed)
         return d_sample_rows
 
     def _portable_meta(self, size: int, ordered: list[SequenceWork], num_decodes: int, row_starts: np.ndarray,

@@ -232,8 +232,9 @@ class ModelRunner:
         start = time.perf_counter()
         graphs = MixedGraphs(
             self.model, self.kv_caches, block_size=self.block_size, max_model_len=self.max_model_len,
-            scratch_block=self.num_kv_blocks, max_tokens=max_tokens, num_decode_slots=self.config.max_num_seqs,
-            hidden_size=self.model_config.hidden_size, device=self.device,
+            scratch_block=self.num_kv_blocks, max_tokens=max_tokens,
+            num_decode_slots=self.config.max_num_seqs, hidden_size=self.model_config.hidden_size,
+            device=self.device,
         )
         try:
             graphs.capture()
