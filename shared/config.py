@@ -47,6 +47,9 @@ class EngineConfig:
     # CUDA graphs of decode-only steps (CUDA with Triton only; CPU always runs eagerly).
     cuda_graphs: bool = True
     cuda_graph_max_batch_size: int = 256  # decode batches above this run eagerly
+    # Mixed steps (prefill chunks with decodes) of up to this many tokens replay a graph of their
+    # token bucket (workers/mixed_graphs.py); larger ones run eagerly; 0: every mixed step eagerly.
+    cuda_graph_max_tokens: int = 2048
     # Refuse to load when one rank's share of the weights needs more bytes than this
     # (checked before any weight is allocated); None: no limit.
     max_weight_bytes_per_rank: int | None = None

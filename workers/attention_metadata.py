@@ -35,6 +35,10 @@ class AttentionMetadata:
     # consecutive, else as an index tensor; its context length), so each sequence reads
     # just its own blocks.
     decode_host: list[tuple[slice | torch.Tensor, int]] | None = None
+    # Mixed-step CUDA graphs (workers/mixed_graphs.py): sequences sit in fixed slots, decodes in
+    # the first num_decode_slots, prefill chunks after them, empty slots with no query rows; the
+    # Triton path then reads nothing above but tensors. None: the packed layout above.
+    num_decode_slots: int | None = None
 
     @property
     def decode_block_tables(self) -> torch.Tensor:  # [num_decodes, width]

@@ -46,6 +46,27 @@ def capture_sizes(max_batch_size: int) -> list[int]:
     return sizes + [max_batch_size]
 
 
+def capture_graphs(sizes: list[int], forward, device: torch.device) -> dict[int, torch.cuda.CUDAGraph]:
+    """One graph of `forward(size)` per size, largest first, all in one memory pool (only one
+    runs at a time). The first call, outside any graph, allocates the output buffers that every
+    graph writes."""
+    forward(sizes[-1])
+    torch.cuda.synchronize(device)
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}  # size -> its graph
+    pool = None
+    for size in reversed(sizes):
+        forward(size)  # warm-up: Triton compile, cuBLAS plans for this shape
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a NCCL watchdog thread polling its events must not break the capture.
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            forward(size)
+        pool = graph.pool() if pool is None else pool
+        graphs[size] = graph
+    torch.cuda.synchronize(device)
+    return graphs
+
+
 class DecodeGraphs:
     def __init__(
         self, model: nn.Module, kv_caches: torch.Tensor, *, block_size: int, max_model_len: int,
@@ -117,19 +138,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size, largest first, all in one memory pool (only one runs at a time)."""
-        self._forward(self.sizes[-1])  # allocates self.out outside any graph's pool
-        torch.cuda.synchronize(self.device)
-        pool = None
-        for size in reversed(self.sizes):
-            self._forward(size)  # warm-up: Triton compile, cuBLAS plans for this shape
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: a NCCL watchdog thread polling its events must not break the capture.
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                self._forward(size)
-            pool = graph.pool() if pool is None else pool
-            self.graphs[size] = graph
-        torch.cuda.synchronize(self.device)
+        self.graphs = capture_graphs(self.sizes, self._forward, self.device)
 
     @torch.inference_mode()
     def run(self, works: list[SequenceWork], hidden_in: torch.Tensor | None = None) -> torch.Tensor:

@@ -4,7 +4,8 @@ Every rank runs `execute` on the same StepBatch; only the driver rank (rank 0 of
 pipeline stage) samples and returns a StepResult (the others return None). Under pipeline
 parallelism a rank holds its stage's layers and their KV cache only; a stage after the first
 receives its input activation from the previous stage, one before the last sends its output on.
-Decode-only steps replay a CUDA graph on CUDA (`workers/cuda_graphs.py`); every other step runs eagerly.
+On CUDA, decode-only steps replay a graph of their batch size (`workers/cuda_graphs.py`) and
+mixed steps one of their token count (`workers/mixed_graphs.py`); larger steps run eagerly.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from workers.cuda_graphs import DecodeGraphs, use_cuda_graphs
 from workers.device import resolve_device, resolve_dtype
 from workers.grammar_mask import apply_token_mask
 from workers.layers.quantization import METHODS, building_with, method_named
+from workers.mixed_graphs import MixedGraphs
 from workers.model_config import ModelConfig, load_model_config
 from workers.models.registry import MODEL_CLASSES
 from workers.parallel import TensorParallel, all_reduce_min
@@ -91,6 +93,7 @@ class ModelRunner:
         self.num_kv_blocks = self._decide_num_kv_blocks()  # what the scheduler may hand out
         self.kv_caches = self._allocate_kv_cache()  # holds one more: the scratch block
         self.decode_graphs = self._capture_decode_graphs()
+        self.mixed_graphs = self._capture_mixed_graphs()
         self.sampler = Sampler(seed=config.seed) if self.is_driver else None
         # Set while this thread waits for the GPU (the sampler's copy of the chosen ids): a
         # caller's helper thread (the scheduler's result writer) uses the GIL then, rather than
@@ -164,8 +167,11 @@ class ModelRunner:
             # cache too, but the driver counts them as taken until they are handed back.
             torch.cuda.empty_cache()
             free, _ = torch.cuda.mem_get_info(self.device)
-            # Leave room for activations of the largest step.
+            # Leave room for activations of the largest step, and as much again for the mixed
+            # graphs' private pool (their largest bucket's activations).
             activations = 64 * self.config.max_num_batched_tokens * self.model_config.hidden_size * 4
+            if self._mixed_graph_tokens():
+                activations += 64 * self._mixed_graph_tokens() * self.model_config.hidden_size * 4
             local = kv_blocks_for_budget(free, fraction=self.config.kv_cache_memory_fraction,
                                          activation_bytes=activations, block_bytes=self.kv_block_bytes)
         else:
@@ -213,6 +219,36 @@ class ModelRunner:
                       seconds=round(time.perf_counter() - start, 2))
         return graphs
 
+    def _mixed_graph_tokens(self) -> int:
+        """The largest mixed step a graph replays; 0: none."""
+        if not use_cuda_graphs(self.config, self.device) or self.tp.timer is not None:
+            return 0
+        return min(self.config.cuda_graph_max_tokens, self.config.max_num_batched_tokens)
+
+    def _capture_mixed_graphs(self) -> MixedGraphs | None:
+        max_tokens = self._mixed_graph_tokens()
+        if max_tokens <= 0:
+            return None
+        start = time.perf_counter()
+        graphs = MixedGraphs(
+            self.model, self.kv_caches, block_size=self.block_size, max_model_len=self.max_model_len,
+            scratch_block=self.num_kv_blocks, max_tokens=max_tokens,
+            num_decode_slots=self.config.max_num_seqs, hidden_size=self.model_config.hidden_size,
+            device=self.device,
+        )
+        try:
+            graphs.capture()
+            captured = 1
+        except Exception as exc:  # noqa: BLE001 - a capture failure costs speed, not service
+            self.log.warning("mixed_graph_capture_failed", error=f"{type(exc).__name__}: {exc}"[:500])
+            captured = 0
+        if not all_reduce_min(self.world_size, captured):  # every rank must take the same path
+            graphs.close()
+            return None
+        self.log.info("mixed_graphs_captured", buckets=len(graphs.sizes), max_tokens=graphs.sizes[-1],
+                      seconds=round(time.perf_counter() - start, 2))
+        return graphs
+
     @torch.inference_mode()
     def forward(self, batch: StepBatch,
                 use_graphs: bool = True) -> tuple[torch.Tensor | None, list[SequenceWork]]:
@@ -232,6 +268,15 @@ class ModelRunner:
                 self.stage.send(out)
                 return None, []
             return out, batch.works  # every decode row samples
+        if use_graphs and self.mixed_graphs is not None and self.mixed_graphs.can_run(batch.works):
+            hidden, sample_rows = self.mixed_graphs.run(batch.works, hidden_in)
+            if not self.stage.is_last:
+                self.stage.send(hidden)
+                return None, []
+            sampled_works = [w for w in batch.works if w.is_sampled]
+            if not sampled_works:
+                return None, []
+            return self.model.compute_logits(hidden[sample_rows]), sampled_works
         inputs = build_step_inputs(batch, self.block_size, self.device)
         hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, inputs.meta, hidden_in)
         if not self.stage.is_last:
@@ -279,9 +324,10 @@ class ModelRunner:
         self.is_closed = True
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # no kernel in flight may still use what is freed
-        if self.decode_graphs is not None:
-            self.decode_graphs.close()  # before the KV cache and weights its graphs point into
-        self.decode_graphs = None
+        for graphs in (self.decode_graphs, self.mixed_graphs):
+            if graphs is not None:
+                graphs.close()  # before the KV cache and weights its graphs point into
+        self.decode_graphs = self.mixed_graphs = None
         self.sampler = None
         if self.kv_caches is not None:
             with torch.no_grad():

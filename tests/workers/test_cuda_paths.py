@@ -426,7 +426,8 @@ def test_engine_on_the_graph_path_gives_the_eager_greedy_tokens(tiny_checkpoints
         assert engine.executor.runner.decode_graphs is None
         expected = [r.token_ids for r in engine.generate(prompts, greedy)]
     monkeypatch.setattr("workers.model_runner.use_cuda_graphs", lambda config, device: True)
-    with LLMEngine(EngineConfig(**config, cuda_graph_max_batch_size=4)) as engine:
+    # Decode graphs only: the fake graphs replay the last forward recorded, a DecodeGraphs one.
+    with LLMEngine(EngineConfig(**config, cuda_graph_max_batch_size=4, cuda_graph_max_tokens=0)) as engine:
         graphs = engine.executor.runner.decode_graphs
         assert graphs is not None and list(graphs.graphs) == [4, 2, 1]
         results = [r.token_ids for r in engine.generate(prompts, greedy)]
@@ -445,7 +446,8 @@ def test_close_destroys_the_graphs_and_frees_their_buffers_while_a_script_still_
 
     monkeypatch.setattr("workers.model_runner.use_cuda_graphs", lambda config, device: True)
     config = EngineConfig(model=str(tiny_checkpoints["llama"]), dtype="float32", device="cpu", block_size=4,
-                          num_kv_blocks=64, max_num_seqs=4, cuda_graph_max_batch_size=4)
+                          num_kv_blocks=64, max_num_seqs=4, cuda_graph_max_batch_size=4,
+                          cuda_graph_max_tokens=0)
     engine = LLMEngine(config)
     engine.generate([[5, 6, 7], [8, 9]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     graphs = engine.executor.runner.decode_graphs  # what the benchmark kept

@@ -19,6 +19,7 @@ from shared.config import EngineConfig
 from shared.sampling import SamplingParams
 from shared.step import SequenceWork, StepBatch
 from tests.workers.runner_refs import alive, runner_weakrefs
+from workers.cuda_graphs import use_cuda_graphs
 from workers.executor import InProcessExecutor
 from workers.model_runner import ModelRunner, kv_blocks_for_budget, release_device_memory
 from workers.parallel import SINGLE_DEVICE
@@ -113,11 +114,16 @@ def test_cuda_kv_sizing_hands_cached_blocks_back_before_reading_free_memory(tiny
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (driver["free"], 1 << 40))
     runner.device = torch.device("cuda", 0)  # only the sizing runs, with CUDA's answers faked
     runner.config = _config(tiny_checkpoints["llama"], num_kv_blocks=None, kv_cache_memory_fraction=1.0,
-                            max_num_batched_tokens=1)
+                            max_num_batched_tokens=1, cuda_graph_max_tokens=0)
     activations = 64 * runner.model_config.hidden_size * 4
     assert activations > 3 * block
     assert runner._decide_num_kv_blocks() == kv_blocks_for_budget(
         1003 * block, fraction=1.0, activation_bytes=activations, block_bytes=block)
+    # With mixed-step graphs (where Triton is installed), their private pool gets as much room again.
+    runner.config.cuda_graph_max_tokens = 1
+    if use_cuda_graphs(runner.config, runner.device):
+        assert runner._decide_num_kv_blocks() == kv_blocks_for_budget(
+            2003 * block, fraction=1.0, activation_bytes=2 * activations, block_bytes=block)
 
 
 def test_in_process_executor_closes_its_runner_on_shutdown_and_before_a_restart(tiny_checkpoints) -> None:

@@ -49,6 +49,12 @@ class PagedAttention(nn.Module):
             k_cache.view(-1, self.num_kv_heads, self.head_dim)[meta.slot_mapping] = k
             v_cache.view(-1, self.num_kv_heads, self.head_dim)[meta.slot_mapping] = v
 
+        if triton_attention.is_available(q) and meta.num_decode_slots is not None:  # a mixed-step graph
+            out = triton_attention.paged_attention_slots(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale,
+                num_decode_slots=meta.num_decode_slots,
+            )
+            return out.view(q.shape[0], self.num_heads * self.head_dim)
         if triton_attention.is_available(q):
             out = triton_attention.paged_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,

@@ -228,6 +228,27 @@ def paged_attention(
     return out
 
 
+def paged_attention_slots(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *, num_decode_slots: int,
+) -> torch.Tensor:
+    """A mixed step laid out in fixed sequence slots, so that its two launches' grids depend on
+    the tensors' shapes alone (a CUDA graph replays them for any step that fits): slots
+    0..num_decode_slots-1 hold decodes, the rest prefill chunks, and an empty slot (no query
+    rows: its query_start_loc repeats) exits at once. Query rows past the last slot's end are
+    padding that no program reads or writes.
+    q: [num_token_slots, num_heads, head_dim]; block_tables: [num_slots, width];
+    seq_lens: [num_slots]; query_start_loc: [num_slots + 1] -> [num_token_slots, num_heads, head_dim]"""
+    out = torch.empty_like(q)
+    d = num_decode_slots
+    _launch(q, k_cache, v_cache, out, block_tables[:d], seq_lens[:d], query_start_loc[: d + 1], scale,
+            decode_only=True, num_tokens=d, num_segments=1)
+    # The grid's upper bound (num_tokens // BLOCK_Q + slots) holds for any split of the rows.
+    _launch(q, k_cache, v_cache, out, block_tables[d:], seq_lens[d:], query_start_loc[d:], scale,
+            decode_only=False, num_tokens=q.shape[0])
+    return out
+
+
 def _launch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,

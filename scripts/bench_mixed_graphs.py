@@ -1,0 +1,263 @@
+"""Mixed-step CUDA graphs against eager mixed steps: the in-process engine under Poisson arrivals
+of chats, and on a burst, in one run (docs/perf-notes.md, "Mixed steps in CUDA graphs").
+
+    python3 scripts/bench_mixed_graphs.py                        # H200: Llama-3-8B shape, ~8 min
+    python3 scripts/bench_mixed_graphs.py --smoke --device cpu   # tiny model: checks the script anywhere
+
+Model: Llama-3-8B's shape with SmolLM2's vocabulary (49,152), random bf16 weights. Engine config:
+what `tokenfleet scheduler` builds on CUDA (512 sequences, 8,192 tokens a step, decode graphs to
+512), once with mixed graphs (to --cuda-graph-max-tokens) and once with every mixed step eager
+(cuda_graph_max_tokens 0), each in a fresh engine of the same process.
+
+Workload (random.Random(0)): chats that share one system prompt of --prefix-tokens random ids (the
+prefix cache holds it after the first), then a distinct user turn of 52-390 ids (40-300 words),
+~150 output tokens (lognormal, sigma 0.8, 16-512), greedy, EOS ignored. Poisson arrivals for
+--seconds at each --rates; each request is added when its time comes (the loop checks between
+steps). TTFT counts from the request's scheduled arrival. Then the 500-request ShareGPT-like
+burst of scripts/bench_gpu.py.
+
+Per run: output tok/s (output tokens / time from the first arrival to the last token), TTFT p50
+and p99, ITL p99, the mean host time of a mixed step's forward (launch, or graph inputs plus
+replay: the forward never waits for the GPU) and the share of wall time the engine thread waits
+for the GPU (the sampler's copy of the chosen ids). --py-spy DIR records this process with py-spy
+during the --py-spy-rate run of the mixed-graph engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+# bench_common before the product: importing it puts the repository on sys.path.
+from bench_common import (
+    LLAMA3_8B,
+    SMOLLM2_VOCAB_SIZE,
+    checkpoint_folder,
+    greedy,
+    log,
+    lognormal_length,
+    percentile,
+    print_command,
+    random_llama,
+    run_engine_workload,
+    sharegpt_workload,
+    tiny_llama_with_smollm2_tokenizer,
+    warm_up,
+)
+
+from scheduler.engine import LLMEngine
+from shared.config import EngineConfig
+
+
+@dataclass
+class Chats:
+    arrivals: list[float]  # seconds after the start
+    prompts: list[list[int]]
+    max_tokens: list[int]
+
+
+def chat_arrivals(rate: float, seconds: float, prefix: list[int], vocab: int, seed: int) -> Chats:
+    rng = random.Random(seed)
+    chats = Chats([], [], [])
+    t = rng.expovariate(rate)
+    while t < seconds:
+        user = [rng.randrange(3, vocab) for _ in range(round(rng.randint(40, 300) * 1.3))]
+        chats.arrivals.append(t)
+        chats.prompts.append(prefix + user)
+        chats.max_tokens.append(lognormal_length(rng, 150, 0.8, 16, 512))
+        t += rng.expovariate(rate)
+    return chats
+
+
+@dataclass
+class StepMeter:
+    """Times the runner's forward of mixed steps and the sampler's wait for the GPU."""
+
+    mixed_forward_s: list[float] = field(default_factory=list)
+    graph_steps: int = 0
+    gpu_wait_s: float = 0.0
+
+    def attach(self, engine: LLMEngine) -> None:
+        runner = engine.executor.runner
+        forward, sample = runner.forward, runner.sampler.sample
+        graphs = runner.mixed_graphs
+
+        def timed_forward(batch, use_graphs=True):
+            start = time.perf_counter()
+            try:
+                return forward(batch, use_graphs)
+            finally:
+                if any(len(w.token_ids) > 1 for w in batch.works):
+                    self.mixed_forward_s.append(time.perf_counter() - start)
+                    if graphs is not None and graphs.can_run(batch.works):
+                        self.graph_steps += 1
+
+        def timed_sample(*args, **kw):
+            start = time.perf_counter()
+            try:
+                return sample(*args, **kw)
+            finally:
+                self.gpu_wait_s += time.perf_counter() - start
+
+        runner.forward, runner.sampler.sample = timed_forward, timed_sample
+
+    def detach(self, engine: LLMEngine) -> None:
+        runner = engine.executor.runner
+        del runner.forward, runner.sampler.sample
+
+
+@dataclass
+class Row:
+    label: str
+    tok_s: float
+    ttft_p50: float
+    ttft_p99: float
+    itl_p99: float
+    mixed_ms: float
+    mixed_steps: int
+    graph_steps: int
+    gpu_wait: float
+
+
+def run_chats(engine: LLMEngine, chats: Chats, label: str) -> Row:
+    meter = StepMeter()
+    meter.attach(engine)
+    arrival: dict[str, float] = {}
+    token_times: dict[str, list[float]] = {}
+    num_output, i = 0, 0
+    start = time.perf_counter()
+    while i < len(chats.arrivals) or engine.has_unfinished_requests():
+        now = time.perf_counter()
+        while i < len(chats.arrivals) and start + chats.arrivals[i] <= now:
+            req_id = engine.add_request(chats.prompts[i], greedy(chats.max_tokens[i]))
+            arrival[req_id] = start + chats.arrivals[i]
+            i += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, min(0.001, start + chats.arrivals[i] - now)))
+            continue
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            if out.new_token_ids:
+                num_output += len(out.new_token_ids)
+                token_times.setdefault(out.req_id, []).append(now)
+    wall = max(t[-1] for t in token_times.values()) - start
+    meter.detach(engine)
+    ttft = [times[0] - arrival[r] for r, times in token_times.items()]
+    itl = [b - a for times in token_times.values() for a, b in zip(times, times[1:], strict=False)]
+    mixed = meter.mixed_forward_s
+    return Row(label, num_output / wall, percentile(ttft, 50), percentile(ttft, 99), percentile(itl, 99),
+               1e3 * sum(mixed) / max(1, len(mixed)), len(mixed), meter.graph_steps, meter.gpu_wait_s / wall)
+
+
+def run_burst(engine: LLMEngine, vocab: int, num_requests: int, device: torch.device, label: str) -> Row:
+    meter = StepMeter()
+    meter.attach(engine)
+    run = run_engine_workload(engine, sharegpt_workload(num_requests, vocab), 600.0, device)
+    meter.detach(engine)
+    ttft = [times[0] - run.start for times in run.token_times.values()]
+    itl = [b - a for times in run.token_times.values() for a, b in zip(times, times[1:], strict=False)]
+    mixed = meter.mixed_forward_s
+    return Row(label, run.output_rate, percentile(ttft, 50), percentile(ttft, 99), percentile(itl, 99),
+               1e3 * sum(mixed) / max(1, len(mixed)), len(mixed), meter.graph_steps,
+               meter.gpu_wait_s / run.seconds)
+
+
+def start_py_spy(out_dir: Path, seconds: float) -> subprocess.Popen | None:
+    exe = shutil.which("py-spy")
+    if exe is None:
+        log("py-spy not found: no profile")
+        return None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen([exe, "record", "-p", str(os.getpid()), "-d", str(int(seconds)), "-r", "200",
+                             "-f", "raw", "-o", str(out_dir / "mixed_graphs_engine.txt")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model and workload")
+    parser.add_argument("--rates", default="16,48,64", help="Poisson arrival rates, requests/s")
+    parser.add_argument("--seconds", type=float, default=15.0, help="arrivals last this long at each rate")
+    parser.add_argument("--prefix-tokens", type=int, default=800)
+    parser.add_argument("--burst", type=int, default=500, help="requests of the burst (0: none)")
+    parser.add_argument("--max-num-seqs", type=int, default=512)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--cuda-graph-max-tokens", type=int, default=2048)
+    parser.add_argument("--modes", default="graphs,eager", help="which engines: graphs, eager")
+    parser.add_argument("--py-spy", type=Path, help="folder for a py-spy profile of the graphs engine")
+    parser.add_argument("--py-spy-rate", type=float, default=48.0)
+    args = parser.parse_args(argv)
+    print_command()
+    device = torch.device(args.device)
+    rates = [float(r) for r in args.rates.split(",")]
+    if args.smoke:
+        args.seconds, args.prefix_tokens, args.burst = min(args.seconds, 3.0), 64, min(args.burst, 16)
+        rates = [min(r, 4.0) for r in rates]
+
+    folder = checkpoint_folder(16 << 30)
+    try:
+        if args.smoke:
+            tiny_llama_with_smollm2_tokenizer(folder, None, max_position_embeddings=2048)
+            description, vocab = "tiny random llama, float32", SMOLLM2_VOCAB_SIZE
+        else:
+            model = random_llama({**LLAMA3_8B, "vocab_size": SMOLLM2_VOCAB_SIZE}, device)
+            model.save_pretrained(folder)
+            del model
+            gc.collect()
+            torch.cuda.empty_cache()
+            description, vocab = f"Llama-3-8B shape, vocab {SMOLLM2_VOCAB_SIZE:,}, bf16", SMOLLM2_VOCAB_SIZE
+        prefix = [random.Random(1).randrange(3, vocab) for _ in range(args.prefix_tokens)]
+        rows: list[Row] = []
+        for mode in args.modes.split(","):
+            max_tokens = args.cuda_graph_max_tokens if mode == "graphs" else 0
+            config = EngineConfig(model=str(folder), device=args.device, max_num_seqs=args.max_num_seqs,
+                                  cuda_graph_max_batch_size=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  cuda_graph_max_tokens=max_tokens)
+            started = time.perf_counter()
+            with LLMEngine(config, load_tokenizer_files=False) as engine:
+                log(f"{mode}: engine ready in {time.perf_counter() - started:.1f} s "
+                    f"({engine.executor.num_kv_blocks} KV blocks)")
+                warm_up(engine, vocab)
+                for rate in rates:
+                    chats = chat_arrivals(rate, args.seconds, prefix, vocab, seed=0)
+                    spy = None
+                    if args.py_spy and mode == "graphs" and rate == args.py_spy_rate:
+                        spy = start_py_spy(args.py_spy, args.seconds)
+                    rows.append(run_chats(engine, chats, f"{mode}, {rate:g} req/s"))
+                    if spy is not None:
+                        spy.wait(timeout=60)
+                    log(str(rows[-1]))
+                if args.burst:
+                    label = f"{mode}, burst of {args.burst}"
+                    rows.append(run_burst(engine, vocab, args.burst, device, label))
+                    log(str(rows[-1]))
+            gc.collect()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    print(f"\n{description}; engine config as `tokenfleet scheduler` on CUDA; "
+          f"mixed graphs to {args.cuda_graph_max_tokens} tokens\n")
+    print("| run | output tok/s | TTFT p50 | TTFT p99 | ITL p99 | host ms per mixed forward "
+          "| mixed steps (in graphs) | waiting on the GPU |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r.label} | {r.tok_s:,.0f} | {1e3 * r.ttft_p50:.0f} ms | {1e3 * r.ttft_p99:.0f} ms "
+              f"| {1e3 * r.itl_p99:.0f} ms | {r.mixed_ms:.2f} | {r.mixed_steps} ({r.graph_steps}) "
+              f"| {r.gpu_wait:.0%} |")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
