@@ -192,6 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seconds", type=float, default=15.0, help="arrivals last this long at each rate")
     parser.add_argument("--prefix-tokens", type=int, default=800)
     parser.add_argument("--burst", type=int, default=500, help="requests of the burst (0: none)")
+    parser.add_argument("--burst-repeats", type=int, default=1, help="bursts run one after the other")
     parser.add_argument("--max-num-seqs", type=int, default=512)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--cuda-graph-max-tokens", type=int, default=2048)
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     print_command()
     device = torch.device(args.device)
-    rates = [float(r) for r in args.rates.split(",")]
+    rates = [float(r) for r in args.rates.split(",") if r]
     if args.smoke:
         args.seconds, args.prefix_tokens, args.burst = min(args.seconds, 3.0), 64, min(args.burst, 16)
         rates = [min(r, 4.0) for r in rates]
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
                     if spy is not None:
                         spy.wait(timeout=60)
                     log(str(rows[-1]))
-                if args.burst:
+                for _ in range(args.burst_repeats if args.burst else 0):
                     label = f"{mode}, burst of {args.burst}"
                     rows.append(run_burst(engine, vocab, args.burst, device, label))
                     log(str(rows[-1]))
