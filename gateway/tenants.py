@@ -120,8 +120,8 @@ class TenantDirectory:
                                           param="tenants-file")
             is_admin = spec.get("admin", False)
             if not isinstance(is_admin, bool):
-                raise InvalidRequestError(f"{where}: tenant {name!r}: admin must be true or false, got {is_admin!r}",
-                                          param="tenants-file")
+                raise InvalidRequestError(f"{where}: tenant {name!r}: admin must be true or false, "
+                                          f"got {is_admin!r}", param="tenants-file")
             tenant = Tenant(name, TenantLimits.from_map(spec, f"{where}: tenant {name!r}"), is_admin)
             for key in keys:
                 digest = key_digest(key)

@@ -246,7 +246,8 @@ async def test_a_retry_after_a_submit_redis_half_took_finds_a_request_that_exist
     assert view["status"] == "completed"
 
 
-async def test_created_is_integer_seconds_fixed_at_submit_in_every_answer(make_client, redis_server, tokenizer):
+async def test_created_is_integer_seconds_fixed_at_submit_in_every_answer(make_client, redis_server,
+                                                                          tokenizer):
     """The 202, an Idempotency-Key replay, every poll and the finished result say the same
     `created`: integer seconds, as OpenAI's objects, taken once when the request was submitted."""
     headers = {"Idempotency-Key": "created-once"}

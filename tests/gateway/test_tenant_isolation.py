@@ -11,7 +11,7 @@ import json
 import openai
 import pytest
 
-from gateway.tenants import TenantDirectory
+from gateway.tenants import TenantDirectory, key_digest
 from shared.keys import Keys
 from tests.gateway.conftest import MODEL
 from tests.gateway.fake_scheduler import FakeScheduler
@@ -53,7 +53,8 @@ async def wait_batch(client, batch_id: str, key: str, statuses=("completed",)) -
     raise AssertionError(f"batch {batch_id} is still {batch['status']}")
 
 
-async def test_another_tenants_request_is_a_404_to_read_stream_and_cancel(make_client, redis_server, tokenizer):
+async def test_another_tenants_request_is_a_404_to_read_stream_and_cancel(make_client, redis_server,
+                                                                          tokenizer):
     with FakeScheduler(redis_server.url, MODEL, tokenizer, consume=False):  # alive, takes nothing
         client = await make_client(tenants=tenants(), api_keys=("plain",))
         req_id = (await (await client.post("/v1/requests", json=SUBMIT, headers=auth("key-a"))).json())["id"]
@@ -70,7 +71,8 @@ async def test_another_tenants_request_is_a_404_to_read_stream_and_cancel(make_c
         assert mine.status == 200 and (await mine.json())["status"] == "queued"
         assert (await client.get(f"/v1/requests/{req_id}", headers=auth("key-ops"))).status == 200  # admin
         # A request without a tenant (a plain --api-key) is no tenant's: tenants do not see it.
-        plain_id = (await (await client.post("/v1/requests", json=SUBMIT, headers=auth("plain"))).json())["id"]
+        plain = await client.post("/v1/requests", json=SUBMIT, headers=auth("plain"))
+        plain_id = (await plain.json())["id"]
         assert (await client.get(f"/v1/requests/{plain_id}", headers=auth("plain"))).status == 200
         assert (await client.get(f"/v1/requests/{plain_id}", headers=auth("key-a"))).status == 404
         cancelled = await client.delete(f"/v1/requests/{req_id}", headers=auth("key-a"))
@@ -91,14 +93,17 @@ async def test_another_tenants_file_is_a_404_and_lists_show_ones_own(make_client
     assert refused.status == 404 and (await refused.json())["error"]["param"] == "input_file_id"
     content = await client.get(f"/v1/files/{file_a}/content", headers=auth("key-a"))
     assert content.status == 200 and b"c1" in await content.read()  # B's DELETE deleted nothing
-    listed = {key: [f["id"] for f in (await (await client.get("/v1/files", headers=auth(key))).json())["data"]]
-              for key in ("key-a", "key-b", "key-ops")}
+    listed = {}
+    for key in ("key-a", "key-b", "key-ops"):
+        page = await (await client.get("/v1/files", headers=auth(key))).json()
+        listed[key] = [f["id"] for f in page["data"]]
     assert listed["key-a"] == [file_a] and listed["key-b"] == [file_b]
     assert set(listed["key-ops"]) >= {file_a, file_b}
     assert (await client.delete(f"/v1/files/{file_a}", headers=auth("key-a"))).status == 200
 
 
-async def test_another_tenants_batch_is_a_404_and_the_list_shows_ones_own(make_client, redis_server, tokenizer):
+async def test_another_tenants_batch_is_a_404_and_the_list_shows_ones_own(make_client, redis_server,
+                                                                          tokenizer):
     with FakeScheduler(redis_server.url, MODEL, tokenizer, consume=False):  # the jobs stay in progress
         client = await make_client(tenants=tenants(), batch_lease_s=2.0)
         body = {"input_file_id": await upload(client, "key-a"), "endpoint": "/v1/chat/completions",
@@ -195,3 +200,14 @@ async def test_batch_results_are_listed_files_of_the_batchs_tenant(make_client, 
             assert output.id in [f["id"] for f in admin["data"]]
         finally:
             await sdk.close()
+
+
+async def test_a_tenant_kept_in_redis_is_an_admin_with_admin_1(make_client, fake_scheduler, redis_server):
+    plain = redis_server.client()
+    for name, key in (("ops-r", "key-ops-r"), ("team-r", "key-r")):
+        plain.hset(KEYS.api_keys, key_digest(key), name)
+        plain.hset(KEYS.tenant(name), "requests_per_minute", 600)
+    plain.hset(KEYS.tenant("ops-r"), "admin", 1)
+    client = await make_client(tenants_from_redis=True)
+    assert (await client.get("/fleet.json", headers=auth("key-ops-r"))).status == 200
+    assert (await client.get("/fleet.json", headers=auth("key-r"))).status == 403
