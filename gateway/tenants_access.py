@@ -58,20 +58,21 @@ async def visible_ids(client: aioredis.Redis, index: str, record_key: Callable[[
                       start: int = 0, count: int, chunk: int = 500) -> list[str]:
     """Up to `count` ids of the zset `index`, newest first from rank `start`, whose record
     (`record_key(id)`, a hash with a `tenant` field) the caller may see. Reads the index in
-    chunks, so a tenant with few jobs among many still gets a full page."""
-    found: list[str] = []
+    chunks, so a tenant with few jobs among many still gets a full page. (An id added meanwhile
+    shifts the ranks: an id read twice is kept once.)"""
+    found: dict[str, None] = {}  # (ordered, no repeats)
     while len(found) < count:
         ids = [i.decode() for i in await client.zrevrange(index, start, start + chunk - 1)]
-        if not ids:
-            break
         start += len(ids)
         if who.sees_everything:
-            found += ids
-            continue
-        pipe = client.pipeline(transaction=False)
-        for item_id in ids:
-            pipe.hget(record_key(item_id), "tenant")
-        for item_id, owner in zip(ids, await pipe.execute(), strict=True):
-            if who.can_see(owner.decode() if owner is not None else None):
-                found.append(item_id)
-    return found[:count]
+            found.update(dict.fromkeys(ids))
+        else:
+            pipe = client.pipeline(transaction=False)
+            for item_id in ids:
+                pipe.hget(record_key(item_id), "tenant")
+            for item_id, owner in zip(ids, await pipe.execute(), strict=True):
+                if who.can_see(owner.decode() if owner is not None else None):
+                    found.setdefault(item_id)
+        if len(ids) < chunk:  # the index's end
+            break
+    return list(found)[:count]

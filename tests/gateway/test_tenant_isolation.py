@@ -45,12 +45,13 @@ async def upload(client, key: str | None, lines: int = 2) -> str:
 
 
 async def wait_batch(client, batch_id: str, key: str, statuses=("completed",)) -> dict:
+    batch: dict = {}
     for _ in range(400):
         batch = await (await client.get(f"/v1/batches/{batch_id}", headers=auth(key))).json()
-        if batch["status"] in statuses:
+        if batch.get("status") in statuses:  # (a 404 until the ingester took it in)
             return batch
         await asyncio.sleep(0.05)
-    raise AssertionError(f"batch {batch_id} is still {batch['status']}")
+    raise AssertionError(f"batch {batch_id} is still {batch}")
 
 
 async def test_another_tenants_request_is_a_404_to_read_stream_and_cancel(make_client, redis_server,
@@ -115,6 +116,7 @@ async def test_another_tenants_batch_is_a_404_and_the_list_shows_ones_own(make_c
         redis_server.client().xadd(KEYS.batch_in, {"job_id": "nobodys-1", "model": MODEL,
                                                     "lines": json.dumps({**LINE, "custom_id": "x"})})
         await wait_batch(client, batch_a, "key-a", ("in_progress",))
+        await wait_batch(client, "nobodys-1", "key-ops", ("in_progress",))
         for method, path in (("GET", f"/v1/batches/{batch_a}"), ("POST", f"/v1/batches/{batch_a}/cancel"),
                              ("GET", "/v1/batches/nobodys-1"), ("POST", "/v1/batches/nobodys-1/cancel")):
             response = await client.request(method, path, headers=auth("key-b"))
@@ -211,3 +213,25 @@ async def test_a_tenant_kept_in_redis_is_an_admin_with_admin_1(make_client, fake
     client = await make_client(tenants_from_redis=True)
     assert (await client.get("/fleet.json", headers=auth("key-ops-r"))).status == 200
     assert (await client.get("/fleet.json", headers=auth("key-r"))).status == 403
+
+
+async def test_a_page_of_ones_own_ids_reads_past_other_tenants_chunks(redis_server):
+    import redis.asyncio as aioredis
+
+    from gateway.tenants_access import Caller, visible_ids
+
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        for i in range(9):  # newest first: j8 .. j0; team-a's are j0 and j4
+            await client.zadd("idx", {f"j{i}": i})
+            await client.hset(f"rec:{i}", "tenant", "team-a" if i in (0, 4) else "team-b")
+        mine = Caller("team-a", sees_everything=False)
+        key = lambda item_id: f"rec:{item_id[1:]}"  # noqa: E731
+        assert await visible_ids(client, "idx", key, mine, count=5, chunk=2) == ["j4", "j0"]
+        assert await visible_ids(client, "idx", key, mine, count=1, chunk=2) == ["j4"]
+        assert await visible_ids(client, "idx", key, mine, start=5, count=5, chunk=2) == ["j0"]
+        everyone = Caller(None, sees_everything=True)
+        assert await visible_ids(client, "idx", key, everyone, count=3, chunk=2) == ["j8", "j7", "j6"]
+        assert await visible_ids(client, "idx", key, Caller(None, False), count=5) == []  # no tenant's: none
+    finally:
+        await client.aclose()
