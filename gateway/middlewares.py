@@ -22,6 +22,7 @@ from gateway.errors import (
     validation_error,
 )
 from gateway.requests.serving import ClientGone
+from gateway.tenants_access import require_admin
 from shared.errors import TokenfleetError
 from shared.logging import get_logger
 
@@ -29,6 +30,10 @@ log = get_logger("tokenfleet.gateway")
 _CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 # No API key needed: probes, metrics, the API's description, the status page and its data.
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json", "/", "/fleet.json"})
+# The fleet-wide views: open without tenants; with tenants they name every tenant's work (batch
+# jobs, refusals by tenant), so they need an admin tenant's key. The page at / stays open: its
+# data comes from /fleet.json.
+ADMIN_PATHS = frozenset({"/metrics", "/fleet.json"})
 
 
 @web.middleware
@@ -87,10 +92,12 @@ def _api_key(request: web.Request) -> str | None:
 @web.middleware
 async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
     """Authorization: Bearer <key> must be one of --api-key or a tenant's key (when any is
-    configured). A tenant's key puts the tenant on the request: its limits apply."""
+    configured). A tenant's key puts the tenant on the request: its limits apply, and it sees
+    its own work only (gateway/tenants_access.py)."""
     keys = request.app[SETTINGS].api_keys
     tenants = request.app[TENANTS]
-    if (keys or tenants.is_enabled) and request.path not in OPEN_PATHS:
+    is_admin_view = tenants.is_enabled and request.path in ADMIN_PATHS
+    if (keys or tenants.is_enabled) and (request.path not in OPEN_PATHS or is_admin_view):
         given = _api_key(request)
         if given is None:
             raise AuthenticationFailed("missing API key: send Authorization: Bearer <key>")
@@ -99,6 +106,8 @@ async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
             raise AuthenticationFailed("invalid API key")
         request["api_key"] = given
         request["tenant"] = tenant
+    if is_admin_view:
+        require_admin(request)
     return await handler(request)
 
 

@@ -147,7 +147,7 @@ class RequestStatus(Shape):
     kind: Literal["chat", "completion"] | None
     model: str | None
     status: Literal["queued", "running", "completed", "failed", "cancelled", "expired"]
-    created: float | None
+    created: int | None  # integer seconds, fixed at submit (the record's queued_at)
     deadline: float | None = None
     output: Output | None = None
     usage: Usage | None = None

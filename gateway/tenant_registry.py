@@ -2,6 +2,7 @@
 
     HSET tf:apikeys <sha256 hex of the key> <tenant>       # a key of the tenant
     HSET tf:tenant:<tenant> requests_per_minute 600 ...     # its limits (fields of TenantLimits)
+    HSET tf:tenant:<tenant> admin 1                         # an admin tenant (gateway/tenants_access.py)
 
 (`tokenfleet tenants set` writes both.) A gateway started with `--tenants-from-redis` looks up
 a key the keys file does not know there, and remembers the answer for `cache_s`, so a key
@@ -60,7 +61,7 @@ class TenantRegistry:
         if cached is not None and cached[0] > time.monotonic():
             return cached[1]
         raw = await self.client.hgetall(self.keys.tenant(name))
-        tenant = Tenant(name, _limits(name, raw)) if raw else None
+        tenant = Tenant(name, _limits(name, raw), is_admin=raw.get(b"admin") == b"1") if raw else None
         self._remember(self._by_name, name, tenant)
         return tenant
 

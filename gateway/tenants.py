@@ -7,7 +7,11 @@ and limits; a limit left out is no limit:
         "team-a": {"keys": ["sk-a-1", "sk-a-2"], "requests_per_minute": 600,
                    "tokens_per_minute": 200000, "max_concurrent_requests": 32,
                    "max_batch_lines_in_flight": 2000},
-        "team-b": {"keys": ["sk-b"]}}}
+        "team-b": {"keys": ["sk-b"]},
+        "ops": {"keys": ["sk-ops"], "admin": true}}}
+
+An admin tenant's keys see every tenant's requests, files and batch jobs, and the fleet-wide
+views (/fleet.json, /metrics); any other tenant sees its own only (gateway/tenants_access.py).
 
 Keys are held as SHA-256 digests and looked up by digest, so neither the lookup's timing nor
 a memory dump gives a key away.
@@ -50,6 +54,7 @@ class TenantLimits:
 class Tenant:
     name: str
     limits: TenantLimits
+    is_admin: bool = False  # sees every tenant's work and the fleet-wide views
 
 
 def key_digest(api_key: str) -> str:
@@ -98,7 +103,7 @@ class TenantDirectory:
             raise InvalidRequestError(f'{where}: expected {{"tenants": {{name: {{"keys": [...], ...}}}}}}',
                                       param="tenants-file")
         by_digest: dict[str, Tenant] = {}
-        known = {f.name for f in fields(TenantLimits)} | {"keys"}
+        known = {f.name for f in fields(TenantLimits)} | {"keys", "admin"}
         for name, spec in raw["tenants"].items():
             if not _TENANT.match(name):
                 raise InvalidRequestError(f"{where}: tenant name {name!r} must match {TENANT_PATTERN}",
@@ -113,7 +118,11 @@ class TenantDirectory:
             if not isinstance(keys, list) or not keys or not all(isinstance(k, str) and k for k in keys):
                 raise InvalidRequestError(f"{where}: tenant {name!r} needs a non-empty list of string keys",
                                           param="tenants-file")
-            tenant = Tenant(name, TenantLimits.from_map(spec, f"{where}: tenant {name!r}"))
+            is_admin = spec.get("admin", False)
+            if not isinstance(is_admin, bool):
+                raise InvalidRequestError(f"{where}: tenant {name!r}: admin must be true or false, "
+                                          f"got {is_admin!r}", param="tenants-file")
+            tenant = Tenant(name, TenantLimits.from_map(spec, f"{where}: tenant {name!r}"), is_admin)
             for key in keys:
                 digest = key_digest(key)
                 if digest in by_digest:

@@ -1,7 +1,8 @@
 """/v1/batches: OpenAI's batch API over tokenfleet's batch jobs (create from an uploaded file,
 retrieve, list, cancel). A job created here is the same thing as one written straight into
 `tf:batch:in` by any Redis client; this route just writes that entry (and the job's record,
-in one atomic step, so the job can be read back at once: JobStore.create)."""
+in one atomic step, so the job can be read back at once: JobStore.create). With tenants, a
+job is its tenant's: another tenant's is a 404 and lists show one's own (gateway/tenants_access.py)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,15 @@ from aiohttp import web
 from pydantic import Field
 
 from gateway.appkeys import JOBS, REDIS
-from gateway.batch.files_api import FILE_ID_PATTERN
+from gateway.batch.files_api import FILE_ID_PATTERN, stored_file
 from gateway.batch.ingester import parse_window
-from gateway.batch.jobs import JOB_STATES, new_job_id
+from gateway.batch.jobs import JOB_STATES, Job, new_job_id
 from gateway.batch.lines import URLS
 from gateway.errors import BadRequest, Conflict, NotFound
 from gateway.openai.schemas import StrictModel
 from gateway.requests.serving import read_body
 from gateway.responses import Shape
+from gateway.tenants_access import caller, visible_ids
 from shared.keys import JOB_ID_PATTERN
 
 
@@ -59,11 +61,13 @@ class BatchList(Shape):
     has_more: bool
 
 
-def _job_id(request: web.Request) -> str:
+async def _job(request: web.Request) -> Job:
+    """The job of the path, if the caller may see it (another tenant's is no batch to it)."""
     job_id = request.match_info["batch_id"]
-    if not re.match(JOB_ID_PATTERN, job_id):
+    job = await request.app[JOBS].get(job_id) if re.match(JOB_ID_PATTERN, job_id) else None
+    if job is None or not caller(request).can_see(job.tenant):
         raise NotFound(f"no batch {job_id[:100]!r}", param="batch_id")
-    return job_id
+    return job
 
 
 async def create(request: web.Request) -> web.Response:
@@ -73,8 +77,7 @@ async def create(request: web.Request) -> web.Response:
     except ValueError as exc:
         raise BadRequest(str(exc), param="completion_window") from None
     jobs = request.app[JOBS]
-    if not await request.app[REDIS].exists(jobs.keys.file(body.input_file_id)):
-        raise NotFound(f"no file {body.input_file_id!r}", param="input_file_id")
+    await stored_file(request, body.input_file_id, param="input_file_id")  # one the caller may read
     job_id = new_job_id()
     fields = {"input_file_id": body.input_file_id, "endpoint": body.endpoint,
               "completion_window": body.completion_window}
@@ -89,11 +92,7 @@ async def create(request: web.Request) -> web.Response:
 
 
 async def retrieve(request: web.Request) -> web.Response:
-    job_id = _job_id(request)
-    job = await request.app[JOBS].get(job_id)
-    if job is None:
-        raise NotFound(f"no batch {job_id!r}", param="batch_id")
-    return web.json_response(job.to_openai())
+    return web.json_response((await _job(request)).to_openai())
 
 
 async def list_batches(request: web.Request) -> web.Response:
@@ -112,18 +111,39 @@ async def list_batches(request: web.Request) -> web.Response:
         raise BadRequest("limit must be an integer", param="limit") from None
     if not 1 <= limit <= 100:
         raise BadRequest(f"limit must be between 1 and 100, got {limit}", param="limit")
-    jobs, has_more = await request.app[JOBS].list(limit=limit, after=after)
+    jobs, has_more = await _page(request, limit, after)
     data = [job.to_openai() for job in jobs]
     return web.json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                               "last_id": data[-1]["id"] if data else None, "has_more": has_more})
 
 
-async def cancel(request: web.Request) -> web.Response:
-    job_id = _job_id(request)
+async def _page(request: web.Request, limit: int, after: str | None) -> tuple[list[Job], bool]:
+    """The caller's jobs, newest first, after the job `after` (an id it cannot see: from the start,
+    as an unknown id)."""
+    who = caller(request)
     jobs = request.app[JOBS]
-    job = await jobs.get(job_id)
-    if job is None:
-        raise NotFound(f"no batch {job_id!r}", param="batch_id")
+    if who.sees_everything:
+        return await jobs.list(limit=limit, after=after)
+    client = request.app[REDIS]
+    start = 0
+    if after is not None:
+        rank = await client.zrevrank(jobs.keys.batch_jobs, after)
+        owner = await client.hget(jobs.keys.batch_job(after), "tenant") if rank is not None else None
+        if rank is not None and who.can_see(owner.decode() if owner is not None else None):
+            start = rank + 1
+    ids = await visible_ids(client, jobs.keys.batch_jobs, jobs.keys.batch_job, who, start=start,
+                            count=limit + 1)
+    pipe = client.pipeline(transaction=False)
+    for job_id in ids[:limit]:
+        pipe.hgetall(jobs.keys.batch_job(job_id))
+    found = [Job.parse(job_id, raw) for job_id, raw in zip(ids, await pipe.execute(), strict=False)]
+    return [job for job in found if job is not None], len(ids) > limit
+
+
+async def cancel(request: web.Request) -> web.Response:
+    job = await _job(request)
+    job_id = job.id
+    jobs = request.app[JOBS]
     if not await jobs.stop(job_id, "cancelled"):
         job = await jobs.get(job_id)
         if job.ending != "cancelled":

@@ -36,6 +36,7 @@ from gateway.requests.serving import (
     submissions,
 )
 from gateway.requests.sse import Template, dumps, encode_basestring, frame
+from gateway.tenants_access import caller
 
 SUBMIT = TypeAdapter(SubmitRequest)
 _REQ_ID = re.compile(r"^[0-9a-f]{32}$")
@@ -102,7 +103,8 @@ async def submit(request: web.Request) -> web.Response:
         if tenant is not None:
             await request.app[LIMITER].release(tenant.name, [req_id])
         return await _replay(request, plan, existing, idempotency[1])
-    return web.json_response(_queued_view(req_id, plan, deadline), status=202,
+    created = int(submission.message.arrival_time)  # the record's queued_at: what every later answer says
+    return web.json_response(_queued_view(req_id, plan, created, deadline), status=202,
                              headers={"Location": _links(req_id)["self"]})
 
 
@@ -111,19 +113,27 @@ async def _replay(request: web.Request, plan: Plan, existing: dict, fingerprint:
         raise Conflict("this Idempotency-Key was used with another body", param="Idempotency-Key",
                        code="idempotency_key_reused")
     record = await request.app[STORE].read(existing["id"])
-    view = _view(record, plan.model) if record is not None else _queued_view(existing["id"], plan)
+    # (No record: it expired; the key outlived it. Its `created` is gone with it.)
+    view = _view(record, plan.model) if record is not None else _queued_view(existing["id"], plan, None)
     return web.json_response(view, status=202, headers={"Location": _links(existing["id"])["self"],
                                                         "Idempotent-Replayed": "true"})
 
 
-def _queued_view(req_id: str, plan: Plan, deadline: float | None = None) -> dict:
+def _created(queued_at: float | None) -> int | None:
+    """Integer seconds, as OpenAI's `created`: the submit time stored once in the record."""
+    return int(queued_at) if queued_at is not None else None
+
+
+def _queued_view(req_id: str, plan: Plan, created: int | None, deadline: float | None = None) -> dict:
     return {"id": req_id, "object": "request", "kind": plan.api, "model": plan.model.name, "status": "queued",
-            "created": time.time(), "deadline": deadline, "links": _links(req_id)}
+            "created": created, "deadline": deadline, "links": _links(req_id)}
 
 
 async def _record(request: web.Request) -> tuple[str, ResultRecord, ServedModel]:
     req_id = request.match_info["req_id"]
     record = await request.app[STORE].read(req_id) if _REQ_ID.match(req_id) else None
+    if record is not None and not caller(request).can_see(record.tenant):
+        record = None  # another tenant's: the same 404 as an unknown id, so nothing says it exists
     if record is None:
         raise NotFound(f"no request {req_id!r} (unknown, or its record expired)", code="request_not_found")
     try:
@@ -150,7 +160,7 @@ def _result(record: ResultRecord, model: ServedModel) -> dict | None:
     if record.state != "completed":
         return None
     plan = Plan(record.api or "completion", model, [], [""], [record.prompt_tokens],
-                logprobs=record.top_logprobs, created=int(record.queued_at or time.time()),
+                logprobs=record.top_logprobs, created=_created(record.queued_at) or int(time.time()),
                 tool_format=record.tool_format, parallel_tool_calls=record.parallel_tool_calls)
     out = ChoiceOutput(0, record.text, len(record.token_ids), record.logprobs or [], record.finish_reason,
                        state=record.state, cached_tokens=cached_tokens_of(record.usage))
@@ -162,7 +172,7 @@ def _result(record: ResultRecord, model: ServedModel) -> dict | None:
 def _view(record: ResultRecord, model: ServedModel) -> dict:
     return {
         "id": record.req_id, "object": "request", "kind": record.api, "model": record.model,
-        "status": record.state, "created": record.queued_at, "deadline": record.deadline,
+        "status": record.state, "created": _created(record.queued_at), "deadline": record.deadline,
         "output": {"text": record.text, "num_tokens": len(record.token_ids),
                    "finish_reason": record.finish_reason},
         "usage": record.final_usage() if record.is_terminal else None,

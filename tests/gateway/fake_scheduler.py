@@ -24,7 +24,7 @@ REPLY = "The quick brown fox jumps over the lazy dog, again and again and again.
 class FakeScheduler:
     def __init__(self, url: str, model: str, tokenizer, *, scheduler_id: str = "fake-1",
                  token_delay_s: float = 0.0, consume: bool = True, write_offsets: bool = True,
-                 max_reply_tokens: int | None = None) -> None:
+                 max_reply_tokens: int | None = None, kinds: tuple[str, ...] = ("interactive",)) -> None:
         self.client = redis.Redis.from_url(url)
         self.keys = Keys()
         self.model = model
@@ -37,16 +37,19 @@ class FakeScheduler:
         self.max_reply_tokens = max_reply_tokens  # ends longer requests early, as "length"
         self.results = ResultStore(self.client, self.keys, scheduler_id, 600)
         self.stream = self.keys.request_stream(model, "interactive")
+        self.kinds = kinds  # ("interactive", "batch") serves batch lines too, as a real scheduler does
         self.seen: list[RequestMessage] = []  # every request taken, in order
         self.cancelled: list[str] = []  # requests it stopped because of a cancel
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self) -> FakeScheduler:
-        try:
-            self.client.xgroup_create(self.stream, CONSUMER_GROUP, id="0", mkstream=True)
-        except redis.ResponseError:
-            pass
+        for kind in self.kinds:
+            try:
+                self.client.xgroup_create(self.keys.request_stream(self.model, kind), CONSUMER_GROUP, id="0",
+                                          mkstream=True)
+            except redis.ResponseError:
+                pass
         self._heartbeat()
         self._thread.start()
         return self
@@ -88,15 +91,16 @@ class FakeScheduler:
                     self._serve(stream.decode(), entry_id.decode(), RequestMessage.decode(fields[b"m"]))
 
     def _streams(self) -> list[str]:
-        """The model's stream and each tenant's (as a real scheduler reads them)."""
-        streams = [self.stream]
+        """The model's streams and each tenant's (as a real scheduler reads them)."""
+        streams = [self.keys.request_stream(self.model, kind) for kind in self.kinds]
         for tenant in sorted(self.client.smembers(self.keys.tenants(self.model))):
-            stream = self.keys.request_stream(self.model, "interactive", tenant.decode())
-            try:
-                self.client.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
-            except redis.ResponseError:
-                pass
-            streams.append(stream)
+            for kind in self.kinds:
+                stream = self.keys.request_stream(self.model, kind, tenant.decode())
+                try:
+                    self.client.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
+                except redis.ResponseError:
+                    pass
+                streams.append(stream)
         return streams
 
     def _is_cancelled(self, req_id: str) -> bool:
@@ -151,6 +155,7 @@ class FakeScheduler:
                 ack = entry_id
                 if aborted:
                     self.cancelled.append(req_id)
-            self.results.write([ResultUpdate(req_id, stream, fields, event.encode(), ack)])
+            self.results.write([ResultUpdate(req_id, stream, fields, event.encode(), ack,
+                                             batch_job_id=message.batch_job_id if finished else None)])
             if finished:
                 return

@@ -244,3 +244,24 @@ async def test_a_retry_after_a_submit_redis_half_took_finds_a_request_that_exist
     assert polled.status == 200, await polled.text()
     view = await _poll_until_done(client, retry.headers["Location"])
     assert view["status"] == "completed"
+
+
+async def test_created_is_integer_seconds_fixed_at_submit_in_every_answer(make_client, redis_server,
+                                                                          tokenizer):
+    """The 202, an Idempotency-Key replay, every poll and the finished result say the same
+    `created`: integer seconds, as OpenAI's objects, taken once when the request was submitted."""
+    headers = {"Idempotency-Key": "created-once"}
+    with FakeScheduler(redis_server.url, MODEL, tokenizer, consume=False):  # queued while we look
+        client = await make_client()
+        first = await (await client.post("/v1/requests", json=SUBMIT, headers=headers)).json()
+        await asyncio.sleep(0.01)
+        replay = await (await client.post("/v1/requests", json=SUBMIT, headers=headers)).json()
+        polled = await (await client.get(f"/v1/requests/{first['id']}")).json()
+    assert type(first["created"]) is int
+    assert first["created"] == replay["created"] == polled["created"]
+    queued_at = float(redis_server.client().hget(Keys().result(first["id"]), "queued_at"))
+    assert first["created"] == int(queued_at)
+    with FakeScheduler(redis_server.url, MODEL, tokenizer):
+        done = await _poll_until_done(client, f"/v1/requests/{first['id']}")
+    assert done["status"] == "completed"
+    assert done["created"] == done["result"]["created"] == first["created"]

@@ -21,6 +21,13 @@ def test_keys_map_to_their_tenant_and_limits(tmp_path) -> None:
     assert directory.lookup("b1").limits == TenantLimits()
     assert directory.lookup("zz") is None
     assert directory.get("team-b").name == "team-b" and directory.get("nobody") is None
+    assert not directory.lookup("a1").is_admin
+
+
+def test_a_tenant_marked_admin_is_an_admin() -> None:
+    directory = TenantDirectory.from_map({"tenants": {"ops": {"keys": ["o1"], "admin": True},
+                                                      "team-a": {"keys": ["a1"], "admin": False}}})
+    assert directory.lookup("o1").is_admin and not directory.lookup("a1").is_admin
 
 
 @pytest.mark.parametrize(("tenants", "needle"), [
@@ -29,6 +36,7 @@ def test_keys_map_to_their_tenant_and_limits(tmp_path) -> None:
     ({"t": {"keys": ["k"], "requests_per_minute": 0}}, "requests_per_minute must be an integer >= 1"),
     ({"t": {"keys": ["k"], "tokens_per_minute": "lots"}}, "tokens_per_minute must be an integer >= 1"),
     ({"t": {"keys": ["k"], "rpm": 5}}, "unknown fields ['rpm']"),
+    ({"t": {"keys": ["k"], "admin": "yes"}}, "admin must be true or false"),
     ({"t": {"keys": ["k"]}, "u": {"keys": ["k"]}}, "listed twice"),
 ])
 def test_mistakes_in_the_file_are_named(tenants: dict, needle: str) -> None:

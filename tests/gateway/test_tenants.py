@@ -22,6 +22,7 @@ def tenants(**limits) -> TenantDirectory:
     return TenantDirectory.from_map({"tenants": {
         "team-a": {"keys": ["key-a"], **limits},
         "team-b": {"keys": ["key-b"]},
+        "ops": {"keys": ["key-ops"], "admin": True},
     }})
 
 
@@ -49,7 +50,7 @@ async def test_requests_per_minute_is_a_429_naming_the_limit(make_client, fake_s
     error = (await response.json())["error"]
     assert error["type"] == "rate_limit_error" and error["code"] == "requests_per_minute"
     assert "requests_per_minute" in error["message"]
-    metrics = await (await client.get("/metrics")).text()
+    metrics = await (await client.get("/metrics", headers=auth("key-ops"))).text()  # names tenants: admins
     refusals = 'tokenfleet_gateway_tenant_refusals_total{limit="requests_per_minute",tenant="team-a"} 1.0'
     assert refusals in metrics
     # Another tenant is not affected.
