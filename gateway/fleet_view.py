@@ -5,7 +5,8 @@ gateway's status page (`/` and `/fleet.json`) shows. One function makes it for b
     queues       each tf:req:{model}:{kind} stream: length, taken by a scheduler and not yet
                  acknowledged (pending), queued (length - pending), schedulers in its group
     dead letters tf:dead: how many, and the newest few
-    batch jobs   the newest few of tf:batch:jobs: status and progress
+    batch jobs   the newest few of tf:batch:jobs: status and progress (and the first error of
+                 a failed one, a corrupt record's included)
     gateways     tf:gw:{id} heartbeats
     totals       sums over the live schedulers
     throughput_history
@@ -21,7 +22,7 @@ import time
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from gateway.batch.jobs import Job
+from gateway.batch.jobs import JobStore
 from shared.keys import CONSUMER_GROUP, REQUEST_KINDS, Keys
 from shared.messages import DeadLetter, MessageDecodeError
 
@@ -130,23 +131,18 @@ async def _dead_letters(client: aioredis.Redis, keys: Keys) -> dict:
 
 
 async def _batch_jobs(client: aioredis.Redis, keys: Keys) -> list[dict]:
-    ids = [i.decode() for i in await client.zrevrange(keys.batch_jobs, 0, MAX_JOBS - 1)]
-    if not ids:
-        return []
-    pipe = client.pipeline(transaction=False)
-    for job_id in ids:
-        pipe.hgetall(keys.batch_job(job_id))
-    jobs = []
-    for job_id, raw in zip(ids, await pipe.execute(), strict=True):
-        job = Job.parse(job_id, raw)
-        if job is None:
-            continue
-        counts = job.to_openai()["request_counts"]
+    """The newest jobs; a corrupt record shows as failed with its error (jobs.py reads it leniently)."""
+    jobs, _ = await JobStore(client, keys).list(limit=MAX_JOBS)
+    rows = []
+    for job in jobs:
+        batch = job.to_openai()
+        counts = batch["request_counts"]
         written = counts["completed"] + counts["failed"]
-        jobs.append({"id": job.id, "model": job.model, "status": job.status, **counts,
-                     "progress": round(written / counts["total"], 4) if counts["total"] else 0.0,
-                     "created_at": _num(job.fields, "created_at", float, None)})
-    return jobs
+        errors = (batch["errors"] or {}).get("data") or []
+        rows.append({"id": job.id, "model": job.model, "status": batch["status"], **counts,
+                     "progress": round(min(1.0, written / counts["total"]), 4) if counts["total"] else 0.0,
+                     "created_at": batch["created_at"], "error": errors[0]["message"] if errors else None})
+    return rows
 
 
 def _gateway(gateway_id: str, f: dict[str, str], now: float) -> dict:

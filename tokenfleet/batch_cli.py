@@ -14,27 +14,38 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
+from gateway.batch.entry import JobRefused, check_entry
 from gateway.batch.jobs import TERMINAL_JOB_STATES, Job, JobStore, new_job_id
+from gateway.batch.lines import endpoint_mismatch
 from shared.errors import InvalidRequestError, TokenfleetError
 from shared.keys import Keys
-from tokenfleet.up import recorded_fleet
+from tokenfleet.up import recorded_redis_url
 
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 BAR_WIDTH = 30
 
 
-def redis_url_from(flag: str | None) -> str:
-    """The flag, else the running fleet's Redis (fleet.json), else the default."""
-    return flag or recorded_fleet().get("redis_url") or DEFAULT_REDIS_URL
+def progress_line(batch: dict) -> str:
+    """One line for a job's OpenAI Batch object (what a corrupt record shows too)."""
+    counts = batch["request_counts"]
+    total, done = counts["total"], counts["completed"] + counts["failed"]
+    filled = min(BAR_WIDTH, int(BAR_WIDTH * done / total)) if total else 0
+    return (f"{batch['id']} [{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {done}/{total} "
+            f"completed {counts['completed']} failed {counts['failed']}  {batch['status']}")
 
 
-def progress_line(job: Job) -> str:
-    total = job.total
-    done = job.num_written
-    filled = int(BAR_WIDTH * done / total) if total else 0
-    counts = job.to_openai()["request_counts"]
-    return (f"{job.id} [{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {done}/{total} "
-            f"completed {counts['completed']} failed {counts['failed']}  {job.status}")
+def check_submission(fields: dict[str, object]) -> None:
+    """What the ingester would refuse the job for as a whole, refused here instead, before
+    anything is written: a bad field, or (with --endpoint) a line for another endpoint."""
+    try:
+        check_entry(fields, {k: v for k, v in fields.items() if k != "lines" and isinstance(v, str)})
+    except JobRefused as exc:
+        flag = {"completion_window": "completion-window"}.get(exc.error["param"], exc.error["param"])
+        raise InvalidRequestError(exc.error["message"], param=flag) from None
+    endpoint = fields.get("endpoint")
+    if endpoint is not None:
+        mismatch = endpoint_mismatch(str(fields["lines"]), str(endpoint))
+        if mismatch is not None:
+            raise InvalidRequestError(f"{mismatch.message} (--endpoint {endpoint})", param="endpoint")
 
 
 class BatchCommands:
@@ -61,6 +72,7 @@ class BatchCommands:
         for name, value in (("model", model), ("endpoint", endpoint), ("metadata", metadata)):
             if value is not None:
                 fields[name] = value
+        check_submission(fields)
         job_id = job_id or new_job_id()
         try:
             await self.jobs.create(job_id, fields)
@@ -69,28 +81,27 @@ class BatchCommands:
         print(job_id, flush=True)
         if not wait:
             return 0
-        job = await self.follow(job_id)
+        batch = await self.follow(job_id)
         if output is not None:
             await self.results(job_id, output)
-        return 0 if job.status == "completed" else 1
+        return 0 if batch["status"] == "completed" else 1
 
-    async def follow(self, job_id: str, poll_s: float = 0.5) -> Job:
+    async def follow(self, job_id: str, poll_s: float = 0.5) -> dict:
         """A live progress bar (one rewritten line on a terminal, a line per change otherwise)."""
         tty = sys.stderr.isatty()
         last = None
         while True:
-            job = await self._job(job_id)
-            line = progress_line(job)
+            batch = (await self._job(job_id)).to_openai()
+            line = progress_line(batch)
             if line != last:
                 print(("\r" + line) if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
                 last = line
-            if job.status in TERMINAL_JOB_STATES:
+            if batch["status"] in TERMINAL_JOB_STATES:
                 if tty:
                     print(file=sys.stderr)
-                errors = job.to_openai()["errors"]
-                for error in (errors or {}).get("data", []):
+                for error in (batch["errors"] or {}).get("data", []):
                     print(f"error: {error['message']}", file=sys.stderr)
-                return job
+                return batch
             await asyncio.sleep(poll_s)
 
     async def status(self, job_id: str) -> int:
@@ -123,7 +134,7 @@ def run_batch_command(args) -> int:
         return _run_ingester(args)
 
     async def go() -> int:
-        commands = BatchCommands(redis_url_from(args.redis_url), args.key_prefix)
+        commands = BatchCommands(args.redis_url or recorded_redis_url(), args.key_prefix)
         try:
             if action == "submit":
                 return await commands.submit(args.file, model=args.model, endpoint=args.endpoint,
@@ -152,7 +163,7 @@ def _run_ingester(args) -> int:
 
     specs = [ModelSpec.from_path(path) for path in args.model_paths]
     tenants = TenantDirectory.from_file(args.tenants_file) if args.tenants_file else TenantDirectory.empty()
-    settings = GatewaySettings(redis_url=redis_url_from(args.redis_url), models=specs,
+    settings = GatewaySettings(redis_url=args.redis_url or recorded_redis_url(), models=specs,
                                key_prefix=args.key_prefix, batch_max_inflight=args.max_inflight,
                                batch_lease_s=args.lease_s, tenants=tenants,
                                tenants_from_redis=args.tenants_from_redis)

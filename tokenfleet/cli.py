@@ -55,10 +55,10 @@ def _resolve_redis_flags(args: argparse.Namespace) -> None:
         if args.redis_url:
             resolve_redis_url(args.redis_url, password_file)  # checked here, used by the children
         return
-    if args.command == "batch" and not args.redis_url:
-        from tokenfleet.batch_cli import redis_url_from
+    if args.command in ("batch", "status", "tenants") and not args.redis_url:
+        from tokenfleet.up import recorded_redis_url
 
-        args.redis_url = redis_url_from(None)  # the running fleet's, which may need the password
+        args.redis_url = recorded_redis_url()  # the running fleet's, which may need the password
     if getattr(args, "redis_url", None):
         args.redis_url = resolve_redis_url(args.redis_url, password_file)
 
@@ -151,9 +151,7 @@ def _add_status_parser(commands) -> None:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from tokenfleet.status_cli import run_status_command
-    from tokenfleet.up import recorded_fleet
 
-    args.redis_url = args.redis_url or recorded_fleet().get("redis_url") or "redis://127.0.0.1:6379/0"
     return run_status_command(args)
 
 
@@ -190,6 +188,12 @@ def _add_up_parser(commands) -> None:
     _flag(up, "executor", default="auto",
           help="auto (each scheduler's own process at TP=1, a Ray group above), inprocess or ray")
     _flag(up, "tenants-file", help="the gateway's tenants: API keys and limits (see `tokenfleet gateway`)")
+    _flag(up, "tenants-from-redis", action="store_true",
+          help="the gateway also looks API keys and tenant limits up in Redis (`tokenfleet tenants set`)")
+    _list_flag(up, "api-key", help="a Bearer key the gateway accepts (repeatable; none: the gateway is open)")
+    _flag(up, "max-queue", type=int, help="the gateway's waiting requests per model before 429 "
+                                          "(default 1024; 0: no limit)")
+    _flag(up, "max-n", type=int, help="the gateway's cap on n, choices per request (default 8)")
     _flag(up, "no-prefix-caching", action="store_true",
           help="schedulers recompute every prompt instead of reusing cached prefixes")
     _flag(up, "gateway-workers", type=int,
@@ -356,7 +360,8 @@ def _add_tenants_parser(commands) -> None:
     remove = actions.add_parser("remove", help="remove a tenant and all its keys")
     for action in (set_, show, remove):
         action.add_argument("tenant", metavar="TENANT")
-        _redis_flags(action, default="redis://127.0.0.1:6379/0")
+        _redis_flags(action, help="Redis (default: the fleet's from $TOKENFLEET_HOME/fleet.json, else "
+                                  "redis://127.0.0.1:6379/0)")
         _flag(action, "key-prefix", default="tf:", help="prefix of every Redis key")
 
 
@@ -443,9 +448,20 @@ def _add_gateway_parser(commands) -> None:
 
 def _cmd_gateway(args: argparse.Namespace) -> int:
     from gateway.server import serve
+
+    settings = gateway_settings(args)
+    if args.workers > 1:
+        from gateway.supervisor import run_workers
+
+        return run_workers(settings, args.workers)
+    serve(settings)
+    return 0
+
+
+def gateway_settings(args: argparse.Namespace):
+    """`tokenfleet gateway`'s flags -> its GatewaySettings (InvalidRequestError naming a bad flag)."""
     from gateway.settings import GatewaySettings, ModelSpec
     from gateway.tenants import TenantDirectory
-    from shared.errors import InvalidRequestError
 
     paths = _list_value(args, "model") or [_resolve_model(None)]
     names = _list_value(args, "model-name")
@@ -455,8 +471,11 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
                         ("workers", args.workers)):
         if value < 1:
             raise InvalidRequestError(f"--{name} must be >= 1, got {value}", param=name)
+    if args.max_queue < 0:
+        raise InvalidRequestError(f"--max-queue must be >= 0 (0: no limit), got {args.max_queue}",
+                                  param="max-queue")
     models = [ModelSpec.from_path(path, names[i] if i < len(names) else None) for i, path in enumerate(paths)]
-    settings = GatewaySettings(
+    return GatewaySettings(
         redis_url=args.redis_url, models=models, host=args.host, port=args.port,
         api_keys=tuple(_list_value(args, "api-key")), key_prefix=args.key_prefix, max_queue=args.max_queue,
         max_n=args.max_n, max_body_bytes=args.max_body_bytes, batch_ingester=not args.no_batch_ingester,
@@ -465,12 +484,6 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
                  else TenantDirectory.empty()),
         tenants_from_redis=args.tenants_from_redis,
     )
-    if args.workers > 1:
-        from gateway.supervisor import run_workers
-
-        return run_workers(settings, args.workers)
-    serve(settings)
-    return 0
 
 
 def _resolve_model(path: str | None) -> str:
@@ -575,15 +588,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_up(args: argparse.Namespace) -> int:
-    import signal
-    import threading
+def fleet_options(args: argparse.Namespace):
+    """`tokenfleet up`'s flags -> its FleetOptions (InvalidRequestError naming a bad flag)."""
     from pathlib import Path
 
-    from shared.errors import InvalidRequestError
-    from tokenfleet.up import Fleet, FleetOptions, curl_example, default_gateway_workers
+    from tokenfleet.up import FleetOptions, default_gateway_workers
 
-    for name in ("port", "tp", "pp", "replicas", "gateway_workers"):
+    for name in ("port", "tp", "pp", "replicas", "gateway_workers", "max_n"):
         value = getattr(args, name)
         if value is not None and value < 1:
             flag = name.replace("_", "-")
@@ -608,15 +619,43 @@ def _cmd_up(args: argparse.Namespace) -> int:
                                   param="min-replicas")
     if args.no_prefix_caching:
         scheduler_args += ["--no-prefix-caching"]
-    options = FleetOptions(
+    return FleetOptions(
         autoscale=autoscale, model=model, model_name=args.model_name or Path(model).name, host=args.host,
         port=args.port,
         tp=args.tp, pp=args.pp, replicas=args.replicas, redis_url=args.redis_url, redis_port=args.redis_port,
         ray_address=args.ray_address, executor=args.executor, scheduler_args=scheduler_args,
         gateway_workers=args.gateway_workers or default_gateway_workers(),
-        batch_ingesters=args.batch_ingesters,
-        gateway_args=["--tenants-file", os.path.abspath(args.tenants_file)] if args.tenants_file else [],
+        batch_ingesters=args.batch_ingesters, **_up_gateway_flags(args),
     )
+
+
+def _up_gateway_flags(args: argparse.Namespace) -> dict:
+    """The gateway's flags `up` passes on: gateway_args, and gateway_env for the API keys (an
+    environment variable, as `tokenfleet gateway` reads them, keeps them out of `ps`)."""
+    if args.max_queue is not None and args.max_queue < 0:
+        raise InvalidRequestError(f"--max-queue must be >= 0 (0: no limit), got {args.max_queue}",
+                                  param="max-queue")
+    gateway_args = ["--tenants-file", os.path.abspath(args.tenants_file)] if args.tenants_file else []
+    if args.tenants_from_redis:
+        gateway_args.append("--tenants-from-redis")
+    for name, value in (("max-queue", args.max_queue), ("max-n", args.max_n)):
+        if value is not None:
+            gateway_args += [f"--{name}", str(value)]
+    api_keys = _list_value(args, "api-key")
+    if any("," in key or not key for key in api_keys):
+        raise InvalidRequestError("an --api-key must be non-empty and hold no comma", param="api-key")
+    return {"gateway_args": gateway_args,
+            "gateway_env": {"TOKENFLEET_API_KEY": ",".join(api_keys)} if api_keys else {}}
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from tokenfleet.up import Fleet, curl_example
+
+    options = fleet_options(args)
+    autoscale = options.autoscale
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

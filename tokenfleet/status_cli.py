@@ -15,6 +15,7 @@ from redis.exceptions import RedisError
 from gateway.fleet_view import collect_fleet_view
 from shared.errors import TokenfleetError
 from shared.keys import Keys
+from shared.redis_url import redacted
 
 
 async def _read(redis_url: str, prefix: str) -> dict:
@@ -29,11 +30,11 @@ def run_status_command(args: argparse.Namespace) -> int:
     try:
         view = asyncio.run(_read(args.redis_url, args.key_prefix))
     except (RedisError, OSError) as exc:
-        raise TokenfleetError(f"cannot read the fleet from {args.redis_url}: {exc}") from None
+        raise TokenfleetError(f"cannot read the fleet from {redacted(args.redis_url)}: {exc}") from None
     if args.json:
         print(json.dumps(view, indent=2))
     else:
-        print(format_view(view, args.redis_url))
+        print(format_view(view, redacted(args.redis_url)))
     return 0
 
 
@@ -79,6 +80,7 @@ def format_view(view: dict, redis_url: str) -> str:
         [j["id"], j["model"] or "-", j["status"],
          f"{j['completed'] + j['failed']}/{j['total']} ({100 * j['progress']:.0f}%)"
          + (f", {j['failed']} failed" if j["failed"] else "")] for j in view["batch_jobs"]], "no batch job")
+    out += [f"  {j['id']}: {j['error']}" for j in view["batch_jobs"] if j.get("error")]
     out += ["", "Gateways:"]
     out += _table(["ID", "ADDRESS", "MODELS", "HEARTBEAT"], [
         [g["id"], f"{g['host']}:{g['port']}", ",".join(g["models"]), f"{g['heartbeat_age_s']:.1f}s ago"]

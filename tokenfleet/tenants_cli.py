@@ -1,5 +1,6 @@
 """`tokenfleet tenants set|show|remove`: tenants kept in Redis (read by gateways started with
-`--tenants-from-redis`), so keys and limits change without restarting a gateway."""
+`--tenants-from-redis`), so keys and limits change without restarting a gateway. Redis is
+`--redis-url`, else the fleet's from $TOKENFLEET_HOME/fleet.json (like `status` and `batch`)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from dataclasses import fields
 import redis
 
 from gateway.tenants import TenantLimits, key_digest
-from shared.errors import InvalidRequestError
+from shared.errors import InvalidRequestError, TokenfleetError
 from shared.keys import TENANT_PATTERN, Keys
+from shared.redis_url import redacted
 
 LIMIT_NAMES = [f.name for f in fields(TenantLimits)]
 
@@ -20,13 +22,17 @@ def run_tenants_command(args) -> int:
     if not re.match(TENANT_PATTERN, args.tenant):
         raise InvalidRequestError(f"tenant {args.tenant!r} must match {TENANT_PATTERN}", param="tenant")
     keys = Keys(args.key_prefix)
-    client = redis.Redis.from_url(args.redis_url, socket_connect_timeout=5)
+    client = redis.Redis.from_url(args.redis_url, socket_connect_timeout=5, socket_timeout=10)
     try:
         if args.tenants_command == "set":
             return _set(client, keys, args)
         if args.tenants_command == "remove":
             return _remove(client, keys, args.tenant)
         return _show(client, keys, args.tenant)
+    except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+        if isinstance(exc, redis.AuthenticationError):
+            raise  # the command line's own message for a refused password
+        raise TokenfleetError(f"cannot reach Redis at {redacted(args.redis_url)}: {exc}") from None
     finally:
         client.close()
 

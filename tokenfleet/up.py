@@ -51,6 +51,15 @@ def recorded_fleet() -> dict:
         return {}
 
 
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def recorded_redis_url() -> str:
+    """The running fleet's Redis (fleet.json), else the default: where `batch`, `status` and
+    `tenants` look when no --redis-url says otherwise."""
+    return recorded_fleet().get("redis_url") or DEFAULT_REDIS_URL
+
+
 @dataclass
 class FleetOptions:
     model: str  # model folder
@@ -66,6 +75,7 @@ class FleetOptions:
     executor: str = "auto"  # see shared.config.uses_ray
     scheduler_args: list[str] = field(default_factory=list)  # extra engine flags
     gateway_args: list[str] = field(default_factory=list)  # extra gateway flags
+    gateway_env: dict[str, str] = field(default_factory=dict)  # the gateway's besides ours (keys: not argv)
     gateway_workers: int = 1  # gateway processes on the one port
     autoscale: AutoscaleOptions | None = None  # set: replicas come and go with the load, not `replicas`
     batch_ingesters: int = 0  # `tokenfleet batch ingester` processes besides the gateway's own
@@ -109,17 +119,20 @@ class Fleet:
         for index in range(self.options.replicas if self.options.autoscale is None else 0):
             self._spawn(f"scheduler-{index}", *self.scheduler_command(index))
         cli = [sys.executable, "-m", "tokenfleet.cli"]
-        self._spawn("gateway", [
-            *cli, "gateway", "--redis-url", self.redis_url, "--host", self.options.host,
-            "--port", str(self.options.port), "--model", self.options.model,
-            "--model-name", self.options.model_name, "--workers", str(self.options.gateway_workers),
-            *self.options.gateway_args,
-        ])
+        self._spawn("gateway", *self.gateway_command())
         for index in range(self.options.batch_ingesters):
             self._spawn(f"batch-ingester-{index}", [
                 *cli, "batch", "ingester", "--redis-url", self.redis_url, "--model", self.options.model])
         self._wait_ready()
         self._write_fleet_file()
+
+    def gateway_command(self) -> tuple[list[str], dict[str, str]]:
+        """argv and environment of the gateway (its API keys travel in the environment, out of `ps`)."""
+        argv = [sys.executable, "-m", "tokenfleet.cli", "gateway", "--redis-url", self.redis_url,
+                "--host", self.options.host, "--port", str(self.options.port), "--model", self.options.model,
+                "--model-name", self.options.model_name, "--workers", str(self.options.gateway_workers),
+                *self.options.gateway_args]
+        return argv, {**self.env, **self.options.gateway_env}
 
     def scheduler_argv(self, scheduler_id: str, placement_group: str | None = None) -> list[str]:
         """The command line of one replica's scheduler."""

@@ -6,6 +6,7 @@ job is its tenant's: another tenant's is a 404 and lists show one's own (gateway
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from typing import Literal
@@ -14,10 +15,10 @@ from aiohttp import web
 from pydantic import Field
 
 from gateway.appkeys import JOBS, REDIS
+from gateway.batch.entry import check_metadata, parse_window
 from gateway.batch.files_api import FILE_ID_PATTERN, stored_file
-from gateway.batch.ingester import parse_window
 from gateway.batch.jobs import JOB_STATES, Job, new_job_id
-from gateway.batch.lines import URLS
+from gateway.batch.lines import URLS, endpoint_mismatch
 from gateway.errors import BadRequest, Conflict, NotFound
 from gateway.openai.schemas import StrictModel
 from gateway.requests.serving import read_body
@@ -76,8 +77,17 @@ async def create(request: web.Request) -> web.Response:
         parse_window(body.completion_window)
     except ValueError as exc:
         raise BadRequest(str(exc), param="completion_window") from None
+    if body.metadata is not None:
+        try:
+            check_metadata(body.metadata)
+        except ValueError as exc:
+            raise BadRequest(str(exc), param="metadata") from None
     jobs = request.app[JOBS]
     await stored_file(request, body.input_file_id, param="input_file_id")  # one the caller may read
+    content = await request.app[REDIS].hget(jobs.keys.file(body.input_file_id), "content")
+    if content is None:
+        raise NotFound(f"no file {body.input_file_id!r}", param="input_file_id")
+    await _check_endpoint(content, body.endpoint)
     job_id = new_job_id()
     fields = {"input_file_id": body.input_file_id, "endpoint": body.endpoint,
               "completion_window": body.completion_window}
@@ -89,6 +99,19 @@ async def create(request: web.Request) -> web.Response:
     await jobs.create(job_id, fields)
     job = await jobs.get(job_id)
     return web.json_response(job.to_openai())
+
+
+async def _check_endpoint(content: bytes, endpoint: str) -> None:
+    """A file with a line for another endpoint is refused here, as OpenAI does (text that is not
+    UTF-8 is the ingester's to refuse, with the job)."""
+    try:
+        text = content.decode()
+    except UnicodeDecodeError:
+        return
+    mismatch = await asyncio.to_thread(endpoint_mismatch, text, endpoint)  # a big file: off the loop
+    if mismatch is not None:
+        raise BadRequest(f"the input file's {mismatch.message}", param="input_file_id",
+                         code="endpoint_mismatch")
 
 
 async def retrieve(request: web.Request) -> web.Response:

@@ -21,7 +21,6 @@ successor redoes what was pending, and the atomic steps make the redo harmless.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import socket
@@ -33,11 +32,12 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from gateway.batch.entry import ENTRY_FIELDS, JobRefused, check_entry, job_id_for_entry
 from gateway.batch.jobs import IntakeLost, Job, JobStore, item_req_id, parse_item_req_id, unwritten
 from gateway.batch.lines import (
-    URLS,
     LineItem,
     check_lines,
+    endpoint_mismatch,
     error_line,
     output_line,
     parse_line,
@@ -55,36 +55,13 @@ from gateway.requests.store import GatewayKeys, RequestStore
 from gateway.settings import GatewaySettings
 from gateway.tenant_registry import TenantRegistry
 from shared.abandoned import claim_abandoned_async
-from shared.keys import INGESTER_GROUP, JOB_ID_PATTERN, TENANT_PATTERN, Keys
+from shared.keys import INGESTER_GROUP, JOB_ID_PATTERN, Keys
 from shared.logging import get_logger
 from shared.messages import RequestMessage
 
-ENTRY_FIELDS = ("job_id", "model", "lines", "input_file_id", "endpoint", "completion_window", "metadata",
-                "tenant")
 FEED_CHUNK = 128  # lines queued per compare-and-set
-WINDOW_PATTERN = re.compile(r"^([1-9][0-9]{0,6})([smhd])$")
-WINDOW_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 log = get_logger("tokenfleet.batch")
-
-
-def parse_window(text: str) -> float:
-    """"24h" -> seconds; ValueError naming the accepted forms otherwise."""
-    match = WINDOW_PATTERN.match(text)
-    if match is None:
-        raise ValueError(f"completion_window {text!r} is not a duration such as 24h, 90m or 3600s")
-    return int(match.group(1)) * WINDOW_UNITS[match.group(2)]
-
-
-def job_id_for_entry(entry_id: str) -> str:
-    """A job submitted without a job_id is named after its entry, so a retried intake finds it."""
-    return "batch_" + entry_id.replace("-", "_")
-
-
-class JobRefused(Exception):
-    def __init__(self, code: str, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.error = {"code": code, "message": message, "param": param, "line": None}
 
 
 class BatchIngester:
@@ -220,6 +197,12 @@ class BatchIngester:
                                        f"job_id {job_id[:80]!r} must match {JOB_ID_PATTERN}", "job_id").error)
             job_id = job_id_for_entry(entry_id)
         described = {k: text[k] for k in ENTRY_FIELDS if k in text and k not in ("job_id", "lines")}
+        window = 0.0
+        try:
+            window = check_entry(fields, text)
+        except JobRefused as exc:  # refused below, once the job exists; a bad value is not kept
+            problems.append(exc.error)
+            described.pop(exc.error["param"], None)
         token = uuid.uuid4().hex  # fences this intake's staging against one that takes it over
         existing = await self.jobs.begin(job_id, entry_id, described, token)
         if existing is not None and existing.fields.get("entry_id") != entry_id:
@@ -232,8 +215,8 @@ class BatchIngester:
             return job_id
         try:
             if problems:
-                raise JobRefused(problems[0]["code"], problems[0]["message"], problems[0]["param"])
-            items, model, expires_at = await self._check(fields, text)
+                raise JobRefused(**problems[0])
+            items, model = await self._check(fields, text)
         except JobRefused as exc:
             await self.jobs.refuse(job_id, entry_id, [exc.error])
             self.metrics.batch_jobs.labels("failed").inc()
@@ -242,45 +225,27 @@ class BatchIngester:
         await self.client.hset(self.keys.batch_job(job_id), "model", model or "")
         packed = await asyncio.to_thread(lambda: [item.pack() for item in items])  # off the event loop
         await self.jobs.stage(job_id, packed, token)
-        if not await self.jobs.commit(job_id, entry_id, len(items), expires_at, token):
+        if not await self.jobs.commit(job_id, entry_id, len(items), time.time() + window, token):
             return job_id  # committed by an intake that took ours over meanwhile
         log.info("batch_job_started", job_id=job_id, lines=len(items), model=model,
                  refused_lines=sum(1 for item in items if item.error))
         self._wake_feeder.set()
         return job_id
 
-    async def _check(self, fields: dict, text: dict) -> tuple[list[LineItem], str | None, float]:
-        unknown = sorted(set(fields) - set(ENTRY_FIELDS))
-        if unknown:
-            raise JobRefused("unknown_field",
-                             f"unknown fields {unknown}; a job entry may have {list(ENTRY_FIELDS)}",
-                             unknown[0])
-        if "tenant" in text and not re.match(TENANT_PATTERN, text["tenant"]):
-            raise JobRefused("invalid_tenant", f"tenant {text['tenant'][:80]!r} must match {TENANT_PATTERN}",
-                             "tenant")
-        try:
-            window = parse_window(text.get("completion_window", "24h"))
-        except ValueError as exc:
-            raise JobRefused("invalid_completion_window", str(exc), "completion_window") from None
-        if "metadata" in text:
-            try:
-                metadata = json.loads(text["metadata"])
-            except json.JSONDecodeError:
-                metadata = None
-            if not isinstance(metadata, dict):
-                raise JobRefused("invalid_metadata", "metadata must be a JSON object", "metadata")
+    async def _check(self, fields: dict, text: dict) -> tuple[list[LineItem], str | None]:
         endpoint = text.get("endpoint")
-        if endpoint is not None and endpoint not in URLS:
-            raise JobRefused("invalid_endpoint", f"endpoint {endpoint!r} is not one of {list(URLS)}",
-                             "endpoint")
         content = await self._content(fields, text)
+        if endpoint is not None:  # a line for another endpoint refuses the job, as OpenAI does
+            mismatch = await asyncio.to_thread(endpoint_mismatch, content, endpoint)
+            if mismatch is not None:
+                raise JobRefused("endpoint_mismatch", mismatch.message, mismatch.param, mismatch.line)
         raws = await asyncio.to_thread(split_lines, content)  # a big job's lines: off the event loop
         if not raws:
             raise JobRefused("empty_job", "the job has no lines", "lines")
         if len(raws) > self.settings.batch_max_lines:
             raise JobRefused("too_many_lines", f"the job has {len(raws)} lines; at most "
                              f"{self.settings.batch_max_lines} are allowed", "lines")
-        items, model = await asyncio.to_thread(check_lines, raws, endpoint=endpoint, model=text.get("model"))
+        items, model = await asyncio.to_thread(check_lines, raws, model=text.get("model"))
         if model is not None:
             try:
                 self.models.get(model)
@@ -288,7 +253,7 @@ class BatchIngester:
                 raise JobRefused("model_not_found", exc.message, "model") from None
         elif len(self.models.names) == 1 and any(item.error is None for item in items):
             model = self.models.names[0]
-        return items, model, time.time() + window
+        return items, model
 
     async def _content(self, fields: dict, text: dict) -> str:
         has_lines, has_file = "lines" in fields, "input_file_id" in text

@@ -23,15 +23,14 @@ import json
 import re
 import time
 import uuid
-from dataclasses import dataclass
 
 import numpy as np
 import redis.asyncio as aioredis
 
+from gateway.batch.record import JOB_STATES as JOB_STATES  # (re-exported: where callers look for them)
+from gateway.batch.record import TERMINAL_JOB_STATES as TERMINAL_JOB_STATES
+from gateway.batch.record import Job
 from shared.keys import INGESTER_GROUP, JOB_ID_PATTERN, Keys
-
-TERMINAL_JOB_STATES = ("completed", "failed", "cancelled", "expired")
-JOB_STATES = ("validating", "in_progress", "finalizing", "cancelling", *TERMINAL_JOB_STATES)
 
 # Shared by the scripts that write outputs: when every line is written, the job is finalizing.
 _FINISH_CHECK = """
@@ -133,6 +132,18 @@ redis.call('XDEL', KEYS[2], ARGV[1])
 return 1
 """
 
+# An entry's intake starts: the job's record in validating unless it exists, in one step (so no
+# reader ever sees half a record). KEYS: job, jobs zset, entry -> job.  ARGV: job id, now, entry id,
+# intake token, then the entry's described field/value pairs. Returns 0 when the job existed.
+_BEGIN_SCRIPT = """
+if redis.call('HSETNX', KEYS[1], 'id', ARGV[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'status', 'validating', 'created_at', ARGV[2], 'entry_id', ARGV[3],
+           'intake_token', ARGV[4], unpack(ARGV, 5))
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+redis.call('SET', KEYS[3], ARGV[1])
+return 1
+"""
+
 # A job submitted through the gateway or the CLI: its entry in tf:batch:in and its record in
 # validating, atomically, so it can be read back at once.  KEYS: tf:batch:in, job, jobs zset.
 # ARGV: job id, now, then the entry's field/value pairs. Returns false when the id is taken.
@@ -189,98 +200,6 @@ def parse_item_req_id(req_id: str) -> tuple[str, int, int]:
     return job_id, int(index), int(choice)
 
 
-@dataclass
-class Job:
-    """A parsed tf:batch:{job} hash."""
-
-    id: str
-    fields: dict[str, str]
-
-    @classmethod
-    def parse(cls, job_id: str, raw: dict[bytes, bytes]) -> Job | None:
-        if not raw:
-            return None
-        return cls(job_id, {k.decode(): v.decode() for k, v in raw.items()})
-
-    def _int(self, name: str) -> int:
-        return int(self.fields.get(name) or 0)
-
-    def _time(self, name: str) -> int | None:
-        value = self.fields.get(name)
-        return int(float(value)) if value else None
-
-    @property
-    def status(self) -> str:
-        return self.fields.get("status", "validating")
-
-    @property
-    def ending(self) -> str | None:
-        return self.fields.get("ending")
-
-    @property
-    def model(self) -> str | None:
-        return self.fields.get("model") or None
-
-    @property
-    def total(self) -> int:
-        return self._int("total")
-
-    @property
-    def next_index(self) -> int:
-        return self._int("next_index")
-
-    @property
-    def num_written(self) -> int:
-        return self._int("completed") + self._int("failed")
-
-    @property
-    def in_flight(self) -> int:
-        """Lines queued whose output is not written yet."""
-        return self.next_index - self.num_written
-
-    @property
-    def tenant(self) -> str | None:
-        """Whose job (set when a tenant's key created it through /v1/batches)."""
-        return self.fields.get("tenant") or None
-
-    @property
-    def expires_at(self) -> float | None:
-        value = self.fields.get("expires_at")
-        return float(value) if value else None
-
-    def to_openai(self) -> dict:
-        """The OpenAI Batch object."""
-        errors = json.loads(self.fields["errors"]) if self.fields.get("errors") else None
-        done = self.status in TERMINAL_JOB_STATES
-        return {
-            "id": self.id, "object": "batch", "endpoint": self.fields.get("endpoint") or None,
-            "model": self.model,
-            "errors": {"object": "list", "data": errors} if errors else None,
-            "input_file_id": self.fields.get("input_file_id") or None,
-            "completion_window": self.fields.get("completion_window", "24h"),
-            "status": self.status,
-            "output_file_id": output_file_id(self.id) if done and self._int("completed") else None,
-            "error_file_id": error_file_id(self.id) if done and self._int("failed") else None,
-            "created_at": self._time("created_at"), "in_progress_at": self._time("in_progress_at"),
-            "expires_at": self._time("expires_at"), "finalizing_at": self._time("finalizing_at"),
-            "completed_at": self._time("completed_at"), "failed_at": self._time("failed_at"),
-            "expired_at": self._time("expired_at"), "cancelling_at": self._time("cancelling_at"),
-            "cancelled_at": self._time("cancelled_at"),
-            "request_counts": {"total": self.total, "completed": self._int("completed"),
-                               "failed": self._int("failed")},
-            "metadata": json.loads(self.fields["metadata"]) if self.fields.get("metadata") else None,
-            "entry_id": self.fields.get("entry_id") or None,
-        }
-
-
-def output_file_id(job_id: str) -> str:
-    return f"file-{job_id}-output"
-
-
-def error_file_id(job_id: str) -> str:
-    return f"file-{job_id}-errors"
-
-
 class JobStore:
     """The Redis side of batch jobs, for the ingester, the HTTP routes and the CLI alike."""
 
@@ -296,6 +215,7 @@ class JobStore:
         self._stop = client.register_script(_STOP_SCRIPT)
         self._finalize = client.register_script(_FINALIZE_SCRIPT)
         self._create = client.register_script(_CREATE_SCRIPT)
+        self._begin = client.register_script(_BEGIN_SCRIPT)
 
     # -- reading ----------------------------------------------------------------------
 
@@ -310,11 +230,21 @@ class JobStore:
             start = 0 if rank is None else rank + 1
         ids = await self.client.zrevrange(self.keys.batch_jobs, start, start + limit)
         has_more = len(ids) > limit
+        ids = ids[:limit]
+        if not ids:
+            return [], has_more
+        # Keys built from the raw member, so that a member that is not text still finds its record
+        # (and shows as corrupt) instead of failing the listing.
+        key_prefix = self.keys.batch_job("").encode()
         pipe = self.client.pipeline(transaction=False)
-        for job_id in ids[:limit]:
-            pipe.hgetall(self.keys.batch_job(job_id.decode()))
-        jobs = [Job.parse(i.decode(), raw) for i, raw in zip(ids, await pipe.execute(), strict=False)]
-        return [job for job in jobs if job is not None], has_more
+        for raw_id in ids:
+            pipe.hgetall(key_prefix + raw_id)
+        jobs = []
+        for raw_id, raw in zip(ids, await pipe.execute(), strict=True):
+            job = Job.parse(raw_id.decode(errors="replace"), raw)
+            if job is not None:  # (a record deleted by hand: nothing to show)
+                jobs.append(job)
+        return jobs, has_more
 
     async def outputs(self, job_id: str, *, ok: bool | None = None) -> list[str]:
         """The job's output lines in the order they were written (ok: only those / only not)."""
@@ -352,19 +282,15 @@ class JobStore:
         """Create the job in `validating` unless it exists; the existing job otherwise. Either
         way the intake is now `token`'s: an earlier intake of the same entry stages no more."""
         key = self.keys.batch_job(job_id)
-        now = time.time()
-        if not await self.client.hsetnx(key, "id", job_id):
-            job = await self.get(job_id)
-            if job is not None and not job.fields.get("committed") and job.fields.get("entry_id") == entry_id:
-                await self.client.hset(key, "intake_token", token)
-            return job
-        pipe = self.client.pipeline(transaction=True)
-        pipe.hset(key, mapping={"status": "validating", "created_at": now, "entry_id": entry_id,
-                                "intake_token": token, **fields})
-        pipe.zadd(self.keys.batch_jobs, {job_id: now})
-        pipe.set(self.keys.batch_entry(entry_id), job_id)
-        await pipe.execute()
-        return None
+        args: list[object] = [job_id, time.time(), entry_id, token]
+        for name, value in fields.items():
+            args += [name, value]
+        if await self._begin(keys=[key, self.keys.batch_jobs, self.keys.batch_entry(entry_id)], args=args):
+            return None
+        job = await self.get(job_id)
+        if job is not None and not job.fields.get("committed") and job.fields.get("entry_id") == entry_id:
+            await self.client.hset(key, "intake_token", token)
+        return job
 
     async def stage(self, job_id: str, packed_items: list[bytes], token: str = "", chunk: int = 1000) -> None:
         """The job's lines, staged by the intake holding `token` (IntakeLost once another has it)."""

@@ -22,11 +22,12 @@ from typing import Literal
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from gateway.batch.entry import URLS
 from gateway.errors import BadRequest, GatewayError, error_body, validation_error
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
 
-URLS = ("/v1/chat/completions", "/v1/completions")
 BODY_SCHEMAS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+ENDPOINT_INPUTS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}  # a body's must-have
 
 
 class InputLine(BaseModel):
@@ -86,10 +87,10 @@ def parse_line(raw: str) -> tuple[InputLine, ChatCompletionRequest | CompletionR
     return line, body
 
 
-def check_lines(raws: list[str], *, endpoint: str | None,
-                model: str | None) -> tuple[list[LineItem], str | None]:
+def check_lines(raws: list[str], *, model: str | None) -> tuple[list[LineItem], str | None]:
     """Intake: every line checked without a tokenizer. Returns the items (a refused one carries
-    its error) and the job's model: `model` when given, else the first valid line's."""
+    its error) and the job's model: `model` when given, else the first valid line's. (Lines that
+    are not for the job's endpoint refuse the whole job before this: endpoint_mismatch.)"""
     items: list[LineItem] = []
     seen: set[str] = set()
     for index, raw in enumerate(raws):
@@ -108,10 +109,6 @@ def check_lines(raws: list[str], *, endpoint: str | None,
                                              code="duplicate_custom_id"))
             continue
         seen.add(line.custom_id)
-        if endpoint is not None and line.url != endpoint:
-            message = f"url {line.url!r} differs from the job's endpoint {endpoint!r}"
-            item.error = refusal_of(BadRequest(message, param="url"))
-            continue
         if model is None:
             model = body.model
         elif body.model is not None and body.model != model:
@@ -119,6 +116,42 @@ def check_lines(raws: list[str], *, endpoint: str | None,
                                              f"{model!r}; a job runs one model", param="body.model",
                                              code="model_mismatch"))
     return items, model
+
+
+@dataclass
+class EndpointMismatch:
+    """The first line of a job that is not a request to the job's endpoint."""
+
+    line: int  # its number in the job's text, from 1 (blank lines count, as in an editor)
+    message: str  # names the line, its custom_id and what is wrong
+    param: str  # the line's field at fault: "url", "body.messages"...
+
+
+def endpoint_mismatch(content: str, endpoint: str) -> EndpointMismatch | None:
+    """The first line of the job's text that is for another endpoint: a url that differs, or a body
+    without the endpoint's input (`messages` for chat, `prompt` for completions). OpenAI refuses
+    such a batch as a whole, when it is created; a line malformed in any other way (bad JSON, an
+    unknown field...) is that line's own error, and the job goes on."""
+    needed = ENDPOINT_INPUTS[endpoint]
+    for number, raw in enumerate(content.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            data = json.loads(raw)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(data, dict):
+            continue
+        url, body, custom_id = data.get("url"), data.get("body"), data.get("custom_id")
+        if isinstance(url, str) and url != endpoint:
+            why, param = f"its url {url[:80]!r} is not the batch's endpoint {endpoint!r}", "url"
+        elif isinstance(body, dict) and needed not in body:
+            why, param = f"its body has no {needed!r}: it is not a {endpoint} request", f"body.{needed}"
+        else:
+            continue
+        named = f" (custom_id {custom_id[:80]!r})" if isinstance(custom_id, str) else ""
+        return EndpointMismatch(number, f"line {number}{named}: {why}", param)
+    return None
 
 
 def _custom_id_of(raw: str) -> str | None:

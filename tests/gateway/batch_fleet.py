@@ -18,8 +18,9 @@ from tests.fleet_helpers import TINY_CHAT, start_scheduler
 
 def job_lines(num_lines: int, *, max_tokens: int = 6, bad: bool = True,
               chat_only: bool = False) -> tuple[list[str], dict[str, str]]:
-    """`num_lines` lines (chat and completions, greedy and seeded); with `bad`, some malformed
-    ones among them. Returns the lines and, for each bad line's custom_id, what is wrong."""
+    """`num_lines` lines (chat and completions, greedy and seeded; `chat_only`: for a batch whose
+    endpoint is chat); with `bad`, some malformed ones among them. Returns the lines and, for each
+    bad line's custom_id, what is wrong."""
     lines, broken = [], {}
     for i in range(num_lines):
         custom_id = f"req-{i}"
@@ -34,6 +35,8 @@ def job_lines(num_lines: int, *, max_tokens: int = 6, bad: bool = True,
         line = {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
         if bad and i % 97 == 13:
             kind = ("json", "url", "field", "long", "method")[(i // 97) % 5]
+            if chat_only and kind == "url":  # (for a batch with an endpoint, which such a line refuses whole)
+                kind = "field"
             broken[custom_id] = kind
             if kind == "json":
                 lines.append(json.dumps(line)[:-5])  # cut short

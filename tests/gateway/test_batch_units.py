@@ -6,9 +6,17 @@ import json
 
 import pytest
 
-from gateway.batch.ingester import job_id_for_entry, parse_window
+from gateway.batch.entry import check_metadata, job_id_for_entry, parse_metadata, parse_window
 from gateway.batch.jobs import item_req_id, parse_item_req_id, unwritten
-from gateway.batch.lines import LineItem, check_lines, error_line, output_line, refused_line, split_lines
+from gateway.batch.lines import (
+    LineItem,
+    check_lines,
+    endpoint_mismatch,
+    error_line,
+    output_line,
+    refused_line,
+    split_lines,
+)
 from gateway.errors import BadRequest
 
 CHAT = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
@@ -30,7 +38,7 @@ def test_check_lines_names_each_problem_and_settles_the_model() -> None:
             "[1, 2]", line(custom_id="a"), line(custom_id="c", method="GET"), line(custom_id="d", extra=1),
             line(custom_id="e", body_stream=True), line(custom_id="f", body_model="other"),
             line(custom_id="g", body_temperature="hot")]
-    items, model = check_lines(raws, endpoint=None, model=None)
+    items, model = check_lines(raws, model=None)
     assert model == "m"  # the first valid line's
     errors = {item.index: item.error for item in items if item.error}
     assert sorted(errors) == [2, 3, 4, 5, 6, 7, 8, 9]
@@ -43,9 +51,31 @@ def test_check_lines_names_each_problem_and_settles_the_model() -> None:
     assert errors[8]["code"] == "model_mismatch"
     assert errors[9]["param"] == "body.temperature"
     assert [item.custom_id for item in items[:3]] == ["a", "b", None]
-    items, _ = check_lines([line(), line(custom_id="b", url="/v1/completions", body={"prompt": "x"})],
-                           endpoint="/v1/chat/completions", model="m")
-    assert items[0].error is None and "endpoint" in items[1].error["message"]
+
+
+def test_the_first_line_for_another_endpoint_is_named_with_its_number_in_the_file() -> None:
+    chat = "/v1/chat/completions"
+    other_url = line(custom_id="b", url="/v1/completions", body={"prompt": "x"})
+    text = "\n".join([line(), "", other_url, line(custom_id="c", body={"prompt": "x"})])
+    mismatch = endpoint_mismatch(text, chat)
+    assert (mismatch.line, mismatch.param) == (3, "url")  # the blank line counts, as in an editor
+    assert "line 3 (custom_id 'b')" in mismatch.message and "/v1/completions" in mismatch.message
+    mismatch = endpoint_mismatch("\n".join([line(), line(custom_id="c", body={"prompt": "x"})]), chat)
+    assert (mismatch.line, mismatch.param) == (2, "body.messages")
+    assert endpoint_mismatch(other_url, "/v1/completions") is None
+    # Lines malformed otherwise are their own problem, not the job's.
+    for fine in ("{not json", "[1]", line(custom_id="d", extra=1), line(custom_id="e", body="text")):
+        assert endpoint_mismatch("\n".join([line(), fine]), chat) is None, fine
+
+
+def test_metadata_follows_openais_limits() -> None:
+    assert check_metadata({"k" * 64: "v" * 512, **{f"k{i}": "" for i in range(15)}})
+    for bad, words in (([1], "object"), ({"k" * 65: "v"}, "64"), ({"k": "v" * 513}, "512"),
+                       ({f"k{i}": "v" for i in range(17)}, "16"), ({"k": 1}, "'k'"), ({"k": None}, "null")):
+        with pytest.raises(ValueError, match=words):
+            check_metadata(bad)
+    with pytest.raises(ValueError, match="not JSON"):
+        parse_metadata("notjson")
 
 
 def test_line_items_round_trip_and_blank_lines_are_not_lines() -> None:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
+import redis
+
 from shared.net import free_port
+from tests.gateway.corrupt_jobs import CORRUPT, GOOD_ID, check_rows, write_records
 from tokenfleet.cli import main
 
 
@@ -23,3 +28,18 @@ def test_status_of_an_empty_redis_says_so(redis_server, capsys) -> None:
 def test_scheduler_refuses_a_heartbeat_that_is_not_positive(capsys) -> None:
     assert main(["scheduler", "--heartbeat-s", "0"]) == 1
     assert "--heartbeat-s must be > 0" in capsys.readouterr().err
+
+
+def test_status_lists_a_corrupt_batch_record_as_failed_and_the_rest_as_they_are(redis_server,
+                                                                                capsys) -> None:
+    write_records(redis.Redis.from_url(redis_server.url))
+    assert main(["status", "--redis-url", redis_server.url]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.split("Batch jobs:")[1].split("Gateways:")[0].splitlines()
+            if line.strip() and not line.strip().startswith("ID")}
+    assert "completed" in rows[GOOD_ID], out
+    for job_id, (_, bad_field) in CORRUPT.items():
+        assert "failed" in rows[job_id], out
+        assert f"{job_id}: the job's record is corrupt: its field {bad_field!r}" in out, out
+    assert main(["status", "--redis-url", redis_server.url, "--json"]) == 0
+    check_rows(json.loads(capsys.readouterr().out)["batch_jobs"])
