@@ -1,13 +1,20 @@
 """`tokenfleet bench`: a load generator against a running gateway (any OpenAI-compatible server).
 
-It sends `--num-requests` streamed chat (or text) completions, at most `--concurrency` at a
-time and, with `--rate`, at most that many new ones per second (Poisson arrivals, seeded),
-with synthetic prompts of `--prompt-words` words and exactly `--max-tokens` output tokens
-(`ignore_eos`). From the chunks' arrival times it reports, per request: time to first token
-(TTFT), inter-token latency (ITL: the gap before each later content chunk; the gateway
-sends one chunk per scheduler step, which is one token in a plain decode, and the OpenAI
-chunk does not say how many tokens it holds), end-to-end latency; and for the run: requests
-and output tokens per second, and every failure with its reason.
+It sends streamed chat (or text) completions, at most `--concurrency` at a time and, with
+`--rate`, at that many new ones per second (Poisson arrivals, seeded): `--num-requests` of them,
+or as many as arrive in `--duration` seconds. Prompts are synthetic: an optional system prompt of
+about `--prefix-tokens` tokens that every request shares (the prefix cache's case), then a user
+turn of `--prompt-words` words; each asks for `--max-tokens` output tokens (`ignore_eos`). Both
+lengths take a fixed number, a uniform range `A-B`, or `A-B:lognormal:MEAN` (lognormal of that
+mean, sigma 0.8, clipped to A..B).
+
+From the chunks' arrival times it reports, per request: time to first token (TTFT), inter-token
+latency (ITL: the gap before each later content chunk; the gateway sends one chunk per scheduler
+step, which is one token in a plain decode, and the OpenAI chunk does not say how many tokens it
+holds), time per output token after the first (TPOT), end-to-end latency; and for the run:
+requests and output tokens per second, every failure with its reason and, given
+`--slo-ttft-ms` and/or `--slo-itl-ms`, the goodput: the requests (and their tokens) per second
+whose TTFT and whose mean inter-token gap (TPOT) met them.
 """
 
 from __future__ import annotations
@@ -37,18 +44,90 @@ class Result:
     output_tokens: int = 0
     gaps: list[float] = field(default_factory=list)  # seconds between consecutive tokens
 
+    @property
+    def tpot(self) -> float | None:
+        """Seconds per output token after the first."""
+        if self.first_token is None or self.finished is None or self.output_tokens < 2:
+            return None
+        return (self.finished - self.first_token) / (self.output_tokens - 1)
+
+
+@dataclass(frozen=True)
+class LengthSpec:
+    """A length drawn per request: fixed (low == high), uniform on low..high, or lognormal."""
+
+    low: int
+    high: int
+    lognormal_mean: float | None = None
+
+    @classmethod
+    def parse(cls, text: str, flag: str) -> LengthSpec:
+        """"N", "A-B" or "A-B:lognormal:MEAN"; a ValueError names the flag."""
+        bounds, _, dist = str(text).partition(":")
+        try:
+            low, _, high = bounds.partition("-")
+            spec = cls(int(low), int(high or low))
+            if dist:
+                kind, _, mean = dist.partition(":")
+                if kind != "lognormal":
+                    raise ValueError(kind)
+                spec = cls(spec.low, spec.high, float(mean))
+        except ValueError:
+            raise ValueError(f"--{flag} takes N, A-B or A-B:lognormal:MEAN, got {text!r}") from None
+        if not 1 <= spec.low <= spec.high or (spec.lognormal_mean is not None and spec.lognormal_mean <= 0):
+            raise ValueError(f"--{flag} needs 1 <= A <= B (and a positive mean), got {text!r}")
+        return spec
+
+    def draw(self, rng: random.Random) -> int:
+        if self.lognormal_mean is not None:
+            sigma = 0.8  # a lognormal of mean m has mu = ln m - sigma^2 / 2
+            value = round(rng.lognormvariate(math.log(self.lognormal_mean) - sigma**2 / 2, sigma))
+            return min(self.high, max(self.low, value))
+        return rng.randint(self.low, self.high)
+
+
+@dataclass
+class Planned:
+    arrival: float  # seconds after the start
+    path: str
+    body: dict
+
 
 def prompt_text(rng: random.Random, num_words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(num_words))
 
 
-def request_body(args, rng: random.Random, model: str) -> tuple[str, dict]:
-    text = prompt_text(rng, args.prompt_words)
-    body = {"model": model, "stream": True, "stream_options": {"include_usage": True},
-            "max_tokens": args.max_tokens, "temperature": args.temperature, "ignore_eos": True}
-    if args.completions:
-        return "/v1/completions", {**body, "prompt": text}
-    return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": text}]}
+def plan_requests(args, model: str) -> list[Planned]:
+    """Every request of a run, with its arrival time: the same for the same flags and seed (a
+    benchmark feeds the in-process engine the same plan)."""
+    rng = random.Random(args.seed)
+    prompt_words = LengthSpec.parse(args.prompt_words, "prompt-words")
+    max_tokens = LengthSpec.parse(args.max_tokens, "max-tokens")
+    # Common words are about a token each with their space: N words are about N tokens.
+    prefix = prompt_text(random.Random(f"prefix-{args.seed}"), args.prefix_tokens) \
+        if args.prefix_tokens else ""
+
+    def more(num_planned: int, t: float) -> bool:
+        return t < args.duration if args.duration else num_planned < args.num_requests
+
+    arrivals: list[float] = []
+    t = 0.0
+    while more(len(arrivals), t):
+        arrivals.append(t)
+        t += rng.expovariate(args.rate) if args.rate > 0 else 0.0
+    planned = []
+    for arrival in arrivals:
+        text = prompt_text(rng, prompt_words.draw(rng))
+        body = {"model": model, "stream": True, "stream_options": {"include_usage": True},
+                "max_tokens": max_tokens.draw(rng), "temperature": args.temperature, "ignore_eos": True}
+        if args.completions:
+            planned.append(Planned(arrival, "/v1/completions",
+                                   {**body, "prompt": f"{prefix}\n\n{text}" if prefix else text}))
+            continue
+        messages = [{"role": "system", "content": prefix}] if prefix else []
+        messages.append({"role": "user", "content": text})
+        planned.append(Planned(arrival, "/v1/chat/completions", {**body, "messages": messages}))
+    return planned
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, body: dict, result: Result) -> None:
@@ -100,30 +179,22 @@ async def discover_model(session: aiohttp.ClientSession, base_url: str) -> str:
 
 
 async def run(args) -> tuple[list[Result], float, str]:
-    rng = random.Random(args.seed)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     timeout = aiohttp.ClientTimeout(total=None, connect=30, sock_read=args.timeout_s)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector) as session:
         model = args.model or await discover_model(session, args.url)
-        bodies = [request_body(args, rng, model) for _ in range(args.num_requests)]
-        arrivals = [0.0] * args.num_requests
-        if args.rate > 0:
-            t = 0.0
-            for i in range(args.num_requests):
-                arrivals[i] = t
-                t += rng.expovariate(args.rate)
+        planned = plan_requests(args, model)
         gate = asyncio.Semaphore(args.concurrency)
-        results = [Result(i) for i in range(args.num_requests)]
+        results = [Result(i) for i in range(len(planned))]
         start = time.perf_counter()
 
         async def go(i: int) -> None:
-            await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
+            await asyncio.sleep(max(0.0, start + planned[i].arrival - time.perf_counter()))
             async with gate:
-                path, body = bodies[i]
-                await one_request(session, args.url + path, body, results[i])
+                await one_request(session, args.url + planned[i].path, planned[i].body, results[i])
 
-        await asyncio.gather(*(go(i) for i in range(args.num_requests)))
+        await asyncio.gather(*(go(i) for i in range(len(planned))))
         return results, time.perf_counter() - start, model
 
 
@@ -138,6 +209,7 @@ def summarize(results: list[Result], wall_s: float, model: str, args) -> dict:
     ok = [r for r in results if r.ok]
     ttft = [r.first_token - r.started for r in ok]
     e2e = [r.finished - r.started for r in ok]
+    tpot = [r.tpot for r in ok if r.tpot is not None]
     gaps = [g for r in ok for g in r.gaps]
     output_tokens = sum(r.output_tokens for r in ok)
 
@@ -148,15 +220,30 @@ def summarize(results: list[Result], wall_s: float, model: str, args) -> dict:
     for r in results:
         if not r.ok:
             errors[r.error or "unknown"] = errors.get(r.error or "unknown", 0) + 1
-    return {
+    summary = {
         "url": args.url, "model": model, "num_requests": len(results), "ok": len(ok),
         "failed": len(results) - len(ok), "errors": errors, "concurrency": args.concurrency,
         "rate": args.rate or None, "wall_s": round(wall_s, 3),
         "requests_per_s": round(len(ok) / wall_s, 3) if wall_s else None,
         "output_tokens": output_tokens,
         "output_tokens_per_s": round(output_tokens / wall_s, 1) if wall_s else None,
-        "ttft_ms": spread(ttft), "itl_ms": spread(gaps), "e2e_ms": spread(e2e),
+        "ttft_ms": spread(ttft), "itl_ms": spread(gaps), "tpot_ms": spread(tpot), "e2e_ms": spread(e2e),
     }
+    if args.slo_ttft_ms is not None or args.slo_itl_ms is not None:
+        good = [r for r in ok if meets_slo(r, args.slo_ttft_ms, args.slo_itl_ms)]
+        summary["goodput"] = {
+            "slo_ttft_ms": args.slo_ttft_ms, "slo_itl_ms": args.slo_itl_ms, "requests": len(good),
+            "requests_per_s": round(len(good) / wall_s, 3) if wall_s else None,
+            "output_tokens_per_s": round(sum(r.output_tokens for r in good) / wall_s, 1) if wall_s else None,
+        }
+    return summary
+
+
+def meets_slo(result: Result, slo_ttft_ms: float | None, slo_itl_ms: float | None) -> bool:
+    """TTFT within its bound and the mean gap between later tokens (TPOT) within the ITL bound."""
+    if slo_ttft_ms is not None and (result.first_token - result.started) * 1e3 > slo_ttft_ms:
+        return False
+    return slo_itl_ms is None or result.tpot is None or result.tpot * 1e3 <= slo_itl_ms
 
 
 def print_table(summary: dict) -> None:
@@ -166,9 +253,14 @@ def print_table(summary: dict) -> None:
           f"{summary['output_tokens']} output tokens, {summary['output_tokens_per_s']} output tok/s")
     print("| ms | p50 | p90 | p99 |")
     print("| --- | ---: | ---: | ---: |")
-    for name in ("ttft", "itl", "e2e"):
+    for name in ("ttft", "itl", "tpot", "e2e"):
         row = summary[f"{name}_ms"]
         print(f"| {name.upper()} | {row['p50']} | {row['p90']} | {row['p99']} |")
+    if "goodput" in summary:
+        good = summary["goodput"]
+        print(f"goodput (TTFT <= {good['slo_ttft_ms']} ms, TPOT <= {good['slo_itl_ms']} ms): "
+              f"{good['requests']} requests, {good['requests_per_s']} requests/s, "
+              f"{good['output_tokens_per_s']} output tok/s")
     for error, count in summary["errors"].items():
         print(f"failed x{count}: {error}")
 

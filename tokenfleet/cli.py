@@ -386,10 +386,18 @@ def _add_bench_parser(commands) -> None:
                              "http://127.0.0.1:8000)")
     _flag(bench, "model", help="served model name (default: the first of /v1/models)")
     _flag(bench, "num-requests", type=int, default=100)
+    _flag(bench, "duration", type=float, default=0.0,
+          help="with --rate: send what arrives in this many seconds instead of --num-requests")
     _flag(bench, "concurrency", type=int, default=16, help="requests in flight at most")
     _flag(bench, "rate", type=float, default=0.0, help="new requests per second, Poisson (0: no pacing)")
-    _flag(bench, "prompt-words", type=int, default=64, help="words per synthetic prompt")
-    _flag(bench, "max-tokens", type=int, default=64, help="output tokens per request (EOS ignored)")
+    _flag(bench, "prefix-tokens", type=int, default=0,
+          help="a system prompt of about this many tokens, shared by every request (0: none)")
+    _flag(bench, "prompt-words", default="64",
+          help="words of each user turn: N, A-B (uniform) or A-B:lognormal:MEAN")
+    _flag(bench, "max-tokens", default="64",
+          help="output tokens per request (EOS ignored): N, A-B or A-B:lognormal:MEAN")
+    _flag(bench, "slo-ttft-ms", type=float, help="goodput: a request's TTFT within this")
+    _flag(bench, "slo-itl-ms", type=float, help="goodput: a request's mean gap between tokens within this")
     _flag(bench, "temperature", type=float, default=0.0)
     _flag(bench, "completions", action="store_true", help="/v1/completions instead of chat")
     _flag(bench, "api-key", help="Bearer key, when the gateway has --api-key")
@@ -400,15 +408,23 @@ def _add_bench_parser(commands) -> None:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from shared.errors import InvalidRequestError
-    from tokenfleet.bench import run_bench_command
+    from tokenfleet.bench import LengthSpec, run_bench_command
     from tokenfleet.up import recorded_fleet
 
-    for name in ("num_requests", "concurrency", "prompt_words", "max_tokens"):
+    for name in ("num_requests", "concurrency"):
         if getattr(args, name) < 1:
             flag = name.replace("_", "-")
             raise InvalidRequestError(f"--{flag} must be >= 1, got {getattr(args, name)}", param=flag)
+    for name in ("prompt_words", "max_tokens"):
+        try:
+            LengthSpec.parse(getattr(args, name), name.replace("_", "-"))
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param=name.replace("_", "-")) from None
     if args.rate < 0 or args.timeout_s <= 0:
         raise InvalidRequestError("--rate must be >= 0 and --timeout-s > 0", param="rate")
+    if args.duration < 0 or (args.duration and not args.rate) or args.prefix_tokens < 0:
+        raise InvalidRequestError("--duration needs --rate (and >= 0); --prefix-tokens must be >= 0",
+                                  param="duration")
     args.url = (args.url or recorded_fleet().get("gateway_url") or "http://127.0.0.1:8000").rstrip("/")
     try:
         return run_bench_command(args)

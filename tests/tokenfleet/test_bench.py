@@ -51,3 +51,54 @@ async def test_bench_reports_failures_and_exits_non_zero(make_client, fake_sched
     assert summary["failed"] == 3
     [(error, count)] = summary["errors"].items()
     assert count == 3 and "HTTP 404" in error and "no-such-model" in error
+
+
+async def test_bench_sends_a_shared_prefix_drawn_lengths_for_a_duration_and_reports_goodput(
+        make_client, fake_scheduler):
+    client = await make_client()
+    url = str(client.make_url("")).rstrip("/")
+    done = await bench("--url", url, "--duration", "1", "--rate", "20", "--prefix-tokens", "40",
+                       "--prompt-words", "5-12", "--max-tokens", "4-9:lognormal:6", "--concurrency", "64",
+                       "--slo-ttft-ms", "60000", "--slo-itl-ms", "60000", "--json")
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert 5 <= summary["num_requests"] <= 60 and summary["failed"] == 0  # Poisson at 20/s for 1 s
+    assert summary["goodput"]["requests"] == summary["ok"]  # bounds no request can miss
+    assert summary["tpot_ms"]["p50"] is not None
+    seen = fake_scheduler.seen
+    assert len(seen) == summary["num_requests"]
+    assert {4 <= m.sampling_params().max_tokens <= 9 for m in seen} == {True}
+    prompts = [list(m.prompt_token_ids) for m in seen]
+    shared = min(len(p) for p in prompts)
+    while len({tuple(p[:shared]) for p in prompts}) > 1:
+        shared -= 1
+    assert shared >= 40  # the system prompt (and the chat template around it) is the same
+    tight = await bench("--url", url, "--num-requests", "3", "--max-tokens", "8", "--slo-ttft-ms", "0",
+                        "--json")
+    assert json.loads(tight.stdout)["goodput"]["requests"] == 0
+
+
+async def test_the_plan_is_the_same_for_the_same_flags_and_lengths_stay_in_their_bounds() -> None:
+    import argparse
+    import random
+
+    from tokenfleet.bench import LengthSpec, plan_requests
+
+    args = argparse.Namespace(seed=3, prompt_words="2-4", max_tokens="16-512:lognormal:150", prefix_tokens=10,
+                              num_requests=50, duration=0.0, rate=8.0, temperature=0.0, completions=False)
+    first, again = plan_requests(args, "m"), plan_requests(args, "m")
+    assert [(p.arrival, p.body) for p in first] == [(p.arrival, p.body) for p in again]
+    assert len(first) == 50 and first[0].arrival == 0.0
+    assert all(16 <= p.body["max_tokens"] <= 512 for p in first)
+    assert len({p.body["messages"][0]["content"] for p in first}) == 1  # one system prompt
+    spec = LengthSpec.parse("16-512:lognormal:150", "max-tokens")
+    draws = [spec.draw(random.Random(i)) for i in range(2000)]
+    assert 120 < sum(draws) / len(draws) < 180
+    for bad in ("0", "9-3", "x", "4-8:normal:5", "4-8:lognormal:-1"):
+        with pytest.raises(ValueError, match="--max-tokens"):
+            LengthSpec.parse(bad, "max-tokens")
+
+
+async def test_bench_refuses_a_bad_length_in_one_line():
+    done = await bench("--url", "http://127.0.0.1:1", "--max-tokens", "10-5")
+    assert done.returncode != 0 and "--max-tokens" in done.stderr and "Traceback" not in done.stderr
