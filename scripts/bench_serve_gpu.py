@@ -1,0 +1,182 @@
+"""Serving under steady arrivals: the fleet (`tokenfleet up`, no other flags) against the in-process
+engine fed the same arrivals, at several rates, in one run (issue 27's table; docs/perf-notes.md).
+
+    python3 scripts/bench_serve_gpu.py --tokenizer DIR          # one H200, ~6 min
+    .venv/bin/python scripts/bench_serve_gpu.py --smoke         # this CPU, tiny model: checks the script
+
+Model: Llama-3-8B's shape with SmolLM2's vocabulary and tokenizer, random bf16 weights (as
+scripts/bench_fleet_gpu.py builds it). Workload, at each --rates for --seconds of Poisson arrivals
+(`tokenfleet bench`'s plan, seed 0): chats with one shared system prompt of --prefix-tokens (about
+800 tokens, prefix-cached after the first), a user turn of 40-300 words, 16-512 output tokens
+(lognormal, mean 150), greedy, EOS ignored.
+
+(a) the fleet: `tokenfleet up --model M --port P` (Redis, the scheduler, the gateway with its
+    default workers), and `tokenfleet bench` streaming /v1/chat/completions from this process;
+    TTFT from each request's POST, ITL between its content chunks.
+(b) the engine: LLMEngine with the config `tokenfleet scheduler --model M` builds on this device
+    (its tokenizer loaded, as the scheduler's), in this process, after the fleet is stopped; each
+    planned chat rendered by the gateway's own chat-template code, and added when its arrival
+    time comes; TTFT from that scheduled time, ITL between the steps that gave it tokens.
+
+--py-spy DIR records the scheduler process (all threads, raw stacks) for --seconds during the
+--py-spy-rate run. Prints the command line first and the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import psutil
+import torch
+
+# bench_common before the product: importing it puts the repository on sys.path.
+from bench_common import Children, log, percentile, print_command, raise_fd_limit, wait_ready
+from bench_fleet_gpu import prepare_model
+from bench_mixed_graphs import Chats, Row, run_chats
+
+from gateway.models import ServedModel
+from shared.net import free_port
+from tokenfleet import bench as fleet_bench
+from tokenfleet.cli import _engine_config, build_parser
+
+MODEL_NAME = "bench-model"
+
+
+def bench_args(args: argparse.Namespace, url: str, rate: float) -> argparse.Namespace:
+    """`tokenfleet bench`'s flags for one rate (the engine's plan is drawn from the same)."""
+    return argparse.Namespace(
+        url=url, model=MODEL_NAME, num_requests=1, duration=args.seconds, rate=rate, concurrency=100_000,
+        prefix_tokens=args.prefix_tokens, prompt_words="40-300", max_tokens="16-512:lognormal:150",
+        temperature=0.0, completions=False, api_key=None, seed=0, timeout_s=300.0,
+        slo_ttft_ms=None, slo_itl_ms=None)
+
+
+def fleet_rows(args: argparse.Namespace, folder: Path, rates: list[float], out: Path) -> dict[float, dict]:
+    home = Path(tempfile.mkdtemp(prefix="tokenfleet-serve-home-"))
+    os.environ["TOKENFLEET_HOME"] = str(home)
+    children = Children(out)
+    port = free_port()
+    children.spawn("up", [sys.executable, "-m", "tokenfleet.cli", "up", "--model", str(folder),
+                          "--model-name", MODEL_NAME, "--port", str(port)])
+    summaries: dict[float, dict] = {}
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, children, timeout_s=600)
+        log("fleet ready")
+        warm = bench_args(args, url, 4.0)
+        warm.duration = 2.0
+        asyncio.run(fleet_bench.run(warm))
+        for rate in rates:
+            spy = start_py_spy(args, rate, out)
+            results, wall, model = asyncio.run(fleet_bench.run(bench_args(args, url, rate)))
+            summaries[rate] = {"results": results, "wall": wall}
+            if spy is not None:
+                spy.wait(timeout=args.seconds + 60)
+            ok = [r for r in results if r.ok]
+            log(f"fleet {rate:g} req/s: {len(ok)}/{len(results)} ok, "
+                f"{sum(r.output_tokens for r in ok) / wall:,.0f} tok/s")
+    finally:
+        children.stop()
+        shutil.rmtree(home, ignore_errors=True)
+    return summaries
+
+
+def start_py_spy(args: argparse.Namespace, rate: float, out: Path) -> subprocess.Popen | None:
+    if args.py_spy is None or rate != args.py_spy_rate or shutil.which("py-spy") is None:
+        return None
+    def is_scheduler(cmdline: list[str] | None) -> bool:
+        return "scheduler" in (cmdline or []) and "tokenfleet.cli" in (cmdline or [])
+
+    scheduler = next((p for p in psutil.process_iter(["cmdline"]) if is_scheduler(p.info["cmdline"])), None)
+    if scheduler is None:
+        log("no scheduler process found: no profile")
+        return None
+    args.py_spy.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(["py-spy", "record", "-p", str(scheduler.pid), "-d", str(int(args.seconds)),
+                             "-r", "200", "--nonblocking", "-f", "raw",
+                             "-o", str(args.py_spy / f"serve{rate:g}_scheduler.txt")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+
+def engine_rows(args: argparse.Namespace, folder: Path, rates: list[float]) -> dict[float, Row]:
+    from scheduler.engine import LLMEngine
+
+    scheduler_args = build_parser().parse_args(["scheduler", "--model", str(folder)])
+    config = _engine_config(scheduler_args)
+    served = ServedModel(MODEL_NAME, str(folder), None, 0, 0)
+    rows: dict[float, Row] = {}
+    with LLMEngine(config) as engine:
+        served.tokenizer = engine.tokenizer
+        warm = Chats([0.0] * 4, [engine.encode("warm up the engine", chat=True)] * 4, [8] * 4)
+        run_chats(engine, warm, "warm-up")
+        for rate in rates:
+            planned = fleet_bench.plan_requests(bench_args(args, "", rate), MODEL_NAME)
+            chats = Chats([p.arrival for p in planned],
+                          [served.encode_chat(p.body["messages"])[1] for p in planned],
+                          [p.body["max_tokens"] for p in planned])
+            rows[rate] = run_chats(engine, chats, f"engine {rate:g} req/s")
+            log(str(rows[rate]))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--smoke", action="store_true", help="a tiny model on this CPU, low rates")
+    parser.add_argument("--tokenizer",
+                        help="folder with SmolLM2's tokenizer files (default: the default model's)")
+    parser.add_argument("--rates", default="16,32,48,64")
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--prefix-tokens", type=int, default=800)
+    parser.add_argument("--py-spy", type=Path, help="folder for the scheduler's py-spy profile")
+    parser.add_argument("--py-spy-rate", type=float, default=48.0)
+    parser.add_argument("--logs", type=Path, help="folder for the fleet's logs (default: a temp folder)")
+    args = parser.parse_args(argv)
+    print_command()
+    rates = [float(r) for r in args.rates.split(",")]
+    if args.smoke:
+        args.device, args.seconds, args.prefix_tokens = "cpu", min(args.seconds, 4.0), 100
+        rates = [1.0, 2.0]
+    raise_fd_limit(4096)
+    folder = Path(tempfile.mkdtemp(prefix="tokenfleet-serve-model-"))
+    out = args.logs or Path(tempfile.mkdtemp(prefix="tokenfleet-serve-logs-"))
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        description = prepare_model(args, folder)
+        fleet = fleet_rows(args, folder, rates, out)
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+        engine = engine_rows(args, folder, rates)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    print(f"\n{description}; {args.seconds:g} s of Poisson arrivals per rate; shared prefix "
+          f"{args.prefix_tokens} words\n")
+    print("| req/s | fleet tok/s | engine tok/s | fleet / engine | TTFT p50 fleet / engine "
+          "| TTFT p99 fleet / engine | ITL p99 fleet / engine | failed |")
+    print("| ---: | ---: | ---: | ---: | --- | --- | --- | ---: |")
+    for rate in rates:
+        results, wall = fleet[rate]["results"], fleet[rate]["wall"]
+        ok = [r for r in results if r.ok]
+        last = max((r.finished for r in ok), default=0.0)
+        first = min((r.started for r in results), default=0.0)
+        tok_s = sum(r.output_tokens for r in ok) / max(1e-9, last - first)
+        ttft = [r.first_token - r.started for r in ok]
+        itl = [g for r in ok for g in r.gaps]
+        e = engine[rate]
+        print(f"| {rate:g} | {tok_s:,.0f} | {e.tok_s:,.0f} | {tok_s / e.tok_s:.2f} "
+              f"| {1e3 * percentile(ttft, 50):.0f} / {1e3 * e.ttft_p50:.0f} ms "
+              f"| {1e3 * percentile(ttft, 99):.0f} / {1e3 * e.ttft_p99:.0f} ms "
+              f"| {1e3 * percentile(itl, 99):.0f} / {1e3 * e.itl_p99:.0f} ms | {len(results) - len(ok)} |")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
