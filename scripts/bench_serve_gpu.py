@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
           "| TTFT p99 fleet / engine | ITL p99 fleet / engine | failed |")
     print("| ---: | ---: | ---: | ---: | --- | --- | --- | ---: |")
     for rate in rates:
-        results, wall = fleet[rate]["results"], fleet[rate]["wall"]
+        results = fleet[rate]["results"]
         ok = [r for r in results if r.ok]
         last = max((r.finished for r in ok), default=0.0)
         first = min((r.started for r in results), default=0.0)
