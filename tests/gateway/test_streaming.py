@@ -71,8 +71,50 @@ async def test_completions_echo_and_several_prompts(make_client, fake_scheduler)
 
 async def test_seeds_are_derived_per_choice(make_client, fake_scheduler):
     client = await make_client()
-    await client.post("/v1/chat/completions", json={**CHAT, "n": 3, "seed": 41})
-    assert sorted(m.sampling_params().seed for m in fake_scheduler.seen) == [41, 42, 43]
+
+    async def seeds(seed: int, n: int) -> list[int]:
+        fake_scheduler.seen.clear()
+        await client.post("/v1/chat/completions", json={**CHAT, "n": n, "seed": seed})
+        return sorted(m.sampling_params().seed for m in fake_scheduler.seen)
+
+    first = await seeds(41, 3)
+    assert 41 in first and len(set(first)) == 3
+    assert await seeds(41, 3) == first  # repeatable
+    # Choice i of seed s is not choice 0 of seed s + i: nearby seeds share no choice seed.
+    assert not set(first) & set(await seeds(42, 3))
+    assert all(-(2**63) <= seed < 2**63 for seed in first)
+
+
+async def test_a_constrained_answer_without_max_tokens_is_bounded_by_the_documented_default(make_client,
+                                                                                          fake_scheduler):
+    from gateway.openai.params import DEFAULT_CONSTRAINED_MAX_TOKENS
+
+    client = await make_client()
+    free = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for extra in ({"response_format": {"type": "json_object"}}, {"tools": tools, "tool_choice": "required"},
+                  {}, {"response_format": {"type": "json_object"}, "max_tokens": 2000}):
+        fake_scheduler.seen.clear()
+        assert (await client.post("/v1/chat/completions", json={**free, **extra})).status == 200
+        max_tokens = fake_scheduler.seen[0].sampling_params().max_tokens
+        if "max_tokens" in extra:
+            assert max_tokens == extra["max_tokens"]
+        elif extra:
+            assert max_tokens == DEFAULT_CONSTRAINED_MAX_TOKENS
+        else:
+            assert max_tokens > DEFAULT_CONSTRAINED_MAX_TOKENS  # the rest of the context window
+
+
+async def test_with_tools_a_stream_opens_with_content_null(make_client, fake_scheduler):
+    client = await make_client()
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with_tools = chunks_of(await (await client.post("/v1/chat/completions",
+                                                    json={**CHAT, "stream": True, "tools": tools})).text())
+    assert with_tools[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in with_tools if c["choices"])
+    assert text  # the fake's reply is text: it still arrives as content
+    plain = chunks_of(await (await client.post("/v1/chat/completions", json={**CHAT, "stream": True})).text())
+    assert plain[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
 
 
 async def test_every_parameter_reaches_the_scheduler(make_client, fake_scheduler):
