@@ -8,7 +8,7 @@ import time
 from aiohttp import web
 
 from gateway.appkeys import LIMITER, METRICS, MODELS, QUEUE_TIMES, SETTINGS, STORE
-from gateway.errors import BadRequest, UpstreamFailed
+from gateway.errors import BadRequest, RateLimited, Unavailable, UpstreamFailed
 from gateway.metrics import GatewayMetrics
 from gateway.openai.format import ChoiceOutput, ChunkMaker, chat_completion, text_completion
 from gateway.openai.params import Plan, plan_chat, plan_completion
@@ -42,7 +42,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 class _Timer:
-    """Latency metrics of one call, observed as its tokens leave."""
+    """Latency metrics of one call, observed as its tokens leave, and the end of each of its
+    choices, counted once in tokenfleet_gateway_requests_total{status} however the call ends:
+    the request's own end state (completed, failed, expired, cancelled), `disconnected` when
+    the client left first (the gateway cancels it then), `rejected` when it was never queued."""
 
     def __init__(self, metrics: GatewayMetrics, model: str, num_choices: int, started: float) -> None:
         self.metrics = metrics
@@ -51,6 +54,10 @@ class _Timer:
         self.first_token_at: float | None = None
         self.last_token_at: list[float | None] = [None] * num_choices  # choice -> last delivery
         self._itl = metrics.itl.labels(model)  # looked up once, observed per token
+        self.num_choices = num_choices
+        self.outputs: list[ChoiceOutput] = []  # the choices followed so far
+        self.is_client_gone = False
+        self._is_counted = False
 
     def tokens(self, index: int, num_tokens: int, now: float) -> None:
         if not num_tokens:
@@ -65,24 +72,41 @@ class _Timer:
 
     def finished(self, outputs: list[ChoiceOutput]) -> None:
         self.metrics.e2e.labels(self.model).observe(time.monotonic() - self.started)
-        for out in outputs:
-            self.metrics.requests.labels(self.model, out.state or "unknown").inc()
+        self.outputs = outputs
+        self.count_ends("unknown")
+
+    def count_ends(self, unended: str) -> None:
+        """Count each choice's end once: its state, or `unended` for one that has none."""
+        if self._is_counted:
+            return
+        self._is_counted = True
+        states = [out.state for out in self.outputs] or [None] * self.num_choices
+        for state in states:
+            self.metrics.requests.labels(self.model, state or unended).inc()
 
 
 async def _serve(request: web.Request, plan: Plan, id_prefix: str) -> web.StreamResponse:
     started = time.monotonic()
-    await admit(request, plan.model.name, len(plan.choices))
-    req_ids = [new_req_id() for _ in plan.choices]
-    tenant = await admit_tenant(request, plan, req_ids)
+    timer = _Timer(request.app[METRICS], plan.model.name, len(plan.choices), started)
+    try:
+        await admit(request, plan.model.name, len(plan.choices))
+        req_ids = [new_req_id() for _ in plan.choices]
+        tenant = await admit_tenant(request, plan, req_ids)
+    except (RateLimited, Unavailable):
+        timer.count_ends("rejected")
+        raise
     lease_until = request.app[LIMITER].lease_for_queue(tenant) if tenant is not None else None
     response_id = id_prefix + req_ids[0]
-    timer = _Timer(request.app[METRICS], plan.model.name, len(req_ids), started)
-    async with tenant_leases(request, tenant, req_ids), following(request, plan.model, req_ids) as watch:
-        await request.app[STORE].submit(submissions(plan, req_ids, tenant=tenant, lease_until=lease_until))
-        if plan.stream:
-            response = await _stream(request, plan, response_id, watch, timer)
-        else:
-            response = await _collect(request, plan, response_id, watch, timer)
+    try:
+        async with tenant_leases(request, tenant, req_ids), following(request, plan.model, req_ids) as watch:
+            queued = submissions(plan, req_ids, tenant=tenant, lease_until=lease_until)
+            await request.app[STORE].submit(queued)
+            if plan.stream:
+                response = await _stream(request, plan, response_id, watch, timer)
+            else:
+                response = await _collect(request, plan, response_id, watch, timer)
+    finally:  # a call that did not see all its choices end: its client left, or it broke
+        timer.count_ends("disconnected" if timer.is_client_gone or client_gone(request) else "failed")
     request.app[QUEUE_TIMES].add(plan.model.name, req_ids)
     return response
 
@@ -99,10 +123,11 @@ def _raise_for(outputs: list[ChoiceOutput]) -> None:
 
 async def _collect(request: web.Request, plan: Plan, response_id: str, watch: Watch,
                    timer: _Timer) -> web.StreamResponse:
-    outputs = [ChoiceOutput(choice.index) for choice in plan.choices]
+    outputs = timer.outputs = [ChoiceOutput(choice.index) for choice in plan.choices]
     async for batch in watch.batches():
         if not batch:  # a quiet tick
             if client_gone(request):
+                timer.is_client_gone = True
                 raise ClientGone()
             continue
         now = time.monotonic()
@@ -120,7 +145,7 @@ async def _stream(request: web.Request, plan: Plan, response_id: str, watch: Wat
     stream = EventStream(request)
     await stream.open()
     chunks = ChunkMaker(plan, response_id)
-    outputs = [ChoiceOutput(choice.index) for choice in plan.choices]
+    outputs = timer.outputs = [ChoiceOutput(choice.index) for choice in plan.choices]
     keepalive_s = request.app[SETTINGS].keepalive_s
     try:
         for index in range(len(plan.choices)):
@@ -151,7 +176,7 @@ async def _stream(request: web.Request, plan: Plan, response_id: str, watch: Wat
             await stream.send(chunks.usage(outputs))
         await stream.send("[DONE]")
     except ConnectionError:
-        pass  # the client left; following() cancels what has not ended
+        timer.is_client_gone = True  # the client left; following() cancels what has not ended
     finally:
         await stream.close()
     return stream.response
