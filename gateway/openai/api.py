@@ -28,6 +28,10 @@ from gateway.requests.serving import (
 )
 from gateway.requests.sse import frame
 
+# The ids of a call's requests, one per choice in choice order: what GET /v1/requests/{id}
+# (and its /events, resumable with Last-Event-ID) takes. X-Request-Id is the HTTP call's id.
+REQUEST_IDS_HEADER = "tokenfleet-request-id"
+
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body, _ = await read_body(request, ChatCompletionRequest)
@@ -102,9 +106,9 @@ async def _serve(request: web.Request, plan: Plan, id_prefix: str) -> web.Stream
             queued = submissions(plan, req_ids, tenant=tenant, lease_until=lease_until)
             await request.app[STORE].submit(queued)
             if plan.stream:
-                response = await _stream(request, plan, response_id, watch, timer)
+                response = await _stream(request, plan, response_id, watch, timer, req_ids)
             else:
-                response = await _collect(request, plan, response_id, watch, timer)
+                response = await _collect(request, plan, response_id, watch, timer, req_ids)
     finally:  # a call that did not see all its choices end: its client left, or it broke
         timer.count_ends("disconnected" if timer.is_client_gone or client_gone(request) else "failed")
     request.app[QUEUE_TIMES].add(plan.model.name, req_ids)
@@ -121,8 +125,8 @@ def _raise_for(outputs: list[ChoiceOutput]) -> None:
             raise UpstreamFailed(message, code=out.error.get("code", "request_failed"))
 
 
-async def _collect(request: web.Request, plan: Plan, response_id: str, watch: Watch,
-                   timer: _Timer) -> web.StreamResponse:
+async def _collect(request: web.Request, plan: Plan, response_id: str, watch: Watch, timer: _Timer,
+                   req_ids: list[str]) -> web.StreamResponse:
     outputs = timer.outputs = [ChoiceOutput(choice.index) for choice in plan.choices]
     async for batch in watch.batches():
         if not batch:  # a quiet tick
@@ -137,14 +141,24 @@ async def _collect(request: web.Request, plan: Plan, response_id: str, watch: Wa
     timer.finished(outputs)
     _raise_for(outputs)
     build = chat_completion if plan.api == "chat" else text_completion
-    return web.json_response(build(plan, response_id, outputs))
+    return web.json_response(build(plan, response_id, outputs),
+                             headers={REQUEST_IDS_HEADER: ",".join(req_ids)})
 
 
-async def _stream(request: web.Request, plan: Plan, response_id: str, watch: Watch,
-                  timer: _Timer) -> web.StreamResponse:
+def _with_event_id(frames: bytes, seq: int) -> bytes:
+    """A delta's frames with `id: <seq>` on the last of them: Last-Event-ID then says that the
+    whole delta arrived (GET /v1/requests/{id}/events resumes after it)."""
+    head, data, last = frames.rpartition(b"data: ")
+    return b"%sid: %d\n%s%s" % (head, seq, data, last)
+
+
+async def _stream(request: web.Request, plan: Plan, response_id: str, watch: Watch, timer: _Timer,
+                  req_ids: list[str]) -> web.StreamResponse:
     stream = EventStream(request)
+    stream.response.headers[REQUEST_IDS_HEADER] = ",".join(req_ids)
     await stream.open()
     chunks = ChunkMaker(plan, response_id)
+    is_single = len(plan.choices) == 1  # one request: its sequence numbers are the events' ids
     outputs = timer.outputs = [ChoiceOutput(choice.index) for choice in plan.choices]
     keepalive_s = request.app[SETTINGS].keepalive_s
     try:
@@ -163,7 +177,7 @@ async def _stream(request: web.Request, plan: Plan, response_id: str, watch: Wat
                 timer.tokens(index, len(delta.token_ids), now)
                 chunk = chunks.delta_frame(index, delta)
                 if chunk is not None:
-                    frames.append(chunk)
+                    frames.append(_with_event_id(chunk, delta.seq) if is_single else chunk)
                 if delta.is_final and delta.state in ("failed", "expired") and delta.error is not None:
                     error = UpstreamFailed(delta.error.get("message", "the request failed"),
                                            code=delta.error.get("code"))

@@ -20,7 +20,9 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
 
 
 def chunks_of(text: str) -> list:
-    lines = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
+    """The data of each event (an event may start with its `id:` line)."""
+    lines = [line[len("data: "):] for block in text.split("\n\n") for line in block.split("\n")
+             if line.startswith("data: ")]
     assert lines[-1] == "[DONE]"
     return [json.loads(line) for line in lines[:-1]]
 
@@ -206,3 +208,23 @@ async def test_a_quiet_stream_gets_keepalives_and_still_ends_complete(make_clien
     assert ": keep-alive\n\n" in text
     content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks_of(text))
     assert content == tokenizer.decode(tokenizer("The quick brown", add_special_tokens=False).input_ids[:3])
+
+
+async def test_a_chat_stream_carries_event_ids_and_its_request_id_to_resume_from(make_client, fake_scheduler):
+    from tests.gateway.test_requests_api import parse_sse
+
+    client = await make_client()
+    response = await client.post("/v1/chat/completions", json={**CHAT, "stream": True, "max_tokens": 8})
+    (req_id,) = response.headers["tokenfleet-request-id"].split(",")
+    events = parse_sse(await response.text())
+    assert json.loads(events[0]["data"])["id"] == "chatcmpl-" + req_id
+    with_ids = [e for e in events if "id" in e]
+    assert [int(e["id"]) for e in with_ids] == list(range(1, 9))  # one per token event, in order
+    texts = [json.loads(e["data"])["choices"][0]["delta"].get("content") or "" for e in with_ids]
+    # Resuming after the third event gives exactly the rest, from the request's own event stream.
+    resumed = parse_sse(await (await client.get(f"/v1/requests/{req_id}/events",
+                                                headers={"Last-Event-ID": with_ids[2]["id"]})).text())
+    rest = "".join(json.loads(e["data"])["text"] for e in resumed if e.get("event") == "token")
+    assert rest == "".join(texts[3:])
+    several = await client.post("/v1/chat/completions", json={**CHAT, "n": 2})
+    assert len(several.headers["tokenfleet-request-id"].split(",")) == 2
