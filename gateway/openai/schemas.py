@@ -110,15 +110,17 @@ class ChatMessage(StrictModel):
     tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
     # What the SDK's message.model_dump() echoes back from a reply: accepted as null (an answer
     # of ours never has them); a value we would have to honour is a 400 naming it.
-    refusal: str | None = Field(None, description="only null")
-    audio: dict[str, Any] | None = Field(None, description="only null")
-    function_call: dict[str, Any] | None = Field(None, description="only null (deprecated: use tool_calls)")
-    annotations: list[Any] | None = Field(None, description="only null or []")
+    refusal: str | None = Field(None, description="only null", json_schema_extra={"maxLength": 0})
+    audio: dict[str, Any] | None = Field(None, description="only null",
+                                         json_schema_extra={"maxProperties": 0})
+    function_call: dict[str, Any] | None = Field(None, description="only null (deprecated: use tool_calls)",
+                                                 json_schema_extra={"maxProperties": 0})
+    annotations: list[Any] | None = Field(None, description="only null", json_schema_extra={"maxItems": 0})
 
     @field_validator("refusal", "audio", "function_call", "annotations")
     @classmethod
     def _echoed_nulls(cls, value: Any, info) -> Any:
-        return _only_default(info.field_name, value)
+        return _only_default(info.field_name, value, (None, ""))
 
     @model_validator(mode="before")
     @classmethod
