@@ -23,8 +23,11 @@ class GatewayMetrics:
         r = self.registry
         self.http_requests = Counter("tokenfleet_gateway_http_requests", "HTTP requests by route and status",
                                      ["method", "route", "status"], registry=r)
-        self.requests = Counter("tokenfleet_gateway_requests", "generation requests by model and end state",
-                                ["model", "status"], registry=r)
+        # One per choice of a completions call, at its end: completed, failed, expired, cancelled,
+        # disconnected (the client left first) or rejected (refused before it was queued).
+        self.requests = Counter("tokenfleet_gateway_requests",
+                                "generation requests (choices of /v1/completions and /v1/chat/completions "
+                                "calls) by model and end state", ["model", "status"], registry=r)
         self.queue_time = Histogram("tokenfleet_gateway_queue_time_seconds",
                                     "queued until a scheduler started it", ["model"],
                                     buckets=_LATENCY_BUCKETS, registry=r)

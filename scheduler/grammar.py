@@ -18,6 +18,7 @@ caches compiled grammars by their spec, so a schema shared by many requests comp
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -35,6 +36,29 @@ def compile_error_message(exc: Exception) -> str:
     """xgrammar's reason a grammar does not compile, without the C++ source location."""
     lines = _CPP_PREFIX.sub("", str(exc).strip()).splitlines()
     return lines[0] if lines else type(exc).__name__
+
+
+_ANY_OBJECT = json.dumps({"type": "object"})
+
+
+@functools.lru_cache(maxsize=256)
+def compact_structural_tag(structural_tag: str) -> str:
+    """The structural tag with each `json_schema` content replaced by the EBNF grammar of the
+    schema's compact JSON: xgrammar's structural tags allow any whitespace inside JSON, and
+    have no switch for it. Cached by text, as forced tool calls resend the same tags."""
+    import xgrammar as xgr
+
+    def compact(node: object) -> object:
+        if isinstance(node, list):
+            return [compact(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        if node.get("type") == "json_schema" and "json_schema" in node:
+            grammar = xgr.Grammar.from_json_schema(json.dumps(node["json_schema"]), any_whitespace=False)
+            return {"type": "grammar", "grammar": str(grammar)}
+        return {key: compact(value) for key, value in node.items()}
+
+    return json.dumps(compact(json.loads(structural_tag)))
 
 
 class Grammars:
@@ -120,13 +144,14 @@ class Grammars:
         spec = json.loads(grammar)
         compiler = self._get_compiler()
         try:
+            # Compact JSON everywhere (", " and ": ", no newlines): a small model left free to add
+            # whitespace may never stop adding it. xgrammar's builtin JSON grammar allows any.
             if spec["type"] == "json_object":
-                return compiler.compile_builtin_json_grammar()
+                return compiler.compile_json_schema(_ANY_OBJECT, any_whitespace=False)
             if spec["type"] == "json_schema":
-                # Compact JSON: a small model left free to add whitespace may never stop adding it.
                 return compiler.compile_json_schema(json.dumps(spec["schema"]), any_whitespace=False,
                                                     strict_mode=bool(spec.get("strict", True)))
-            return compiler.compile_structural_tag(json.dumps(spec["structural_tag"]))
+            return compiler.compile_structural_tag(compact_structural_tag(json.dumps(spec["structural_tag"])))
         except (RuntimeError, ValueError, TypeError, KeyError) as exc:
             raise InvalidRequestError(f"the grammar does not compile: {compile_error_message(exc)}",
                                       param="response_format") from None

@@ -8,7 +8,7 @@ import time
 from aiohttp import web
 
 from gateway.appkeys import LIMITER, METRICS, MODELS, QUEUE_TIMES, SETTINGS, STORE
-from gateway.errors import BadRequest, UpstreamFailed
+from gateway.errors import BadRequest, RateLimited, Unavailable, UpstreamFailed
 from gateway.metrics import GatewayMetrics
 from gateway.openai.format import ChoiceOutput, ChunkMaker, chat_completion, text_completion
 from gateway.openai.params import Plan, plan_chat, plan_completion
@@ -28,6 +28,10 @@ from gateway.requests.serving import (
 )
 from gateway.requests.sse import frame
 
+# The ids of a call's requests, one per choice in choice order: what GET /v1/requests/{id}
+# (and its /events, resumable with Last-Event-ID) takes. X-Request-Id is the HTTP call's id.
+REQUEST_IDS_HEADER = "tokenfleet-request-id"
+
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body, _ = await read_body(request, ChatCompletionRequest)
@@ -42,7 +46,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 class _Timer:
-    """Latency metrics of one call, observed as its tokens leave."""
+    """Latency metrics of one call, observed as its tokens leave, and the end of each of its
+    choices, counted once in tokenfleet_gateway_requests_total{status} however the call ends:
+    the request's own end state (completed, failed, expired, cancelled), `disconnected` when
+    the client left first (the gateway cancels it then), `rejected` when it was never queued."""
 
     def __init__(self, metrics: GatewayMetrics, model: str, num_choices: int, started: float) -> None:
         self.metrics = metrics
@@ -51,6 +58,10 @@ class _Timer:
         self.first_token_at: float | None = None
         self.last_token_at: list[float | None] = [None] * num_choices  # choice -> last delivery
         self._itl = metrics.itl.labels(model)  # looked up once, observed per token
+        self.num_choices = num_choices
+        self.outputs: list[ChoiceOutput] = []  # the choices followed so far
+        self.is_client_gone = False
+        self._is_counted = False
 
     def tokens(self, index: int, num_tokens: int, now: float) -> None:
         if not num_tokens:
@@ -65,24 +76,41 @@ class _Timer:
 
     def finished(self, outputs: list[ChoiceOutput]) -> None:
         self.metrics.e2e.labels(self.model).observe(time.monotonic() - self.started)
-        for out in outputs:
-            self.metrics.requests.labels(self.model, out.state or "unknown").inc()
+        self.outputs = outputs
+        self.count_ends("unknown")
+
+    def count_ends(self, unended: str) -> None:
+        """Count each choice's end once: its state, or `unended` for one that has none."""
+        if self._is_counted:
+            return
+        self._is_counted = True
+        states = [out.state for out in self.outputs] or [None] * self.num_choices
+        for state in states:
+            self.metrics.requests.labels(self.model, state or unended).inc()
 
 
 async def _serve(request: web.Request, plan: Plan, id_prefix: str) -> web.StreamResponse:
     started = time.monotonic()
-    await admit(request, plan.model.name, len(plan.choices))
-    req_ids = [new_req_id() for _ in plan.choices]
-    tenant = await admit_tenant(request, plan, req_ids)
+    timer = _Timer(request.app[METRICS], plan.model.name, len(plan.choices), started)
+    try:
+        await admit(request, plan.model.name, len(plan.choices))
+        req_ids = [new_req_id() for _ in plan.choices]
+        tenant = await admit_tenant(request, plan, req_ids)
+    except (RateLimited, Unavailable):
+        timer.count_ends("rejected")
+        raise
     lease_until = request.app[LIMITER].lease_for_queue(tenant) if tenant is not None else None
     response_id = id_prefix + req_ids[0]
-    timer = _Timer(request.app[METRICS], plan.model.name, len(req_ids), started)
-    async with tenant_leases(request, tenant, req_ids), following(request, plan.model, req_ids) as watch:
-        await request.app[STORE].submit(submissions(plan, req_ids, tenant=tenant, lease_until=lease_until))
-        if plan.stream:
-            response = await _stream(request, plan, response_id, watch, timer)
-        else:
-            response = await _collect(request, plan, response_id, watch, timer)
+    try:
+        async with tenant_leases(request, tenant, req_ids), following(request, plan.model, req_ids) as watch:
+            queued = submissions(plan, req_ids, tenant=tenant, lease_until=lease_until)
+            await request.app[STORE].submit(queued)
+            if plan.stream:
+                response = await _stream(request, plan, response_id, watch, timer, req_ids)
+            else:
+                response = await _collect(request, plan, response_id, watch, timer, req_ids)
+    finally:  # a call that did not see all its choices end: its client left, or it broke
+        timer.count_ends("disconnected" if timer.is_client_gone or client_gone(request) else "failed")
     request.app[QUEUE_TIMES].add(plan.model.name, req_ids)
     return response
 
@@ -97,12 +125,13 @@ def _raise_for(outputs: list[ChoiceOutput]) -> None:
             raise UpstreamFailed(message, code=out.error.get("code", "request_failed"))
 
 
-async def _collect(request: web.Request, plan: Plan, response_id: str, watch: Watch,
-                   timer: _Timer) -> web.StreamResponse:
-    outputs = [ChoiceOutput(choice.index) for choice in plan.choices]
+async def _collect(request: web.Request, plan: Plan, response_id: str, watch: Watch, timer: _Timer,
+                   req_ids: list[str]) -> web.StreamResponse:
+    outputs = timer.outputs = [ChoiceOutput(choice.index) for choice in plan.choices]
     async for batch in watch.batches():
         if not batch:  # a quiet tick
             if client_gone(request):
+                timer.is_client_gone = True
                 raise ClientGone()
             continue
         now = time.monotonic()
@@ -112,15 +141,25 @@ async def _collect(request: web.Request, plan: Plan, response_id: str, watch: Wa
     timer.finished(outputs)
     _raise_for(outputs)
     build = chat_completion if plan.api == "chat" else text_completion
-    return web.json_response(build(plan, response_id, outputs))
+    return web.json_response(build(plan, response_id, outputs),
+                             headers={REQUEST_IDS_HEADER: ",".join(req_ids)})
 
 
-async def _stream(request: web.Request, plan: Plan, response_id: str, watch: Watch,
-                  timer: _Timer) -> web.StreamResponse:
+def _with_event_id(frames: bytes, seq: int) -> bytes:
+    """A delta's frames with `id: <seq>` on the last of them: Last-Event-ID then says that the
+    whole delta arrived (GET /v1/requests/{id}/events resumes after it)."""
+    head, data, last = frames.rpartition(b"data: ")
+    return b"%sid: %d\n%s%s" % (head, seq, data, last)
+
+
+async def _stream(request: web.Request, plan: Plan, response_id: str, watch: Watch, timer: _Timer,
+                  req_ids: list[str]) -> web.StreamResponse:
     stream = EventStream(request)
+    stream.response.headers[REQUEST_IDS_HEADER] = ",".join(req_ids)
     await stream.open()
     chunks = ChunkMaker(plan, response_id)
-    outputs = [ChoiceOutput(choice.index) for choice in plan.choices]
+    is_single = len(plan.choices) == 1  # one request: its sequence numbers are the events' ids
+    outputs = timer.outputs = [ChoiceOutput(choice.index) for choice in plan.choices]
     keepalive_s = request.app[SETTINGS].keepalive_s
     try:
         for index in range(len(plan.choices)):
@@ -138,7 +177,7 @@ async def _stream(request: web.Request, plan: Plan, response_id: str, watch: Wat
                 timer.tokens(index, len(delta.token_ids), now)
                 chunk = chunks.delta_frame(index, delta)
                 if chunk is not None:
-                    frames.append(chunk)
+                    frames.append(_with_event_id(chunk, delta.seq) if is_single else chunk)
                 if delta.is_final and delta.state in ("failed", "expired") and delta.error is not None:
                     error = UpstreamFailed(delta.error.get("message", "the request failed"),
                                            code=delta.error.get("code"))
@@ -151,7 +190,7 @@ async def _stream(request: web.Request, plan: Plan, response_id: str, watch: Wat
             await stream.send(chunks.usage(outputs))
         await stream.send("[DONE]")
     except ConnectionError:
-        pass  # the client left; following() cancels what has not ended
+        timer.is_client_gone = True  # the client left; following() cancels what has not ended
     finally:
         await stream.close()
     return stream.response

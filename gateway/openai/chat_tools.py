@@ -3,8 +3,9 @@ the answer, and how calls are read back (the request-level rules; the formats ar
 
 - no tools, or tool_choice "none": the tools are left out of the prompt and nothing is parsed;
 - "auto" (the default with tools): the model may answer or call; calls are parsed from its text;
-- "required" or a named function: a grammar makes the answer calls (one, or with
-  parallel_tool_calls one or more) whose arguments fit the function's parameters schema.
+- "required": a grammar makes the answer calls (one, or with parallel_tool_calls, the default,
+  one to MAX_PARALLEL_TOOL_CALLS) whose arguments fit the function's parameters schema;
+- a named function: a grammar makes the answer exactly one call of it.
 """
 
 from __future__ import annotations
@@ -43,16 +44,16 @@ def chat_tools(body: ChatCompletionRequest, model: ServedModel) -> ChatTools:
                          strict=bool(tool.function.strict))
     if choice == "none":
         return ChatTools()
-    forced = None
+    forced, is_parallel = None, body.parallel_tool_calls is not False
     if choice == "required":
         forced = names
     elif choice not in (None, "auto"):
         if choice.function.name not in names:
             raise BadRequest(f"tool_choice names {choice.function.name!r}, which is not among the tools",
                              param="tool_choice")
-        forced = [choice.function.name]
+        forced, is_parallel = [choice.function.name], False  # as OpenAI: one call of that function
     return ChatTools([tool.model_dump(exclude_none=True) for tool in tools],
-                     tool_format(model.chat_template), forced, body.parallel_tool_calls is not False)
+                     tool_format(model.chat_template), forced, is_parallel)
 
 
 def chat_grammar(body: ChatCompletionRequest, tools: ChatTools) -> str | None:

@@ -127,11 +127,13 @@ def chat_message(plan: Plan, text: str) -> dict:
     if plan.tool_format is None:
         return {"role": "assistant", "content": text}
     content, calls = parse_tool_calls(text, plan.tool_format)
-    if not calls:
+    if plan.is_tool_choice_forced:
+        content = None  # all the grammar allowed is calls: text left over is a call max_tokens cut
+    elif not calls:
         return {"role": "assistant", "content": text}
     if not plan.parallel_tool_calls:
         calls = calls[:1]
-    return {"role": "assistant", "content": content, "tool_calls": calls}
+    return {"role": "assistant", "content": content, "tool_calls": calls or None}
 
 
 def text_completion(plan: Plan, response_id: str, outputs: list[ChoiceOutput]) -> dict:
@@ -174,7 +176,10 @@ class ChunkMaker:
     def opening(self, index: int) -> dict | None:
         """What a choice starts with: the assistant role (chat) or the echoed prompt."""
         if self.plan.api == "chat":
-            return self._chunk({"index": index, "delta": {"role": "assistant", "content": ""},
+            # With tools in play the answer may be calls only, whose message has content null
+            # (the SDK's accumulated message keeps the first content it is sent, "" included).
+            content = None if self.plan.tool_format is not None else ""
+            return self._chunk({"index": index, "delta": {"role": "assistant", "content": content},
                                 "logprobs": None, "finish_reason": None})
         if self.plan.echo:
             prefix = self.plan.prompt_texts[self.plan.choices[index].prompt_index]
@@ -233,7 +238,7 @@ class ChunkMaker:
             content, calls = content + rest, calls + more
             finish = delta.finish_reason or ("abort" if delta.state != "completed" else "stop")
         chunks = []
-        if content:
+        if content and not self.plan.is_tool_choice_forced:  # forced: leftovers are a cut call
             chunks.append({"content": content})
         for call in calls:
             k = self._num_calls_sent[index]

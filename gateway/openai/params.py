@@ -2,12 +2,14 @@
 
 The rules that need the model live here: the chat template, prompt length against the
 context window, token ids against the vocabulary, n and the number of prompts against the
-gateway's caps, and one seed per choice (seed + index) so that n > 1 with a seed gives n
-different, repeatable choices.
+gateway's caps, one seed per choice (the seed itself for choice 0, a hash of seed and index for
+the others) so that n > 1 with a seed gives n different, repeatable choices, and a bound on the
+length of grammar-constrained answers.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
 
@@ -45,14 +47,23 @@ class Plan:
     echo: bool = False
     tool_format: str | None = None  # chat with tools: the format calls are read in (gateway/openai/tools.py)
     parallel_tool_calls: bool = True  # False: an answer's first call only
+    is_tool_choice_forced: bool = False  # required or named: the answer is calls, never content
     created: int = field(default_factory=lambda: int(time.time()))
 
 
+# max_tokens of a grammar-constrained answer (response_format, a forced tool choice) when the
+# client gives none: a grammar can leave a small model a loop (a string it never closes) that
+# would otherwise run to the end of the context window. docs/structured-outputs.md says so.
+DEFAULT_CONSTRAINED_MAX_TOKENS = 1024
+
+
 def _choice_seed(seed: int | None, index: int) -> int | None:
+    """Choice 0 keeps the seed; choice i > 0 gets a stable hash of (seed, i), so that choice i of
+    seed s is not choice 0 of seed s + i (as seed + i made it)."""
     if seed is None or index == 0:
         return seed
-    wrapped = (seed + index) % 2**64  # stays an int64, as the wire expects
-    return wrapped - 2**64 if wrapped >= 2**63 else wrapped
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)  # an int64, as the wire expects
 
 
 def _check_n(body: SamplingFields, settings: GatewaySettings) -> None:
@@ -61,14 +72,15 @@ def _check_n(body: SamplingFields, settings: GatewaySettings) -> None:
 
 
 def _check_length(model: ServedModel, num_prompt: int, max_tokens: int | None, *, prompt_param: str,
-                  max_param: str) -> int:
-    """max_tokens (the rest of the context when None), after checking prompt + output fits."""
+                  max_param: str, default: int | None = None) -> int:
+    """max_tokens (when None: `default`, or the rest of the context, whichever is less), after
+    checking prompt + output fits."""
     window = model.context_window
     if num_prompt >= window:
         raise BadRequest(f"this model's maximum context length is {window} tokens; the prompt has "
                          f"{num_prompt} tokens", param=prompt_param, code="context_length_exceeded")
     if max_tokens is None:
-        return window - num_prompt
+        return min(window - num_prompt, default or window)
     if num_prompt + max_tokens > window:
         raise BadRequest(f"this model's maximum context length is {window} tokens; you asked for "
                          f"{num_prompt + max_tokens} ({num_prompt} in the prompt, {max_tokens} to "
@@ -118,7 +130,8 @@ def plan_chat(body: ChatCompletionRequest, model: ServedModel, settings: Gateway
     messages, template_tools = prompt_messages(_message_dicts(body), tools.definitions, model.chat_template)
     text, ids = model.encode_chat(messages, tools=template_tools)
     max_tokens = _check_length(model, len(ids), body.max_completion_tokens or body.max_tokens,
-                               prompt_param="messages", max_param=max_param)
+                               prompt_param="messages", max_param=max_param,
+                               default=DEFAULT_CONSTRAINED_MAX_TOKENS if grammar is not None else None)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     choices = _choices(body, [ids], [max_tokens], logprobs)
     for choice in choices:
@@ -128,6 +141,7 @@ def plan_chat(body: ChatCompletionRequest, model: ServedModel, settings: Gateway
         priority=body.priority, stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         logprobs=logprobs, tool_format=tools.format, parallel_tool_calls=tools.is_parallel,
+        is_tool_choice_forced=tools.forced_names is not None,
     )
 
 

@@ -108,6 +108,19 @@ class ChatMessage(StrictModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = Field(None, description="an assistant's earlier calls")
     tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
+    # What the SDK's message.model_dump() echoes back from a reply: accepted as null (an answer
+    # of ours never has them); a value we would have to honour is a 400 naming it.
+    refusal: str | None = Field(None, description="only null", json_schema_extra={"maxLength": 0})
+    audio: dict[str, Any] | None = Field(None, description="only null",
+                                         json_schema_extra={"maxProperties": 0})
+    function_call: dict[str, Any] | None = Field(None, description="only null (deprecated: use tool_calls)",
+                                                 json_schema_extra={"maxProperties": 0})
+    annotations: list[Any] | None = Field(None, description="only null", json_schema_extra={"maxItems": 0})
+
+    @field_validator("refusal", "audio", "function_call", "annotations")
+    @classmethod
+    def _echoed_nulls(cls, value: Any, info) -> Any:
+        return _only_default(info.field_name, value, (None, ""))
 
     @model_validator(mode="before")
     @classmethod

@@ -112,10 +112,16 @@ def _fallback_messages(messages: list[dict], tools: list[dict] | None) -> list[d
 
 # -- the grammar of a required or named tool choice -------------------------------------------
 
+MAX_PARALLEL_TOOL_CALLS = 8  # calls in one answer of a forced choice with parallel_tool_calls
+
+
 def tool_call_grammar(tools: list[dict], names: list[str], fmt: str, parallel: bool) -> str:
     """The grammar spec (an xgrammar structural tag) that makes the answer one call, or with
-    `parallel` one or more calls, of the functions in `names`, with arguments that fit each
-    function's parameters schema. Nothing else may be written."""
+    `parallel` one to MAX_PARALLEL_TOOL_CALLS calls, of the functions in `names`, with arguments
+    that fit each function's parameters schema, then the end of the answer. Nothing else may be
+    written. The bound matters: a small model, free to add one more call, may add calls until
+    max_tokens cuts the answer (and its last call) short. The scheduler makes the arguments'
+    JSON compact (scheduler/grammar.py)."""
     by_name = {t["function"]["name"]: t["function"] for t in tools}
     tags = []
     for name in names:
@@ -127,32 +133,71 @@ def tool_call_grammar(tools: list[dict], names: list[str], fmt: str, parallel: b
             end = f"}}\n{_HERMES_CLOSE}"
         tags.append({"type": "tag", "begin": begin, "end": end,
                      "content": {"type": "json_schema", "json_schema": schema}})
-    separator = ";" if fmt == LLAMA3 else "\n"
-    tag = {"type": "structural_tag",
-           "format": {"type": "tags_with_separator", "tags": tags, "separator": separator,
-                      "at_least_one": True, "stop_after_first": not parallel}}
-    return json.dumps({"type": "structural_tag", "structural_tag": tag})
+    call = {"type": "or", "elements": tags}
+    answer = call
+    if parallel:
+        separator = ";" if fmt == LLAMA3 else "\n"
+        more = {"type": "sequence", "elements": [{"type": "const_string", "value": separator}, call]}
+        answer = {"type": "sequence", "elements": [
+            call, {"type": "repeat", "min": 0, "max": MAX_PARALLEL_TOOL_CALLS - 1, "content": more}]}
+    structural_tag = {"type": "structural_tag", "format": answer}
+    return json.dumps({"type": "structural_tag", "structural_tag": structural_tag})
 
 
 # -- reading calls back -------------------------------------------------------------------------
 
-def _call(name: object, arguments: object) -> dict | None:
-    if not isinstance(name, str) or not name:
+_DECODER = json.JSONDecoder()
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _members(text: str) -> dict[str, tuple[object, str]] | None:
+    """A JSON object's members, key -> (value, the value's text exactly as written); None when
+    `text` is not one JSON object. The text is kept so that a call's arguments are the bytes the
+    model wrote, not a re-serialisation of them (which could differ: key order, duplicates)."""
+    def skip(i: int) -> int:
+        return _WHITESPACE.match(text, i).end()
+
+    i = skip(0)
+    if not text.startswith("{", i):
         return None
-    if not isinstance(arguments, str):
-        arguments = json.dumps(arguments if arguments is not None else {})
-    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+    members: dict[str, tuple[object, str]] = {}
+    i = skip(i + 1)
+    if text.startswith("}", i):
+        return members if skip(i + 1) == len(text) else None
+    try:
+        while True:
+            key, i = _DECODER.raw_decode(text, i)
+            i = skip(i)
+            if not isinstance(key, str) or not text.startswith(":", i):
+                return None
+            start = skip(i + 1)
+            value, i = _DECODER.raw_decode(text, start)
+            members[key] = (value, text[start:i])
+            i = skip(i)
+            if text.startswith("}", i):
+                return members if skip(i + 1) == len(text) else None
+            if not text.startswith(",", i):
+                return None
+            i = skip(i + 1)
+    except ValueError:
+        return None
 
 
 def _call_of_json(text: str, arguments_key: str) -> dict | None:
-    try:
-        obj = json.loads(text)
-    except ValueError:
+    """A call `{"name": ..., "arguments": {...}}` in OpenAI's shape; its arguments are the text of
+    the arguments object as generated (a string value is taken as the arguments' JSON text)."""
+    members = _members(text)
+    if members is None:
         return None
-    if not isinstance(obj, dict):
+    name = members.get("name", (None, ""))[0]
+    if not isinstance(name, str) or not name:
         return None
-    arguments = obj.get(arguments_key, obj.get("arguments", obj.get("parameters")))
-    return _call(obj.get("name"), arguments)
+    found = members.get(arguments_key) or members.get("arguments") or members.get("parameters")
+    value, written = found or (None, "{}")
+    if value is None:
+        written = "{}"
+    arguments = value if isinstance(value, str) else written
+    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def parse_tool_calls(text: str, fmt: str) -> tuple[str | None, list[dict]]:

@@ -97,3 +97,63 @@ def test_gateway_command_flags_repeat_and_come_from_the_environment(monkeypatch)
     args = build_parser().parse_args(["gateway"])
     assert _list_value(args, "api-key") == ["x", "y"]
     assert (args.max_n, args.host, args.port) == (3, "0.0.0.0", 8000)
+
+
+async def _requests_total(client, status: str) -> float:
+    text = await (await client.get("/metrics")).text()
+    prefix = f'tokenfleet_gateway_requests_total{{model="{MODEL}",status="{status}"}} '
+    return next((float(line[len(prefix):]) for line in text.splitlines() if line.startswith(prefix)), 0.0)
+
+
+async def _wait_for_count(client, status: str, expected: float) -> None:
+    for _ in range(250):
+        if await _requests_total(client, status) == expected:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"requests_total{{status={status!r}}} is {await _requests_total(client, status)}, "
+                         f"not {expected}")
+
+
+async def test_requests_total_counts_every_end(make_client, redis_server, tokenizer):
+    import aiohttp
+
+    from tests.gateway.fake_scheduler import FakeScheduler
+
+    client = await make_client(max_queue=1)
+    with FakeScheduler(redis_server.url, MODEL, tokenizer, consume=False):  # alive, takes nothing
+        queued = await client.post("/v1/requests", json={**CHAT, "kind": "chat"})
+        assert queued.status == 202
+        assert (await client.post("/v1/chat/completions", json=CHAT)).status == 429
+        await _wait_for_count(client, "rejected", 1)
+    with FakeScheduler(redis_server.url, MODEL, tokenizer, token_delay_s=0.05):
+        location = f"/v1/requests/{(await queued.json())['id']}"
+        while (await (await client.get(location)).json())["status"] != "completed":  # the queue is empty
+            await asyncio.sleep(0.02)
+        assert (await client.post("/v1/chat/completions", json=CHAT)).status == 200
+        await _wait_for_count(client, "completed", 1)
+        # Cancelled through /v1/requests while the call follows it: the call sees its end.
+        call = asyncio.ensure_future(client.post("/v1/chat/completions",
+                                                 json={**CHAT, "max_tokens": 500, "stream": True}))
+        keys = []
+        while not keys:
+            keys = redis_server.client().keys("tf:res:*")
+            keys = [k for k in keys if redis_server.client().hget(k, "state") == b"running"]
+            await asyncio.sleep(0.02)
+        req_id = keys[0].decode().removeprefix("tf:res:")
+        assert (await client.delete(f"/v1/requests/{req_id}")).status == 200
+        await (await call).text()
+        await _wait_for_count(client, "cancelled", 1)
+        # The client leaves, streaming and waiting.
+        url = client.make_url("/v1/chat/completions")
+        async with aiohttp.ClientSession() as session:
+            response = await session.post(url, json={**CHAT, "max_tokens": 500, "stream": True})
+            for _ in range(3):
+                await response.content.readline()
+            response.close()
+            await _wait_for_count(client, "disconnected", 1)
+            waiting = asyncio.ensure_future(session.post(url, json={**CHAT, "max_tokens": 500}))
+            await asyncio.sleep(0.5)
+            waiting.cancel()
+            await asyncio.gather(waiting, return_exceptions=True)
+            await _wait_for_count(client, "disconnected", 2)
+    assert await _requests_total(client, "completed") == 1

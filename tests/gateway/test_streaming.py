@@ -20,7 +20,9 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
 
 
 def chunks_of(text: str) -> list:
-    lines = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
+    """The data of each event (an event may start with its `id:` line)."""
+    lines = [line[len("data: "):] for block in text.split("\n\n") for line in block.split("\n")
+             if line.startswith("data: ")]
     assert lines[-1] == "[DONE]"
     return [json.loads(line) for line in lines[:-1]]
 
@@ -71,8 +73,50 @@ async def test_completions_echo_and_several_prompts(make_client, fake_scheduler)
 
 async def test_seeds_are_derived_per_choice(make_client, fake_scheduler):
     client = await make_client()
-    await client.post("/v1/chat/completions", json={**CHAT, "n": 3, "seed": 41})
-    assert sorted(m.sampling_params().seed for m in fake_scheduler.seen) == [41, 42, 43]
+
+    async def seeds(seed: int, n: int) -> list[int]:
+        fake_scheduler.seen.clear()
+        await client.post("/v1/chat/completions", json={**CHAT, "n": n, "seed": seed})
+        return sorted(m.sampling_params().seed for m in fake_scheduler.seen)
+
+    first = await seeds(41, 3)
+    assert 41 in first and len(set(first)) == 3
+    assert await seeds(41, 3) == first  # repeatable
+    # Choice i of seed s is not choice 0 of seed s + i: nearby seeds share no choice seed.
+    assert not set(first) & set(await seeds(42, 3))
+    assert all(-(2**63) <= seed < 2**63 for seed in first)
+
+
+async def test_a_constrained_answer_without_max_tokens_is_bounded_by_the_documented_default(make_client,
+                                                                                          fake_scheduler):
+    from gateway.openai.params import DEFAULT_CONSTRAINED_MAX_TOKENS
+
+    client = await make_client()
+    free = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for extra in ({"response_format": {"type": "json_object"}}, {"tools": tools, "tool_choice": "required"},
+                  {}, {"response_format": {"type": "json_object"}, "max_tokens": 2000}):
+        fake_scheduler.seen.clear()
+        assert (await client.post("/v1/chat/completions", json={**free, **extra})).status == 200
+        max_tokens = fake_scheduler.seen[0].sampling_params().max_tokens
+        if "max_tokens" in extra:
+            assert max_tokens == extra["max_tokens"]
+        elif extra:
+            assert max_tokens == DEFAULT_CONSTRAINED_MAX_TOKENS
+        else:
+            assert max_tokens > DEFAULT_CONSTRAINED_MAX_TOKENS  # the rest of the context window
+
+
+async def test_with_tools_a_stream_opens_with_content_null(make_client, fake_scheduler):
+    client = await make_client()
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with_tools = chunks_of(await (await client.post("/v1/chat/completions",
+                                                    json={**CHAT, "stream": True, "tools": tools})).text())
+    assert with_tools[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in with_tools if c["choices"])
+    assert text  # the fake's reply is text: it still arrives as content
+    plain = chunks_of(await (await client.post("/v1/chat/completions", json={**CHAT, "stream": True})).text())
+    assert plain[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
 
 
 async def test_every_parameter_reaches_the_scheduler(make_client, fake_scheduler):
@@ -164,3 +208,23 @@ async def test_a_quiet_stream_gets_keepalives_and_still_ends_complete(make_clien
     assert ": keep-alive\n\n" in text
     content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks_of(text))
     assert content == tokenizer.decode(tokenizer("The quick brown", add_special_tokens=False).input_ids[:3])
+
+
+async def test_a_chat_stream_carries_event_ids_and_its_request_id_to_resume_from(make_client, fake_scheduler):
+    from tests.gateway.test_requests_api import parse_sse
+
+    client = await make_client()
+    response = await client.post("/v1/chat/completions", json={**CHAT, "stream": True, "max_tokens": 8})
+    (req_id,) = response.headers["tokenfleet-request-id"].split(",")
+    events = parse_sse(await response.text())
+    assert json.loads(events[0]["data"])["id"] == "chatcmpl-" + req_id
+    with_ids = [e for e in events if "id" in e]
+    assert [int(e["id"]) for e in with_ids] == list(range(1, 9))  # one per token event, in order
+    texts = [json.loads(e["data"])["choices"][0]["delta"].get("content") or "" for e in with_ids]
+    # Resuming after the third event gives exactly the rest, from the request's own event stream.
+    resumed = parse_sse(await (await client.get(f"/v1/requests/{req_id}/events",
+                                                headers={"Last-Event-ID": with_ids[2]["id"]})).text())
+    rest = "".join(json.loads(e["data"])["text"] for e in resumed if e.get("event") == "token")
+    assert rest == "".join(texts[3:])
+    several = await client.post("/v1/chat/completions", json={**CHAT, "n": 2})
+    assert len(several.headers["tokenfleet-request-id"].split(",")) == 2

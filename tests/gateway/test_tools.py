@@ -136,3 +136,44 @@ def test_the_forced_choice_grammar_compiles_and_only_allows_the_named_functions(
     for bad in ['Hi <tool_call>', '<tool_call>\n{"name": "get_time"', '<tool_call>\n{"name": "get_weather", '
                 '"arguments": {"town": ']:
         assert not xgr.GrammarMatcher(compiled).accept_string(bad), bad
+
+
+def test_arguments_are_the_generated_text_of_the_arguments_object():
+    # Re-serialising parsed JSON would change these: key order, spacing, a repeated key.
+    for arguments in ['{"unit": "f", "city": "Oslo"}', '{"a":1,"b":[1, 2]}', '{"unit": "c", "unit": "f"}']:
+        block = f'<tool_call>\n{{"name": "get_weather", "arguments": {arguments}}}\n</tool_call>'
+        _, (call,) = parse_tool_calls(block, HERMES)
+        assert call["function"]["arguments"] == arguments
+        stream = ToolCallStream(HERMES)
+        _, (streamed,) = stream.feed(block)
+        assert streamed["function"]["arguments"] == arguments
+    _, (call,) = parse_tool_calls('{"name": "f", "parameters": {"x": 1.50}}', LLAMA3)
+    assert call["function"]["arguments"] == '{"x": 1.50}'
+    _, (call,) = parse_tool_calls('<tool_call>{"name": "f", "arguments": null}</tool_call>', HERMES)
+    assert call["function"]["arguments"] == "{}"
+
+
+def _forced_matcher(smollm2, names: list[str], parallel: bool):
+    from scheduler.grammar import Grammars
+
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2))
+    grammars = Grammars(tokenizer, 49152, [2])
+    time_tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    grammars.add("r", tool_call_grammar([WEATHER, time_tool], names, HERMES, parallel), [])
+    return grammars._matchers["r"]
+
+
+def test_a_forced_choice_allows_compact_calls_only_and_a_bounded_number_of_them(smollm2):
+    from gateway.openai.tools import MAX_PARALLEL_TOOL_CALLS
+
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+    matcher = _forced_matcher(smollm2, ["get_weather", "get_time"], parallel=True)
+    assert matcher.accept_string("\n".join([call] * MAX_PARALLEL_TOOL_CALLS))
+    assert not matcher.accept_string("\n")  # no room for one more call: only EOS is left
+    assert matcher.accept_token(2) and matcher.is_terminated()
+    for spaced in ['{\n"city": "Rome"}', '{"city":"Rome"}', '{"city": "Rome" }', '{ "city": "Rome"}']:
+        matcher = _forced_matcher(smollm2, ["get_weather"], parallel=True)
+        opening = '<tool_call>\n{"name": "get_weather", "arguments": '
+        assert not matcher.accept_string(opening + spaced), spaced
+    single = _forced_matcher(smollm2, ["get_weather"], parallel=False)
+    assert single.accept_string(call) and not single.accept_string("\n")

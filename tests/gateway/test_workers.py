@@ -75,7 +75,7 @@ async def _stream(base: str) -> tuple[str, int]:
         async with session.post(f"{base}/v1/chat/completions", json=body) as response:
             assert response.status == 200
             text = await response.text()
-    lines = [line[6:] for line in text.split("\n\n") if line.startswith("data: ")]
+    lines = [line[6:] for line in text.splitlines() if line.startswith("data: ")]  # past any id: line
     assert lines[-1] == "[DONE]"
     return "".join(json.loads(c)["choices"][0]["delta"].get("content", "") for c in lines[:-1]), len(lines)
 

@@ -140,3 +140,16 @@ def test_logits_wider_than_the_tokenizer_never_allow_the_padding_ids(smollm2):
     assert tuple(mask.bits.shape) == (1, padded // 32)
     inside_a_string = [t for t in range(padded) if mask.bits[0, t // 32] >> (t % 32) & 1]
     assert len(inside_a_string) > 1000 and max(inside_a_string) < 49152
+
+
+def test_json_object_and_schema_grammars_allow_compact_json_only(smollm2):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2))
+    grammars = Grammars(tokenizer, 49152, [2])
+    encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
+    for grammar in (json.dumps({"type": "json_object"}), PET_GRAMMAR):
+        grammars.add("compact", grammar, encode('{"kind": "cat", "is_friendly": true, "legs": 4}'))
+        for spaced in ['{\n  "kind": "cat"', '{"kind":"cat"', '{ "kind": "cat"']:
+            with pytest.raises(InvalidRequestError):
+                grammars.add("spaced", grammar, encode(spaced))
