@@ -21,6 +21,7 @@ from gateway.appkeys import (
     STORE,
     TASKS,
     TENANTS,
+    TOKENIZE,
 )
 from gateway.batch.ingester import BatchIngester
 from gateway.batch.jobs import JobStore
@@ -38,6 +39,7 @@ from gateway.routes import ROUTES
 from gateway.settings import GatewaySettings
 from gateway.tasks import TaskSet
 from gateway.tenant_registry import TenantRegistry
+from gateway.tokenize_pool import TokenizePool
 from shared.logging import get_logger
 
 log = get_logger("tokenfleet.gateway")
@@ -46,7 +48,9 @@ log = get_logger("tokenfleet.gateway")
 async def _models_ctx(app: web.Application) -> AsyncIterator[None]:
     # Tokenizers load for a while: off the event loop. A bad folder fails startup, clearly.
     app[MODELS] = await asyncio.to_thread(ModelRegistry.load, app[SETTINGS].models)
+    app[TOKENIZE] = TokenizePool()
     yield
+    app[TOKENIZE].close()
 
 
 async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -16,10 +16,12 @@ from gateway.requests.store import RequestStore
 from gateway.settings import GatewaySettings
 from gateway.tasks import TaskSet
 from gateway.tenant_registry import TenantRegistry
+from gateway.tokenize_pool import TokenizePool
 
 SETTINGS = web.AppKey("settings", GatewaySettings)
 METRICS = web.AppKey("metrics", GatewayMetrics)
 MODELS = web.AppKey("models", ModelRegistry)
+TOKENIZE = web.AppKey("tokenize", TokenizePool)  # chat templates and tokenizers, off the event loop
 REDIS = web.AppKey("redis", aioredis.Redis)
 STORE = web.AppKey("store", RequestStore)
 ROUTER = web.AppKey("router", EventRouter)

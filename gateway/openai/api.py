@@ -7,7 +7,7 @@ import time
 
 from aiohttp import web
 
-from gateway.appkeys import LIMITER, METRICS, MODELS, QUEUE_TIMES, SETTINGS, STORE
+from gateway.appkeys import LIMITER, METRICS, MODELS, QUEUE_TIMES, SETTINGS, STORE, TOKENIZE
 from gateway.errors import BadRequest, RateLimited, Unavailable, UpstreamFailed
 from gateway.metrics import GatewayMetrics
 from gateway.openai.format import ChoiceOutput, ChunkMaker, chat_completion, text_completion
@@ -36,13 +36,15 @@ REQUEST_IDS_HEADER = "tokenfleet-request-id"
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body, _ = await read_body(request, ChatCompletionRequest)
     model = request.app[MODELS].get(body.model)
-    return await _serve(request, plan_chat(body, model, request.app[SETTINGS]), "chatcmpl-")
+    plan = await request.app[TOKENIZE].run(plan_chat, body, model, request.app[SETTINGS])
+    return await _serve(request, plan, "chatcmpl-")
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     body, _ = await read_body(request, CompletionRequest)
     model = request.app[MODELS].get(body.model)
-    return await _serve(request, plan_completion(body, model, request.app[SETTINGS]), "cmpl-")
+    plan = await request.app[TOKENIZE].run(plan_completion, body, model, request.app[SETTINGS])
+    return await _serve(request, plan, "cmpl-")
 
 
 class _Timer:

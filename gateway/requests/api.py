@@ -12,7 +12,7 @@ import time
 from aiohttp import web
 from pydantic import TypeAdapter
 
-from gateway.appkeys import LIMITER, MODELS, SETTINGS, STORE
+from gateway.appkeys import LIMITER, MODELS, SETTINGS, STORE, TOKENIZE
 from gateway.errors import BadRequest, Conflict, NotFound
 from gateway.models import ServedModel
 from gateway.openai.format import (
@@ -72,7 +72,7 @@ async def submit(request: web.Request) -> web.Response:
     """202 + Location. With an Idempotency-Key, a retry (even one that would now be refused
     for a full queue) answers the request the first attempt created."""
     body, raw = await read_body(request, SUBMIT)
-    plan, deadline = _plan(request, body)
+    plan, deadline = await request.app[TOKENIZE].run(_plan, request, body)  # tokenizes: off the loop
     store = request.app[STORE]
     req_id = new_req_id()
     idempotency = None
