@@ -131,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
           help="heartbeat (load, KV use, engine metrics to Redis) and claim renewal, this often")
     _flag(sched, "log-stats-interval-s", type=float, default=5.0,
           help="log prompt/generation tok/s, running, waiting and KV use this often while busy (0: never)")
+    _flag(sched, "steal-after-s", type=float, default=2.0,
+          help="when idle, take requests routed to a busy peer that waited unread this long")
     _add_gateway_parser(commands)
     _add_up_parser(commands)
     _add_batch_parser(commands)
@@ -526,6 +528,7 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
         scheduler_id=args.scheduler_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
         lease_s=args.lease_s, max_deliveries=args.max_deliveries, result_ttl_s=args.result_ttl_s,
         heartbeat_s=args.heartbeat_s, log_stats_interval_s=args.log_stats_interval_s,
+        steal_after_s=args.steal_after_s,
     )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
