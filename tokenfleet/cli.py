@@ -30,6 +30,7 @@ def _flag(parser: argparse.ArgumentParser, name: str, *, type=str, default=None,
         parser.add_argument(f"--{name}", type=type, default=default, **kwargs)
 
 
+ROUTING_MODES = ("prefix", "none")  # the gateway's --routing (gateway/routing.py)
 REDIS_URL_HELP = ("redis://[user:password@]host:port/db, or rediss:// for TLS (TLS options in the query: "
                   "?ssl_ca_certs=ca.pem)")
 
@@ -196,6 +197,8 @@ def _add_up_parser(commands) -> None:
           help="schedulers recompute every prompt instead of reusing cached prefixes")
     _flag(up, "gateway-workers", type=int,
           help="gateway processes on the one port (default: from the cores, max(1, min(8, cores // 4)))")
+    _flag(up, "routing", default="prefix", choices=ROUTING_MODES,
+          help="the gateway's routing (see `tokenfleet gateway --help`): prefix (the default) or none")
     _flag(up, "batch-ingesters", type=int, default=0,
           help="batch ingester processes besides the one in each gateway process")
     _add_autoscale_flags(up)
@@ -431,6 +434,9 @@ def _add_gateway_parser(commands) -> None:
     _flag(gw, "max-n", type=int, default=8, help="cap on n (choices per request)")
     _flag(gw, "max-body-bytes", type=int, default=4 << 20, help="largest request body accepted")
     _flag(gw, "key-prefix", default="tf:", help="prefix of every Redis key")
+    _flag(gw, "routing", default="prefix", choices=ROUTING_MODES,
+          help="prefix: a chat goes to the replica whose KV cache holds its prefix, weighed against load "
+               "(with more than one replica of a model); none: every replica pulls from one shared queue")
     _flag(gw, "no-batch-ingester", action="store_true",
           help="run no batch ingester in this process (run `tokenfleet batch ingester` elsewhere)")
     _flag(gw, "batch-max-inflight", type=int, default=1024,
@@ -467,6 +473,9 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
                  else TenantDirectory.empty()),
         tenants_from_redis=args.tenants_from_redis,
     )
+    if args.routing not in ROUTING_MODES:  # (a TOKENFLEET_ROUTING value skips argparse's check)
+        raise InvalidRequestError(f"--routing must be prefix or none, got {args.routing!r}", param="routing")
+    settings.routing = args.routing
     if args.workers > 1:
         from gateway.supervisor import run_workers
 
@@ -620,6 +629,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         batch_ingesters=args.batch_ingesters,
         gateway_args=["--tenants-file", os.path.abspath(args.tenants_file)] if args.tenants_file else [],
     )
+    options.gateway_args += ["--routing", args.routing]
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

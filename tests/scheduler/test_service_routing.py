@@ -29,7 +29,8 @@ NUM_TOKENS = 200
 SAMPLING = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
 
 
-def _submit_routed(client, scheduler_id: str, prompt: list[int], sampling: SamplingParams) -> tuple[str, float]:
+def _submit_routed(client, scheduler_id: str, prompt: list[int],
+                   sampling: SamplingParams) -> tuple[str, float]:
     """As the gateway queues a request it routed to `scheduler_id`: into that one's own stream."""
     req_id = uuid.uuid4().hex
     now = time.time()
