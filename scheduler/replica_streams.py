@@ -10,7 +10,9 @@ streams (the ids in `tf:routed:{model}`), once per maintenance:
   is its time), so an overloaded replica's queue drains into idle ones;
 - a peer that is dead (its heartbeat expired) or draining: every unread entry, as far as there
   is room; its pending entries are taken over after the lease like any others (the service's
-  XAUTOCLAIM covers the peer streams too). A dead peer's stream, once empty, is deleted.
+  XAUTOCLAIM covers the peer streams too). A peer's stream is deleted once it is empty and the
+  peer has looked dead for `forget_after_s` (a heartbeat also lapses while one long step runs on
+  a busy machine, and a new scheduler lists itself just before its first heartbeat).
 
 The gateway's submit script queues into an own stream only while the owner's heartbeat exists
 and no drain was asked for, in the same atomic step, so nothing lands in a stream nobody
@@ -19,6 +21,8 @@ stream), stolen (a peer's), fallback (the shared and tenant streams).
 """
 
 from __future__ import annotations
+
+import time
 
 import redis
 from prometheus_client.core import CounterMetricFamily
@@ -42,12 +46,14 @@ return 1
 
 class ReplicaStreams:
     def __init__(self, client: redis.Redis, keys: Keys, model: str, scheduler_id: str, *,
-                 steal_after_s: float) -> None:
+                 steal_after_s: float, forget_after_s: float = 30.0) -> None:
         self.client = client
         self.keys = keys
         self.model = model
         self.scheduler_id = scheduler_id
         self.steal_after_s = steal_after_s
+        self.forget_after_s = forget_after_s
+        self._dead_since: dict[str, float] = {}  # peer id -> when its heartbeat was first found gone
         self.own = keys.replica_stream(model, scheduler_id)
         self.peers: dict[str, str] = {}  # peer id -> its stream, as last read from tf:routed:{model}
         self.counts = dict.fromkeys(SOURCES, 0)
@@ -94,12 +100,15 @@ class ReplicaStreams:
         live: list[str] = []
         for (peer, stream), draining, drain_asked in zip(self.peers.items(), replies[::2], replies[1::2],
                                                          strict=True):
-            if draining is not None and draining != b"1" and not drain_asked:
-                live.append(stream)
-                continue
+            if draining is not None:
+                self._dead_since.pop(peer, None)
+                if draining != b"1" and not drain_asked:
+                    live.append(stream)
+                    continue
             got = self._read(stream, room - len(found))  # dead or draining: all it left unread
             found += got
-            if draining is None and not got:
+            dead_since = self._dead_since.setdefault(peer, time.monotonic()) if draining is None else None
+            if dead_since is not None and not got and time.monotonic() - dead_since >= self.forget_after_s:
                 self._forget(keys=[self.keys.scheduler(peer), stream, self.keys.replica_streams(self.model)],
                              args=[peer])
             if len(found) >= room:

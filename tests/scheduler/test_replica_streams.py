@@ -29,8 +29,8 @@ def client(redis_server):
     return redis_server.client()
 
 
-def _me(client, steal_after_s: float = 60.0) -> ReplicaStreams:
-    me = ReplicaStreams(client, KEYS, MODEL, "me", steal_after_s=steal_after_s)
+def _me(client, steal_after_s: float = 60.0, forget_after_s: float = 0.0) -> ReplicaStreams:
+    me = ReplicaStreams(client, KEYS, MODEL, "me", steal_after_s=steal_after_s, forget_after_s=forget_after_s)
     client.xgroup_create(me.own, CONSUMER_GROUP, id="0", mkstream=True)
     me.register()
     return me
@@ -78,3 +78,21 @@ def test_a_dead_peers_stream_is_read_then_forgotten_once_empty_unless_its_owner_
     me.find_work(10, idle=False)
     assert not client.sismember(KEYS.replica_streams(MODEL), "dead") and not client.exists(stream)
     assert me.find_work(10, idle=False) == [] and me.peers == {}
+
+
+def test_a_peer_is_forgotten_only_after_looking_dead_for_a_while(client) -> None:
+    """A heartbeat lapses during one long step, and a new scheduler lists itself just before its
+    first heartbeat: neither must lose its stream."""
+    stream = _peer(client, "slow", heartbeat=None, entries=0)
+    me = _me(client, forget_after_s=0.3)
+    me.find_work(10, idle=False)
+    assert client.exists(stream)
+    client.hset(KEYS.scheduler("slow"), mapping={"model": MODEL, "draining": 0})  # it beats again
+    me.find_work(10, idle=False)
+    client.delete(KEYS.scheduler("slow"))
+    time.sleep(0.35)
+    me.find_work(10, idle=False)  # dead again: the clock starts over
+    assert client.exists(stream)
+    time.sleep(0.35)
+    me.find_work(10, idle=False)
+    assert not client.exists(stream)
