@@ -38,6 +38,25 @@ def test_no_match_or_a_match_every_replica_has_goes_to_the_shared_stream() -> No
     assert choose_replica([*SYSTEM, 1], [_holding("a", SYSTEM)]).decision == "single"
 
 
+def test_a_long_prefix_every_replica_holds_goes_to_one_of_them_always_the_same() -> None:
+    """Chats that reached both replicas before either published the prefix left two copies: from
+    then on one replica gets them all, whatever the order or loads, and the other copy ages out."""
+    prompt = [*SYSTEM, 1]
+    picks = {choose_replica(prompt, replicas).scheduler_id for replicas in (
+        [_holding("a", SYSTEM), _holding("b", SYSTEM)],
+        [_holding("b", SYSTEM, num_running=3), _holding("a", SYSTEM)],
+        [_holding("a", SYSTEM, num_running=5), _holding("b", SYSTEM, num_running=1)])}
+    assert len(picks) == 1 and picks <= {"a", "b"}
+    chosen = picks.pop()
+    other = "b" if chosen == "a" else "a"
+    full = [_holding(chosen, SYSTEM, num_running=8), _holding(other, SYSTEM)]
+    assert choose_replica(prompt, full).scheduler_id == other  # no free slot: the other copy
+    # Other prefixes spread over the replicas.
+    systems = [[p, *SYSTEM[1:]] for p in range(20)]
+    spread = {choose_replica([*s, 1], [_holding("a", s), _holding("b", s)]).scheduler_id for s in systems}
+    assert spread == {"a", "b"}
+
+
 def test_the_last_token_is_never_counted_as_a_hit() -> None:
     """The block manager computes a prompt's last token always: a prompt of exactly the cached
     blocks matches one block less, as the scheduler would find it."""
