@@ -561,6 +561,7 @@ class SchedulerService:
     def _heartbeat(self) -> None:
         scheduler = self.engine.scheduler
         key = self.keys.scheduler(self.settings.scheduler_id)
+        summary = self.prefix_summary.build()  # what its KV cache holds, for the gateways' routing
         pipe = self.client.pipeline()
         pipe.hset(key, mapping={
             "model": self.settings.model_name, "num_running": scheduler.num_running_requests,
@@ -575,8 +576,7 @@ class SchedulerService:
         })
         ttl_s = max(2, int(3 * self.settings.heartbeat_s))
         pipe.expire(key, ttl_s)
-        # What its KV cache holds, for the gateways' routing; expires with the heartbeat.
-        pipe.set(self.keys.prefix_summary(self.settings.scheduler_id), self.prefix_summary.build(), ex=ttl_s)
+        pipe.set(self.keys.prefix_summary(self.settings.scheduler_id), summary, ex=ttl_s)
         metrics_key = self.keys.scheduler_metrics(self.settings.scheduler_id)
         pipe.set(metrics_key, self.telemetry.exposition(), ex=ttl_s)
         pipe.execute()
