@@ -8,12 +8,13 @@ as many tokens; the prompt tokens are measured), each with --chats chats of --us
 arriving interleaved (system prompt 0, 1, ... 7, 0, 1, ...) as a Poisson stream of --rate chats
 per second; streamed chat completions of --max-tokens tokens (greedy, EOS ignored).
 
-Each replica's KV cache (--num-kv-blocks 176, 16 tokens a block) holds about 4.7 of the 8 system
+Each replica's KV cache (--num-kv-blocks 160, 16 tokens a block) holds about 4.3 of the 8 system
 prompts (~590 tokens, 37 blocks each): the fleet's set of prefixes outgrows one replica's cache,
 which is where routing pays. Without routing every replica sees every prompt and evicts most
 before they come back; with routing each replica keeps its half. Schedulers run one torch
-thread each and steps of at most 512 tokens (TOKENFLEET_NUM_THREADS, _MAX_NUM_BATCHED_TOKENS):
-two replicas share a small CPU, and a step of several whole prompts would outlast the heartbeat.
+thread each and steps of at most 256 tokens (TOKENFLEET_NUM_THREADS, _MAX_NUM_BATCHED_TOKENS):
+two replicas share a small CPU, and a step of several whole prompts would outlast the heartbeat
+(a replica whose heartbeat lapsed is routed nothing, and its peer takes its waiting requests).
 Reported, per mode: the fleet-wide prefix-cache hit rate (prompt tokens found in a
 cache / looked up, from the schedulers' heartbeats, over this load only), TTFT and end-to-end
 latency (tokenfleet/bench.py's client), and each replica's share of the requests with its
@@ -56,7 +57,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--user-words", type=int, default=20)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--rate", type=float, default=1.0, help="chats per second (Poisson)")
-    parser.add_argument("--num-kv-blocks", type=int, default=176, help="per replica (16 tokens each)")
+    parser.add_argument("--num-kv-blocks", type=int, default=160, help="per replica (16 tokens each)")
     parser.add_argument("--max-num-seqs", type=int, default=4, help="per replica")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", default="none,prefix", help="the --routing values to run, in order")
@@ -108,7 +109,7 @@ def run_mode(mode: str, model_dir: Path, chats: list[dict], args, work: Path) ->
     (home / "logs").mkdir(parents=True)
     os.environ["TOKENFLEET_HOME"] = str(home)
     os.environ.setdefault("TOKENFLEET_NUM_THREADS", "1")  # two replicas on a small CPU
-    os.environ.setdefault("TOKENFLEET_MAX_NUM_BATCHED_TOKENS", "512")
+    os.environ.setdefault("TOKENFLEET_MAX_NUM_BATCHED_TOKENS", "256")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     children = Children(home / "logs")
