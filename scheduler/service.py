@@ -561,7 +561,8 @@ class SchedulerService:
     def _heartbeat(self) -> None:
         scheduler = self.engine.scheduler
         key = self.keys.scheduler(self.settings.scheduler_id)
-        summary = self.prefix_summary.build()  # what its KV cache holds, for the gateways' routing
+        # What its KV cache holds or is computing, for the gateways' routing.
+        summary = self.prefix_summary.build(filter(None, map(scheduler.get_request, self.inflight)))
         pipe = self.client.pipeline()
         pipe.hset(key, mapping={
             "model": self.settings.model_name, "num_running": scheduler.num_running_requests,

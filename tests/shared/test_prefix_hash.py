@@ -77,3 +77,21 @@ def test_summary_heads_are_bounded_in_depth_and_forget_evicted_blocks() -> None:
     assert not set(heads) & set(manager.recent_head_hashes(10_000))
     manager.reset_prefix_cache()
     assert manager.recent_head_hashes(10) == []
+
+
+def test_the_summary_names_what_admitted_requests_are_computing_before_it_is_cached() -> None:
+    from types import SimpleNamespace
+
+    from scheduler.prefix_summary import PrefixSummary
+
+    manager = BlockManager(num_blocks=64, block_size=4)
+    cached = list(range(100, 112))
+    _cached_hashes(manager, cached)
+    summary = PrefixSummary(SimpleNamespace(block_manager=manager, config=SimpleNamespace(block_size=4)),
+                            max_hashes=5)
+    computing = Request("c", list(range(500, 513)), SamplingParams())  # admitted, nothing computed yet
+    blob = summary.build([computing])
+    names = [blob[i:i + 8] for i in range(0, len(blob), 8)]
+    assert names == [summary_hash(h) for h in block_hashes(computing.prompt_token_ids, 4)] + \
+        [summary_hash(block_hashes(cached, 4)[0]), summary_hash(block_hashes(cached, 4)[1])]
+    assert summary.heartbeat_fields()["prefix_summary_hashes"] == 5
