@@ -36,6 +36,7 @@ from gateway.queue_times import QueueTimes
 from gateway.requests.pubsub import EventRouter
 from gateway.requests.store import GatewayKeys, RequestStore
 from gateway.routes import ROUTES
+from gateway.routing import PrefixRouter
 from gateway.settings import GatewaySettings
 from gateway.tasks import TaskSet
 from gateway.tenant_registry import TenantRegistry
@@ -104,8 +105,10 @@ async def _queue_times_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
+    router = PrefixRouter(app[METRICS]) if settings.routing == "prefix" else None
+    app[STORE].router = router
     fleet = Fleet(app[REDIS], GatewayKeys(settings.key_prefix), app[STORE], app[METRICS], app[MODELS].names,
-                  grace_s=settings.scheduler_grace_s, refresh_s=settings.fleet_refresh_s)
+                  grace_s=settings.scheduler_grace_s, refresh_s=settings.fleet_refresh_s, router=router)
     app[FLEET] = fleet
     stop = asyncio.Event()
     task = asyncio.create_task(fleet.run(stop), name="fleet-refresh")

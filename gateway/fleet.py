@@ -15,8 +15,10 @@ from redis.exceptions import RedisError
 from gateway.errors import Unavailable
 from gateway.metrics import GatewayMetrics
 from gateway.requests.store import RequestStore
-from shared.keys import Keys
+from gateway.routing import PrefixRouter, ReplicaView
+from shared.keys import CONSUMER_GROUP, Keys
 from shared.logging import get_logger
+from shared.prefix_hash import SUMMARY_HASH_BYTES
 
 log = get_logger("tokenfleet.gateway.fleet")
 
@@ -30,20 +32,31 @@ class SchedulerInfo:
     kv_usage: float
     max_num_seqs: int
     updated_at: float
+    # For routing by prefix (gateway/routing.py) and the fleet's prefix-cache hit rate.
+    block_size: int = 16
+    prefix_summary_depth: int = 0
+    draining: bool = False
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @classmethod
     def parse(cls, scheduler_id: str, raw: dict[bytes, bytes]) -> SchedulerInfo | None:
         try:
             return cls(scheduler_id, raw[b"model"].decode(), int(raw.get(b"num_running", 0)),
                        int(raw.get(b"num_waiting", 0)), float(raw.get(b"kv_usage", 0.0)),
-                       int(raw.get(b"max_num_seqs", 0)), float(raw.get(b"updated_at", 0.0)))
+                       int(raw.get(b"max_num_seqs", 0)), float(raw.get(b"updated_at", 0.0)),
+                       int(raw.get(b"block_size", 16)), int(raw.get(b"prefix_summary_depth", 0)),
+                       raw.get(b"draining", b"0") == b"1", int(raw.get(b"prefix_cache_queries", 0)),
+                       int(raw.get(b"prefix_cache_hits", 0)))
         except (KeyError, ValueError):
             return None  # a half-written or foreign hash: not a scheduler we understand
 
 
 class Fleet:
     def __init__(self, client: aioredis.Redis, keys: Keys, store: RequestStore, metrics: GatewayMetrics,
-                 model_names: list[str], *, grace_s: float, refresh_s: float) -> None:
+                 model_names: list[str], *, grace_s: float, refresh_s: float,
+                 router: PrefixRouter | None = None) -> None:
+        self.router = router  # None: every request goes to the shared streams
         self.client = client
         self.keys = keys
         self.store = store
@@ -76,6 +89,36 @@ class Fleet:
             self.metrics.live_schedulers.labels(model).set(live)
             self.queue_depths[model] = await self.store.queue_depth(model)
             self.metrics.queue_depth.labels(model).set(self.queue_depths[model])
+            serving = [s for s in schedulers.values() if s.model == model]
+            queries = sum(s.prefix_cache_queries for s in serving)
+            self.metrics.prefix_cache_hit_rate.labels(model).set(
+                sum(s.prefix_cache_hits for s in serving) / queries if queries else 0.0)
+            if self.router is not None:
+                self.router.update(model, await self._replica_views(model, serving))
+
+    async def _replica_views(self, model: str, serving: list[SchedulerInfo]) -> list[ReplicaView]:
+        """What routing needs of each replica: its prefix summary and its own stream's backlog."""
+        if len(serving) < 2:
+            return []  # one replica: nothing to choose, every request goes to the shared stream
+        pipe = self.client.pipeline(transaction=False)
+        for info in serving:
+            stream = self.keys.replica_stream(model, info.scheduler_id)
+            pipe.get(self.keys.prefix_summary(info.scheduler_id))
+            pipe.xlen(stream)
+            pipe.xpending(stream, CONSUMER_GROUP)
+        replies = await pipe.execute(raise_on_error=False)
+        views = []
+        for info, (summary, length, pending) in zip(serving, zip(*[iter(replies)] * 3, strict=True),
+                                                     strict=True):
+            summary = summary if isinstance(summary, bytes) else b""
+            taken = int(pending["pending"]) if isinstance(pending, dict) else 0
+            backlog = max(0, int(length) - taken) if isinstance(length, int) else 0
+            prefixes = frozenset(summary[i:i + SUMMARY_HASH_BYTES] for i in range(0, len(summary),
+                                                                                 SUMMARY_HASH_BYTES))
+            views.append(ReplicaView(info.scheduler_id, info.block_size, info.prefix_summary_depth, prefixes,
+                                     info.num_running, info.num_waiting, info.max_num_seqs, backlog,
+                                     info.draining))
+        return views
 
     def is_served(self, model: str) -> bool:
         seen = self._last_seen.get(model)

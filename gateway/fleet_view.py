@@ -8,7 +8,7 @@ gateway's status page (`/` and `/fleet.json`) shows. One function makes it for b
     batch jobs   the newest few of tf:batch:jobs: status and progress (and the first error of
                  a failed one, a corrupt record's included)
     gateways     tf:gw:{id} heartbeats
-    totals       sums over the live schedulers
+    totals       sums over the live schedulers, and their prefix-cache hit rate
     throughput_history
                  the fleet's generated tokens in each of the last 120 s (summed from the
                  per-second counts each scheduler puts in its heartbeat)
@@ -71,16 +71,23 @@ def _scheduler(scheduler_id: str, f: dict[str, str], now: float) -> dict:
         "num_prompt_tokens": _num(f, "num_prompt_tokens", int),
         "num_generation_tokens": _num(f, "num_generation_tokens", int),
         "num_finished": _num(f, "num_finished", int),
+        "prefix_cache_queries": _num(f, "prefix_cache_queries", int),
+        "prefix_cache_hits": _num(f, "prefix_cache_hits", int),
+        # Entries it started, by stream: its own (routed), a peer's (stolen), the shared ones.
+        **{f"entries_{src}": _num(f, f"entries_{src}", int) for src in ("routed", "stolen", "fallback")},
         "heartbeat_age_s": round(max(0.0, now - _num(f, "updated_at", float, now)), 2),
     }
 
 
 async def _queues(client: aioredis.Redis, keys: Keys, models: set[str]) -> list[dict]:
-    """One row per model and kind; a tenant's stream (..:{kind}:t:{tenant}) counts in its kind."""
+    """One row per model and kind; a tenant's stream (..:{kind}:t:{tenant}) and a replica's own
+    one (..:interactive:r:{id}) count in their kind."""
     prefix = len(keys.request_stream_pattern) - 1
     streams: dict[tuple[str, str], list[str]] = {}
     for key in [k.decode() async for k in client.scan_iter(match=keys.request_stream_pattern, count=500)]:
         base, tenant_mark, _ = key.partition(":t:")
+        if not tenant_mark:
+            base, tenant_mark, _ = key.partition(":r:")
         model, _, kind = base[prefix:].rpartition(":")
         if model and kind in REQUEST_KINDS:
             models.add(model)
@@ -170,6 +177,12 @@ def _history(heartbeats: list[dict[str, str]], now: float) -> dict:
     return {"end": end, "generation_tokens": tokens}
 
 
+def _hit_rate(schedulers: list[dict]) -> float | None:
+    """Prompt tokens found in a prefix cache over those looked up, fleet-wide (None: none yet)."""
+    queries = sum(s["prefix_cache_queries"] for s in schedulers)
+    return round(sum(s["prefix_cache_hits"] for s in schedulers) / queries, 4) if queries else None
+
+
 async def collect_fleet_view(client: aioredis.Redis, keys: Keys) -> dict:
     """Everything above as one JSON-able dict (sorted, so two reads compare)."""
     now = time.time()
@@ -190,6 +203,7 @@ async def collect_fleet_view(client: aioredis.Redis, keys: Keys) -> dict:
         "queued": sum(q["queued"] for q in queues),
         "prompt_tokens_per_s": round(sum(s["prompt_tokens_per_s"] for s in schedulers), 2),
         "generation_tokens_per_s": round(sum(s["generation_tokens_per_s"] for s in schedulers), 2),
+        "prefix_cache_hit_rate": _hit_rate(schedulers),
     }
     return {"time": now, "totals": totals, "schedulers": schedulers, "queues": queues,
             "dead_letters": await _dead_letters(client, keys), "batch_jobs": await _batch_jobs(client, keys),

@@ -57,6 +57,14 @@ class GatewayMetrics:
         self.live_schedulers = Gauge("tokenfleet_gateway_live_schedulers",
                                      "schedulers with a live heartbeat, per model", ["model"], registry=r,
                                      multiprocess_mode="mostrecent")
+        self.prefix_cache_hit_rate = Gauge("tokenfleet_fleet_prefix_cache_hit_rate",
+                                           "prompt tokens found in a prefix cache / looked up, over the "
+                                           "model's live schedulers since they started", ["model"],
+                                           registry=r, multiprocess_mode="mostrecent")
+        self.routing_decisions = Counter("tokenfleet_gateway_routing_decisions",
+                                         "where requests were queued: routed (a replica's own stream), "
+                                         "no_match, overloaded or single (the shared stream)",
+                                         ["model", "decision"], registry=r)
 
     def render(self) -> bytes:
         directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")

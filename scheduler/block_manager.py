@@ -11,43 +11,29 @@ block (where it writes) is its own.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from itertools import islice
 
 from scheduler.request import Request
+from shared.prefix_hash import BlockHash, extend_block_hashes
 
-# A sha256 digest: Python's hash() of ints is unkeyed, so a crafted prompt could collide with
-# another user's prefix and read its K/V.
-BlockHash = bytes
+# The first blocks of each cached chain are remembered apart, most recently used last, so that
+# the scheduler's prefix summary (scheduler/prefix_summary.py) costs O(its size), not O(cache).
+SUMMARY_DEPTH_BLOCKS = 64
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# The root of every chain. A model or weights change would change the K/V of every block, but
-# one scheduler serves one model and its cache dies with it; anything that someday changes a
-# block's K/V within one cache (LoRA adapters, multimodal inputs) must be hashed in here too.
-_ROOT_HASH: BlockHash = hashlib.sha256(b"tokenfleet-kv-block").digest()
-
-
-def hash_block(parent_hash: BlockHash, token_ids: Sequence[int]) -> BlockHash:
-    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
-
-
 def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
     """The hashes of every full block of the request's tokens, extended in place (the tokens
-    of a request only ever grow, so earlier hashes never change)."""
+    of a request only ever grow, so earlier hashes never change). The chain is shared/prefix_hash's,
+    the one the gateway routes by."""
     hashes = request.block_hashes
-    num_full_blocks = request.num_tokens // block_size
-    parent = hashes[-1] if hashes else _ROOT_HASH
-    for index in range(len(hashes), num_full_blocks):
-        start = index * block_size
-        parent = hash_block(parent, request.token_ids_slice(start, start + block_size))
-        hashes.append(parent)
-    return hashes
+    starts = range(len(hashes) * block_size, request.num_tokens // block_size * block_size, block_size)
+    return extend_block_hashes(hashes, (request.token_ids_slice(s, s + block_size) for s in starts))
 
 
 class BlockManager:
@@ -68,6 +54,9 @@ class BlockManager:
         self._ref_counts = [0] * num_blocks  # block id -> requests holding it
         self._hash_of_block: dict[int, BlockHash] = {}  # block id -> its hash, for cached blocks
         self._block_of_hash: dict[BlockHash, int] = {}  # hash -> the block holding it
+        # Cached hashes within the first SUMMARY_DEPTH_BLOCKS of their chain, least recently
+        # used first (a chain's head after its later blocks, so a cut summary keeps heads).
+        self._head_hashes: OrderedDict[BlockHash, None] = OrderedDict()
         # As vLLM counts them, in tokens: prompt tokens looked up on first admission, and
         # how many of them were found in the cache.
         self.prefix_cache_queries = 0
@@ -81,6 +70,17 @@ class BlockManager:
     @property
     def num_cached_blocks(self) -> int:
         return len(self._block_of_hash)
+
+    def recent_head_hashes(self, limit: int) -> list[BlockHash]:
+        """Up to `limit` cached hashes of the first SUMMARY_DEPTH_BLOCKS blocks of their chains,
+        most recently used first: what the scheduler tells the gateways it holds."""
+        return list(islice(reversed(self._head_hashes), limit))
+
+    def _touch_heads(self, hashes: Sequence[BlockHash]) -> None:
+        for block_hash in reversed(hashes[:SUMMARY_DEPTH_BLOCKS]):  # block 0 ends up the most recent
+            if block_hash in self._block_of_hash:
+                self._head_hashes[block_hash] = None
+                self._head_hashes.move_to_end(block_hash)
 
     @property
     def usage(self) -> float:
@@ -144,6 +144,7 @@ class BlockManager:
                 raise ValueError(f"{request.req_id}: cached blocks are for a request with none yet")
             for block_id in cached_block_ids:
                 self._take(block_id)
+            self._touch_heads([self._hash_of_block[b] for b in cached_block_ids[:SUMMARY_DEPTH_BLOCKS]])
             request.block_ids = list(cached_block_ids)
             request.num_computed_tokens = len(cached_block_ids) * self.block_size
             request.num_registered_blocks = len(cached_block_ids)
@@ -171,7 +172,9 @@ class BlockManager:
             block_id = self._empty_block_ids.pop()
         else:  # evict the least recently used cached block
             block_id, _ = self._free_cached.popitem(last=False)
-            del self._block_of_hash[self._hash_of_block.pop(block_id)]
+            block_hash = self._hash_of_block.pop(block_id)
+            del self._block_of_hash[block_hash]
+            self._head_hashes.pop(block_hash, None)
         self._ref_counts[block_id] = 1
         return block_id
 
@@ -193,6 +196,8 @@ class BlockManager:
             if block_hash not in self._block_of_hash and block_id not in self._hash_of_block:
                 self._block_of_hash[block_hash] = block_id
                 self._hash_of_block[block_id] = block_hash
+        if request.num_registered_blocks < SUMMARY_DEPTH_BLOCKS:
+            self._touch_heads(hashes[:num_full])
         request.num_registered_blocks = num_full
 
     def free(self, request: Request) -> None:
@@ -218,3 +223,4 @@ class BlockManager:
         self._free_cached.clear()
         self._block_of_hash.clear()
         self._hash_of_block.clear()
+        self._head_hashes.clear()

@@ -28,13 +28,14 @@ import redis
 
 from scheduler.detokenizer import IncrementalDetokenizer
 from scheduler.engine import LLMEngine, Usage
+from scheduler.prefix_summary import PrefixSummary
+from scheduler.replica_streams import ReplicaStreams, RoutingMetrics
 from scheduler.request import BATCH_PRIORITY, FinishReason, RequestStatus
 from scheduler.result_store import ResultStore, ResultUpdate, StoredProgress, terminal_fields
 from scheduler.result_writer import ResultWriter
 from scheduler.scheduler import RequestOutput
 from scheduler.telemetry import SchedulerTelemetry
 from scheduler.tenant_streams import TenantStreams
-from shared.abandoned import claim_abandoned
 from shared.errors import InvalidRequestError
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.logging import get_logger
@@ -65,6 +66,7 @@ class ServiceSettings:
     result_ttl_s: int = 24 * 3600
     idle_block_ms: int = 100  # how long an idle scheduler waits on the streams
     log_stats_interval_s: float = 5.0  # the throughput log line, this often while busy (0: never)
+    steal_after_s: float = 2.0  # an idle scheduler takes a live peer's routed entries unread this long
 
 
 @dataclass
@@ -125,6 +127,12 @@ class SchedulerService:
         self.telemetry = SchedulerTelemetry(engine, settings.model_name, settings.scheduler_id,
                                             settings.log_stats_interval_s)
         self.drain_deadline: float | None = None  # set once a drain was asked for (unix seconds)
+        # Its own stream (routed requests) and its peers' (scheduler/replica_streams.py).
+        self.replica_streams = ReplicaStreams(self.client, self.keys, settings.model_name,
+                                              settings.scheduler_id, steal_after_s=settings.steal_after_s)
+        self.telemetry.metrics.registry.register(
+            RoutingMetrics(self.replica_streams, [settings.model_name, settings.scheduler_id]))
+        self.prefix_summary = PrefixSummary(engine.scheduler)
 
     @property
     def is_draining(self) -> bool:
@@ -189,8 +197,8 @@ class SchedulerService:
 
     @property
     def streams(self) -> list[str]:
-        """Every stream this scheduler reads, interactive ones first."""
-        return self.tenant_streams.all()
+        """Every stream this scheduler reads, its own first, then interactive ones."""
+        return [self.replica_streams.own, *self.tenant_streams.all()]
 
     def _ensure_groups(self, streams: list[str] | None = None) -> None:
         for stream in self.streams if streams is None else streams:
@@ -199,6 +207,8 @@ class SchedulerService:
             except redis.ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
+        if streams is None:
+            self.replica_streams.register()  # (after its group exists: peers may read it from now on)
         self._groups_ready = True
 
     def _hand_over_step(self, outputs: list[RequestOutput]) -> None:
@@ -257,12 +267,23 @@ class SchedulerService:
         interactive_room, batch_room = self._capacity()
         if interactive_room <= 0 or (not block and time.monotonic() < self._next_admission_poll):
             return
-        # The model's tenants are looked up in the same round trip as the first read.
+        # The model's tenants are looked up in the same round trip as the first read. The own
+        # stream (requests routed here for the prefixes this cache holds) is read first; the
+        # shared ones in the same round trip unless the last read of the own one filled its room.
         pipe = self.client.pipeline(transaction=False)
         pipe.smembers(self.keys.tenants(self.settings.model_name))
-        self._queue_read(pipe, self.tenant_streams.of("interactive"), interactive_room, None)
-        tenants, response = pipe.execute()
-        entries: list[tuple[str, str, dict]] = _entries(response)
+        self._queue_read(pipe, [self.replica_streams.own], interactive_room, None)
+        shared_too = not self.replica_streams.own_had_more
+        if shared_too:
+            self._queue_read(pipe, self.tenant_streams.of("interactive"), interactive_room, None)
+        tenants, own, *shared = pipe.execute()
+        entries: list[tuple[str, str, dict]] = _entries(own)
+        self.replica_streams.own_had_more = len(entries) >= interactive_room
+        if shared_too:
+            entries += _entries(shared[0])
+        elif interactive_room > len(entries):
+            room_left = interactive_room - len(entries)
+            entries += self._read(self.tenant_streams.of("interactive"), room_left, None)
         new_streams = self.tenant_streams.learn(tenants)
         if new_streams:
             self._ensure_groups(new_streams)
@@ -308,6 +329,7 @@ class SchedulerService:
         progress, cancelled = self.results.claim_many(req_ids, [self.keys.cancelled(r) for r in req_ids])
         for (stream, entry_id, num_deliveries, payload, message), stored, is_cancelled in zip(
                 admitted, progress, cancelled, strict=True):
+            self.replica_streams.count(stream)
             self._start(stream, entry_id, num_deliveries, payload, message, stored, is_cancelled)
 
     def _check_entry(self, stream: str, entry_id: str, payload: bytes | None,
@@ -500,6 +522,10 @@ class SchedulerService:
         self._heartbeat()
         self._renew_claims()
         if not self.is_draining:
+            room, _ = self._capacity()
+            idle = self.engine.scheduler.num_waiting_requests == 0
+            self._admit_entries([(stream, entry_id, fields, 1) for stream, entry_id, fields
+                                 in self.replica_streams.find_work(room, idle=idle)])
             self._take_over_abandoned()
         self._check_cancel_keys_and_deadlines()
 
@@ -535,6 +561,8 @@ class SchedulerService:
     def _heartbeat(self) -> None:
         scheduler = self.engine.scheduler
         key = self.keys.scheduler(self.settings.scheduler_id)
+        # What its KV cache holds or is computing, for the gateways' routing.
+        summary = self.prefix_summary.build(filter(None, map(scheduler.get_request, self.inflight)))
         pipe = self.client.pipeline()
         pipe.hset(key, mapping={
             "model": self.settings.model_name, "num_running": scheduler.num_running_requests,
@@ -545,9 +573,11 @@ class SchedulerService:
             # Since the scheduler started, in prompt tokens (vLLM's counters of the same names).
             "prefix_cache_queries": scheduler.block_manager.prefix_cache_queries,
             "prefix_cache_hits": scheduler.block_manager.prefix_cache_hits,
+            **self.replica_streams.heartbeat_fields(), **self.prefix_summary.heartbeat_fields(),
         })
         ttl_s = max(2, int(3 * self.settings.heartbeat_s))
         pipe.expire(key, ttl_s)
+        pipe.set(self.keys.prefix_summary(self.settings.scheduler_id), summary, ex=ttl_s)
         metrics_key = self.keys.scheduler_metrics(self.settings.scheduler_id)
         pipe.set(metrics_key, self.telemetry.exposition(), ex=ttl_s)
         pipe.execute()
@@ -565,9 +595,9 @@ class SchedulerService:
         lease_ms = int(self.settings.lease_s * 1000)
         self._ensure_groups(self.tenant_streams.learn(
             self.client.smembers(self.keys.tenants(self.settings.model_name))))
-        for stream in self.streams:
-            entries, gone = claim_abandoned(self.client, stream, CONSUMER_GROUP, self.settings.scheduler_id,
-                                            lease_ms, count=self.engine.config.max_num_seqs)
+        for stream in [*self.streams, *self.replica_streams.peer_streams()]:
+            entries, gone = self.replica_streams.claim_abandoned(stream, lease_ms,
+                                                                 self.engine.config.max_num_seqs)
             if gone:
                 self.log.warning("pending_entries_gone", stream=stream, count=len(gone))
             for entry_id, fields in entries:

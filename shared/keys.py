@@ -4,6 +4,9 @@
 | ------------------------------------- | ------------- | ----------------------- | --------------------- |
 | {p}req:{model}:{interactive|batch}    | stream        | gateway, batch ingester | schedulers (group)    |
 | {p}req:{model}:{kind}:t:{tenant}      | stream        | gateway, batch ingester | schedulers (group)    |
+| {p}req:{model}:interactive:r:{sched}  | stream        | gateway (routed)        | that scheduler, peers |
+| {p}routed:{model}                     | set           | scheduler               | schedulers, gateway   |
+| {p}prefixes:{scheduler_id}            | string + TTL  | scheduler (heartbeat)   | gateway (routing)     |
 | {p}tenants:{model}                    | set           | gateway, batch ingester | schedulers, gateway   |
 | {p}tenant:{tenant}:leases             | zset          | gateway                 | gateway, schedulers   |
 | {p}apikeys, {p}tenant:{tenant}        | hash, hash    | operators (CLI)         | gateway               |
@@ -54,6 +57,21 @@ class Keys:
             raise ValueError(f"request kind {kind!r} is not one of {REQUEST_KINDS}")
         base = f"{self.prefix}req:{model}:{kind}"
         return base if tenant is None else f"{base}:t:{tenant}"
+
+    def replica_stream(self, model: str, scheduler_id: str) -> str:
+        """One scheduler's own stream: requests the gateway routed to it for the prefixes it
+        holds (gateway/routing.py). It reads this one first; a peer takes what waited too long
+        there, and everything once it is dead or draining (scheduler/replica_streams.py)."""
+        return f"{self.request_stream(model, 'interactive')}:r:{scheduler_id}"
+
+    def replica_streams(self, model: str) -> str:
+        """The ids of the model's schedulers that have an own stream (live or not yet taken over)."""
+        return f"{self.prefix}routed:{model}"
+
+    def prefix_summary(self, scheduler_id: str) -> str:
+        """What a scheduler's KV cache holds: the first bytes of the hashes of its cached chains'
+        first blocks, concatenated (scheduler/prefix_summary.py); renewed with the heartbeat."""
+        return f"{self.prefix}prefixes:{scheduler_id}"
 
     def tenants(self, model: str) -> str:
         """Every tenant that has queued requests for the model (the streams schedulers read)."""

@@ -278,3 +278,39 @@ def test_status_page_in_headless_chromium_shows_the_running_fleet(fleet, batch_j
     artifacts = os.environ.get("TOKENFLEET_TEST_ARTIFACTS")
     if artifacts:  # e.g. docs/ when refreshing the README's picture
         shutil.copy(screenshot, Path(artifacts) / "status-page.png")
+
+
+def test_chats_sharing_a_system_prompt_are_routed_to_the_replica_that_cached_it(fleet):
+    """The first chat goes to the shared stream (no replica holds its prefix); once a heartbeat
+    has published that replica's summary and the gateway has read it, the next chats with that
+    system prompt go to the same replica's own stream and find the prompt cached. The counts and
+    the fleet's hit rate show in `tokenfleet status` and on /metrics."""
+    system = " ".join(f"rule {i} is to be kind." for i in range(60))  # ~400 tokens
+
+    def chat(user: str) -> dict:
+        body = json.dumps({"model": fleet.model, "max_tokens": 2, "temperature": 0, "messages": [
+            {"role": "system", "content": system}, {"role": "user", "content": user}]}).encode()
+        request = urllib.request.Request(fleet.url + "/v1/chat/completions", body,
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=300) as response:
+            return json.loads(response.read())
+
+    def routed() -> dict[str, int]:
+        view = json.loads(fleet.cli("status", "--json").stdout)
+        return {s["id"]: s["entries_routed"] for s in view["schedulers"]}
+
+    before = routed()
+    first = chat("Hello.")
+    time.sleep(2.5)  # a heartbeat (0.25 s) with the summary, and a read of the fleet (1 s)
+    answers = [chat(f"Question {i}?") for i in range(4)]
+    cached = [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers]
+    assert all(c >= first["usage"]["prompt_tokens"] - 32 for c in cached), cached
+    time.sleep(0.6)
+    gained = {s: n - before.get(s, 0) for s, n in routed().items()}
+    assert sorted(gained.values()) == [0, 4], gained  # all four on one replica, through its own stream
+    view = json.loads(fleet.cli("status", "--json").stdout)
+    assert view["totals"]["prefix_cache_hit_rate"] > 0
+    assert "prefix-cache hit rate" in fleet.cli("status").stdout
+    text = fleet.get("/metrics").decode()
+    assert "tokenfleet_fleet_prefix_cache_hit_rate{" in text
+    assert 'tokenfleet:routing_entries_total{' in text and 'source="routed"' in text

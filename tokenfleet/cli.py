@@ -30,6 +30,7 @@ def _flag(parser: argparse.ArgumentParser, name: str, *, type=str, default=None,
         parser.add_argument(f"--{name}", type=type, default=default, **kwargs)
 
 
+ROUTING_MODES = ("prefix", "none")  # the gateway's --routing (gateway/routing.py)
 REDIS_URL_HELP = ("redis://[user:password@]host:port/db, or rediss:// for TLS (TLS options in the query: "
                   "?ssl_ca_certs=ca.pem)")
 
@@ -131,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
           help="heartbeat (load, KV use, engine metrics to Redis) and claim renewal, this often")
     _flag(sched, "log-stats-interval-s", type=float, default=5.0,
           help="log prompt/generation tok/s, running, waiting and KV use this often while busy (0: never)")
+    _flag(sched, "steal-after-s", type=float, default=2.0,
+          help="when idle, take requests routed to a busy peer that waited unread this long")
     _add_gateway_parser(commands)
     _add_up_parser(commands)
     _add_batch_parser(commands)
@@ -198,6 +201,8 @@ def _add_up_parser(commands) -> None:
           help="schedulers recompute every prompt instead of reusing cached prefixes")
     _flag(up, "gateway-workers", type=int,
           help="gateway processes on the one port (default: from the cores, max(1, min(8, cores // 4)))")
+    _flag(up, "routing", default="prefix", choices=ROUTING_MODES,
+          help="the gateway's routing (see `tokenfleet gateway --help`): prefix (the default) or none")
     _flag(up, "batch-ingesters", type=int, default=0,
           help="batch ingester processes besides the one in each gateway process")
     _add_autoscale_flags(up)
@@ -450,6 +455,9 @@ def _add_gateway_parser(commands) -> None:
     _flag(gw, "max-n", type=int, default=8, help="cap on n (choices per request)")
     _flag(gw, "max-body-bytes", type=int, default=4 << 20, help="largest request body accepted")
     _flag(gw, "key-prefix", default="tf:", help="prefix of every Redis key")
+    _flag(gw, "routing", default="prefix", choices=ROUTING_MODES,
+          help="prefix: a chat goes to the replica whose KV cache holds its prefix, weighed against load "
+               "(with more than one replica of a model); none: every replica pulls from one shared queue")
     _flag(gw, "no-batch-ingester", action="store_true",
           help="run no batch ingester in this process (run `tokenfleet batch ingester` elsewhere)")
     _flag(gw, "batch-max-inflight", type=int, default=1024,
@@ -490,6 +498,8 @@ def gateway_settings(args: argparse.Namespace):
     if args.max_queue < 0:
         raise InvalidRequestError(f"--max-queue must be >= 0 (0: no limit), got {args.max_queue}",
                                   param="max-queue")
+    if args.routing not in ROUTING_MODES:  # (a TOKENFLEET_ROUTING value skips argparse's check)
+        raise InvalidRequestError(f"--routing must be prefix or none, got {args.routing!r}", param="routing")
     models = [ModelSpec.from_path(path, names[i] if i < len(names) else None) for i, path in enumerate(paths)]
     return GatewaySettings(
         redis_url=args.redis_url, models=models, host=args.host, port=args.port,
@@ -498,7 +508,7 @@ def gateway_settings(args: argparse.Namespace):
         batch_max_inflight=args.batch_max_inflight, batch_lease_s=args.batch_lease_s,
         tenants=(TenantDirectory.from_file(args.tenants_file) if args.tenants_file
                  else TenantDirectory.empty()),
-        tenants_from_redis=args.tenants_from_redis,
+        tenants_from_redis=args.tenants_from_redis, routing=args.routing,
     )
 
 
@@ -555,6 +565,7 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
         scheduler_id=args.scheduler_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
         lease_s=args.lease_s, max_deliveries=args.max_deliveries, result_ttl_s=args.result_ttl_s,
         heartbeat_s=args.heartbeat_s, log_stats_interval_s=args.log_stats_interval_s,
+        steal_after_s=args.steal_after_s,
     )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -652,6 +663,7 @@ def _up_gateway_flags(args: argparse.Namespace) -> dict:
         raise InvalidRequestError(f"--max-queue must be >= 0 (0: no limit), got {args.max_queue}",
                                   param="max-queue")
     gateway_args = ["--tenants-file", os.path.abspath(args.tenants_file)] if args.tenants_file else []
+    gateway_args += ["--routing", args.routing]
     if args.tenants_from_redis:
         gateway_args.append("--tenants-from-redis")
     for name, value in (("max-queue", args.max_queue), ("max-n", args.max_n)):

@@ -50,6 +50,10 @@ def _rate(value: float) -> str:
     return f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
 
 
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
 def format_view(view: dict, redis_url: str) -> str:
     totals = view["totals"]
     at = time.strftime("%H:%M:%S", time.localtime(view["time"]))
@@ -58,12 +62,16 @@ def format_view(view: dict, redis_url: str) -> str:
            f"{totals['num_running']} running, {totals['num_waiting']} waiting in schedulers, "
            f"{totals['queued']} queued in Redis; "
            f"{_rate(totals['generation_tokens_per_s'])} generation tok/s, "
-           f"{_rate(totals['prompt_tokens_per_s'])} prompt tok/s", "", "Schedulers:"]
-    columns = ["ID", "MODEL", "TPxPP", "RUNNING", "WAITING", "KV", "GEN TOK/S", "FINISHED", "HEARTBEAT"]
+           f"{_rate(totals['prompt_tokens_per_s'])} prompt tok/s; "
+           f"prefix-cache hit rate {_percent(totals.get('prefix_cache_hit_rate'))}", "", "Schedulers:"]
+    columns = ["ID", "MODEL", "TPxPP", "RUNNING", "WAITING", "KV", "GEN TOK/S", "FINISHED", "HIT RATE",
+               "ROUTED/STOLEN/FALLBACK", "HEARTBEAT"]
     out += _table(columns, [
         [s["id"], s["model"], f"{s['tp']}x{s.get('pp', 1)}", f"{s['num_running']}/{s['max_num_seqs']}",
          s["num_waiting"],
          f"{100 * s['kv_usage']:.1f}%", _rate(s["generation_tokens_per_s"]), s["num_finished"],
+         _percent(s["prefix_cache_hits"] / s["prefix_cache_queries"] if s["prefix_cache_queries"] else None),
+         f"{s.get('entries_routed', 0)}/{s.get('entries_stolen', 0)}/{s.get('entries_fallback', 0)}",
          f"{s['heartbeat_age_s']:.1f}s ago"] for s in view["schedulers"]], "no live scheduler")
     out += ["", "Queues:"]
     out += _table(["MODEL", "KIND", "LENGTH", "PENDING", "QUEUED", "CONSUMERS"], [

@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, ResponseError
 
 from gateway.requests.records import ResultRecord
+from gateway.routing import PrefixRouter
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.messages import ErrorEvent, RequestMessage
 
@@ -31,13 +32,22 @@ from shared.messages import ErrorEvent, RequestMessage
 # request goes to the tenant's stream, and the tenant into the set the schedulers read; its
 # lease (taken before, gateway/limits.py) now lasts its full term. An Idempotency-Key another
 # request holds queues nothing: {0, what the key maps to}; else {1, entry id}.
+# A request routed to a replica (gateway/routing.py) has 3 more KEYS: the replica's heartbeat,
+# its drain key, its own stream. It goes there only while the heartbeat lives and no drain was
+# asked for, checked here, atomically, so nothing lands in a stream its peers took over already;
+# else to the shared stream. The record keeps a routed request's stream (for a cancel's XDEL).
 _SUBMIT_SCRIPT = """
 if ARGV[6] ~= '' and not redis.call('SET', KEYS[5], ARGV[6], 'NX', 'EX', tonumber(ARGV[7])) then
   return {0, redis.call('GET', KEYS[5])}
 end
+local stream = KEYS[2]
+if #KEYS == 8 and redis.call('EXISTS', KEYS[6]) == 1 and redis.call('EXISTS', KEYS[7]) == 0 then
+  stream = KEYS[8]
+end
 redis.call('HSET', KEYS[1], unpack(ARGV, 8))
-local entry = redis.call('XADD', KEYS[2], '*', 'm', ARGV[2])
+local entry = redis.call('XADD', stream, '*', 'm', ARGV[2])
 redis.call('HSET', KEYS[1], 'entry_id', entry)
+if stream ~= KEYS[2] then redis.call('HSET', KEYS[1], 'stream', stream) end
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
 if ARGV[3] ~= '' then redis.call('SADD', KEYS[3], ARGV[3]) end
 if ARGV[4] ~= '' then redis.call('ZADD', KEYS[4], 'XX', ARGV[4], ARGV[5]) end
@@ -54,7 +64,7 @@ if redis.call('HGET', KEYS[1], 'state') ~= 'queued' then return 0 end
 redis.call('HSET', KEYS[1], 'state', ARGV[1], 'finished_at', ARGV[2], 'error', ARGV[3], 'seq', 1)
 redis.call('PUBLISH', ARGV[4], ARGV[5])
 local entry = redis.call('HGET', KEYS[1], 'entry_id')
-if entry then redis.call('XDEL', KEYS[2], entry) end
+if entry then redis.call('XDEL', redis.call('HGET', KEYS[1], 'stream') or KEYS[2], entry) end
 return 1
 """
 
@@ -92,6 +102,7 @@ class RequestStore:
         self._submit = client.register_script(_SUBMIT_SCRIPT)
         self._finish_unclaimed = client.register_script(_FINISH_UNCLAIMED_SCRIPT)
         self._depth_reads: dict[str, asyncio.Future] = {}  # model -> the queue-depth read on its way
+        self.router: PrefixRouter | None = None  # set: requests may go to a replica's own stream
 
     # -- queueing ---------------------------------------------------------------------
 
@@ -147,8 +158,14 @@ class RequestStore:
             args += [name, value]
         stream = self.keys.request_stream(message.model, QUEUE_KIND, tenant)
         idempotency_key = sub.idempotency_key or self.keys.idempotency("-")  # (untouched without a value)
-        return [self.keys.result(sub.req_id), stream, self.keys.tenants(message.model),
-                self.keys.tenant_leases(tenant or "-"), idempotency_key], args
+        keys = [self.keys.result(sub.req_id), stream, self.keys.tenants(message.model),
+                self.keys.tenant_leases(tenant or "-"), idempotency_key]
+        route = self.router.route(message.model, message.prompt_token_ids) if self.router else None
+        if route is not None and route.scheduler_id is not None:
+            replica = route.scheduler_id
+            keys += [self.keys.scheduler(replica), self.keys.drain(replica),
+                     self.keys.replica_stream(message.model, replica)]
+        return keys, args
 
     async def queue_depth(self, model: str) -> int:
         """Entries of the model's interactive stream that no scheduler has taken yet. Callers
@@ -169,10 +186,14 @@ class RequestStore:
             done.exception()  # retrieved here too: every caller may have left before it ended
 
     async def _read_queue_depth(self, model: str) -> int:
-        """Over the model's plain stream and every tenant's."""
-        tenants = await self.client.smembers(self.keys.tenants(model))
+        """Over the model's plain stream, every tenant's and every replica's own one."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.smembers(self.keys.tenants(model))
+        pipe.smembers(self.keys.replica_streams(model))
+        tenants, replicas = await pipe.execute()
         streams = [self.keys.request_stream(model, QUEUE_KIND)]
         streams += [self.keys.request_stream(model, QUEUE_KIND, t.decode()) for t in sorted(tenants)]
+        streams += [self.keys.replica_stream(model, r.decode()) for r in sorted(replicas)]
         pipe = self.client.pipeline(transaction=False)
         for stream in streams:
             pipe.xlen(stream)

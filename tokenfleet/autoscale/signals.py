@@ -24,6 +24,9 @@ def read_signals(client: redis.Redis, keys: Keys, model: str, *, now: float | No
     tenants = sorted(t.decode() if isinstance(t, bytes) else t for t in members)
     streams = [keys.request_stream(model, kind, tenant)
                for kind in REQUEST_KINDS for tenant in [None, *tenants]]
+    # Requests routed to one replica queue in its own stream (gateway/routing.py).
+    replicas = sorted(r.decode() for r in client.smembers(keys.replica_streams(model)))
+    streams += [keys.replica_stream(model, r) for r in replicas]
     for stream in streams:
         queued, first_ms = _queued(client, stream)
         num_queued += queued

@@ -1,0 +1,132 @@
+"""Prefix-aware routing: a chat goes to the replica whose KV cache holds the longest run of its
+first blocks, weighed against that replica's load, through that replica's own stream.
+
+Every scheduler publishes at its heartbeat the (truncated) hashes of its cached chains' first
+blocks (scheduler/prefix_summary.py). The gateway hashes the prompt's first full blocks with the
+block manager's own function (shared/prefix_hash.py, at each replica's block size) and counts
+the leading ones each replica names: its match, in tokens, capped as the block manager caps a
+hit (the last token is always computed). Then:
+
+- no replica matches, or one replica serves the model: the shared stream, where whichever
+  scheduler has room pulls it, as without routing;
+- some replicas match more than the least: among them, those with a free slot (running +
+  waiting + their own stream's backlog below max_num_seqs) compete on match / best match -
+  LOAD_WEIGHT * load; none with a free slot: the shared stream ("overloaded");
+- every replica matches as much: a short match (under CONSOLIDATE_FRACTION of the prompt's
+  blocks, such as the chat template's first block, which every replica holds) gains nothing
+  from routing: the shared stream. A long one (chats that reached several replicas before any
+  had published the prefix) goes to one replica chosen by rendezvous hashing on the prefix, the
+  same one from every gateway each time (the first with a free slot in that order), so the
+  other copies age out of their caches and the fleet keeps one.
+Ties are broken by the same rendezvous order, so gateways agree.
+
+The summaries are a heartbeat old, so a burst of chats with a new prefix goes to the shared
+stream until one replica has cached it; the backlog counts what this gateway routed since the
+last read of the fleet, so a burst with a known prefix does not pile onto one replica unseen.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from shared.prefix_hash import BlockHash, block_hashes, summary_hash
+
+LOAD_WEIGHT = 0.5  # a full match on a replica at load 1 scores as half a match on an idle one
+CONSOLIDATE_FRACTION = 0.5  # a match every replica has is worth one copy only if this long
+DECISIONS = ("routed", "no_match", "overloaded", "single")
+
+
+@dataclass
+class ReplicaView:
+    scheduler_id: str
+    block_size: int
+    depth: int  # blocks of each chain its summary covers
+    prefixes: frozenset[bytes]  # summary hashes (shared.prefix_hash.summary_hash)
+    num_running: int = 0
+    num_waiting: int = 0
+    max_num_seqs: int = 1
+    backlog: int = 0  # unread entries of its own stream, and what this gateway routed there since
+    draining: bool = False
+
+    @property
+    def num_queued(self) -> int:
+        return self.num_running + self.num_waiting + self.backlog
+
+    @property
+    def load(self) -> float:
+        return self.num_queued / max(1, self.max_num_seqs)
+
+    @property
+    def has_room(self) -> bool:
+        return self.num_queued < self.max_num_seqs
+
+
+@dataclass(frozen=True)
+class Route:
+    scheduler_id: str | None  # None: the shared stream
+    decision: str  # one of DECISIONS
+    matched_tokens: int = 0
+
+
+def matched_blocks(hashes: list[BlockHash], prefixes: frozenset[bytes]) -> int:
+    """How many leading blocks the summary names (the block manager stops at the first miss)."""
+    for index, block_hash in enumerate(hashes):
+        if summary_hash(block_hash) not in prefixes:
+            return index
+    return len(hashes)
+
+
+def choose_replica(prompt_token_ids: list[int], replicas: list[ReplicaView], *,
+                   load_weight: float = LOAD_WEIGHT) -> Route:
+    candidates = [r for r in replicas if not r.draining]
+    if len(candidates) < 2:
+        return Route(None, "single")
+    hashes: dict[int, list[BlockHash]] = {}  # block size -> the prompt's hashes (replicas mostly agree)
+    matches: dict[str, int] = {}
+    matchable = 0  # tokens a hit could cover at most
+    for replica in candidates:
+        size = replica.block_size
+        max_blocks = max(0, min(replica.depth, (len(prompt_token_ids) - 1) // size))
+        known = hashes.get(size, [])
+        if len(known) < max_blocks:
+            known = hashes[size] = block_hashes(prompt_token_ids, size, max_blocks)
+        num_matched = matched_blocks(known[:max_blocks], replica.prefixes)
+        matches[replica.scheduler_id] = num_matched * size
+        matchable = max(matchable, max_blocks * size)
+    best, least = max(matches.values()), min(matches.values())
+    if best == 0 or (best == least and best < CONSOLIDATE_FRACTION * matchable):
+        return Route(None, "no_match")
+    # The rendezvous order of the replicas for this prefix: the same in every gateway.
+    key = next(hashes[r.block_size][matches[r.scheduler_id] // r.block_size - 1]
+               for r in candidates if matches[r.scheduler_id] == best)
+    rank = {r.scheduler_id: hashlib.sha256(key + r.scheduler_id.encode()).digest() for r in candidates}
+    if best == least:  # every replica holds it: one copy is enough
+        scored = [(rank[r.scheduler_id], r.scheduler_id) for r in candidates if r.has_room]
+    else:
+        scored = [(matches[r.scheduler_id] / best - load_weight * r.load, rank[r.scheduler_id],
+                   r.scheduler_id) for r in candidates if matches[r.scheduler_id] > least and r.has_room]
+    if not scored:
+        return Route(None, "overloaded", best)
+    chosen = max(scored)[-1]
+    return Route(chosen, "routed", matches[chosen])
+
+
+class PrefixRouter:
+    """The gateway's routing state: each model's replicas as last read (gateway/fleet.py)."""
+
+    def __init__(self, metrics=None) -> None:
+        self.metrics = metrics  # GatewayMetrics, or None
+        self.replicas: dict[str, list[ReplicaView]] = {}  # model -> its live replicas
+
+    def update(self, model: str, replicas: list[ReplicaView]) -> None:
+        self.replicas[model] = replicas
+
+    def route(self, model: str, prompt_token_ids: list[int]) -> Route:
+        replicas = self.replicas.get(model, [])
+        route = choose_replica(prompt_token_ids, replicas)
+        if route.scheduler_id is not None:
+            next(r for r in replicas if r.scheduler_id == route.scheduler_id).backlog += 1
+        if self.metrics is not None:
+            self.metrics.routing_decisions.labels(model, route.decision).inc()
+        return route

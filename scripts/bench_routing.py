@@ -1,0 +1,200 @@
+"""Prefix-aware routing across replicas: `tokenfleet up --replicas 2` without routing and with it,
+one after the other in one run, on the same workload.
+
+    .venv/bin/python scripts/bench_routing.py                # this CPU: SmolLM2, float32
+
+Workload (random.Random(--seed)): --prompts system prompts of --system-words words each (about
+as many tokens; the prompt tokens are measured), each with --chats chats of --user-words words,
+arriving interleaved (system prompt 0, 1, ... 7, 0, 1, ...) as a Poisson stream of --rate chats
+per second; streamed chat completions of --max-tokens tokens (greedy, EOS ignored).
+
+Each replica's KV cache (--num-kv-blocks 160, 16 tokens a block) holds about 4.3 of the 8 system
+prompts (~590 tokens, 37 blocks each): the fleet's set of prefixes outgrows one replica's cache,
+which is where routing pays. Without routing every replica sees every prompt and evicts most
+before they come back; with routing each replica keeps its half. Schedulers run one torch
+thread each and steps of at most 256 tokens (TOKENFLEET_NUM_THREADS, _MAX_NUM_BATCHED_TOKENS):
+two replicas share a small CPU, and a step of several whole prompts would outlast the heartbeat
+(a replica whose heartbeat lapsed is routed nothing, and its peer takes its waiting requests).
+Reported, per mode: the fleet-wide prefix-cache hit rate (prompt tokens found in a
+cache / looked up, from the schedulers' heartbeats, over this load only), TTFT and end-to-end
+latency (tokenfleet/bench.py's client), and each replica's share of the requests with its
+routed / stolen / fallback counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import redis
+
+# bench_common before the product: importing it puts the repository on sys.path.
+from bench_common import Children, log, percentile, print_command, wait_ready
+
+from shared.keys import Keys
+from shared.net import free_port
+from tokenfleet.bench import Result, one_request, prompt_text
+from workers.default_model import fetch_default_model
+
+KEYS = Keys()
+COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_finished", "num_prompt_tokens",
+            "entries_routed", "entries_stolen", "entries_fallback")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=8, help="distinct system prompts")
+    parser.add_argument("--chats", type=int, default=16, help="chats per system prompt")
+    parser.add_argument("--system-words", type=int, default=560)
+    parser.add_argument("--user-words", type=int, default=20)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--rate", type=float, default=1.0, help="chats per second (Poisson)")
+    parser.add_argument("--num-kv-blocks", type=int, default=160, help="per replica (16 tokens each)")
+    parser.add_argument("--max-num-seqs", type=int, default=4, help="per replica")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--modes", default="none,prefix", help="the --routing values to run, in order")
+    return parser.parse_args()
+
+
+def workload(args) -> list[dict]:
+    rng = random.Random(args.seed)
+    systems = [prompt_text(rng, args.system_words) for _ in range(args.prompts)]
+    return [{"messages": [{"role": "system", "content": systems[p]},
+                          {"role": "user", "content": prompt_text(rng, args.user_words)}]}
+            for _ in range(args.chats) for p in range(args.prompts)]
+
+
+def counters(client: redis.Redis) -> dict[str, dict[str, int]]:
+    """scheduler id -> its cumulative counters, from the heartbeats."""
+    out = {}
+    for key in client.scan_iter(match=KEYS.scheduler_pattern):
+        fields = client.hgetall(key)
+        if b"model" in fields:
+            out[key.decode()[len(KEYS.scheduler("")):]] = {c: int(float(fields.get(c.encode(), 0)))
+                                                           for c in COUNTERS}
+    return out
+
+
+async def drive(url: str, model: str, chats: list[dict], args) -> list[Result]:
+    rng = random.Random(args.seed + 1)
+    arrivals, t = [], 0.0
+    for _ in chats:
+        arrivals.append(t)
+        t += rng.expovariate(args.rate)
+    results = [Result(i) for i in range(len(chats))]
+    timeout = aiohttp.ClientTimeout(total=None, connect=30, sock_read=600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        start = time.perf_counter()
+
+        async def go(i: int) -> None:
+            await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
+            body = {"model": model, "stream": True, "max_tokens": args.max_tokens, "temperature": 0,
+                    "ignore_eos": True, **chats[i]}
+            await one_request(session, f"{url}/v1/chat/completions", body, results[i])
+
+        await asyncio.gather(*(go(i) for i in range(len(chats))))
+    return results
+
+
+def run_mode(mode: str, model_dir: Path, chats: list[dict], args, work: Path) -> dict:
+    home = work / mode
+    (home / "logs").mkdir(parents=True)
+    os.environ["TOKENFLEET_HOME"] = str(home)
+    os.environ.setdefault("TOKENFLEET_NUM_THREADS", "1")  # two replicas on a small CPU
+    os.environ.setdefault("TOKENFLEET_MAX_NUM_BATCHED_TOKENS", "256")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    children = Children(home / "logs")
+    try:
+        children.spawn("up", [sys.executable, "-m", "tokenfleet.cli", "up", "--replicas", "2",
+                              "--routing", mode, "--port", str(port), "--model", str(model_dir),
+                              "--dtype", "float32",
+                              "--num-kv-blocks", str(args.num_kv_blocks), "--max-num-seqs",
+                              str(args.max_num_seqs), "--gateway-workers", "1"])
+        wait_ready(url, children, timeout_s=600)
+        fleet = json.loads((home / "fleet.json").read_text()) if (home / "fleet.json").exists() else {}
+        while not fleet:
+            children.check()
+            time.sleep(0.2)
+            fleet = json.loads((home / "fleet.json").read_text()) if (home / "fleet.json").exists() else {}
+        client = redis.Redis.from_url(fleet["redis_url"])
+        while len(counters(client)) < 2:
+            children.check()
+            time.sleep(0.2)
+        model = fleet["model"]
+        warm = [{"messages": [{"role": "user", "content": f"Warm up {i}."}]} for i in range(4)]
+        asyncio.run(drive(url, model, warm, argparse.Namespace(**{**vars(args), "rate": 4.0})))
+        time.sleep(2.5)  # the warm-up's counts in the heartbeats
+        before = counters(client)
+        log(f"routing {mode}: {len(chats)} chats at {args.rate}/s")
+        started = time.perf_counter()
+        results = asyncio.run(drive(url, model, chats, args))
+        wall_s = time.perf_counter() - started
+        time.sleep(2.5)  # a heartbeat with the last counts
+        after = counters(client)
+    finally:
+        children.stop()
+    delta = {s: {c: after[s][c] - before.get(s, {}).get(c, 0) for c in COUNTERS} for s in after}
+    ok = [r for r in results if r.ok]
+    queries = sum(d["prefix_cache_queries"] for d in delta.values())
+    finished = sum(d["num_finished"] for d in delta.values())
+    return {
+        "mode": mode, "ok": len(ok), "failed": len(results) - len(ok), "wall_s": wall_s,
+        "hit_rate": sum(d["prefix_cache_hits"] for d in delta.values()) / queries if queries else 0.0,
+        "prompt_tokens": queries, "ttft": [r.first_token - r.started for r in ok],
+        "e2e": [r.finished - r.started for r in ok],
+        "replicas": {s: {**d, "share": d["num_finished"] / finished if finished else 0.0}
+                     for s, d in sorted(delta.items())},
+        "errors": sorted({r.error for r in results if not r.ok}),
+    }
+
+
+def print_table(runs: list[dict], args) -> None:
+    print(f"\n{args.prompts} system prompts x {args.chats} chats, interleaved, {args.rate}/s Poisson; "
+          f"{args.num_kv_blocks} KV blocks and {args.max_num_seqs} sequences per replica; "
+          f"max_tokens {args.max_tokens}")
+    print("| routing | ok | prompt tokens | hit rate | TTFT p50 ms | TTFT p90 ms | e2e p50 ms | wall s |"
+          " replicas: share (routed/stolen/fallback) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for run in runs:
+        shares = ", ".join(f"{s} {100 * r['share']:.0f}% ({r['entries_routed']}/{r['entries_stolen']}/"
+                           f"{r['entries_fallback']})" for s, r in run["replicas"].items())
+        print(f"| {run['mode']} | {run['ok']}/{run['ok'] + run['failed']} | {run['prompt_tokens']} | "
+              f"{100 * run['hit_rate']:.1f}% | {1e3 * percentile(run['ttft'], 50):.0f} | "
+              f"{1e3 * percentile(run['ttft'], 90):.0f} | {1e3 * percentile(run['e2e'], 50):.0f} | "
+              f"{run['wall_s']:.0f} | {shares} |")
+    by_mode = {run["mode"]: run for run in runs}
+    if {"none", "prefix"} <= set(by_mode):
+        none, prefix = by_mode["none"], by_mode["prefix"]
+        ratio = prefix["hit_rate"] / none["hit_rate"] if none["hit_rate"] else float("inf")
+        print(f"hit rate with routing / without: {ratio:.2f}x; TTFT p50 "
+              f"{percentile(none['ttft'], 50) / percentile(prefix['ttft'], 50):.2f}x lower with routing")
+    for run in runs:
+        for error in run["errors"]:
+            print(f"{run['mode']} failed: {error}")
+
+
+def main() -> int:
+    print_command()
+    args = parse_args()
+    model_dir = fetch_default_model()
+    chats = workload(args)
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="bench-routing-") as work:
+        for mode in args.modes.split(","):
+            runs.append(run_mode(mode, model_dir, chats, args, Path(work)))
+            log(f"routing {mode}: hit rate {100 * runs[-1]['hit_rate']:.1f}%")
+    print_table(runs, args)
+    return 0 if all(run["failed"] == 0 for run in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
