@@ -211,6 +211,20 @@ def _add_autoscale_parser(commands) -> None:
                       help="after --: other flags of every replica's `tokenfleet scheduler` (e.g. --lease-s)")
 
 
+def autoscale_argv_for(args: argparse.Namespace, model: str, model_name: str):
+    """`tokenfleet autoscale`'s (replica_id, placement group) -> that replica's scheduler command
+    line: its engine flags, --key-prefix and the flags after `--`."""
+    engine_args = engine_argv(args)
+    extra = ["--key-prefix", args.key_prefix, *(a for a in args.scheduler_args if a != "--")]
+
+    def argv_for(replica_id: str, group: str | None) -> list[str]:
+        return scheduler_command(redis_url=args.redis_url, model=model, model_name=model_name,
+                                 scheduler_id=replica_id, tp=args.tp, pp=args.pp, executor=args.executor,
+                                 ray_address=args.ray_address, placement_group=group, engine_args=engine_args,
+                                 extra=extra)
+    return argv_for
+
+
 def _cmd_autoscale(args: argparse.Namespace) -> int:
     import signal
     import threading
@@ -228,15 +242,7 @@ def _cmd_autoscale(args: argparse.Namespace) -> int:
     needs_ray = uses_ray(args.executor, args.tp, args.pp)
     if needs_ray and not args.ray_address:
         raise InvalidRequestError("--ray-address is required for replicas on Ray groups", param="ray-address")
-    engine_args = engine_argv(args)
-    extra = ["--key-prefix", args.key_prefix, *(a for a in args.scheduler_args if a != "--")]
-
-    def argv_for(replica_id: str, group: str | None) -> list[str]:
-        return scheduler_command(redis_url=args.redis_url, model=model, model_name=model_name,
-                                 scheduler_id=replica_id, tp=args.tp, pp=args.pp, executor=args.executor,
-                                 ray_address=args.ray_address, placement_group=group, engine_args=engine_args,
-                                 extra=extra)
-
+    argv_for = autoscale_argv_for(args, model, model_name)
     import torch
 
     from shared.keys import Keys
