@@ -19,6 +19,7 @@ import time
 from scheduler.engine import LLMEngine
 from scheduler.engine_metrics import EngineMetrics
 from scheduler.throughput import RateMeter, ThroughputLog
+from workers.device import resolve_device
 
 
 class SchedulerTelemetry:
@@ -30,17 +31,26 @@ class SchedulerTelemetry:
         self.throughput_log = ThroughputLog(self.metrics, log_stats_interval_s)
         self._heartbeat_rates = RateMeter(self.metrics)
         self._started_at = time.time()
+        config = engine.config
+        # The limits the engine runs with, as resolved (max_model_len: the model's window when
+        # no flag capped it), so that what a launcher asked for can be read back from Redis.
+        self._engine_fields = {
+            "tp": config.tp, "pp": config.pp, "device": str(resolve_device(config.device)),
+            "max_num_batched_tokens": config.max_num_batched_tokens, "block_size": engine.executor.block_size,
+            "max_model_len": engine.max_model_len,
+        }
 
     def tick(self) -> None:
         self.throughput_log.maybe_log()
 
     def heartbeat_fields(self) -> dict[str, object]:
         """Added to tf:sched:{id}: what `tokenfleet status` and the status page show beyond
-        load and KV use (tok/s over the last heartbeat interval, totals, where it runs)."""
+        load and KV use (tok/s over the last heartbeat interval, totals, where it runs, the
+        engine's limits)."""
         rates, _ = self._heartbeat_rates.take(time.monotonic())
         history = self.metrics.generation_history.recent(time.time())
         return {
-            "tp": self.engine.config.tp, "pp": self.engine.config.pp,
+            **self._engine_fields,
             "host": socket.gethostname(), "pid": os.getpid(),
             "started_at": self._started_at,
             "prompt_tokens_per_s": round(rates.prompt_tokens_per_s, 2),

@@ -43,6 +43,11 @@ def _decode_batch(step: int) -> StepBatch:
     return StepBatch(step, [SequenceWork("r", [5], 3, [0], True, GREEDY)])
 
 
+def _one_step(executor):
+    """A step start to end, as the engine runs one (submit, then collect)."""
+    return lambda batch: executor.collect(executor.submit(batch))
+
+
 def _time_steps(run_step, num_steps: int) -> float:
     """Median seconds of one step."""
     for i in range(20):  # warm-up
@@ -58,7 +63,7 @@ def _time_steps(run_step, num_steps: int) -> float:
 def measure_dispatch(folder: Path, num_steps: int) -> list[tuple[str, float]]:
     config = EngineConfig(model=str(folder), dtype="float32", num_kv_blocks=4, block_size=16,
                           num_threads=1)
-    rows = [("in-process runner (baseline)", _time_steps(InProcessExecutor(config).execute, num_steps))]
+    rows = [("in-process runner (baseline)", _time_steps(_one_step(InProcessExecutor(config)), num_steps))]
     for tp in (1, 2):
         group = RayWorkerGroup(EngineConfig(**{**config.__dict__, "tp": tp, "use_ray": True}))
         actors = group.actors
@@ -68,7 +73,7 @@ def measure_dispatch(folder: Path, num_steps: int) -> list[tuple[str, float]]:
             ray.get(refs)
 
         rows.append((f"Ray TP={tp}, plain actor calls", _time_steps(plain_calls, num_steps)))
-        rows.append((f"Ray TP={tp}, compiled graph", _time_steps(group.execute, num_steps)))
+        rows.append((f"Ray TP={tp}, compiled graph", _time_steps(_one_step(group), num_steps)))
         group.shutdown()
         # The transport alone: ranks (no model loaded) take the batch and return at once.
         bare = [ray.remote(RankWorker).options(num_cpus=1).remote(config, rank) for rank in range(tp)]

@@ -44,7 +44,8 @@ from bench_mixed_graphs import Chats, Row, run_chats
 from gateway.models import ServedModel
 from shared.net import free_port
 from tokenfleet import bench as fleet_bench
-from tokenfleet.cli import _engine_config, build_parser
+from tokenfleet.cli import build_parser
+from tokenfleet.engine_flags import engine_config
 
 MODEL_NAME = "bench-model"
 
@@ -109,7 +110,7 @@ def engine_rows(args: argparse.Namespace, folder: Path, rates: list[float]) -> d
     from scheduler.engine import LLMEngine
 
     scheduler_args = build_parser().parse_args(["scheduler", "--model", str(folder)])
-    config = _engine_config(scheduler_args)
+    config = engine_config(scheduler_args)
     served = ServedModel(MODEL_NAME, str(folder), None, 0, 0)
     rows: dict[float, Row] = {}
     with LLMEngine(config) as engine:

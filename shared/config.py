@@ -1,4 +1,13 @@
-"""Configuration shared by every command: where tokenfleet keeps its files, engine knobs."""
+"""Configuration shared by every command: where tokenfleet keeps its files, engine knobs.
+
+Engine defaults live in two layers, both here. `EngineConfig`'s dataclass defaults are the
+CPU's (and the tests'): `EngineConfig(model=...)` is the same config on every machine. The
+limits that depend on the hardware (max_num_seqs, max_num_batched_tokens and
+cuda_graph_max_batch_size, which follows max_num_seqs) are in `DEVICE_DEFAULTS`, applied by
+`EngineConfig.for_device`: the commands build their config through it (tokenfleet/engine_flags.py,
+from the same table their flags come from), and so should an in-process user that wants what
+the commands get on its device.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ENV_PREFIX = "TOKENFLEET_"
+# Where schedulers, gateways and the batch tools look for Redis when no --redis-url says otherwise.
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 QUANTIZATIONS = ("fp8", "int8")  # what --quantization takes (workers/layers/quantization.py)
 # NVLink multicast (NVLS) off unless the environment says otherwise: on shared multi-GPU
 # hosts a program that uses it can take every GPU of the host out of service. Set before
@@ -25,9 +36,24 @@ def env_default(name: str, default: str | None = None) -> str | None:
     return os.environ.get(f"{ENV_PREFIX}{name.upper().replace('-', '_')}", default)
 
 
+@dataclass(frozen=True)
+class DeviceDefaults:
+    max_num_seqs: int  # running sequences (and the largest CUDA-graph decode batch)
+    max_num_batched_tokens: int  # tokens per step
+
+
+# Engine limits a config takes, by device type, when nobody sets them. On a GPU, decode
+# throughput keeps growing up to ~512 sequences per step (scripts/bench_gpu.py, H200: 10.1k
+# output tok/s at 512 against 7.9k at 256); a CPU is saturated long before.
+DEVICE_DEFAULTS = {"cuda": DeviceDefaults(max_num_seqs=512, max_num_batched_tokens=8192),
+                   "cpu": DeviceDefaults(max_num_seqs=256, max_num_batched_tokens=2048)}
+_CPU = DEVICE_DEFAULTS["cpu"]
+
+
 @dataclass
 class EngineConfig:
-    """Knobs of one engine (scheduler core + its worker group)."""
+    """Knobs of one engine (scheduler core + its worker group). The defaults are the CPU's;
+    `for_device` gives a device's (see the module docstring)."""
 
     model: str  # path of a Hugging Face model folder
     tp: int = 1  # tensor-parallel ranks per pipeline stage
@@ -38,15 +64,15 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # None: sized from free memory
     kv_cache_memory_fraction: float = 0.9  # of free GPU memory (CUDA) for weights' leftovers
     kv_cache_bytes_cpu: int = 2 << 30  # KV budget on CPU when num_kv_blocks is None
-    max_num_seqs: int = 256  # cap on running sequences
-    max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
+    max_num_seqs: int = _CPU.max_num_seqs  # cap on running sequences
+    max_num_batched_tokens: int = _CPU.max_num_batched_tokens  # per-step token budget (chunked prefill)
     max_model_len: int | None = None  # None: the model's context window
     # Reuse the KV blocks of prompt prefixes computed before (hash-addressed full blocks).
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch threads per rank on CPU
     # CUDA graphs of decode-only steps (CUDA with Triton only; CPU always runs eagerly).
     cuda_graphs: bool = True
-    cuda_graph_max_batch_size: int = 256  # decode batches above this run eagerly
+    cuda_graph_max_batch_size: int = _CPU.max_num_seqs  # decode batches above this run eagerly
     # Mixed steps (prefill chunks with decodes) of up to this many tokens replay a graph of their
     # token bucket (workers/mixed_graphs.py); larger ones run eagerly; 0: every mixed step eagerly.
     cuda_graph_max_tokens: int = 2048
@@ -70,6 +96,21 @@ class EngineConfig:
     placement_group_name: str | None = None
     step_timeout_s: float = 120.0  # a step slower than this means a rank is gone
     max_group_restarts: int = 3  # rebuilds of a failed worker group before giving up
+
+    @classmethod
+    def for_device(cls, device_type: str, **fields) -> EngineConfig:
+        """The config of `fields` where max_num_seqs, max_num_batched_tokens and
+        cuda_graph_max_batch_size, left out or None, take the defaults of `device_type` ("cuda"
+        or "cpu": workers.device.resolve_device(config.device).type); the largest graph batch
+        follows max_num_seqs."""
+        defaults = DEVICE_DEFAULTS.get(device_type, _CPU)
+        if fields.get("max_num_seqs") is None:
+            fields["max_num_seqs"] = defaults.max_num_seqs
+        if fields.get("max_num_batched_tokens") is None:
+            fields["max_num_batched_tokens"] = defaults.max_num_batched_tokens
+        if fields.get("cuda_graph_max_batch_size") is None:
+            fields["cuda_graph_max_batch_size"] = fields["max_num_seqs"]
+        return cls(**fields)
 
 
 def uses_ray(executor: str, tp: int, pp: int = 1) -> bool:

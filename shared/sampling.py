@@ -37,10 +37,6 @@ class SamplingParams:
     grammar: str | None = None
 
     @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
     def has_penalties(self) -> bool:
         return (
             self.presence_penalty != 0.0

@@ -12,23 +12,17 @@ import json
 import os
 import sys
 
-from shared.config import QUANTIZATIONS, env_default
+from shared.config import DEFAULT_REDIS_URL, env_default
 from shared.errors import InvalidRequestError, TokenfleetError
-
-
-def _flag(parser: argparse.ArgumentParser, name: str, *, type=str, default=None, **kwargs) -> None:
-    """Add --name whose default comes from TOKENFLEET_NAME when that variable is set."""
-    env = env_default(name)
-    if env is not None:
-        if kwargs.get("action") == "store_true":
-            default = env.lower() in ("1", "true", "yes", "on")
-        else:
-            default = type(env)
-    if kwargs.get("action") == "store_true":
-        parser.add_argument(f"--{name}", default=bool(default), **kwargs)
-    else:
-        parser.add_argument(f"--{name}", type=type, default=default, **kwargs)
-
+from tokenfleet.engine_flags import (
+    add_engine_flags,
+    check_executor,
+    engine_argv,
+    engine_config,
+    resolve_model,
+    scheduler_command,
+)
+from tokenfleet.flags import flag as _flag
 
 ROUTING_MODES = ("prefix", "none")  # the gateway's --routing (gateway/routing.py)
 REDIS_URL_HELP = ("redis://[user:password@]host:port/db, or rediss:// for TLS (TLS options in the query: "
@@ -64,38 +58,6 @@ def _resolve_redis_flags(args: argparse.Namespace) -> None:
         args.redis_url = resolve_redis_url(args.redis_url, password_file)
 
 
-def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    _flag(parser, "model", help="Hugging Face model folder (default: SmolLM2-135M-Instruct, fetched once)")
-    _flag(parser, "tp", type=int, default=1, help="tensor-parallel size (ranks per pipeline stage)")
-    _flag(parser, "pp", type=int, default=1,
-          help="pipeline-parallel size: the layers split into this many stages of --tp ranks (Ray groups)")
-    _flag(parser, "device", help="cpu, cuda or cuda:N (default: cuda when present)")
-    _flag(parser, "dtype", help="float32, bfloat16 or float16 (default: bfloat16 on cuda, float32 on cpu)")
-    _flag(parser, "max-model-len", type=int, help="cap on prompt + output tokens")
-    _flag(parser, "num-kv-blocks", type=int, help="KV cache blocks (default: from memory)")
-    _flag(parser, "quantization", choices=QUANTIZATIONS,
-          help="quantize linear weights at load: fp8 (Hopper's FP8 GEMMs) or int8 (weight-only); "
-               "default: as the checkpoint stores them")
-    _flag(parser, "block-size", type=int, default=16, help="tokens per KV block")
-    _flag(parser, "max-num-seqs", type=int,
-          help="cap on running sequences (default: 512 on CUDA, 256 on CPU)")
-    _flag(parser, "max-num-batched-tokens", type=int,
-          help="tokens per step, chunked prefill (default: 8192 on CUDA, 2048 on CPU)")
-    _flag(parser, "cuda-graph-max-batch-size", type=int,
-          help="largest decode batch replayed from a CUDA graph (default: --max-num-seqs)")
-    _flag(parser, "executor", default="auto",
-          help="auto (in this process at TP=1, a Ray group above), inprocess or ray")
-    _flag(parser, "num-threads", type=int, help="torch threads per rank on CPU")
-    _flag(parser, "ray-address", help="join this Ray cluster (default: start a local Ray when needed)")
-    _flag(parser, "placement-strategy", default="STRICT_PACK",
-          help="Ray placement of a group's ranks: STRICT_PACK, PACK or SPREAD")
-    _flag(parser, "num-cpus-per-rank", type=float, default=1.0, help="Ray CPUs per rank on CPU hosts")
-    _flag(parser, "placement-group", help="use this named Ray placement group (reserved by the autoscaler) "
-                                          "for the worker group instead of reserving one")
-    _flag(parser, "no-prefix-caching", action="store_true",
-          help="recompute every prompt instead of reusing the KV blocks of a prefix seen before")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenfleet", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -105,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     model_commands.add_parser("fetch", help="build the default model folder; print its path last")
 
     gen = commands.add_parser("generate", help="offline generation in-process (no Redis)")
-    _add_engine_flags(gen)
+    add_engine_flags(gen)
     _flag(gen, "replicas", type=int, default=1, help="engines side by side (data parallel)")
     _flag(gen, "chat", action="store_true", help="wrap each prompt in the model's chat template")
     _flag(gen, "max-tokens", type=int, default=256, help="tokens to generate per prompt")
@@ -119,8 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(gen, "json", action="store_true", help="one JSON object per prompt")
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
     sched = commands.add_parser("scheduler", help="one scheduler and its worker group, fed from Redis")
-    _add_engine_flags(sched)
-    _redis_flags(sched, default="redis://127.0.0.1:6379/0")
+    add_engine_flags(sched)
+    _redis_flags(sched, default=DEFAULT_REDIS_URL)
     _flag(sched, "model-name", help="served model name (default: the model folder's name)")
     _flag(sched, "scheduler-id", help="unique id of this scheduler (default: hostname-pid-random)")
     _flag(sched, "lease-s", type=float, default=10.0,
@@ -175,21 +137,13 @@ def _add_up_parser(commands) -> None:
     up = commands.add_parser("up", help="the whole fleet on this machine: Redis, Ray, schedulers, gateway")
     _flag(up, "host", default="127.0.0.1", help="gateway address")
     _flag(up, "port", type=int, default=8000, help="gateway port")
-    _flag(up, "model", help="model folder (default: SmolLM2-135M-Instruct, fetched once)")
     _flag(up, "model-name", help="served model name (default: the model folder's name)")
-    _flag(up, "tp", type=int, default=1, help="tensor-parallel size of each replica")
-    _flag(up, "pp", type=int, default=1, help="pipeline stages of each replica (each of --tp ranks)")
     _flag(up, "replicas", type=int, default=1, help="schedulers (each with its worker group)")
     _redis_flags(up, help="use this Redis instead of starting one (" + REDIS_URL_HELP + ")")
     _flag(up, "redis-port", type=int, help="port of the Redis started here (default: a free one)")
-    _flag(up, "ray-address", help="use this Ray cluster instead of starting a local one")
-    _flag(up, "dtype", help="float32, bfloat16 or float16 (default: by device)")
-    _flag(up, "num-kv-blocks", type=int, help="KV cache blocks per replica (default: from memory)")
-    _flag(up, "quantization", choices=QUANTIZATIONS, help="fp8 or int8 linear weights (see scheduler)")
-    _flag(up, "max-num-seqs", type=int,
-          help="cap on running sequences per replica (default: 512 on CUDA, 256 on CPU)")
-    _flag(up, "executor", default="auto",
-          help="auto (each scheduler's own process at TP=1, a Ray group above), inprocess or ray")
+    # Every engine flag, for each replica's scheduler (--ray-address: a Ray `up` joins instead of
+    # starting one); the autoscaler reserves the placement groups itself.
+    add_engine_flags(up, exclude=("placement-group",))
     _flag(up, "tenants-file", help="the gateway's tenants: API keys and limits (see `tokenfleet gateway`)")
     _flag(up, "tenants-from-redis", action="store_true",
           help="the gateway also looks API keys and tenant limits up in Redis (`tokenfleet tenants set`)")
@@ -197,8 +151,6 @@ def _add_up_parser(commands) -> None:
     _flag(up, "max-queue", type=int, help="the gateway's waiting requests per model before 429 "
                                           "(default 1024; 0: no limit)")
     _flag(up, "max-n", type=int, help="the gateway's cap on n, choices per request (default 8)")
-    _flag(up, "no-prefix-caching", action="store_true",
-          help="schedulers recompute every prompt instead of reusing cached prefixes")
     _flag(up, "gateway-workers", type=int,
           help="gateway processes on the one port (default: from the cores, max(1, min(8, cores // 4)))")
     _flag(up, "routing", default="prefix", choices=ROUTING_MODES,
@@ -254,19 +206,28 @@ def _autoscale_options(args: argparse.Namespace):
 def _add_autoscale_parser(commands) -> None:
     auto = commands.add_parser("autoscale", help="keep a model's schedulers between --min-replicas and "
                                                  "--max-replicas from its queue (for a cluster)")
-    _redis_flags(auto, default="redis://127.0.0.1:6379/0", help="the fleet's Redis")
-    _flag(auto, "ray-address", help="the Ray cluster replicas' groups are placed on (needed with Ray groups)")
-    _flag(auto, "model", help="model folder (default: SmolLM2-135M-Instruct, fetched once)")
+    _redis_flags(auto, default=DEFAULT_REDIS_URL, help="the fleet's Redis")
     _flag(auto, "model-name", help="served model name (default: the model folder's name)")
-    _flag(auto, "tp", type=int, default=1, help="tensor-parallel size of each replica")
-    _flag(auto, "pp", type=int, default=1, help="pipeline stages of each replica (each of --tp ranks)")
-    _flag(auto, "executor", default="auto", help="auto (TP=1 in the scheduler's process), inprocess or ray")
-    _flag(auto, "num-cpus-per-rank", type=float, default=1.0, help="Ray CPUs per rank on CPU hosts")
-    _flag(auto, "placement-strategy", default="STRICT_PACK", help="of each replica's group")
+    add_engine_flags(auto, exclude=("placement-group",), helps={
+        "ray-address": "the Ray cluster replicas' groups are placed on (needed with Ray groups)"})
     _flag(auto, "key-prefix", default="tf:", help="prefix of every Redis key")
     _add_autoscale_flags(auto, required=True)
     auto.add_argument("scheduler_args", nargs=argparse.REMAINDER, metavar="-- SCHEDULER FLAGS",
-                      help="after --: flags every replica's `tokenfleet scheduler` gets (e.g. --dtype)")
+                      help="after --: other flags of every replica's `tokenfleet scheduler` (e.g. --lease-s)")
+
+
+def autoscale_argv_for(args: argparse.Namespace, model: str, model_name: str):
+    """`tokenfleet autoscale`'s (replica_id, placement group) -> that replica's scheduler command
+    line: its engine flags, --key-prefix and the flags after `--`."""
+    engine_args = engine_argv(args)
+    extra = ["--key-prefix", args.key_prefix, *(a for a in args.scheduler_args if a != "--")]
+
+    def argv_for(replica_id: str, group: str | None) -> list[str]:
+        return scheduler_command(redis_url=args.redis_url, model=model, model_name=model_name,
+                                 scheduler_id=replica_id, tp=args.tp, pp=args.pp, executor=args.executor,
+                                 ray_address=args.ray_address, placement_group=group, engine_args=engine_args,
+                                 extra=extra)
+    return argv_for
 
 
 def _cmd_autoscale(args: argparse.Namespace) -> int:
@@ -279,23 +240,14 @@ def _cmd_autoscale(args: argparse.Namespace) -> int:
 
     if args.max_replicas is None:
         raise InvalidRequestError("--max-replicas is required", param="max-replicas")
+    check_executor(args.executor)
     options = _autoscale_options(args)
-    model = _resolve_model(args.model)
+    model = resolve_model(args.model)
     model_name = args.model_name or Path(model).name
     needs_ray = uses_ray(args.executor, args.tp, args.pp)
     if needs_ray and not args.ray_address:
         raise InvalidRequestError("--ray-address is required for replicas on Ray groups", param="ray-address")
-    extra = [a for a in args.scheduler_args if a != "--"]
-    ray_args = ["--ray-address", args.ray_address] if needs_ray else []
-
-    def argv_for(replica_id: str, group: str | None) -> list[str]:
-        return [sys.executable, "-m", "tokenfleet.cli", "scheduler", "--redis-url", args.redis_url, *ray_args,
-                *(["--placement-group", group] if group else []), "--model", model,
-                "--model-name", model_name,
-                "--tp", str(args.tp), "--pp", str(args.pp), "--executor", args.executor,
-                "--scheduler-id", replica_id,
-                "--key-prefix", args.key_prefix, "--num-cpus-per-rank", str(args.num_cpus_per_rank), *extra]
-
+    argv_for = autoscale_argv_for(args, model, model_name)
     import torch
 
     from shared.keys import Keys
@@ -366,7 +318,7 @@ def _add_tenants_parser(commands) -> None:
     for action in (set_, show, remove):
         action.add_argument("tenant", metavar="TENANT")
         _redis_flags(action, help="Redis (default: the fleet's from $TOKENFLEET_HOME/fleet.json, else "
-                                  "redis://127.0.0.1:6379/0)")
+                                  f"{DEFAULT_REDIS_URL})")
         _flag(action, "key-prefix", default="tf:", help="prefix of every Redis key")
 
 
@@ -380,7 +332,7 @@ def _cmd_batch(args: argparse.Namespace) -> int:
     from tokenfleet.batch_cli import run_batch_command
 
     if args.batch_command == "ingester":
-        args.model_paths = _list_value(args, "model") or [_resolve_model(None)]
+        args.model_paths = _list_value(args, "model") or [resolve_model(None)]
     return run_batch_command(args)
 
 
@@ -439,7 +391,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _add_gateway_parser(commands) -> None:
     gw = commands.add_parser("gateway", help="the OpenAI-compatible HTTP gateway in front of the schedulers")
-    _redis_flags(gw, default="redis://127.0.0.1:6379/0")
+    _redis_flags(gw, default=DEFAULT_REDIS_URL)
     _flag(gw, "host", default="127.0.0.1", help="address to listen on")
     _flag(gw, "port", type=int, default=8000)
     _list_flag(gw, "model", help="model folder it fronts: tokenizer, chat template (repeatable; "
@@ -487,7 +439,7 @@ def gateway_settings(args: argparse.Namespace):
     from gateway.settings import GatewaySettings, ModelSpec
     from gateway.tenants import TenantDirectory
 
-    paths = _list_value(args, "model") or [_resolve_model(None)]
+    paths = _list_value(args, "model") or [resolve_model(None)]
     names = _list_value(args, "model-name")
     if len(names) > len(paths):
         raise InvalidRequestError(f"{len(names)} --model-name for {len(paths)} --model", param="model-name")
@@ -512,38 +464,6 @@ def gateway_settings(args: argparse.Namespace):
     )
 
 
-def _resolve_model(path: str | None) -> str:
-    if path:
-        return path
-    from workers.default_model import fetch_default_model
-
-    return str(fetch_default_model())
-
-
-def _engine_config(args: argparse.Namespace):
-    from shared.config import EngineConfig, uses_ray
-    from shared.errors import InvalidRequestError
-    from workers.device import hardware_defaults, resolve_device
-
-    if args.executor not in ("auto", "inprocess", "ray"):
-        raise InvalidRequestError(f"--executor must be auto, inprocess or ray, got {args.executor!r}",
-                                  param="executor")
-    # Flags left out take what the benchmarks found best on this kind of device.
-    defaults = hardware_defaults(resolve_device(args.device))
-    max_num_seqs = args.max_num_seqs or defaults.max_num_seqs
-    return EngineConfig(
-        model=_resolve_model(args.model), tp=args.tp, pp=args.pp, device=args.device, dtype=args.dtype,
-        max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
-        quantization=args.quantization, block_size=args.block_size, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens or defaults.max_num_batched_tokens,
-        cuda_graph_max_batch_size=args.cuda_graph_max_batch_size or max_num_seqs,
-        num_threads=args.num_threads, ray_address=args.ray_address,
-        placement_strategy=args.placement_strategy, num_cpus_per_rank=args.num_cpus_per_rank,
-        use_ray=uses_ray(args.executor, args.tp, args.pp), placement_group_name=args.placement_group,
-        enable_prefix_caching=not args.no_prefix_caching,
-    )
-
-
 def _cmd_scheduler(args: argparse.Namespace) -> int:
     import signal
     import socket
@@ -559,7 +479,7 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
 
     if args.heartbeat_s <= 0:
         raise InvalidRequestError(f"--heartbeat-s must be > 0, got {args.heartbeat_s}", param="heartbeat-s")
-    config = _engine_config(args)
+    config = engine_config(args)
     settings = ServiceSettings(
         model_name=args.model_name or Path(config.model).name,
         scheduler_id=args.scheduler_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
@@ -598,7 +518,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,
         ignore_eos=args.ignore_eos,
     ).validate()
-    config = _engine_config(args)
+    config = engine_config(args)
     if args.replicas > 1:
         from scheduler.replicas import ReplicatedEngine
 
@@ -629,28 +549,19 @@ def fleet_options(args: argparse.Namespace):
     if args.batch_ingesters < 0:
         raise InvalidRequestError(f"--batch-ingesters must be >= 0, got {args.batch_ingesters}",
                                   param="batch-ingesters")
-    model = _resolve_model(args.model)
-    scheduler_args = ["--executor", args.executor]
-    if args.max_num_seqs:
-        scheduler_args += ["--max-num-seqs", str(args.max_num_seqs)]
-    if args.dtype:
-        scheduler_args += ["--dtype", args.dtype]
-    if args.num_kv_blocks:
-        scheduler_args += ["--num-kv-blocks", str(args.num_kv_blocks)]
-    if args.quantization:
-        scheduler_args += ["--quantization", args.quantization]
+    check_executor(args.executor)
+    model = resolve_model(args.model)
     autoscale = _autoscale_options(args)
     if autoscale is not None and autoscale.policy.min_replicas < 1:
         # `up` waits for a serving replica before it says the fleet is up.
         raise InvalidRequestError("up needs --min-replicas >= 1 (tokenfleet autoscale allows 0)",
                                   param="min-replicas")
-    if args.no_prefix_caching:
-        scheduler_args += ["--no-prefix-caching"]
     return FleetOptions(
         autoscale=autoscale, model=model, model_name=args.model_name or Path(model).name, host=args.host,
         port=args.port,
         tp=args.tp, pp=args.pp, replicas=args.replicas, redis_url=args.redis_url, redis_port=args.redis_port,
-        ray_address=args.ray_address, executor=args.executor, scheduler_args=scheduler_args,
+        ray_address=args.ray_address, executor=args.executor, scheduler_args=engine_argv(args),
+        num_cpus_per_rank=args.num_cpus_per_rank, placement_strategy=args.placement_strategy,
         gateway_workers=args.gateway_workers or default_gateway_workers(),
         batch_ingesters=args.batch_ingesters, **_up_gateway_flags(args),
     )

@@ -30,12 +30,13 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
-from shared.config import tokenfleet_home, uses_ray
+from shared.config import DEFAULT_REDIS_URL, tokenfleet_home, uses_ray
 from shared.errors import TokenfleetError
 from shared.logging import get_logger
 from shared.net import free_port
 from shared.redis_url import read_password_file
 from tokenfleet.autoscale.runner import AutoscaleOptions, AutoscaleRunner, placement_request
+from tokenfleet.engine_flags import scheduler_command
 from tokenfleet.redis_server import password_config, redis_server_binary
 from tokenfleet.supervise import NEVER_RESTART, Supervisor
 
@@ -49,9 +50,6 @@ def recorded_fleet() -> dict:
         return json.loads((tokenfleet_home() / "fleet.json").read_text())
     except (OSError, json.JSONDecodeError):
         return {}
-
-
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
 def recorded_redis_url() -> str:
@@ -73,7 +71,11 @@ class FleetOptions:
     redis_port: int | None = None  # for the Redis we start; None: a free port
     ray_address: str | None = None  # None: start a local Ray head (when a group needs one)
     executor: str = "auto"  # see shared.config.uses_ray
-    scheduler_args: list[str] = field(default_factory=list)  # extra engine flags
+    # Of each replica's group, for the placement groups the autoscaler reserves.
+    num_cpus_per_rank: float = 1.0
+    placement_strategy: str = "STRICT_PACK"
+    # Every other engine flag given to `up`, for each scheduler (tokenfleet/engine_flags.py's engine_argv).
+    scheduler_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)  # extra gateway flags
     gateway_env: dict[str, str] = field(default_factory=dict)  # the gateway's besides ours (keys: not argv)
     gateway_workers: int = 1  # gateway processes on the one port
@@ -136,13 +138,11 @@ class Fleet:
 
     def scheduler_argv(self, scheduler_id: str, placement_group: str | None = None) -> list[str]:
         """The command line of one replica's scheduler."""
-        needs_ray = uses_ray(self.options.executor, self.options.tp, self.options.pp)
-        ray_args = ["--ray-address", self.ray_address] if needs_ray else []
-        group_args = ["--placement-group", placement_group] if placement_group else []
-        return [sys.executable, "-m", "tokenfleet.cli", "scheduler", "--redis-url", self.redis_url, *ray_args,
-                *group_args, "--model", self.options.model, "--model-name", self.options.model_name,
-                "--tp", str(self.options.tp), "--pp", str(self.options.pp), "--scheduler-id", scheduler_id,
-                *self.options.scheduler_args]
+        return scheduler_command(
+            redis_url=self.redis_url, model=self.options.model, model_name=self.options.model_name,
+            scheduler_id=scheduler_id, tp=self.options.tp, pp=self.options.pp, executor=self.options.executor,
+            ray_address=self.ray_address, placement_group=placement_group,
+            engine_args=self.options.scheduler_args)
 
     def scheduler_command(self, index: int) -> tuple[list[str], dict[str, str]]:
         """argv and environment of replica `index`'s scheduler (id `{model_name}-{index}`)."""
@@ -156,6 +156,8 @@ class Fleet:
         """The controller owns the schedulers: it starts --min-replicas now and the rest on demand."""
         autoscale = self.options.autoscale
         placement = placement_request(self.options.tp * self.options.pp, on_gpu=_num_gpus() > 0,
+                                      num_cpus_per_rank=self.options.num_cpus_per_rank,
+                                      strategy=self.options.placement_strategy,
                                       timeout_s=autoscale.placement_timeout_s) if needs_ray else None
         self.autoscaler = AutoscaleRunner(self.redis_url, self.options.model_name, autoscale,
                                           self.scheduler_argv, self.home / "logs", env=self.env,

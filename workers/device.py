@@ -1,8 +1,7 @@
-"""Device and dtype follow the hardware unless the caller says otherwise."""
+"""Device and dtype follow the hardware unless the caller says otherwise (the engine limits that
+follow it are shared/config.py's DEVICE_DEFAULTS)."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -25,18 +24,3 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
     if name not in DTYPES:
         raise InvalidRequestError(f"dtype {name!r} is not one of {', '.join(DTYPES)}", param="dtype")
     return DTYPES[name]
-
-
-@dataclass(frozen=True)
-class HardwareDefaults:
-    max_num_seqs: int  # running sequences (and the largest CUDA-graph decode batch)
-    max_num_batched_tokens: int  # tokens per step
-
-
-def hardware_defaults(device: torch.device) -> HardwareDefaults:
-    """Engine limits a command takes when no flag sets them. On a GPU, decode throughput keeps
-    growing up to ~512 sequences per step (scripts/bench_gpu.py, H200: 10.1k output tok/s at
-    512 against 7.9k at 256); a CPU is saturated long before."""
-    if device.type == "cuda":
-        return HardwareDefaults(max_num_seqs=512, max_num_batched_tokens=8192)
-    return HardwareDefaults(max_num_seqs=256, max_num_batched_tokens=2048)

@@ -5,7 +5,7 @@
   used for TP or PP > 1, for replicas, or when `EngineConfig.use_ray` is set.
 
 `submit` starts a step and `collect` waits for its result; a pipelined group (PP > 1) takes
-`pipeline_depth` steps in flight at once, so that every stage has work. `execute` is the two.
+`pipeline_depth` steps in flight at once, so that every stage has work.
 """
 
 from __future__ import annotations
@@ -28,14 +28,12 @@ class Executor(Protocol):
     # Steps that may be in flight at once (submitted, not yet collected): 1 but for pipelines.
     pipeline_depth: int
 
-    def execute(self, batch: StepBatch) -> StepResult:
-        """Raises WorkerError when a rank failed; the KV cache is then lost."""
-
     def submit(self, batch: StepBatch) -> object:
         """Start a step; returns what `collect` takes."""
 
     def collect(self, handle: object) -> StepResult:
-        """The result of a submitted step, in submission order. Raises WorkerError like execute."""
+        """The result of a submitted step, in submission order. Raises WorkerError when a rank
+        failed (in either call); the KV cache is then lost."""
 
     def restart(self) -> None:
         """Rebuild the group after a WorkerError (fresh, empty KV cache)."""
@@ -60,9 +58,6 @@ class InProcessExecutor:
         self.num_kv_blocks = self.runner.num_kv_blocks
         self.max_model_len = self.runner.max_model_len
         self.block_size = self.runner.block_size
-
-    def execute(self, batch: StepBatch) -> StepResult:
-        return self.runner.execute(batch)
 
     def submit(self, batch: StepBatch) -> StepResult:
         return self.runner.execute(batch)  # one rank, one step at a time: it runs now

@@ -277,9 +277,6 @@ class RayWorkerGroup:
 
     # -- steps ------------------------------------------------------------------------
 
-    def execute(self, batch: StepBatch) -> StepResult:
-        return self.collect(self.submit(batch))
-
     def submit(self, batch: StepBatch) -> tuple[int, object]:
         """Start a step on every rank; returns its handle for `collect`."""
         with self._lock:

@@ -96,13 +96,6 @@ class RayPlacement:
                 f"{self.request.bundles[0]}, {self.request.strategy}) within {self.request.timeout_s:g} s")
         return name
 
-    def node_of(self, replica_id: str) -> list[str]:
-        """The node id of each bundle of a reserved replica."""
-        import ray
-
-        table = ray.util.placement_group_table(ray.util.get_placement_group(self.group_name(replica_id)))
-        return [table["bundles_to_node_id"][i] for i in sorted(table["bundles_to_node_id"])]
-
     def release(self, replica_id: str) -> None:
         import ray
         from ray.util.placement_group import remove_placement_group

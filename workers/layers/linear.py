@@ -66,18 +66,6 @@ class LinearBase(nn.Module):
         return y + self.bias if self.bias is not None else y
 
 
-class ReplicatedLinear(LinearBase):
-    """Every rank holds the whole weight (small projections, TP=1)."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel) -> None:
-        super().__init__()
-        self.tp = tp
-        self._make_params(out_features, in_features, bias)
-
-    def weight_loader(self, param: nn.Parameter, tensor_slice: TensorSlice, shard_id: Any = None) -> None:
-        self._store(param, slice(None), tensor_slice[:], "replicated")
-
-
 class ColumnParallelLinear(LinearBase):
     """Output features split over ranks: y_local = x @ W[rows of this rank].T; no collective."""
 

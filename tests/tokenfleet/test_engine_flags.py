@@ -1,0 +1,88 @@
+"""Every engine flag of the table (tokenfleet/engine_flags.py) given to `up` or `autoscale`
+reaches the schedulers they start: the EngineConfig a scheduler builds from the command line
+they give it is the one `tokenfleet scheduler` builds from the same flags."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from shared.config import DEVICE_DEFAULTS, EngineConfig
+from tokenfleet.cli import autoscale_argv_for, build_parser, fleet_options
+from tokenfleet.engine_flags import ENGINE_FLAGS, engine_config
+from tokenfleet.up import Fleet
+
+# A value of each flag that differs from its default (None: a switch).
+SAMPLES = {
+    "tp": "2", "pp": "2", "executor": "ray", "device": "cpu", "dtype": "bfloat16", "max-model-len": "512",
+    "num-kv-blocks": "64", "block-size": "32", "quantization": "int8", "max-num-seqs": "8",
+    "max-num-batched-tokens": "1024", "cuda-graph-max-batch-size": "4", "cuda-graph-max-tokens": "256",
+    "num-threads": "2", "ray-address": "127.0.0.1:6380", "placement-strategy": "SPREAD",
+    "num-cpus-per-rank": "0.5", "no-prefix-caching": None,
+}
+PLACEMENT_GROUP = "tokenfleet-replica-m-0"  # the one flag the launchers set per replica
+
+
+def _flags(model: str, *, placement_group: bool) -> list[str]:
+    flags = ["--model", model]
+    for name, value in SAMPLES.items():
+        flags += [f"--{name}"] if value is None else [f"--{name}", value]
+    return flags + (["--placement-group", PLACEMENT_GROUP] if placement_group else [])
+
+
+def _scheduler_config(argv: list[str]) -> EngineConfig:
+    """The config of a scheduler started with `argv` (python -m tokenfleet.cli scheduler ...)."""
+    assert argv[1:4] == ["-m", "tokenfleet.cli", "scheduler"], argv
+    return engine_config(build_parser().parse_args(argv[3:]))
+
+
+@pytest.fixture
+def wanted(tmp_path) -> EngineConfig:
+    """`tokenfleet scheduler` given every sample: each field a flag sets is off its default."""
+    config = engine_config(build_parser().parse_args(["scheduler", *_flags(str(tmp_path),
+                                                                             placement_group=True)]))
+    plain = EngineConfig.for_device("cpu", model=str(tmp_path))
+    same = [spec.name for spec in ENGINE_FLAGS if spec.config_field not in (None, "model")
+            and getattr(config, spec.config_field) == getattr(plain, spec.config_field)]
+    assert not same, f"samples equal to the defaults: {same}"
+    assert config.use_ray and not plain.use_ray  # (--executor ray)
+    return config
+
+
+def test_every_flag_of_the_table_has_a_sample() -> None:
+    assert set(SAMPLES) | {"model", "placement-group"} == {spec.name for spec in ENGINE_FLAGS}
+
+
+def test_every_engine_flag_given_to_up_reaches_its_schedulers(tmp_path, wanted) -> None:
+    fleet = Fleet(fleet_options(build_parser().parse_args(["up", *_flags(str(tmp_path),
+                                                                         placement_group=False)])))
+    fleet.redis_url = "redis://127.0.0.1:1/0"  # (what starting its Redis would set)
+    assert _scheduler_config(fleet.scheduler_argv("m-0", PLACEMENT_GROUP)) == wanted  # autoscaled
+    argv, _ = fleet.scheduler_command(0)
+    assert _scheduler_config(argv) == dataclasses.replace(wanted, placement_group_name=None)
+
+
+def test_every_engine_flag_given_to_autoscale_reaches_its_schedulers(tmp_path, wanted) -> None:
+    args = build_parser().parse_args(["autoscale", "--max-replicas", "2", *_flags(str(tmp_path),
+                                                                                  placement_group=False),
+                                      "--", "--lease-s", "3"])
+    argv = autoscale_argv_for(args, str(tmp_path), "m")("m-0", PLACEMENT_GROUP)
+    assert _scheduler_config(argv) == wanted
+    assert argv[-4:] == ["--key-prefix", "tf:", "--lease-s", "3"]
+
+
+def test_flags_left_out_reach_no_scheduler_and_take_the_devices_defaults(tmp_path) -> None:
+    """`up` with no engine flag hands its schedulers none: each resolves the defaults of its own
+    device, the same ones EngineConfig.for_device gives an in-process user."""
+    fleet = Fleet(fleet_options(build_parser().parse_args(["up", "--model", str(tmp_path)])))
+    fleet.redis_url = "redis://127.0.0.1:1/0"
+    argv = fleet.scheduler_argv("m-0")
+    assert argv[argv.index("--scheduler-id") + 2:] == ["--tp", "1", "--pp", "1", "--executor", "auto"]
+    for device, defaults in DEVICE_DEFAULTS.items():
+        config = EngineConfig.for_device(device, model="m")
+        assert (config.max_num_seqs, config.max_num_batched_tokens, config.cuda_graph_max_batch_size) == \
+            (defaults.max_num_seqs, defaults.max_num_batched_tokens, defaults.max_num_seqs)
+    cpu = engine_config(build_parser().parse_args(["scheduler", "--model", "m", "--device", "cpu"]))
+    assert cpu == EngineConfig.for_device("cpu", model="m", device="cpu")
+    assert EngineConfig.for_device("cpu", model="m") == EngineConfig(model="m")  # the dataclass: the CPU's

@@ -1,0 +1,159 @@
+"""The engine's flags, in one table: `ENGINE_FLAGS`. From it
+
+- `add_engine_flags` declares them on `scheduler`, `generate`, `up` and `autoscale`;
+- `engine_config` builds the EngineConfig of a command's flags (the device's defaults applied
+  by EngineConfig.for_device, shared/config.py, for the limits left out);
+- `engine_argv` turns the flags a user gave `up` or `autoscale` back into the command line of
+  each scheduler they start (`scheduler_command`), so that a flag added to the table reaches
+  every scheduler with no other change.
+
+The launchers set a few flags of each scheduler themselves (`LAUNCHER_SETS`: the model folder
+they resolved once, the sizes of the group they place, the Ray they start or join, the
+placement group they reserved); `engine_argv` leaves those out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from shared.config import DEVICE_DEFAULTS, QUANTIZATIONS, EngineConfig, uses_ray
+from shared.errors import InvalidRequestError
+from tokenfleet.flags import flag
+
+EXECUTORS = ("auto", "inprocess", "ray")
+_CUDA, _CPU = DEVICE_DEFAULTS["cuda"], DEVICE_DEFAULTS["cpu"]
+
+
+@dataclass(frozen=True)
+class EngineFlag:
+    name: str  # --name (and TOKENFLEET_NAME)
+    help: str
+    type: Callable = str
+    default: object = None  # None for the limits EngineConfig.for_device fills by device
+    field: str | None = ""  # the EngineConfig field it sets ("": its name with _); None: none
+    choices: tuple[str, ...] | None = None
+    switch: bool = False  # a store_true flag that turns its field off (--no-prefix-caching)
+
+    @property
+    def dest(self) -> str:
+        return self.name.replace("-", "_")
+
+    @property
+    def config_field(self) -> str | None:
+        return self.dest if self.field == "" else self.field
+
+
+ENGINE_FLAGS: tuple[EngineFlag, ...] = (
+    EngineFlag("model", "Hugging Face model folder (default: SmolLM2-135M-Instruct, fetched once)"),
+    EngineFlag("tp", "tensor-parallel size (ranks per pipeline stage)", int, 1),
+    EngineFlag("pp", "pipeline-parallel size: the layers split into this many stages of --tp ranks "
+                     "(Ray groups)", int, 1),
+    EngineFlag("executor", "auto (the scheduler's own process at TP=1, a Ray group above), inprocess or ray",
+               default="auto", field=None, choices=EXECUTORS),
+    EngineFlag("device", "cpu, cuda or cuda:N (default: cuda when present)"),
+    EngineFlag("dtype", "float32, bfloat16 or float16 (default: bfloat16 on cuda, float32 on cpu)"),
+    EngineFlag("max-model-len", "cap on prompt + output tokens (default: the model's context window)", int),
+    EngineFlag("num-kv-blocks", "KV cache blocks (default: from memory)", int),
+    EngineFlag("block-size", "tokens per KV block", int, 16),
+    EngineFlag("quantization", "quantize linear weights at load: fp8 (Hopper's FP8 GEMMs) or int8 "
+                               "(weight-only); default: as the checkpoint stores them",
+               choices=QUANTIZATIONS),
+    EngineFlag("max-num-seqs", "cap on running sequences (default: "
+                               f"{_CUDA.max_num_seqs} on CUDA, {_CPU.max_num_seqs} on CPU)", int),
+    EngineFlag("max-num-batched-tokens", "tokens per step, chunked prefill (default: "
+                                         f"{_CUDA.max_num_batched_tokens} on CUDA, "
+                                         f"{_CPU.max_num_batched_tokens} on CPU)", int),
+    EngineFlag("cuda-graph-max-batch-size", "largest decode batch replayed from a CUDA graph "
+                                            "(default: --max-num-seqs)", int),
+    EngineFlag("cuda-graph-max-tokens", "mixed steps (prefill chunks beside decodes) of up to this many "
+                                        "tokens replay a CUDA graph (0: every mixed step eagerly)", int,
+               EngineConfig.cuda_graph_max_tokens),
+    EngineFlag("num-threads", "torch threads per rank on CPU", int),
+    EngineFlag("ray-address", "join this Ray cluster (default: start a local Ray when needed)"),
+    EngineFlag("placement-strategy", "Ray placement of a group's ranks: STRICT_PACK, PACK or SPREAD",
+               default=EngineConfig.placement_strategy),
+    EngineFlag("num-cpus-per-rank", "Ray CPUs per rank on CPU hosts", float, EngineConfig.num_cpus_per_rank),
+    EngineFlag("placement-group", "use this named Ray placement group (reserved by the autoscaler) for the "
+                                  "worker group instead of reserving one", field="placement_group_name"),
+    EngineFlag("no-prefix-caching", "recompute every prompt instead of reusing the KV blocks of a prefix "
+                                    "seen before", default=False, field="enable_prefix_caching", switch=True),
+)
+
+# What `up` and `autoscale` set on each scheduler themselves (see scheduler_command).
+LAUNCHER_SETS = frozenset({"model", "tp", "pp", "executor", "ray-address", "placement-group"})
+
+
+def add_engine_flags(parser: argparse.ArgumentParser, *, exclude: Iterable[str] = (),
+                     helps: dict[str, str] | None = None) -> None:
+    """Declare every engine flag but `exclude` on `parser`; `helps` words some for this command."""
+    excluded = set(exclude)
+    for spec in ENGINE_FLAGS:
+        if spec.name in excluded:
+            continue
+        text = (helps or {}).get(spec.name, spec.help)
+        if spec.switch:
+            flag(parser, spec.name, action="store_true", help=text)
+        else:
+            extra = {"choices": spec.choices} if spec.choices else {}
+            flag(parser, spec.name, type=spec.type, default=spec.default, help=text, **extra)
+
+
+def check_executor(executor: str) -> None:
+    if executor not in EXECUTORS:
+        raise InvalidRequestError(f"--executor must be auto, inprocess or ray, got {executor!r}",
+                                  param="executor")
+
+
+def resolve_model(path: str | None) -> str:
+    """The model folder of --model; without one, the default model's (fetched the first time)."""
+    if path:
+        return path
+    from workers.default_model import fetch_default_model
+
+    return str(fetch_default_model())
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of a command's engine flags; limits left out take the device's defaults."""
+    from workers.device import resolve_device
+
+    check_executor(args.executor)
+    fields = {}
+    for spec in ENGINE_FLAGS:
+        if spec.config_field is not None:
+            value = getattr(args, spec.dest, spec.default)  # (up and autoscale lack placement-group)
+            fields[spec.config_field] = not value if spec.switch else value
+    fields["model"] = resolve_model(args.model)
+    fields["use_ray"] = uses_ray(args.executor, args.tp, args.pp)
+    return EngineConfig.for_device(resolve_device(args.device).type, **fields)
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags in `args` that differ from their defaults (given on the command line or
+    by TOKENFLEET_* variables), as scheduler flags; LAUNCHER_SETS left out."""
+    argv: list[str] = []
+    for spec in ENGINE_FLAGS:
+        if spec.name in LAUNCHER_SETS:
+            continue
+        value = getattr(args, spec.dest)
+        if value == spec.default:
+            continue
+        argv += [f"--{spec.name}"] if spec.switch else [f"--{spec.name}", str(value)]
+    return argv
+
+
+def scheduler_command(*, redis_url: str, model: str, model_name: str, scheduler_id: str, tp: int = 1,
+                      pp: int = 1, executor: str = "auto", ray_address: str | None = None,
+                      placement_group: str | None = None, engine_args: Iterable[str] = (),
+                      extra: Iterable[str] = ()) -> list[str]:
+    """One replica's `tokenfleet scheduler` command line, as `up` and `autoscale` start it: what
+    the launcher sets (LAUNCHER_SETS; --ray-address only for a Ray group), then `engine_args`
+    (engine_argv of the launcher's own flags), then `extra` (other scheduler flags)."""
+    ray_args = ["--ray-address", ray_address] if ray_address and uses_ray(executor, tp, pp) else []
+    return [sys.executable, "-m", "tokenfleet.cli", "scheduler", "--redis-url", redis_url, *ray_args,
+            *(["--placement-group", placement_group] if placement_group else []),
+            "--model", model, "--model-name", model_name, "--scheduler-id", scheduler_id,
+            "--tp", str(tp), "--pp", str(pp), "--executor", executor, *engine_args, *extra]
