@@ -53,6 +53,7 @@ MAX_BACKOFF_S = 5.0
 # each look is a Redis round trip on the engine thread (up to 10% of a small batch's step).
 ADMISSION_POLL_S = 0.005
 SWITCH_INTERVAL_S = 0.0005
+EXPIRED_MESSAGE = "the deadline passed while it was queued"
 
 
 @dataclass
@@ -312,8 +313,9 @@ class SchedulerService:
 
     def _check_entry(self, stream: str, entry_id: str, payload: bytes | None,
                      num_deliveries: int) -> RequestMessage | None:
-        """The entry's request, or None: undecodable or delivered too often (set aside in
-        tf:dead), or ours already."""
+        """The entry's request, or None: undecodable (set aside in tf:dead), or a request this
+        engine holds already. (Whether it was delivered too often is judged once its record is
+        read: a leftover entry of a request that has ended is only acknowledged.)"""
         try:
             if payload is None:
                 raise MessageDecodeError("the entry has no 'm' field")
@@ -321,13 +323,22 @@ class SchedulerService:
         except MessageDecodeError as exc:
             self._dead_letter(stream, entry_id, f"undecodable: {exc}", num_deliveries, payload)
             return None
-        if message.req_id in self.inflight or message.req_id in self._finishing:
-            return None  # ours already (claimed back from ourselves)
-        if num_deliveries > self.settings.max_deliveries:
-            self._dead_letter(stream, entry_id, f"delivered {num_deliveries} times", num_deliveries,
-                              payload, message.req_id, message.batch_job_id)
+        # Ours already (claimed back from ourselves, or a duplicate entry), or lost to another
+        # scheduler this tick with its abort not yet reported: either way the engine holds it, so
+        # it cannot start here again, and in the second case its record is the new owner's.
+        is_held = message.req_id in self.inflight or message.req_id in self._finishing
+        if is_held or self.engine.scheduler.get_request(message.req_id) is not None:
+            self._leave_pending(stream, entry_id, num_deliveries)
+            self.log.info("redelivered_request_held", req_id=message.req_id, entry_id=entry_id,
+                          is_ours=is_held)
             return None
         return message
+
+    def _leave_pending(self, stream: str, entry_id: str, num_deliveries: int) -> None:
+        """Leave an entry pending, its delivery to us uncounted: it says nothing of the entry
+        being poison. Its owner renews it; if none does, it is taken over after the lease."""
+        self.client.xclaim(stream, CONSUMER_GROUP, self.settings.scheduler_id, 0, [entry_id],
+                           retrycount=max(0, num_deliveries - 1), justid=True)
 
     def _start(self, stream: str, entry_id: str, num_deliveries: int, payload: bytes,
                message: RequestMessage, progress: StoredProgress, is_cancelled: bool) -> None:
@@ -342,7 +353,11 @@ class SchedulerService:
             self._finish_unrun(flight, "cancelled", "cancelled", "cancelled before it started")
             return
         if message.deadline is not None and time.time() > message.deadline and not progress.token_ids:
-            self._finish_unrun(flight, "expired", "expired", "the deadline passed while it was queued")
+            self._finish_unrun(flight, "expired", "expired", EXPIRED_MESSAGE)
+            return
+        if num_deliveries > self.settings.max_deliveries:
+            self._dead_letter(stream, entry_id, f"delivered {num_deliveries} times", num_deliveries,
+                              payload, message.req_id, message.batch_job_id)
             return
         try:
             sampling = message.sampling_params()
