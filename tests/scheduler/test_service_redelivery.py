@@ -145,3 +145,30 @@ def test_duplicate_entry_read_in_the_tick_that_drops_the_lost_request_is_not_an_
         for service in (a, b):
             service.writer.close()
             service.engine.close()
+
+
+def test_leftover_entry_of_a_completed_request_delivered_often_is_acknowledged_not_dead_lettered(
+        tiny_checkpoints, redis_server):
+    """A duplicate entry outlives its request (it sat pending, taken over lease after lease):
+    counted as poison first, it flipped the completed record to failed."""
+    client = redis_server.client()
+    a = _service(_engine(tiny_checkpoints["llama"]), redis_server.url, "a")
+    stream = KEYS.request_stream(MODEL, "interactive")
+    try:
+        req_id = submit(client, MODEL, PROMPT, SAMPLING)
+        while client.hget(KEYS.result(req_id), "state") != b"completed":
+            _tick(a)
+        completed = client.hgetall(KEYS.result(req_id))
+        submit(client, MODEL, PROMPT, SAMPLING, req_id=req_id)  # the leftover duplicate
+        entry_id = client.xrange(stream)[-1][0]
+        client.xreadgroup(CONSUMER_GROUP, "other", {stream: ">"}, count=1)
+        for _ in range(4):
+            client.xclaim(stream, CONSUMER_GROUP, "other", 0, [entry_id])
+        _stall()
+        _tick(a)  # takes it over, delivery 6
+        assert client.hgetall(KEYS.result(req_id)) == completed
+        assert client.xlen(KEYS.dead) == 0
+        assert client.xpending(stream, CONSUMER_GROUP)["pending"] == 0 and client.xlen(stream) == 0
+    finally:
+        a.writer.close()
+        a.engine.close()
