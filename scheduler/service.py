@@ -86,7 +86,6 @@ class InFlight:
     wants_logprobs: bool = False
     deadline: float | None = None
     first_token_at: float | None = None
-    abort_state: str = "cancelled"  # what an abort means for it: cancelled or expired
     batch_job_id: str | None = None  # a batch item: written only when it ends, nobody streams it
     # Turns its tokens into text on the writer thread (None: the engine does it, for stop strings).
     detokenizer: IncrementalDetokenizer | None = None
@@ -456,7 +455,7 @@ class SchedulerService:
                 if event is not None:
                     event.finish_reason = out.finish_reason.value
                     event.usage = usage
-                state = flight.abort_state if out.finish_reason is FinishReason.ABORT else "completed"
+                state = "cancelled" if out.finish_reason is FinishReason.ABORT else "completed"
                 fields.update(terminal_fields(state, finish_reason=out.finish_reason.value,
                                               usage=json.dumps(usage)))
                 if out.stop_reason is not None:
@@ -600,13 +599,16 @@ class SchedulerService:
         flags = self.client.mget([self.keys.cancelled(r) for r in req_ids])
         now = time.time()
         for req_id, flag in zip(req_ids, flags, strict=True):
-            flight = self.inflight[req_id]
+            deadline = self.inflight[req_id].deadline
             if flag is not None:
-                self._abort(req_id, "cancelled")
-            elif flight.deadline is not None and now > flight.deadline and not flight.token_ids:
+                self._abort(req_id)
+            elif deadline is not None and now > deadline:
+                # (The engine's request, not the flight, says whether it made tokens: the flight
+                # learns of them on the writer thread.)
                 request = self.engine.scheduler.get_request(req_id)
-                if request is not None and request.status is RequestStatus.WAITING:
-                    self._abort(req_id, "expired")
+                if request is not None and request.status is RequestStatus.WAITING \
+                        and not request.output_token_ids:
+                    self._expire(req_id)
 
     # -- cancellation ---------------------------------------------------------------------
 
@@ -629,13 +631,23 @@ class SchedulerService:
             cancel_ids, self._cancel_ids = self._cancel_ids, set()
         for req_id in cancel_ids:
             if req_id in self.inflight:
-                self._abort(req_id, "cancelled")
+                self._abort(req_id)
 
-    def _abort(self, req_id: str, state: str) -> None:
-        """Stop a request now: its blocks are freed at once, its end is written next step."""
-        self.inflight[req_id].abort_state = state
+    def _abort(self, req_id: str) -> None:
+        """Cancel a request now: its blocks are freed at once, its end is written next step."""
         self.engine.abort(req_id)
-        self.log.info("request_aborted", req_id=req_id, state=state)
+        self.log.info("request_aborted", req_id=req_id, state="cancelled")
+
+    def _expire(self, req_id: str) -> None:
+        """A request whose deadline passed while it waited, before any token, ends as one that
+        expired before it was read (and as the gateway ends an unclaimed one): record and event
+        both say expired (an ErrorEvent), so the request's GET and its events agree. Written now;
+        the engine's abort report comes next step and is moot."""
+        flight = self.inflight.pop(req_id)
+        self.engine.abort(req_id)
+        self._finishing[req_id] = flight  # its entry stays ours until the write lands
+        self._finish_unrun(flight, "expired", "expired", EXPIRED_MESSAGE)
+        self.log.info("request_expired", req_id=req_id)
 
 
 def _entries(response) -> list[tuple[str, str, dict]]:
