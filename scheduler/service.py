@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import redis
 
+from scheduler.claim_renewer import ClaimRenewer
 from scheduler.detokenizer import IncrementalDetokenizer
 from scheduler.engine import LLMEngine, Usage
 from scheduler.request import BATCH_PRIORITY, FinishReason, RequestStatus
@@ -66,6 +67,9 @@ class ServiceSettings:
     result_ttl_s: int = 24 * 3600
     idle_block_ms: int = 100  # how long an idle scheduler waits on the streams
     log_stats_interval_s: float = 5.0  # the throughput log line, this often while busy (0: never)
+    # Claims are renewed on a thread of their own, also during a long step; a tick that has not
+    # ended after this long is a hung scheduler, whose claims are left to lapse.
+    max_tick_s: float = 300.0
 
 
 @dataclass
@@ -112,6 +116,8 @@ class SchedulerService:
         # entry is still ours (renewed, never admitted again) until the writer says it landed.
         self._finishing: dict[str, InFlight] = {}
         self.writer = ResultWriter(self.results, settings.scheduler_id, self._updates_for)
+        self.renewer = ClaimRenewer(self.client, settings.scheduler_id, settings.heartbeat_s,
+                                    settings.max_tick_s)
         # Text is made on the writer thread, except where stop strings need it in the engine.
         engine.scheduler.text_for_stop_strings_only = True
         # The writer works while the engine thread waits for the GPU, not while it schedules.
@@ -138,6 +144,8 @@ class SchedulerService:
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         listener = threading.Thread(target=self._listen_for_cancels, args=(stop,), daemon=True)
         listener.start()
+        renewer = threading.Thread(target=self.renewer.run, args=(stop,), name="claim-renewer", daemon=True)
+        renewer.start()
         backoff = 0.1
         self.log.info("scheduler_started", model=self.settings.model_name, streams=self.streams)
         while not stop.is_set():
@@ -161,8 +169,9 @@ class SchedulerService:
         self._flush()
         self.writer.gate.set()
         self.writer.close()
-        stop.set()  # (the listener thread's signal, also when the loop ended by draining)
+        stop.set()  # (the listener's and renewer's signal, also when the loop ended by draining)
         listener.join(timeout=5)
+        renewer.join(timeout=5)
 
     def tick(self) -> None:
         if self.writer.error is not None:
@@ -180,6 +189,7 @@ class SchedulerService:
         if not self.is_draining:
             self._admit(block=not self.engine.has_unfinished_requests())
         if self.engine.has_unfinished_requests():
+            self.renewer.update(self._owned_entries())  # (what it renews while this step runs)
             self._hand_over_step(self.engine.step())
         else:
             self.writer.gate.set()  # idle: nothing here needs the GIL
@@ -567,13 +577,14 @@ class SchedulerService:
         pipe.execute()
 
     def _renew_claims(self) -> None:
-        """Reset the idle time of every entry we own, so nobody takes it over."""
-        by_stream: dict[str, list[str]] = {}
-        for flight in [*self.inflight.values(), *self._finishing.values()]:
-            by_stream.setdefault(flight.stream, []).append(flight.entry_id)
-        for stream, entry_ids in by_stream.items():
-            self.client.xclaim(stream, CONSUMER_GROUP, self.settings.scheduler_id, 0, entry_ids,
-                               justid=True)
+        """Reset the idle time of every entry we own, so nobody takes it over (the renewer's
+        thread does it too, every heartbeat, while a step runs)."""
+        self.renewer.update(self._owned_entries())
+        self.renewer.renew()
+
+    def _owned_entries(self) -> list[tuple[str, str]]:
+        flights = [*self.inflight.values(), *self._finishing.values()]
+        return [(flight.stream, flight.entry_id) for flight in flights]
 
     def _take_over_abandoned(self) -> None:
         lease_ms = int(self.settings.lease_s * 1000)
