@@ -7,6 +7,7 @@ is simply a service that is not ticked for longer than the lease.
 
 from __future__ import annotations
 
+import threading
 import time
 
 from scheduler.engine import LLMEngine
@@ -15,7 +16,7 @@ from shared.config import EngineConfig
 from shared.keys import CONSUMER_GROUP
 from shared.messages import ErrorEvent
 from shared.sampling import SamplingParams
-from tests.scheduler.service_client import KEYS, EventRecorder, submit, token_ids
+from tests.scheduler.service_client import KEYS, EventRecorder, submit, token_ids, wait_terminal
 
 MODEL = "tiny"
 LEASE_S = 0.5  # far above a tick of the tiny model, even on a loaded machine
@@ -172,3 +173,46 @@ def test_leftover_entry_of_a_completed_request_delivered_often_is_acknowledged_n
     finally:
         a.writer.close()
         a.engine.close()
+
+
+def test_a_scheduler_whose_steps_outlast_the_lease_keeps_its_requests(tiny_checkpoints, redis_server):
+    """A loaded CPU: every step of a takes twice the lease. Its claims are renewed meanwhile, so b,
+    running beside it, takes nothing over (before: each of a's requests moved to b, and back)."""
+    folder = tiny_checkpoints["llama"]
+    engine = _engine(folder)
+    step = engine.step
+
+    def slow_step():
+        time.sleep(LEASE_S * 2)  # (sleeps without the GIL, as a long forward pass does)
+        return step()
+
+    engine.step = slow_step
+    client = redis_server.client()
+    settings = dict(lease_s=LEASE_S, heartbeat_s=0.1, idle_block_ms=10)
+    a = SchedulerService(engine, redis_server.url, ServiceSettings(MODEL, "a", **settings))
+    b = SchedulerService(_engine(folder), redis_server.url, ServiceSettings(MODEL, "b", **settings))
+    stops = [threading.Event(), threading.Event()]
+    threads = [threading.Thread(target=a.run, args=(stops[0],), daemon=True),
+               threading.Thread(target=b.run, args=(stops[1],), daemon=True)]
+    short = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    try:
+        threads[0].start()
+        ids = [submit(client, MODEL, [7 + i, 11, 13], short) for i in range(3)]
+        deadline = time.monotonic() + 30
+        while len(a.inflight) < len(ids):
+            assert time.monotonic() < deadline, "a did not take the requests"
+            time.sleep(0.01)
+        threads[1].start()
+        records = wait_terminal(client, ids, timeout_s=120)
+    finally:
+        for stop, thread in zip(stops, threads, strict=True):
+            stop.set()
+            if thread.is_alive():
+                thread.join(timeout=30)
+        for service in (a, b):
+            service.writer.close()
+            service.engine.close()
+    for req_id in ids:
+        assert records[req_id][b"state"] == b"completed", records[req_id]
+        assert records[req_id][b"scheduler"] == b"a" and b"resumed_from_seq" not in records[req_id]
+    assert client.xlen(KEYS.dead) == 0
