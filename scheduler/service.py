@@ -551,6 +551,7 @@ class SchedulerService:
                            self.keys.drain(self.settings.scheduler_id))
         left = sorted([*self.inflight, *self._finishing])
         if not left:  # (a consumer's pending entries go with it: only one that owns none leaves)
+            self.renewer.update([])  # (an XCLAIM would make the consumer again)
             for stream in self.streams:
                 self.client.xgroup_delconsumer(stream, CONSUMER_GROUP, self.settings.scheduler_id)
         self.log.info("drained", num_left_for_takeover=len(left), req_ids=left[:16])
