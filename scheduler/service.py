@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import redis
 
+from scheduler.claim_renewer import ClaimRenewer
 from scheduler.detokenizer import IncrementalDetokenizer
 from scheduler.engine import LLMEngine, Usage
 from scheduler.prefix_summary import PrefixSummary
@@ -54,6 +55,7 @@ MAX_BACKOFF_S = 5.0
 # each look is a Redis round trip on the engine thread (up to 10% of a small batch's step).
 ADMISSION_POLL_S = 0.005
 SWITCH_INTERVAL_S = 0.0005
+EXPIRED_MESSAGE = "the deadline passed while it was queued"
 
 
 @dataclass
@@ -67,6 +69,9 @@ class ServiceSettings:
     idle_block_ms: int = 100  # how long an idle scheduler waits on the streams
     log_stats_interval_s: float = 5.0  # the throughput log line, this often while busy (0: never)
     steal_after_s: float = 2.0  # an idle scheduler takes a live peer's routed entries unread this long
+    # Claims are renewed on a thread of their own, also during a long step; a tick that has not
+    # ended after this long is a hung scheduler, whose claims are left to lapse.
+    max_tick_s: float = 300.0
 
 
 @dataclass
@@ -87,7 +92,6 @@ class InFlight:
     wants_logprobs: bool = False
     deadline: float | None = None
     first_token_at: float | None = None
-    abort_state: str = "cancelled"  # what an abort means for it: cancelled or expired
     batch_job_id: str | None = None  # a batch item: written only when it ends, nobody streams it
     # Turns its tokens into text on the writer thread (None: the engine does it, for stop strings).
     detokenizer: IncrementalDetokenizer | None = None
@@ -114,6 +118,8 @@ class SchedulerService:
         # entry is still ours (renewed, never admitted again) until the writer says it landed.
         self._finishing: dict[str, InFlight] = {}
         self.writer = ResultWriter(self.results, settings.scheduler_id, self._updates_for)
+        self.renewer = ClaimRenewer(self.client, settings.scheduler_id, settings.heartbeat_s,
+                                    settings.max_tick_s)
         # Text is made on the writer thread, except where stop strings need it in the engine.
         engine.scheduler.text_for_stop_strings_only = True
         # The writer works while the engine thread waits for the GPU, not while it schedules.
@@ -146,6 +152,8 @@ class SchedulerService:
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         listener = threading.Thread(target=self._listen_for_cancels, args=(stop,), daemon=True)
         listener.start()
+        renewer = threading.Thread(target=self.renewer.run, args=(stop,), name="claim-renewer", daemon=True)
+        renewer.start()
         backoff = 0.1
         self.log.info("scheduler_started", model=self.settings.model_name, streams=self.streams)
         while not stop.is_set():
@@ -169,8 +177,9 @@ class SchedulerService:
         self._flush()
         self.writer.gate.set()
         self.writer.close()
-        stop.set()  # (the listener thread's signal, also when the loop ended by draining)
+        stop.set()  # (the listener's and renewer's signal, also when the loop ended by draining)
         listener.join(timeout=5)
+        renewer.join(timeout=5)
 
     def tick(self) -> None:
         if self.writer.error is not None:
@@ -188,6 +197,7 @@ class SchedulerService:
         if not self.is_draining:
             self._admit(block=not self.engine.has_unfinished_requests())
         if self.engine.has_unfinished_requests():
+            self.renewer.update(self._owned_entries())  # (what it renews while this step runs)
             self._hand_over_step(self.engine.step())
         else:
             self.writer.gate.set()  # idle: nothing here needs the GIL
@@ -334,8 +344,9 @@ class SchedulerService:
 
     def _check_entry(self, stream: str, entry_id: str, payload: bytes | None,
                      num_deliveries: int) -> RequestMessage | None:
-        """The entry's request, or None: undecodable or delivered too often (set aside in
-        tf:dead), or ours already."""
+        """The entry's request, or None: undecodable (set aside in tf:dead), or a request this
+        engine holds already. (Whether it was delivered too often is judged once its record is
+        read: a leftover entry of a request that has ended is only acknowledged.)"""
         try:
             if payload is None:
                 raise MessageDecodeError("the entry has no 'm' field")
@@ -343,13 +354,22 @@ class SchedulerService:
         except MessageDecodeError as exc:
             self._dead_letter(stream, entry_id, f"undecodable: {exc}", num_deliveries, payload)
             return None
-        if message.req_id in self.inflight or message.req_id in self._finishing:
-            return None  # ours already (claimed back from ourselves)
-        if num_deliveries > self.settings.max_deliveries:
-            self._dead_letter(stream, entry_id, f"delivered {num_deliveries} times", num_deliveries,
-                              payload, message.req_id, message.batch_job_id)
+        # Ours already (claimed back from ourselves, or a duplicate entry), or lost to another
+        # scheduler this tick with its abort not yet reported: either way the engine holds it, so
+        # it cannot start here again, and in the second case its record is the new owner's.
+        is_held = message.req_id in self.inflight or message.req_id in self._finishing
+        if is_held or self.engine.scheduler.get_request(message.req_id) is not None:
+            self._leave_pending(stream, entry_id, num_deliveries)
+            self.log.info("redelivered_request_held", req_id=message.req_id, entry_id=entry_id,
+                          is_ours=is_held)
             return None
         return message
+
+    def _leave_pending(self, stream: str, entry_id: str, num_deliveries: int) -> None:
+        """Leave an entry pending, its delivery to us uncounted: it says nothing of the entry
+        being poison. Its owner renews it; if none does, it is taken over after the lease."""
+        self.client.xclaim(stream, CONSUMER_GROUP, self.settings.scheduler_id, 0, [entry_id],
+                           retrycount=max(0, num_deliveries - 1), justid=True)
 
     def _start(self, stream: str, entry_id: str, num_deliveries: int, payload: bytes,
                message: RequestMessage, progress: StoredProgress, is_cancelled: bool) -> None:
@@ -364,7 +384,11 @@ class SchedulerService:
             self._finish_unrun(flight, "cancelled", "cancelled", "cancelled before it started")
             return
         if message.deadline is not None and time.time() > message.deadline and not progress.token_ids:
-            self._finish_unrun(flight, "expired", "expired", "the deadline passed while it was queued")
+            self._finish_unrun(flight, "expired", "expired", EXPIRED_MESSAGE)
+            return
+        if num_deliveries > self.settings.max_deliveries:
+            self._dead_letter(stream, entry_id, f"delivered {num_deliveries} times", num_deliveries,
+                              payload, message.req_id, message.batch_job_id)
             return
         try:
             sampling = message.sampling_params()
@@ -463,7 +487,7 @@ class SchedulerService:
                 if event is not None:
                     event.finish_reason = out.finish_reason.value
                     event.usage = usage
-                state = flight.abort_state if out.finish_reason is FinishReason.ABORT else "completed"
+                state = "cancelled" if out.finish_reason is FinishReason.ABORT else "completed"
                 fields.update(terminal_fields(state, finish_reason=out.finish_reason.value,
                                               usage=json.dumps(usage)))
                 if out.stop_reason is not None:
@@ -553,6 +577,7 @@ class SchedulerService:
                            self.keys.drain(self.settings.scheduler_id))
         left = sorted([*self.inflight, *self._finishing])
         if not left:  # (a consumer's pending entries go with it: only one that owns none leaves)
+            self.renewer.update([])  # (an XCLAIM would make the consumer again)
             for stream in self.streams:
                 self.client.xgroup_delconsumer(stream, CONSUMER_GROUP, self.settings.scheduler_id)
         self.log.info("drained", num_left_for_takeover=len(left), req_ids=left[:16])
@@ -583,13 +608,14 @@ class SchedulerService:
         pipe.execute()
 
     def _renew_claims(self) -> None:
-        """Reset the idle time of every entry we own, so nobody takes it over."""
-        by_stream: dict[str, list[str]] = {}
-        for flight in [*self.inflight.values(), *self._finishing.values()]:
-            by_stream.setdefault(flight.stream, []).append(flight.entry_id)
-        for stream, entry_ids in by_stream.items():
-            self.client.xclaim(stream, CONSUMER_GROUP, self.settings.scheduler_id, 0, entry_ids,
-                               justid=True)
+        """Reset the idle time of every entry we own, so nobody takes it over (the renewer's
+        thread does it too, every heartbeat, while a step runs)."""
+        self.renewer.update(self._owned_entries())
+        self.renewer.renew()
+
+    def _owned_entries(self) -> list[tuple[str, str]]:
+        flights = [*self.inflight.values(), *self._finishing.values()]
+        return [(flight.stream, flight.entry_id) for flight in flights]
 
     def _take_over_abandoned(self) -> None:
         lease_ms = int(self.settings.lease_s * 1000)
@@ -615,13 +641,16 @@ class SchedulerService:
         flags = self.client.mget([self.keys.cancelled(r) for r in req_ids])
         now = time.time()
         for req_id, flag in zip(req_ids, flags, strict=True):
-            flight = self.inflight[req_id]
+            deadline = self.inflight[req_id].deadline
             if flag is not None:
-                self._abort(req_id, "cancelled")
-            elif flight.deadline is not None and now > flight.deadline and not flight.token_ids:
+                self._abort(req_id)
+            elif deadline is not None and now > deadline:
+                # (The engine's request, not the flight, says whether it made tokens: the flight
+                # learns of them on the writer thread.)
                 request = self.engine.scheduler.get_request(req_id)
-                if request is not None and request.status is RequestStatus.WAITING:
-                    self._abort(req_id, "expired")
+                if request is not None and request.status is RequestStatus.WAITING \
+                        and not request.output_token_ids:
+                    self._expire(req_id)
 
     # -- cancellation ---------------------------------------------------------------------
 
@@ -644,13 +673,23 @@ class SchedulerService:
             cancel_ids, self._cancel_ids = self._cancel_ids, set()
         for req_id in cancel_ids:
             if req_id in self.inflight:
-                self._abort(req_id, "cancelled")
+                self._abort(req_id)
 
-    def _abort(self, req_id: str, state: str) -> None:
-        """Stop a request now: its blocks are freed at once, its end is written next step."""
-        self.inflight[req_id].abort_state = state
+    def _abort(self, req_id: str) -> None:
+        """Cancel a request now: its blocks are freed at once, its end is written next step."""
         self.engine.abort(req_id)
-        self.log.info("request_aborted", req_id=req_id, state=state)
+        self.log.info("request_aborted", req_id=req_id, state="cancelled")
+
+    def _expire(self, req_id: str) -> None:
+        """A request whose deadline passed while it waited, before any token, ends as one that
+        expired before it was read (and as the gateway ends an unclaimed one): record and event
+        both say expired (an ErrorEvent), so the request's GET and its events agree. Written now;
+        the engine's abort report comes next step and is moot."""
+        flight = self.inflight.pop(req_id)
+        self.engine.abort(req_id)
+        self._finishing[req_id] = flight  # its entry stays ours until the write lands
+        self._finish_unrun(flight, "expired", "expired", EXPIRED_MESSAGE)
+        self.log.info("request_expired", req_id=req_id)
 
 
 def _entries(response) -> list[tuple[str, str, dict]]:
