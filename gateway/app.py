@@ -25,7 +25,7 @@ from gateway.appkeys import (
 )
 from gateway.batch.ingester import BatchIngester
 from gateway.batch.jobs import JobStore
-from gateway.fleet import Fleet
+from gateway.fleet import FleetTracker
 from gateway.limits import TenantLimiter
 from gateway.metrics import GatewayMetrics
 from gateway.middlewares import auth_middleware, error_middleware, request_id_middleware
@@ -104,8 +104,9 @@ async def _queue_times_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
-    fleet = Fleet(app[REDIS], GatewayKeys(settings.key_prefix), app[STORE], app[METRICS], app[MODELS].names,
-                  grace_s=settings.scheduler_grace_s, refresh_s=settings.fleet_refresh_s)
+    fleet = FleetTracker(app[REDIS], GatewayKeys(settings.key_prefix), app[STORE], app[METRICS],
+                         app[MODELS].names, grace_s=settings.scheduler_grace_s,
+                         refresh_s=settings.fleet_refresh_s)
     app[FLEET] = fleet
     stop = asyncio.Event()
     task = asyncio.create_task(fleet.run(stop), name="fleet-refresh")

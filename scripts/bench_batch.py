@@ -26,11 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import aiohttp
 import redis
-
-# bench_common before the product: importing it puts the repository on sys.path.
-from bench_common import Children, print_command, wait_ready
 
 from gateway.models import ServedModel
 from gateway.settings import ModelSpec
@@ -38,6 +36,8 @@ from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
 from shared.net import free_port
 from shared.sampling import SamplingParams
+from testkit.processes import Children, wait_ready
+from testkit.runs import print_command
 from tokenfleet.redis_server import RedisServer
 from workers.default_model import fetch_default_model
 

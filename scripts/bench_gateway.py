@@ -56,23 +56,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import aiohttp
 import psutil
 
-# bench_common before the product: importing it puts the repository on sys.path.
-from bench_common import (
-    Children,
-    Event,
-    EventListener,
-    percentile,
-    print_command,
-    raise_fd_limit,
-    tiny_llama_with_smollm2_tokenizer,
-    wait_ready,
-)
-
 from shared.logging import configure_logging
 from shared.net import free_port
+from testkit.checkpoints import tiny_llama_with_smollm2_tokenizer
+from testkit.processes import Children, wait_ready
+from testkit.redis_queue import Event, EventListener
+from testkit.runs import percentile, print_command, raise_fd_limit
 from tokenfleet.redis_server import RedisServer
 
 MODEL_NAME = "tiny"

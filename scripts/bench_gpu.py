@@ -39,37 +39,27 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import torch
-
-# bench_common before the product: importing it puts the repository on sys.path.
-from bench_common import (
-    LLAMA3_8B,
-    T0,
-    Interrupted,
-    ModelShape,
-    Roofline,
-    Workload,
-    cached_tokens_read,
-    checkpoint_folder,
-    copy_bandwidth,
-    dense_flops,
-    log,
-    matmul_rate,
-    module_bytes,
-    print_command,
-    random_llama,
-    roofline,
-    run_engine_workload,
-    sharegpt_workload,
-    stop_on_sigterm,
-    sync,
-    warm_up,
-)
 
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
 from shared.logging import configure_logging
 from shared.sampling import SamplingParams
+from testkit.engine_runs import run_engine_workload, warm_up
+from testkit.random_models import LLAMA3_8B, checkpoint_folder, module_bytes, random_llama
+from testkit.roofline import (
+    ModelShape,
+    Roofline,
+    cached_tokens_read,
+    copy_bandwidth,
+    dense_flops,
+    matmul_rate,
+    roofline,
+    sync,
+)
+from testkit.runs import T0, Interrupted, log, print_command, stop_on_sigterm
+from testkit.workloads import Workload, sharegpt_workload
 
 TINY_LLAMA = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=128, vocab_size=512, rope_theta=500000.0, max_position_embeddings=2048,

@@ -36,27 +36,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import torch
-
-# bench_common before the product: importing it puts the repository on sys.path.
-from bench_common import (
-    LLAMA3_8B,
-    SMOLLM2_VOCAB_SIZE,
-    checkpoint_folder,
-    greedy,
-    log,
-    lognormal_length,
-    percentile,
-    print_command,
-    random_llama,
-    run_engine_workload,
-    sharegpt_workload,
-    tiny_llama_with_smollm2_tokenizer,
-    warm_up,
-)
 
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
+from testkit.checkpoints import SMOLLM2_VOCAB_SIZE, tiny_llama_with_smollm2_tokenizer
+from testkit.engine_runs import run_engine_workload, warm_up
+from testkit.random_models import LLAMA3_8B, checkpoint_folder, random_llama
+from testkit.runs import log, percentile, print_command
+from testkit.workloads import greedy, lognormal_length, sharegpt_workload
 
 
 @dataclass

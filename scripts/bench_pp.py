@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 
-import bench_common  # noqa: F401 - first: it puts the repository on sys.path (and imports no torch)
+import _repo  # noqa: F401 - first: it puts the repository on sys.path
 
 from shared.config import MULTICAST_OFF_ENV
 
@@ -38,24 +38,13 @@ import traceback  # noqa: E402
 import bench_gpu  # noqa: E402
 import torch  # noqa: E402
 
-# bench_common before the product: importing it puts the repository on sys.path.
-from bench_common import (  # noqa: E402
-    LLAMA3_8B,
-    checkpoint_folder,
-    greedy,
-    log,
-    module_bytes,
-    print_command,
-    random_llama,
-    run_engine_workload,
-    sharegpt_workload,
-    start_local_ray,
-    warm_up,
-)
-
 from scheduler.engine import LLMEngine  # noqa: E402
 from shared.config import EngineConfig  # noqa: E402
 from shared.logging import configure_logging  # noqa: E402
+from testkit.engine_runs import run_engine_workload, start_local_ray, warm_up  # noqa: E402
+from testkit.random_models import LLAMA3_8B, checkpoint_folder, module_bytes, random_llama  # noqa: E402
+from testkit.runs import log, print_command  # noqa: E402
+from testkit.workloads import greedy, sharegpt_workload  # noqa: E402
 from workers.model_runner import format_bytes  # noqa: E402
 
 TINY_LLAMA = {**bench_gpu.TINY_LLAMA, "num_hidden_layers": 4}  # two layers per stage

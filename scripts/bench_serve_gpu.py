@@ -33,16 +33,16 @@ import sys
 import tempfile
 from pathlib import Path
 
+import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import psutil
 import torch
-
-# bench_common before the product: importing it puts the repository on sys.path.
-from bench_common import Children, log, percentile, print_command, raise_fd_limit, wait_ready
 from bench_fleet_gpu import prepare_model
 from bench_mixed_graphs import Chats, Row, run_chats
 
 from gateway.models import ServedModel
 from shared.net import free_port
+from testkit.processes import Children, wait_ready
+from testkit.runs import log, percentile, print_command, raise_fd_limit
 from tokenfleet import bench as fleet_bench
 from tokenfleet.cli import _engine_config, build_parser
 

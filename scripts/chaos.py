@@ -36,12 +36,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import aiohttp
 import psutil
 import redis
-
-# bench_common before the product: importing it puts the repository on sys.path.
-from bench_common import Children, log, tiny_llama_with_smollm2_tokenizer
 from chaos_checks import (
     KEYS,
     Report,
@@ -57,6 +55,9 @@ from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
 from shared.net import free_port
 from shared.sampling import SamplingParams
+from testkit.checkpoints import tiny_llama_with_smollm2_tokenizer
+from testkit.processes import Children
+from testkit.runs import log
 from tokenfleet.supervise import RestartPolicy
 
 KIND_WEIGHTS = {"stream": 3, "resume": 3, "poll": 2, "cancel": 1, "disconnect": 1}
