@@ -28,7 +28,6 @@ from pathlib import Path
 
 import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import torch
-from bench_gpu import TINY_LLAMA, engine_decode_latency
 
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
@@ -36,8 +35,8 @@ from shared.errors import ModelLoadError
 from shared.logging import configure_logging
 from shared.sampling import SamplingParams
 from shared.step import SequenceWork, StepBatch
-from testkit.engine_runs import run_engine_workload, warm_up
-from testkit.random_models import LLAMA3_8B, checkpoint_folder, module_bytes, random_llama
+from testkit.engine_runs import engine_decode_latency, run_engine_workload, warm_up
+from testkit.random_models import LLAMA3_8B, TINY_LLAMA, checkpoint_folder, module_bytes, random_llama
 from testkit.runs import log, print_command
 from testkit.workloads import sharegpt_workload
 from workers.model_runner import format_bytes

@@ -4,6 +4,7 @@ every request added at once (steps, CUDA-graph replays and time in the workers' 
 from __future__ import annotations
 
 import os
+import random
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -130,3 +131,18 @@ def run_engine_workload(engine: LLMEngine, workload: Workload, seconds_limit: fl
                      start, seconds_limit if partial else None)
 
 
+def engine_decode_latency(engine: LLMEngine, vocab_size: int, device: torch.device,
+                          num_prompt: int = 128, num_output: int = 128) -> float:
+    """Seconds per output token of one request alone, its prefill step left out (best of 2)."""
+    rng = random.Random(1)
+    best = float("inf")
+    for _ in range(2):
+        prompt = [rng.randrange(vocab_size) for _ in range(num_prompt)]
+        engine.add_request(prompt, greedy(num_output))
+        engine.step()  # the prefill and the first token
+        sync(device)
+        start, count = time.perf_counter(), 0
+        while engine.has_unfinished_requests():
+            count += sum(len(out.new_token_ids) for out in engine.step())
+        best = min(best, (time.perf_counter() - start) / max(count, 1))
+    return best

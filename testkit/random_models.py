@@ -14,6 +14,9 @@ if TYPE_CHECKING:
 LLAMA3_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                  intermediate_size=14336, vocab_size=128256, rope_theta=500000.0,
                  max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False)
+TINY_LLAMA = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, vocab_size=512, rope_theta=500000.0, max_position_embeddings=2048,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False)  # the scripts' --smoke model
 INIT_STD = 0.02
 
 

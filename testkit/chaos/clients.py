@@ -1,4 +1,4 @@
-"""The chaos harness's clients (scripts/chaos.py): each kind of caller the fleet serves, written
+"""The chaos harness's clients (testkit/chaos/harness.py): each kind of caller the fleet serves, written
 to keep going while processes die under it, and to record what it saw for the checks.
 
 - stream: an OpenAI SSE completion read to `[DONE]`; a stream cut by a dying gateway is kept
