@@ -38,6 +38,7 @@ from shared.net import free_port
 from shared.sampling import SamplingParams
 from testkit.processes import Children, wait_ready
 from testkit.runs import print_command
+from testkit.sse import DONE, data_lines
 from tokenfleet.redis_server import RedisServer
 from workers.default_model import fetch_default_model
 
@@ -79,10 +80,9 @@ async def ttft(session: aiohttp.ClientSession, url: str, i: int) -> float:
     async with session.post(f"{url}/v1/chat/completions", json=body) as response:
         assert response.status == 200, await response.text()
         first = None
-        async for raw in response.content:
-            line = raw.decode().strip()
-            if first is None and line.startswith("data: {"):
-                delta = json.loads(line[6:])["choices"][0]["delta"]
+        async for _, data in data_lines(response.content):
+            if first is None and data != DONE:
+                delta = json.loads(data)["choices"][0]["delta"]
                 if delta.get("content"):
                     first = time.perf_counter() - start
     return first

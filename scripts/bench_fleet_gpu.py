@@ -87,6 +87,7 @@ from testkit.redis_queue import (
     wait_drained,
 )
 from testkit.runs import Interrupted, log, percentile, print_command, raise_fd_limit, stop_on_sigterm
+from testkit.sse import DONE, data_lines
 from testkit.workloads import Workload, greedy, sharegpt_workload, warmup_prompts
 
 MODEL_NAME = "bench"
@@ -282,9 +283,8 @@ async def run_stream(session: aiohttp.ClientSession, url: str, prompt: list[int]
                 if response.status != 200:
                     stream.error = f"HTTP {response.status}: {(await response.text())[:200]}"
                     return stream
-                async for line in response.content:
-                    if line.startswith(b"data:"):
-                        read_event(stream, line[5:].strip(), time.monotonic())
+                async for now, data in data_lines(response.content):
+                    read_event(stream, data, now)
         except Exception as exc:  # noqa: BLE001 - a failed stream is counted, not the end of the run
             stream.error = f"{type(exc).__name__}: {exc}"
     if stream.error is None and not (stream.end and stream.chunk_times):
@@ -295,8 +295,8 @@ async def run_stream(session: aiohttp.ClientSession, url: str, prompt: list[int]
     return stream
 
 
-def read_event(stream: Stream, payload: bytes, now: float) -> None:
-    if payload == b"[DONE]":
+def read_event(stream: Stream, payload: str, now: float) -> None:
+    if payload == DONE:
         stream.end = now
         return
     chunk = json.loads(payload)

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from testkit.sse import DONE, data_lines
+
 KINDS = ("stream", "resume", "poll", "cancel", "disconnect")
 TERMINAL = ("completed", "failed", "cancelled", "expired")
 RETRY_STATUSES = (429, 500, 502, 503, 504)
@@ -125,14 +127,11 @@ class Client:
                         raise aiohttp.ClientResponseError(response.request_info, (), status=response.status)
                     if response.status != 200:
                         raise RuntimeError(f"stream answered {response.status}: {await response.text()}")
-                    async for raw in response.content:
-                        line = raw.decode().strip()
-                        if line == "data: [DONE]":
+                    async for _, data in data_lines(response.content):
+                        if data == DONE:
                             out.is_done = True
                             return
-                        if not line.startswith("data: "):
-                            continue
-                        chunk = json.loads(line[6:])
+                        chunk = json.loads(data)
                         if "error" in chunk:
                             out.errors.append(f"error chunk: {chunk['error']}")
                             continue
