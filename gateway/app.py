@@ -25,7 +25,7 @@ from gateway.appkeys import (
 )
 from gateway.batch.ingester import BatchIngester
 from gateway.batch.jobs import JobStore
-from gateway.fleet import Fleet
+from gateway.fleet import FleetTracker
 from gateway.limits import TenantLimiter
 from gateway.metrics import GatewayMetrics
 from gateway.middlewares import auth_middleware, error_middleware, request_id_middleware
@@ -107,8 +107,9 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     router = PrefixRouter(app[METRICS]) if settings.routing == "prefix" else None
     app[STORE].router = router
-    fleet = Fleet(app[REDIS], GatewayKeys(settings.key_prefix), app[STORE], app[METRICS], app[MODELS].names,
-                  grace_s=settings.scheduler_grace_s, refresh_s=settings.fleet_refresh_s, router=router)
+    fleet = FleetTracker(app[REDIS], GatewayKeys(settings.key_prefix), app[STORE], app[METRICS],
+                         app[MODELS].names, grace_s=settings.scheduler_grace_s,
+                         refresh_s=settings.fleet_refresh_s, router=router)
     app[FLEET] = fleet
     stop = asyncio.Event()
     task = asyncio.create_task(fleet.run(stop), name="fleet-refresh")

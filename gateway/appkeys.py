@@ -6,7 +6,7 @@ import redis.asyncio as aioredis
 from aiohttp import web
 
 from gateway.batch.jobs import JobStore
-from gateway.fleet import Fleet
+from gateway.fleet import FleetTracker
 from gateway.limits import TenantLimiter
 from gateway.metrics import GatewayMetrics
 from gateway.models import ModelRegistry
@@ -25,7 +25,7 @@ TOKENIZE = web.AppKey("tokenize", TokenizePool)  # chat templates and tokenizers
 REDIS = web.AppKey("redis", aioredis.Redis)
 STORE = web.AppKey("store", RequestStore)
 ROUTER = web.AppKey("router", EventRouter)
-FLEET = web.AppKey("fleet", Fleet)
+FLEET = web.AppKey("fleet", FleetTracker)
 TASKS = web.AppKey("tasks", TaskSet)
 JOBS = web.AppKey("jobs", JobStore)
 QUEUE_TIMES = web.AppKey("queue_times", QueueTimes)

@@ -52,7 +52,9 @@ class SchedulerInfo:
             return None  # a half-written or foreign hash: not a scheduler we understand
 
 
-class Fleet:
+class FleetTracker:
+    """Which schedulers are alive and each fronted model's queue depth, as the gateway last read them."""
+
     def __init__(self, client: aioredis.Redis, keys: Keys, store: RequestStore, metrics: GatewayMetrics,
                  model_names: list[str], *, grace_s: float, refresh_s: float,
                  router: PrefixRouter | None = None) -> None:

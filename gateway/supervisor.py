@@ -22,7 +22,6 @@ the process the command runs in.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -37,6 +36,7 @@ from typing import TYPE_CHECKING
 
 from shared.errors import TokenfleetError
 from shared.logging import configure_logging, get_logger
+from shared.pdeathsig import die_with_parent
 
 if TYPE_CHECKING:
     from gateway.settings import GatewaySettings
@@ -46,19 +46,12 @@ STOP_TIMEOUT_S = 20.0
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
-_PR_SET_PDEATHSIG = 1
 
 log = get_logger("tokenfleet.gateway.supervisor")
 
 
-def _die_with_parent() -> None:
-    """SIGTERM to this process when its parent dies (Linux; elsewhere a no-op)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def _worker_main(settings: GatewaySettings, index: int, ready, parent_pid: int) -> None:
-    _die_with_parent()
+    die_with_parent()
     if os.getppid() != parent_pid:
         return  # the parent died before the kernel could be told
     configure_logging(os.environ.get("TOKENFLEET_LOG_LEVEL", "WARNING"))
@@ -76,7 +69,12 @@ class _Worker:
 
 
 @dataclass
-class Supervisor:
+class GatewayWorkers:
+    """The gateway's worker pool. Not tokenfleet.supervise's Supervisor: the workers are spawned
+    interpreters handed the settings object, each reporting ready over a queue once its port is
+    open, restarted within a window (MAX_RESTARTS in RESTART_WINDOW_S) rather than with backoff,
+    and the gateway layer cannot import tokenfleet."""
+
     settings: GatewaySettings
     num_workers: int
     workers: dict[int, _Worker] = field(default_factory=dict)  # worker index -> its process
@@ -220,4 +218,4 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 def run_workers(settings: GatewaySettings, num_workers: int) -> int:
-    return Supervisor(settings, num_workers).run()
+    return GatewayWorkers(settings, num_workers).run()

@@ -26,23 +26,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import redis
 
-# bench_common before the product: importing it puts the repository on sys.path.
-from bench_common import (
-    KEYS,
-    Children,
-    greedy,
-    log,
-    percentile,
-    print_command,
-    read_results,
-    submit_requests,
-    tiny_llama_with_smollm2_tokenizer,
-    wait_drained,
-)
-
 from shared.keys import Keys
+from testkit.checkpoints import tiny_llama_with_smollm2_tokenizer
+from testkit.processes import Children
+from testkit.redis_queue import KEYS, read_results, submit_requests, wait_drained
+from testkit.runs import log, percentile, print_command
+from testkit.workloads import greedy
 from tokenfleet.autoscale.controller import AutoscaleController
 from tokenfleet.autoscale.launcher import ProcessReplicaLauncher
 from tokenfleet.autoscale.policy import ScalingPolicy

@@ -26,11 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import aiohttp
 import redis
-
-# bench_common before the product: importing it puts the repository on sys.path.
-from bench_common import Children, print_command, wait_ready
 
 from gateway.models import ServedModel
 from gateway.settings import ModelSpec
@@ -38,6 +36,9 @@ from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
 from shared.net import free_port
 from shared.sampling import SamplingParams
+from testkit.processes import Children, wait_ready
+from testkit.runs import print_command
+from testkit.sse import DONE, data_lines
 from tokenfleet.redis_server import RedisServer
 from workers.default_model import fetch_default_model
 
@@ -79,10 +80,9 @@ async def ttft(session: aiohttp.ClientSession, url: str, i: int) -> float:
     async with session.post(f"{url}/v1/chat/completions", json=body) as response:
         assert response.status == 200, await response.text()
         first = None
-        async for raw in response.content:
-            line = raw.decode().strip()
-            if first is None and line.startswith("data: {"):
-                delta = json.loads(line[6:])["choices"][0]["delta"]
+        async for _, data in data_lines(response.content):
+            if first is None and data != DONE:
+                delta = json.loads(data)["choices"][0]["delta"]
                 if delta.get("content"):
                     first = time.perf_counter() - start
     return first

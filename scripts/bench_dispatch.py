@@ -22,16 +22,16 @@ import tempfile
 import time
 from pathlib import Path
 
+import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import ray
-
-# bench_common before the product: importing it puts the repository on sys.path.
-from bench_common import greedy, print_command, uniform_workload
 from ray.dag import InputNode, MultiOutputNode
 
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
 from shared.step import SequenceWork, StepBatch
-from workers.checkpoints import make_tiny_checkpoint
+from testkit.checkpoints import make_tiny_checkpoint
+from testkit.runs import print_command
+from testkit.workloads import greedy, uniform_workload
 from workers.executor import InProcessExecutor
 from workers.rank_worker import RankWorker
 from workers.ray_group import RayWorkerGroup

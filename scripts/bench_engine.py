@@ -24,25 +24,16 @@ import platform
 import time
 from dataclasses import dataclass
 
+import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import torch
-
-# bench_common before the product: importing it puts the repository on sys.path.
-from bench_common import (
-    ModelShape,
-    Workload,
-    exact_flops,
-    greedy,
-    matmul_rate,
-    print_command,
-    read_bandwidth,
-    roofline,
-    uniform_workload,
-)
 
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
 from shared.logging import configure_logging
 from shared.sampling import SamplingParams
+from testkit.roofline import ModelShape, exact_flops, matmul_rate, read_bandwidth, roofline
+from testkit.runs import print_command
+from testkit.workloads import Workload, greedy, uniform_workload
 from workers.device import DTYPES
 from workers.model_config import load_model_config
 

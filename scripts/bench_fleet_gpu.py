@@ -65,46 +65,30 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import aiohttp
 import redis
 import torch
-
-# bench_common before the product: importing it puts the repository on sys.path.
-from bench_common import (
-    KEYS,
-    LLAMA3_8B,
-    SMOLLM2_VOCAB_SIZE,
-    Children,
-    CpuMeter,
-    EventListener,
-    Interrupted,
-    Workload,
-    checkpoint_folder,
-    completion_tokens,
-    copy_tokenizer,
-    greedy,
-    log,
-    percentile,
-    print_command,
-    raise_fd_limit,
-    random_llama,
-    read_results,
-    run_engine_workload,
-    sharegpt_workload,
-    start_redis,
-    stop_on_sigterm,
-    submit_requests,
-    tiny_llama_with_smollm2_tokenizer,
-    wait_drained,
-    wait_ready,
-    warm_up,
-    warmup_prompts,
-)
 
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
 from shared.logging import configure_logging
 from shared.net import free_port
+from testkit.checkpoints import SMOLLM2_VOCAB_SIZE, copy_tokenizer, tiny_llama_with_smollm2_tokenizer
+from testkit.engine_runs import run_engine_workload, warm_up
+from testkit.processes import Children, CpuMeter, start_redis, wait_ready
+from testkit.random_models import LLAMA3_8B, checkpoint_folder, random_llama
+from testkit.redis_queue import (
+    KEYS,
+    EventListener,
+    completion_tokens,
+    read_results,
+    submit_requests,
+    wait_drained,
+)
+from testkit.runs import Interrupted, log, percentile, print_command, raise_fd_limit, stop_on_sigterm
+from testkit.sse import DONE, data_lines
+from testkit.workloads import Workload, greedy, sharegpt_workload, warmup_prompts
 
 MODEL_NAME = "bench"
 SCHEDULER_READY_S = 600.0  # loading 16 GB and capturing CUDA graphs
@@ -299,9 +283,8 @@ async def run_stream(session: aiohttp.ClientSession, url: str, prompt: list[int]
                 if response.status != 200:
                     stream.error = f"HTTP {response.status}: {(await response.text())[:200]}"
                     return stream
-                async for line in response.content:
-                    if line.startswith(b"data:"):
-                        read_event(stream, line[5:].strip(), time.monotonic())
+                async for now, data in data_lines(response.content):
+                    read_event(stream, data, now)
         except Exception as exc:  # noqa: BLE001 - a failed stream is counted, not the end of the run
             stream.error = f"{type(exc).__name__}: {exc}"
     if stream.error is None and not (stream.end and stream.chunk_times):
@@ -312,8 +295,8 @@ async def run_stream(session: aiohttp.ClientSession, url: str, prompt: list[int]
     return stream
 
 
-def read_event(stream: Stream, payload: bytes, now: float) -> None:
-    if payload == b"[DONE]":
+def read_event(stream: Stream, payload: str, now: float) -> None:
+    if payload == DONE:
         stream.end = now
         return
     chunk = json.loads(payload)

@@ -56,23 +56,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import aiohttp
 import psutil
 
-# bench_common before the product: importing it puts the repository on sys.path.
-from bench_common import (
-    Children,
-    Event,
-    EventListener,
-    percentile,
-    print_command,
-    raise_fd_limit,
-    tiny_llama_with_smollm2_tokenizer,
-    wait_ready,
-)
-
 from shared.logging import configure_logging
 from shared.net import free_port
+from testkit.checkpoints import tiny_llama_with_smollm2_tokenizer
+from testkit.processes import Children, wait_ready
+from testkit.redis_queue import Event, EventListener
+from testkit.runs import percentile, print_command, raise_fd_limit
+from testkit.sse import DONE, data_lines
 from tokenfleet.redis_server import RedisServer
 
 MODEL_NAME = "tiny"
@@ -166,9 +160,8 @@ async def run_stream(session: aiohttp.ClientSession, url: str, stream: Stream, m
             counter.open += 1
             counter.max_open = max(counter.max_open, counter.open)
             try:
-                async for line in response.content:
-                    if line.startswith(b"data:"):
-                        stream.lines.append((time.monotonic(), line))
+                async for now, data in data_lines(response.content):
+                    stream.lines.append((now, data))
             finally:
                 counter.open -= 1
     except Exception as exc:  # noqa: BLE001 - every failure is counted, none stops the run
@@ -194,12 +187,11 @@ def check_stream(stream: Stream, max_tokens: int) -> None:
     done = False
     finish_reason = None
     completion_tokens = None
-    for t, line in stream.lines:
-        payload = line[5:].strip()
+    for t, payload in stream.lines:
         if done:
             stream.error = "data after [DONE]"
             return
-        if payload == b"[DONE]":
+        if payload == DONE:
             done = True
             continue
         try:

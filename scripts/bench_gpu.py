@@ -39,41 +39,26 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import torch
-
-# bench_common before the product: importing it puts the repository on sys.path.
-from bench_common import (
-    LLAMA3_8B,
-    T0,
-    Interrupted,
-    ModelShape,
-    Roofline,
-    Workload,
-    cached_tokens_read,
-    checkpoint_folder,
-    copy_bandwidth,
-    dense_flops,
-    log,
-    matmul_rate,
-    module_bytes,
-    print_command,
-    random_llama,
-    roofline,
-    run_engine_workload,
-    sharegpt_workload,
-    stop_on_sigterm,
-    sync,
-    warm_up,
-)
 
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
 from shared.logging import configure_logging
-from shared.sampling import SamplingParams
-
-TINY_LLAMA = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=128, vocab_size=512, rope_theta=500000.0, max_position_embeddings=2048,
-                  rms_norm_eps=1e-5, tie_word_embeddings=False)
+from testkit.engine_runs import engine_decode_latency, run_engine_workload, warm_up
+from testkit.random_models import LLAMA3_8B, TINY_LLAMA, checkpoint_folder, module_bytes, random_llama
+from testkit.roofline import (
+    ModelShape,
+    Roofline,
+    cached_tokens_read,
+    copy_bandwidth,
+    dense_flops,
+    matmul_rate,
+    roofline,
+    sync,
+)
+from testkit.runs import T0, Interrupted, log, print_command, stop_on_sigterm
+from testkit.workloads import Workload, sharegpt_workload
 
 
 def roofline_notes(roof: Roofline, num_params: int, num_tokens: int, weight_bytes: int, kv_read_bytes: int,
@@ -122,23 +107,6 @@ def engine_row(engine: LLMEngine, workload: Workload, seconds_limit: float, devi
     """All requests at once; stepped until done or until the time limit (then partial)."""
     run = run_engine_workload(engine, workload, seconds_limit, device)
     return Row("(a) tokenfleet engine", run.output_rate, run.total_rate, run.seconds, notes=run.notes)
-
-
-def engine_decode_latency(engine: LLMEngine, vocab_size: int, device: torch.device,
-                          num_prompt: int = 128, num_output: int = 128) -> float:
-    """Seconds per output token of one request alone, its prefill step left out (best of 2)."""
-    rng = random.Random(1)
-    best = float("inf")
-    for _ in range(2):
-        prompt = [rng.randrange(vocab_size) for _ in range(num_prompt)]
-        engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=num_output, ignore_eos=True))
-        engine.step()  # the prefill and the first token
-        sync(device)
-        start, count = time.perf_counter(), 0
-        while engine.has_unfinished_requests():
-            count += sum(len(out.new_token_ids) for out in engine.step())
-        best = min(best, (time.perf_counter() - start) / max(count, 1))
-    return best
 
 
 # -- (b), (c) transformers -----------------------------------------------------------------

@@ -33,134 +33,23 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
+import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import torch
-
-# bench_common before the product: importing it puts the repository on sys.path.
-from bench_common import (
-    LLAMA3_8B,
-    SMOLLM2_VOCAB_SIZE,
-    checkpoint_folder,
-    greedy,
-    log,
-    lognormal_length,
-    percentile,
-    print_command,
-    random_llama,
-    run_engine_workload,
-    sharegpt_workload,
-    tiny_llama_with_smollm2_tokenizer,
-    warm_up,
-)
 
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
+from testkit.arrivals import ServingRow, StepMeter, chat_arrivals, run_chats
+from testkit.checkpoints import SMOLLM2_VOCAB_SIZE, tiny_llama_with_smollm2_tokenizer
+from testkit.engine_runs import run_engine_workload, warm_up
+from testkit.random_models import LLAMA3_8B, checkpoint_folder, random_llama
+from testkit.runs import log, percentile, print_command
+from testkit.workloads import sharegpt_workload
 
 
-@dataclass
-class Chats:
-    arrivals: list[float]  # seconds after the start
-    prompts: list[list[int]]
-    max_tokens: list[int]
-
-
-def chat_arrivals(rate: float, seconds: float, prefix: list[int], vocab: int, seed: int) -> Chats:
-    rng = random.Random(seed)
-    chats = Chats([], [], [])
-    t = rng.expovariate(rate)
-    while t < seconds:
-        user = [rng.randrange(3, vocab) for _ in range(round(rng.randint(40, 300) * 1.3))]
-        chats.arrivals.append(t)
-        chats.prompts.append(prefix + user)
-        chats.max_tokens.append(lognormal_length(rng, 150, 0.8, 16, 512))
-        t += rng.expovariate(rate)
-    return chats
-
-
-@dataclass
-class StepMeter:
-    """Times the runner's forward of mixed steps and the sampler's wait for the GPU."""
-
-    mixed_forward_s: list[float] = field(default_factory=list)
-    graph_steps: int = 0
-    gpu_wait_s: float = 0.0
-
-    def attach(self, engine: LLMEngine) -> None:
-        runner = engine.executor.runner
-        forward, sample = runner.forward, runner.sampler.sample
-        graphs = runner.mixed_graphs
-
-        def timed_forward(batch, use_graphs=True):
-            start = time.perf_counter()
-            try:
-                return forward(batch, use_graphs)
-            finally:
-                if any(len(w.token_ids) > 1 for w in batch.works):
-                    self.mixed_forward_s.append(time.perf_counter() - start)
-                    if graphs is not None and graphs.can_run(batch.works):
-                        self.graph_steps += 1
-
-        def timed_sample(*args, **kw):
-            start = time.perf_counter()
-            try:
-                return sample(*args, **kw)
-            finally:
-                self.gpu_wait_s += time.perf_counter() - start
-
-        runner.forward, runner.sampler.sample = timed_forward, timed_sample
-
-    def detach(self, engine: LLMEngine) -> None:
-        runner = engine.executor.runner
-        del runner.forward, runner.sampler.sample
-
-
-@dataclass
-class Row:
-    label: str
-    tok_s: float
-    ttft_p50: float
-    ttft_p99: float
-    itl_p99: float
-    mixed_ms: float
-    mixed_steps: int
-    graph_steps: int
-    gpu_wait: float
-
-
-def run_chats(engine: LLMEngine, chats: Chats, label: str) -> Row:
-    meter = StepMeter()
-    meter.attach(engine)
-    arrival: dict[str, float] = {}
-    token_times: dict[str, list[float]] = {}
-    num_output, i = 0, 0
-    start = time.perf_counter()
-    while i < len(chats.arrivals) or engine.has_unfinished_requests():
-        now = time.perf_counter()
-        while i < len(chats.arrivals) and start + chats.arrivals[i] <= now:
-            req_id = engine.add_request(chats.prompts[i], greedy(chats.max_tokens[i]))
-            arrival[req_id] = start + chats.arrivals[i]
-            i += 1
-        if not engine.has_unfinished_requests():
-            time.sleep(max(0.0, min(0.001, start + chats.arrivals[i] - now)))
-            continue
-        outputs = engine.step()
-        now = time.perf_counter()
-        for out in outputs:
-            if out.new_token_ids:
-                num_output += len(out.new_token_ids)
-                token_times.setdefault(out.req_id, []).append(now)
-    wall = max(t[-1] for t in token_times.values()) - start
-    meter.detach(engine)
-    ttft = [times[0] - arrival[r] for r, times in token_times.items()]
-    itl = [b - a for times in token_times.values() for a, b in zip(times, times[1:], strict=False)]
-    mixed = meter.mixed_forward_s
-    return Row(label, num_output / wall, percentile(ttft, 50), percentile(ttft, 99), percentile(itl, 99),
-               1e3 * sum(mixed) / max(1, len(mixed)), len(mixed), meter.graph_steps, meter.gpu_wait_s / wall)
-
-
-def run_burst(engine: LLMEngine, vocab: int, num_requests: int, device: torch.device, label: str) -> Row:
+def run_burst(engine: LLMEngine, vocab: int, num_requests: int, device: torch.device,
+              label: str) -> ServingRow:
     meter = StepMeter()
     meter.attach(engine)
     run = run_engine_workload(engine, sharegpt_workload(num_requests, vocab), 600.0, device)
@@ -168,9 +57,9 @@ def run_burst(engine: LLMEngine, vocab: int, num_requests: int, device: torch.de
     ttft = [times[0] - run.start for times in run.token_times.values()]
     itl = [b - a for times in run.token_times.values() for a, b in zip(times, times[1:], strict=False)]
     mixed = meter.mixed_forward_s
-    return Row(label, run.output_rate, percentile(ttft, 50), percentile(ttft, 99), percentile(itl, 99),
-               1e3 * sum(mixed) / max(1, len(mixed)), len(mixed), meter.graph_steps,
-               meter.gpu_wait_s / run.seconds)
+    return ServingRow(label, run.output_rate, percentile(ttft, 50), percentile(ttft, 99),
+                      percentile(itl, 99), 1e3 * sum(mixed) / max(1, len(mixed)), len(mixed),
+                      meter.graph_steps, meter.gpu_wait_s / run.seconds)
 
 
 def start_py_spy(out_dir: Path, seconds: float) -> subprocess.Popen | None:
@@ -220,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.empty_cache()
             description, vocab = f"Llama-3-8B shape, vocab {SMOLLM2_VOCAB_SIZE:,}, bf16", SMOLLM2_VOCAB_SIZE
         prefix = [random.Random(1).randrange(3, vocab) for _ in range(args.prefix_tokens)]
-        rows: list[Row] = []
+        rows: list[ServingRow] = []
         for mode in args.modes.split(","):
             max_tokens = args.cuda_graph_max_tokens if mode == "graphs" else 0
             config = EngineConfig(model=str(folder), device=args.device, max_num_seqs=args.max_num_seqs,

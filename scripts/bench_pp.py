@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 
-import bench_common  # noqa: F401 - first: it puts the repository on sys.path (and imports no torch)
+import _repo  # noqa: F401 - first: it puts the repository on sys.path
 
 from shared.config import MULTICAST_OFF_ENV
 
@@ -35,30 +35,19 @@ import shutil  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 
-import bench_gpu  # noqa: E402
 import torch  # noqa: E402
-
-# bench_common before the product: importing it puts the repository on sys.path.
-from bench_common import (  # noqa: E402
-    LLAMA3_8B,
-    checkpoint_folder,
-    greedy,
-    log,
-    module_bytes,
-    print_command,
-    random_llama,
-    run_engine_workload,
-    sharegpt_workload,
-    start_local_ray,
-    warm_up,
-)
 
 from scheduler.engine import LLMEngine  # noqa: E402
 from shared.config import EngineConfig  # noqa: E402
 from shared.logging import configure_logging  # noqa: E402
+from testkit import random_models  # noqa: E402
+from testkit.engine_runs import engine_decode_latency, run_engine_workload, start_local_ray, warm_up  # noqa: E402
+from testkit.random_models import LLAMA3_8B, checkpoint_folder, module_bytes, random_llama  # noqa: E402
+from testkit.runs import log, print_command  # noqa: E402
+from testkit.workloads import greedy, sharegpt_workload  # noqa: E402
 from workers.model_runner import format_bytes  # noqa: E402
 
-TINY_LLAMA = {**bench_gpu.TINY_LLAMA, "num_hidden_layers": 4}  # two layers per stage
+TINY_LLAMA = {**random_models.TINY_LLAMA, "num_hidden_layers": 4}  # two layers per stage
 LAYOUTS = {"TP=1": dict(tp=1, pp=1), "TP=2": dict(tp=2, pp=1), "PP=2": dict(tp=1, pp=2)}
 
 
@@ -85,7 +74,7 @@ def measure(name: str, config: EngineConfig, args, vocab_size: int, prompts, wor
         run = run_engine_workload(engine, workload, 240.0, device)
         found["rate"], found["notes"] = run.output_rate, run.notes
         log(f"{name}: {run.output_rate:,.0f} output tok/s ({run.notes})")
-        found["batch1_ms"] = 1e3 * bench_gpu.engine_decode_latency(engine, vocab_size, device,
+        found["batch1_ms"] = 1e3 * engine_decode_latency(engine, vocab_size, device,
                                                                    num_output=args.batch1_tokens)
         log(f"{name}: batch-1 {found['batch1_ms']:.2f} ms/token")
         found["peak_in_flight"] = engine.executor.peak_in_flight

@@ -26,25 +26,16 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import torch
-
-# bench_common before the product: importing it puts the repository on sys.path.
-from bench_common import (
-    LLAMA3_8B,
-    EngineRun,
-    Workload,
-    checkpoint_folder,
-    log,
-    percentile,
-    print_command,
-    random_llama,
-    run_engine_workload,
-    warm_up,
-)
 
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
 from shared.logging import configure_logging
+from testkit.engine_runs import EngineRun, run_engine_workload, warm_up
+from testkit.random_models import LLAMA3_8B, checkpoint_folder, random_llama
+from testkit.runs import log, percentile, print_command
+from testkit.workloads import Workload
 from workers.default_model import fetch_default_model
 from workers.device import resolve_device
 from workers.model_config import load_model_config

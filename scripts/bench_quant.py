@@ -26,21 +26,8 @@ import shutil
 import time
 from pathlib import Path
 
+import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import torch
-
-# bench_common before the product: importing it puts the repository on sys.path.
-from bench_common import (
-    LLAMA3_8B,
-    checkpoint_folder,
-    log,
-    module_bytes,
-    print_command,
-    random_llama,
-    run_engine_workload,
-    sharegpt_workload,
-    warm_up,
-)
-from bench_gpu import TINY_LLAMA, engine_decode_latency
 
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
@@ -48,6 +35,10 @@ from shared.errors import ModelLoadError
 from shared.logging import configure_logging
 from shared.sampling import SamplingParams
 from shared.step import SequenceWork, StepBatch
+from testkit.engine_runs import engine_decode_latency, run_engine_workload, warm_up
+from testkit.random_models import LLAMA3_8B, TINY_LLAMA, checkpoint_folder, module_bytes, random_llama
+from testkit.runs import log, print_command
+from testkit.workloads import sharegpt_workload
 from workers.model_runner import format_bytes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -117,9 +108,9 @@ def bf16_refused_under(folder: Path, args, budget: int) -> str:
 def perplexities(model: Path, methods: list[str], args) -> dict[str, float]:
     from transformers import AutoTokenizer
 
+    from testkit.perplexity import perplexity
     from workers.model_runner import ModelRunner
     from workers.parallel import SINGLE_DEVICE
-    from workers.perplexity import perplexity
 
     token_ids = AutoTokenizer.from_pretrained(model)((REPO / "README.md").read_text())["input_ids"][:2048]
     found = {}

@@ -19,23 +19,16 @@ import tempfile
 import time
 from pathlib import Path
 
+import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import redis
-
-# bench_common before the product: importing it puts the repository on sys.path.
-from bench_common import (
-    KEYS,
-    Children,
-    greedy,
-    print_command,
-    read_results,
-    submit_requests,
-    uniform_workload,
-    wait_drained,
-)
 
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
 from shared.messages import unpack_list_chunks
+from testkit.processes import Children
+from testkit.redis_queue import KEYS, read_results, submit_requests, wait_drained
+from testkit.runs import print_command
+from testkit.workloads import greedy, uniform_workload
 from tokenfleet.redis_server import RedisServer
 from workers.default_model import fetch_default_model
 

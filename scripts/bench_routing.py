@@ -33,14 +33,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import aiohttp
 import redis
 
-# bench_common before the product: importing it puts the repository on sys.path.
-from bench_common import Children, log, percentile, print_command, wait_ready
-
 from shared.keys import Keys
 from shared.net import free_port
+from testkit.processes import Children, wait_ready
+from testkit.runs import log, percentile, print_command
 from tokenfleet.bench import Result, one_request, prompt_text
 from workers.default_model import fetch_default_model
 

@@ -33,16 +33,16 @@ import sys
 import tempfile
 from pathlib import Path
 
+import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import psutil
 import torch
-
-# bench_common before the product: importing it puts the repository on sys.path.
-from bench_common import Children, log, percentile, print_command, raise_fd_limit, wait_ready
 from bench_fleet_gpu import prepare_model
-from bench_mixed_graphs import Chats, Row, run_chats
 
 from gateway.models import ServedModel
 from shared.net import free_port
+from testkit.arrivals import Chats, ServingRow, run_chats
+from testkit.processes import Children, wait_ready
+from testkit.runs import log, percentile, print_command, raise_fd_limit
 from tokenfleet import bench as fleet_bench
 from tokenfleet.cli import build_parser
 from tokenfleet.engine_flags import engine_config
@@ -106,13 +106,13 @@ def start_py_spy(args: argparse.Namespace, rate: float, out: Path) -> subprocess
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
 
-def engine_rows(args: argparse.Namespace, folder: Path, rates: list[float]) -> dict[float, Row]:
+def engine_rows(args: argparse.Namespace, folder: Path, rates: list[float]) -> dict[float, ServingRow]:
     from scheduler.engine import LLMEngine
 
     scheduler_args = build_parser().parse_args(["scheduler", "--model", str(folder)])
     config = engine_config(scheduler_args)
     served = ServedModel(MODEL_NAME, str(folder), None, 0, 0)
-    rows: dict[float, Row] = {}
+    rows: dict[float, ServingRow] = {}
     with LLMEngine(config) as engine:
         served.tokenizer = engine.tokenizer
         warm = Chats([0.0] * 4, [engine.encode("warm up the engine", chat=True)] * 4, [8] * 4)

@@ -28,23 +28,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import torch
-
-# bench_common before the product: importing it puts the repository on sys.path.
-from bench_common import (
-    LLAMA3_8B,
-    SMOLLM2_VOCAB_SIZE,
-    checkpoint_folder,
-    copy_tokenizer,
-    print_command,
-    random_llama,
-)
 
 import workers.model_runner as model_runner_module
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
 from shared.logging import configure_logging
 from shared.sampling import SamplingParams
+from testkit.checkpoints import SMOLLM2_VOCAB_SIZE, copy_tokenizer
+from testkit.random_models import LLAMA3_8B, checkpoint_folder, random_llama
+from testkit.runs import print_command
 
 # An answer that cannot end within the run: its "body" string must run to thousands of characters.
 SCHEMA = {

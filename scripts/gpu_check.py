@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import argparse
 
+import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import torch
-
-# bench_common before the product: importing it puts the repository on sys.path.
-from bench_common import greedy, print_command, uniform_workload
 
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
 from shared.step import SequenceWork, StepBatch
+from testkit.runs import print_command
+from testkit.workloads import greedy, uniform_workload
 
 
 def main() -> None:

@@ -18,14 +18,15 @@ import random
 import shutil
 import time
 
+import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import torch
-
-# bench_common before the product: importing it puts the repository on sys.path.
-from bench_common import LLAMA3_8B, checkpoint_folder, greedy, print_command, random_llama, sharegpt_workload
 from torch.profiler import ProfilerActivity, profile
 
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
+from testkit.random_models import LLAMA3_8B, checkpoint_folder, random_llama
+from testkit.runs import print_command
+from testkit.workloads import greedy, sharegpt_workload
 
 
 def attention_step(query_lens: list[int], cached: list[int], *, num_heads: int = 32, num_kv_heads: int = 8,

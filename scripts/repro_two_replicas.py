@@ -24,12 +24,12 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import openai
 
-# bench_common before the product: importing it puts the repository on sys.path.
-from bench_common import Children, log, start_redis, wait_ready
-
 from shared.net import free_port
+from testkit.processes import Children, start_redis, wait_ready
+from testkit.runs import log
 from workers.default_model import fetch_default_model
 
 NUM_STREAMS = 24

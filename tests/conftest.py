@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from testkit.checkpoints import TINY_ARCHS, make_tiny_checkpoint, tiny_llama_with_smollm2_tokenizer
 from tests.fleet_helpers import TINY_CHAT
-from workers.checkpoints import TINY_ARCHS, make_tiny_checkpoint, tiny_llama_with_smollm2_tokenizer
 
 
 @pytest.fixture(scope="session")

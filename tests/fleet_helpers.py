@@ -1,5 +1,6 @@
 """Fleet processes as the tests start them: `tokenfleet up`, and `tokenfleet scheduler` processes
-a test can drain or kill -9. Each test says what it runs; these say how to start, watch and stop it."""
+a test can drain or kill -9 (started by tokenfleet.supervise's `spawn`, as `up` starts its
+children). Each test says what it runs; these say how to start, watch and stop it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import psutil
 
 from shared.keys import Keys
+from tokenfleet.supervise import spawn, stop_group
 
 TINY_CHAT = "tiny-chat"  # the folder of the session's tiny_chat model (tests/conftest.py): its served name
 KEYS = Keys()
@@ -75,13 +77,8 @@ def start_scheduler(url: str, model: Path, scheduler_id: str, *args: str, model_
             "--scheduler-id", scheduler_id, "--dtype", "float32", *args]
     if model_name is not None:
         argv += ["--model-name", model_name]
-    log = open(log_dir / f"{scheduler_id}.log", "ab") if log_dir is not None else subprocess.DEVNULL  # noqa: SIM115
-    try:
-        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "TOKENFLEET_LOG_LEVEL": "INFO"})
-    finally:
-        if log is not subprocess.DEVNULL:
-            log.close()
+    log_path = log_dir / f"{scheduler_id}.log" if log_dir is not None else None
+    return spawn(argv, log_path, {**os.environ, "TOKENFLEET_LOG_LEVEL": "INFO"})
 
 
 def wait_heartbeat(client, scheduler_id: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:
@@ -94,8 +91,7 @@ def wait_heartbeat(client, scheduler_id: str, proc: subprocess.Popen, timeout_s:
 
 
 def stop_schedulers(*procs: subprocess.Popen | None) -> None:
-    """SIGTERM to each one still running (and what it started), then wait for it."""
+    """Each one still running: SIGTERM to it and what it started, SIGKILL after 60 s."""
     for proc in procs:
         if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=60)
+            stop_group(proc, 60)

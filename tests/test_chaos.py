@@ -1,5 +1,5 @@
-"""The chaos harness (scripts/chaos.py): its checks catch what they are meant to catch, and
-its short run finds no violation in the fleet."""
+"""The chaos harness (testkit/chaos/, run by scripts/chaos.py): its checks catch what they are
+meant to catch, and its short run finds no violation in the fleet."""
 
 from __future__ import annotations
 
@@ -15,24 +15,20 @@ SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 @pytest.fixture(scope="module")
 def chaos():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        import chaos
+    from testkit.chaos import harness
 
-        yield chaos
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    return harness
 
 
 @pytest.fixture(scope="module")
-def checks(chaos):
-    import chaos_checks
+def checks():
+    from testkit.chaos import checks
 
-    return chaos_checks
+    return checks
 
 
 def _resume(seqs: list[int], token_ids: list[int], num_final_events: int = 1):
-    from chaos_clients import Outcome
+    from testkit.chaos.clients import Outcome
 
     return Outcome("resume", 0, req_id="r", seqs=seqs, token_ids=token_ids, num_final_events=num_final_events,
                    is_done=True)
@@ -48,7 +44,7 @@ def test_event_checks_accept_a_catch_up_and_catch_repeats_gaps_and_double_ending
 
 
 def test_request_checks_hold_each_kind_to_its_own_ending(checks):
-    from chaos_clients import Outcome
+    from testkit.chaos.clients import Outcome
 
     def view(status: str, text: str, num_tokens: int) -> dict:
         return {"status": status, "output": {"text": text, "num_tokens": num_tokens}}

@@ -18,6 +18,7 @@ from shared.config import EngineConfig
 from shared.keys import Keys
 from shared.net import free_port
 from shared.sampling import SamplingParams
+from testkit.sse import DONE, data_of
 from tests.fleet_helpers import UpProcess
 
 pytestmark = pytest.mark.slow
@@ -44,10 +45,10 @@ def stream_completion(url: str, index: int, max_tokens: int) -> dict:
     text, finish, usage, num_chunks = "", None, None, 0
     with urllib.request.urlopen(request, timeout=600) as response:
         for raw in response:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            data = data_of(raw)
+            if data is None or data == DONE:
                 continue
-            chunk = json.loads(line[6:])
+            chunk = json.loads(data)
             for choice in chunk.get("choices", []):
                 text += choice.get("text") or ""
                 finish = choice.get("finish_reason") or finish

@@ -30,7 +30,7 @@ NUM_REQUESTS = 6
 MAX_TOKENS = 120  # long enough for several heartbeats (0.25 s) to see the load
 
 
-class Fleet:
+class TwoSchedulerFleet:
     def __init__(self, model: Path, home: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -82,7 +82,7 @@ class Fleet:
 
 @pytest.fixture(scope="module")
 def fleet(tiny_chat, tmp_path_factory):
-    fleet = Fleet(tiny_chat, tmp_path_factory.mktemp("home"))
+    fleet = TwoSchedulerFleet(tiny_chat, tmp_path_factory.mktemp("home"))
     yield fleet
     fleet.stop()
 
@@ -99,7 +99,7 @@ def _kv(samples: dict) -> dict[str, float]:
     return {s: v for (n, s, _), v in samples.items() if n == "tokenfleet:kv_cache_usage_perc"}
 
 
-def _load(fleet: Fleet, num_requests: int, answers: list, max_tokens: int = MAX_TOKENS) -> list:
+def _load(fleet: TwoSchedulerFleet, num_requests: int, answers: list, max_tokens: int = MAX_TOKENS) -> list:
     """Threads, started, each sending one chat completion; their answers go to `answers`."""
     def ask(i: int) -> None:
         answers.append(fleet.chat(f"Tell me about the number {i}.", max_tokens))

@@ -11,6 +11,10 @@ Two parts:
 - `Supervisor`: starts each child in its own process group (so stopping it takes its own
   children along), its output appended to `{log_dir}/{name}.log`; `poll()` reaps the dead
   ones, kills what they left in their group, and starts them again when their delay is up.
+  With `die_with_parent`, the kernel sends each child SIGTERM should this process die first,
+  even by SIGKILL (the benchmarks' and the chaos harness's children); `env` and `cwd` apply to
+  every child. It is the one process supervisor: `tokenfleet up`, the benchmarks and the chaos
+  harness (testkit.processes.Children), the tests' fleets (`spawn` alone).
 
 API, also for code that adds and removes children at runtime (an autoscaler):
 
@@ -40,6 +44,7 @@ from pathlib import Path
 
 from shared.errors import TokenfleetError
 from shared.logging import get_logger
+from shared.pdeathsig import die_with_parent as _die_with_parent
 
 STOP_TIMEOUT_S = 10.0
 TAIL_LINES = 20
@@ -99,6 +104,8 @@ class _Child:
 @dataclass
 class Supervisor:
     log_dir: Path
+    die_with_parent: bool = False  # SIGTERM to every child when this process dies (Linux)
+    cwd: Path | None = None  # every child's working directory (None: this process's)
     _children: dict[str, _Child] = field(default_factory=dict)  # name -> child, in order added
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -183,27 +190,45 @@ class Supervisor:
                     restart_in_s=delay, fast_failures=child.num_fast_failures)
 
     def _start(self, child: _Child) -> None:
-        child.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(child.log_path, "ab") as log_file:  # the child holds its own copy of the descriptor
-            child.process = subprocess.Popen(child.argv, stdout=log_file, stderr=subprocess.STDOUT,
-                                             env=child.env, start_new_session=True)
+        child.process = spawn(child.argv, child.log_path, child.env, cwd=self.cwd,
+                              die_with_parent=self.die_with_parent)
         child.started_at = time.monotonic()
         child.restart_at = None
         log.info("started", child=child.name, pid=child.process.pid, log=str(child.log_path))
 
 
-def _stop_process(child: _Child, *, graceful: bool, timeout_s: float) -> int | None:
-    process = child.process
-    if process is None:
-        return None
+def spawn(argv: list[str], log_path: Path | None, env: dict[str, str] | None = None, *,
+          cwd: Path | None = None, die_with_parent: bool = False) -> subprocess.Popen:
+    """One child in a session (and process group) of its own, so that signalling its group
+    reaches whatever it starts; its output appended to log_path (None: discarded)."""
+    preexec_fn = _die_with_parent if die_with_parent else None
+    if log_path is None:
+        return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                                start_new_session=True, preexec_fn=preexec_fn)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log_file:  # the child holds its own copy of the descriptor
+        return subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                                start_new_session=True, preexec_fn=preexec_fn)
+
+
+def stop_group(process: subprocess.Popen, timeout_s: float = STOP_TIMEOUT_S, *, graceful: bool = True,
+               name: str | None = None) -> int:
+    """Stop a spawned child: SIGTERM to its process group, SIGKILL to what is left after timeout_s
+    (at once unless graceful); its exit code."""
     if graceful:
         _signal_group(process.pid, signal.SIGTERM)
         try:
             process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            log.warning("killing", child=child.name, pid=process.pid)
+            log.warning("killing", child=name, pid=process.pid)
     _signal_group(process.pid, signal.SIGKILL)  # whatever the leader left behind
     return process.wait()
+
+
+def _stop_process(child: _Child, *, graceful: bool, timeout_s: float) -> int | None:
+    if child.process is None:
+        return None
+    return stop_group(child.process, timeout_s, graceful=graceful, name=child.name)
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -11,6 +11,7 @@ import pytest
 
 from gateway.appkeys import ROUTER
 from shared.keys import Keys
+from testkit.sse import DONE, data_fields
 from tests.gateway.conftest import MODEL
 from tests.gateway.fake_scheduler import FakeScheduler
 
@@ -21,9 +22,8 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
 
 def chunks_of(text: str) -> list:
     """The data of each event (an event may start with its `id:` line)."""
-    lines = [line[len("data: "):] for block in text.split("\n\n") for line in block.split("\n")
-             if line.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
+    lines = data_fields(text)
+    assert lines[-1] == DONE
     return [json.loads(line) for line in lines[:-1]]
 
 

@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from shared.net import free_port
+from testkit.sse import DONE, data_fields
 from tests.gateway.conftest import MODEL
 from tests.gateway.fake_scheduler import FakeScheduler
 from tokenfleet.cli import build_parser
@@ -75,8 +76,8 @@ async def _stream(base: str) -> tuple[str, int]:
         async with session.post(f"{base}/v1/chat/completions", json=body) as response:
             assert response.status == 200
             text = await response.text()
-    lines = [line[6:] for line in text.splitlines() if line.startswith("data: ")]  # past any id: line
-    assert lines[-1] == "[DONE]"
+    lines = data_fields(text)  # past any id: line
+    assert lines[-1] == DONE
     return "".join(json.loads(c)["choices"][0]["delta"].get("content", "") for c in lines[:-1]), len(lines)
 
 

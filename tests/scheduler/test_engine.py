@@ -17,9 +17,9 @@ from transformers import AutoModelForCausalLM
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
+from testkit.checkpoints import TINY_ARCHS
 from tests.hf_reference import assert_greedy_matches, hf_greedy
 from tests.workers.runner_refs import alive, runner_weakrefs
-from workers.checkpoints import TINY_ARCHS
 
 NUM_NEW_TOKENS = 32
 

@@ -12,9 +12,9 @@ from transformers import AutoTokenizer
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
+from testkit.perplexity import perplexity
 from workers.model_runner import ModelRunner
 from workers.parallel import SINGLE_DEVICE
-from workers.perplexity import perplexity
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

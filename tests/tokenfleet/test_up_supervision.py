@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from shared.net import free_port
+from testkit.sse import DONE, data_of
 from tests.fleet_helpers import TINY_CHAT, UpProcess
 
 pytestmark = pytest.mark.slow
@@ -104,11 +105,11 @@ def _stream(fleet: UpFleet, question: str, out: dict, first_chunk: threading.Eve
     try:
         with urllib.request.urlopen(request, timeout=300) as response:
             for raw in response:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    out["done"] = out.get("done", False) or line == "data: [DONE]"
+                data = data_of(raw)
+                if data is None or data == DONE:
+                    out["done"] = out.get("done", False) or data == DONE
                     continue
-                delta = json.loads(line[6:])["choices"][0]["delta"].get("content")
+                delta = json.loads(data)["choices"][0]["delta"].get("content")
                 if delta:
                     text.append(delta)
                     first_chunk.set()

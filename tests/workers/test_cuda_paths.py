@@ -287,7 +287,7 @@ def test_steps_do_not_synchronise_with_the_host_before_sampling(tiny_checkpoints
 
 
 def _make_tiny_checkpoint(*args, **kwargs):
-    from workers.checkpoints import make_tiny_checkpoint
+    from testkit.checkpoints import make_tiny_checkpoint
 
     return make_tiny_checkpoint(*args, **kwargs)
 

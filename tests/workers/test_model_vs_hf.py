@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
 from shared.step import SequenceWork, StepBatch
-from workers.checkpoints import TINY_ARCHS, make_tiny_checkpoint
+from testkit.checkpoints import TINY_ARCHS, make_tiny_checkpoint
 from workers.model_runner import ModelRunner
 from workers.parallel import SINGLE_DEVICE
 

@@ -14,7 +14,7 @@ from shared.config import EngineConfig
 from shared.errors import ModelLoadError
 from shared.sampling import SamplingParams
 from shared.step import SequenceWork, StepBatch
-from workers.checkpoints import make_tiny_checkpoint
+from testkit.checkpoints import make_tiny_checkpoint
 from workers.layers.linear import LinearBase
 from workers.layers.quantization import FP8_DTYPE, METHODS
 from workers.model_runner import ModelRunner

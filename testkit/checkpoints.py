@@ -53,7 +53,7 @@ _COMMON: dict[str, Any] = {
 
 # arch -> (model_type, config fields on top of _COMMON). Field names are the ones
 # transformers' config classes take; what lands in config.json may differ (see
-# tests/workers/test_checkpoints.py for the exact keys).
+# tests/testkit/test_checkpoints.py for the exact keys).
 _ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {"num_hidden_layers": 4, "head_dim": 16, "rope_theta": 10000.0}),
     "llama3_rope_scaling": (

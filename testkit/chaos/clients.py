@@ -1,4 +1,4 @@
-"""The chaos harness's clients (scripts/chaos.py): each kind of caller the fleet serves, written
+"""The chaos harness's clients (testkit/chaos/harness.py): each kind of caller the fleet serves, written
 to keep going while processes die under it, and to record what it saw for the checks.
 
 - stream: an OpenAI SSE completion read to `[DONE]`; a stream cut by a dying gateway is kept
@@ -23,6 +23,8 @@ import uuid
 from dataclasses import dataclass, field
 
 import aiohttp
+
+from testkit.sse import DONE, data_lines
 
 KINDS = ("stream", "resume", "poll", "cancel", "disconnect")
 TERMINAL = ("completed", "failed", "cancelled", "expired")
@@ -125,14 +127,11 @@ class Client:
                         raise aiohttp.ClientResponseError(response.request_info, (), status=response.status)
                     if response.status != 200:
                         raise RuntimeError(f"stream answered {response.status}: {await response.text()}")
-                    async for raw in response.content:
-                        line = raw.decode().strip()
-                        if line == "data: [DONE]":
+                    async for _, data in data_lines(response.content):
+                        if data == DONE:
                             out.is_done = True
                             return
-                        if not line.startswith("data: "):
-                            continue
-                        chunk = json.loads(line[6:])
+                        chunk = json.loads(data)
                         if "error" in chunk:
                             out.errors.append(f"error chunk: {chunk['error']}")
                             continue

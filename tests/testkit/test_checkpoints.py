@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from workers.checkpoints import TINY_ARCHS, make_tiny_checkpoint
+from testkit.checkpoints import TINY_ARCHS, make_tiny_checkpoint
 
 # arch -> the config.json entries our loader reads, exactly as transformers 5 writes them.
 EXPECTED_CONFIG = {

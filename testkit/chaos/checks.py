@@ -1,4 +1,4 @@
-"""The chaos harness's checks (scripts/chaos.py): what the fleet promised, judged from what
+"""The chaos harness's checks (testkit/chaos/harness.py): what the fleet promised, judged from what
 the clients saw, what Redis holds, and the reference run. Each check returns or records the
 problems it finds, worded for the report."""
 
@@ -10,9 +10,9 @@ import time
 from dataclasses import dataclass, field
 
 import redis
-from chaos_clients import Outcome
 
 from shared.keys import CONSUMER_GROUP, INGESTER_GROUP, Keys
+from testkit.chaos.clients import Outcome
 
 KEYS = Keys()
 
