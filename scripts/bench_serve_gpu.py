@@ -19,7 +19,10 @@ scripts/bench_fleet_gpu.py builds it). Workload, at each --rates for --seconds o
     time comes; TTFT from that scheduled time, ITL between the steps that gave it tokens.
 
 --py-spy DIR records the scheduler process (all threads, raw stacks) for --seconds during the
---py-spy-rate run. Prints the command line first and the table last.
+--py-spy-rate run. --engine-ab runs no fleet: the engine twice, with mixed-step CUDA graphs and
+with every mixed step eager (cuda_graph_max_tokens 0), reporting the host time of a mixed
+step's forward and the engine thread's share of time waiting on the GPU. Prints the command line
+first and the table last.
 """
 
 from __future__ import annotations
@@ -106,10 +109,12 @@ def start_py_spy(args: argparse.Namespace, rate: float, out: Path) -> subprocess
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
 
-def engine_rows(args: argparse.Namespace, folder: Path, rates: list[float]) -> dict[float, ServingRow]:
+def engine_rows(args: argparse.Namespace, folder: Path, rates: list[float], *,
+                mixed_graphs: bool = True) -> dict[float, ServingRow]:
     from scheduler.engine import LLMEngine
 
-    scheduler_args = build_parser().parse_args(["scheduler", "--model", str(folder)])
+    flags = [] if mixed_graphs else ["--cuda-graph-max-tokens", "0"]
+    scheduler_args = build_parser().parse_args(["scheduler", "--model", str(folder), *flags])
     config = engine_config(scheduler_args)
     served = ServedModel(MODEL_NAME, str(folder), None, 0, 0)
     rows: dict[float, ServingRow] = {}
@@ -127,6 +132,20 @@ def engine_rows(args: argparse.Namespace, folder: Path, rates: list[float]) -> d
     return rows
 
 
+def print_engine_ab(description: str, rates: list[float], graphs: dict[float, ServingRow],
+                    eager: dict[float, ServingRow]) -> None:
+    print(f"\n{description}; the engine alone, mixed-step graphs against eager mixed steps\n")
+    print("| run | output tok/s | TTFT p50 | TTFT p99 | ITL p99 | host ms per mixed forward "
+          "| mixed steps (in graphs) | waiting on the GPU |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for mode, rows in (("graphs", graphs), ("eager", eager)):
+        for rate in rates:
+            r = rows[rate]
+            print(f"| {mode}, {rate:g} req/s | {r.tok_s:,.0f} | {1e3 * r.ttft_p50:.0f} ms "
+                  f"| {1e3 * r.ttft_p99:.0f} ms | {1e3 * r.itl_p99:.0f} ms | {r.mixed_ms:.2f} "
+                  f"| {r.mixed_steps} ({r.graph_steps}) | {r.gpu_wait:.0%} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda")
@@ -140,6 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--py-spy", type=Path, help="folder for the scheduler's py-spy profile")
     parser.add_argument("--py-spy-rate", type=float, default=48.0)
     parser.add_argument("--logs", type=Path, help="folder for the fleet's logs (default: a temp folder)")
+    parser.add_argument("--engine-ab", action="store_true",
+                        help="no fleet: the engine with mixed-step graphs against every mixed step eager")
     args = parser.parse_args(argv)
     print_command()
     rates = [float(r) for r in args.rates.split(",")]
@@ -152,6 +173,11 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     try:
         description = prepare_model(args, folder)
+        if args.engine_ab:
+            graphs = engine_rows(args, folder, rates)
+            eager = engine_rows(args, folder, rates, mixed_graphs=False)
+            print_engine_ab(description, rates, graphs, eager)
+            return
         fleet = fleet_rows(args, folder, rates, out)
         if args.device == "cuda":
             torch.cuda.empty_cache()

@@ -1,6 +1,6 @@
 """Issue 32, item 1: a healthy two-replica fleet must not fail a request.
 
-    PYTHONPATH=. python scripts/repro_two_replicas.py --runs 20
+    .venv/bin/python -m testkit.two_replicas --runs 20
 
 One redis-server, two `tokenfleet scheduler` processes on it (the default model, SmolLM2,
 default flags) and one `tokenfleet gateway`; each run sends 24 concurrent streamed chat
@@ -24,7 +24,6 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import openai
 
 from shared.net import free_port
