@@ -67,6 +67,17 @@ def capture_graphs(sizes: list[int], forward, device: torch.device) -> dict[int,
     return graphs
 
 
+def release(owner: object, graphs: dict[int, torch.cuda.CUDAGraph], buffers: list[str]) -> None:
+    """Reset every graph (its pool goes back once the last graph sharing it is reset) and drop
+    what the graphs point into: the model, the KV cache, the static inputs and outputs."""
+    for graph in graphs.values():
+        graph.reset()
+    graphs.clear()
+    for name in ["model", "kv_caches", "out", "hidden_in", "token_ids", "positions", "slot_mapping",
+                 "query_start_loc", "block_tables", *buffers]:
+        setattr(owner, name, None)
+
+
 class DecodeGraphs:
     def __init__(
         self, model: nn.Module, kv_caches: torch.Tensor, *, block_size: int, max_model_len: int,
@@ -159,12 +170,8 @@ class DecodeGraphs:
         """Destroy every graph and drop the buffers, the model and the KV cache. The graphs'
         private memory pool goes back to the caching allocator once the last graph sharing it
         is reset (then `torch.cuda.empty_cache()` can return it to the driver). Idempotent."""
-        for graph in self.graphs.values():
-            graph.reset()
-        self.graphs.clear()
-        self.model = self.kv_caches = self.out = self.hidden_in = None
-        self.token_ids = self.positions = self.slot_mapping = None
-        self.context_lens = self.query_start_loc = self.block_tables = None
+        release(self, self.graphs, ["context_lens"])
+
 
     def _load_inputs(self, works: list[SequenceWork], size: int) -> None:
         """Fill rows [0, size) of the static buffers; rows past len(works) become padding."""

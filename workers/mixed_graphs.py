@@ -28,7 +28,7 @@ from torch import nn
 
 from shared.step import SequenceWork
 from workers.attention_metadata import AttentionMetadata, PrefillChunk
-from workers.cuda_graphs import capture_graphs
+from workers.cuda_graphs import capture_graphs, release
 from workers.layers import triton_attention
 from workers.pipeline import SINGLE_STAGE
 from workers.step_inputs import flat_ids, pad_block_tables, upload
@@ -144,12 +144,7 @@ class MixedGraphs:
 
     def close(self) -> None:
         """Destroy every graph and drop the buffers, the model and the KV cache. Idempotent."""
-        for graph in self.graphs.values():
-            graph.reset()
-        self.graphs.clear()
-        self.model = self.kv_caches = self.out = self.hidden_in = self._host_meta = None
-        self.token_ids = self.positions = self.slot_mapping = None
-        self.seq_lens = self.query_start_loc = self.block_tables = None
+        release(self, self.graphs, ["seq_lens", "_host_meta"])
 
     # -- inputs -------------------------------------------------------------------------
 

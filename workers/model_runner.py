@@ -200,24 +200,13 @@ class ModelRunner:
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
         if not use_cuda_graphs(self.config, self.device) or self.tp.timer is not None:
             return None
-        start = time.perf_counter()
         graphs = DecodeGraphs(
             self.model, self.kv_caches, block_size=self.block_size, max_model_len=self.max_model_len,
             scratch_block=self.num_kv_blocks,
             max_batch_size=min(self.config.cuda_graph_max_batch_size, self.config.max_num_seqs),
             device=self.device,
         )
-        try:
-            graphs.capture()
-            captured = 1
-        except Exception as exc:  # noqa: BLE001 - a capture failure costs speed, not service
-            self.log.warning("cuda_graph_capture_failed", error=f"{type(exc).__name__}: {exc}"[:500])
-            captured = 0
-        if not all_reduce_min(self.world_size, captured):  # every rank must take the same path
-            return None
-        self.log.info("cuda_graphs_captured", sizes=len(graphs.sizes), max_batch_size=graphs.sizes[-1],
-                      seconds=round(time.perf_counter() - start, 2))
-        return graphs
+        return self._captured(graphs, "cuda_graphs")
 
     def _mixed_graph_tokens(self) -> int:
         """The largest mixed step a graph replays; 0: none."""
@@ -229,23 +218,27 @@ class ModelRunner:
         max_tokens = self._mixed_graph_tokens()
         if max_tokens <= 0:
             return None
-        start = time.perf_counter()
         graphs = MixedGraphs(
             self.model, self.kv_caches, block_size=self.block_size, max_model_len=self.max_model_len,
             scratch_block=self.num_kv_blocks, max_tokens=max_tokens,
             num_decode_slots=self.config.max_num_seqs, hidden_size=self.model_config.hidden_size,
             device=self.device,
         )
+        return self._captured(graphs, "mixed_graphs")
+
+    def _captured(self, graphs: DecodeGraphs | MixedGraphs, name: str):
+        """`graphs` once captured on every rank; None (eager steps) when any rank failed."""
+        start = time.perf_counter()
         try:
             graphs.capture()
             captured = 1
         except Exception as exc:  # noqa: BLE001 - a capture failure costs speed, not service
-            self.log.warning("mixed_graph_capture_failed", error=f"{type(exc).__name__}: {exc}"[:500])
+            self.log.warning(f"{name}_capture_failed", error=f"{type(exc).__name__}: {exc}"[:500])
             captured = 0
         if not all_reduce_min(self.world_size, captured):  # every rank must take the same path
             graphs.close()
             return None
-        self.log.info("mixed_graphs_captured", buckets=len(graphs.sizes), max_tokens=graphs.sizes[-1],
+        self.log.info(f"{name}_captured", sizes=len(graphs.sizes), largest=graphs.sizes[-1],
                       seconds=round(time.perf_counter() - start, 2))
         return graphs
 
