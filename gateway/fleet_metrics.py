@@ -14,7 +14,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from shared.keys import Keys
+from protocol.keys import Keys
 from shared.logging import get_logger
 
 log = get_logger("tokenfleet.gateway.fleet_metrics")

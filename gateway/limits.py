@@ -25,7 +25,7 @@ from limits.aio.strategies import SlidingWindowCounterRateLimiter
 
 from gateway.errors import BadRequest, RateLimited
 from gateway.tenants import Tenant
-from shared.keys import Keys
+from protocol.keys import Keys
 
 # KEYS: the tenant's lease set.  ARGV: now, lapses at, cap, req ids...
 # Lapsed leases go first; then all of the call's requests get a lease, or none does.

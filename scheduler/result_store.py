@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import msgpack
 import redis
 
-from shared.keys import CONSUMER_GROUP, Keys
-from shared.messages import TERMINAL_STATES, unpack_list_chunks
+from protocol.keys import CONSUMER_GROUP, Keys
+from protocol.messages import TERMINAL_STATES, unpack_list_chunks
 
 # One call per step writes every update of the step (Python packs one msgpack list; the loop over
 # requests runs inside Redis). ARGV: owner, ttl, the packed updates, then the tenant lease key

@@ -26,6 +26,16 @@ from dataclasses import dataclass, field
 
 import redis
 
+from protocol.keys import CONSUMER_GROUP, Keys
+from protocol.messages import (
+    TERMINAL_STATES,
+    DeadLetter,
+    ErrorEvent,
+    MessageDecodeError,
+    RequestMessage,
+    TokenEvent,
+    pack_list_chunk,
+)
 from scheduler.claim_renewer import ClaimRenewer
 from scheduler.detokenizer import IncrementalDetokenizer
 from scheduler.engine import LLMEngine, Usage
@@ -38,17 +48,7 @@ from scheduler.scheduler import RequestOutput
 from scheduler.telemetry import SchedulerTelemetry
 from scheduler.tenant_streams import TenantStreams
 from shared.errors import InvalidRequestError
-from shared.keys import CONSUMER_GROUP, Keys
 from shared.logging import get_logger
-from shared.messages import (
-    TERMINAL_STATES,
-    DeadLetter,
-    ErrorEvent,
-    MessageDecodeError,
-    RequestMessage,
-    TokenEvent,
-    pack_list_chunk,
-)
 
 MAX_BACKOFF_S = 5.0
 # A busy scheduler that found its streams empty looks again after this long, not every step:

@@ -42,7 +42,7 @@ from bench_common import (
     wait_drained,
 )
 
-from shared.keys import Keys
+from protocol.keys import Keys
 from tokenfleet.autoscale.controller import AutoscaleController
 from tokenfleet.autoscale.launcher import ProcessReplicaLauncher
 from tokenfleet.autoscale.policy import ScalingPolicy

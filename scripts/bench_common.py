@@ -52,8 +52,8 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # a GPU host runs the scripts from a plain checkout
 
-from shared.keys import Keys  # noqa: E402
-from shared.messages import RequestMessage  # noqa: E402
+from protocol.keys import Keys  # noqa: E402
+from protocol.messages import RequestMessage  # noqa: E402
 from shared.net import free_port  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 

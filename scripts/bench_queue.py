@@ -33,9 +33,9 @@ from bench_common import (
     wait_drained,
 )
 
+from protocol.messages import unpack_list_chunks
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
-from shared.messages import unpack_list_chunks
 from tokenfleet.redis_server import RedisServer
 from workers.default_model import fetch_default_model
 

@@ -610,7 +610,7 @@ class Driver:
 
     def queue(self, num: int) -> None:
         """What the gateway does for `num` new streamed requests (subscribe first, then queue)."""
-        from shared.messages import RequestMessage
+        from protocol.messages import RequestMessage
         from shared.sampling import SamplingParams
 
         req_ids = [f"{self.index:04x}{os.urandom(14).hex()}" for _ in range(num)]
@@ -827,10 +827,10 @@ def check_packing() -> bool:
     import msgpack
     from redis.client import Pipeline
 
+    from protocol.keys import Keys
+    from protocol.messages import TokenEvent
     from scheduler import result_store
     from scheduler.result_store import ResultStore, ResultUpdate
-    from shared.keys import Keys
-    from shared.messages import TokenEvent
 
     if result_store._WRITE_SCRIPT != RESULT_SCRIPT:
         return False

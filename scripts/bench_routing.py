@@ -39,7 +39,7 @@ import redis
 # bench_common before the product: importing it puts the repository on sys.path.
 from bench_common import Children, log, percentile, print_command, wait_ready
 
-from shared.keys import Keys
+from protocol.keys import Keys
 from shared.net import free_port
 from tokenfleet.bench import Result, one_request, prompt_text
 from workers.default_model import fetch_default_model

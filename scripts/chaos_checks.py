@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import redis
 from chaos_clients import Outcome
 
-from shared.keys import CONSUMER_GROUP, INGESTER_GROUP, Keys
+from protocol.keys import CONSUMER_GROUP, INGESTER_GROUP, Keys
 
 KEYS = Keys()
 

@@ -54,10 +54,10 @@ from gateway.requests.records import ResultRecord
 from gateway.requests.store import GatewayKeys, RequestStore
 from gateway.settings import GatewaySettings
 from gateway.tenant_registry import TenantRegistry
-from shared.abandoned import claim_abandoned_async
-from shared.keys import INGESTER_GROUP, JOB_ID_PATTERN, Keys
+from protocol.abandoned import claim_abandoned_async
+from protocol.keys import INGESTER_GROUP, JOB_ID_PATTERN, Keys
+from protocol.messages import RequestMessage
 from shared.logging import get_logger
-from shared.messages import RequestMessage
 
 FEED_CHUNK = 128  # lines queued per compare-and-set
 

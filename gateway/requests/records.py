@@ -15,8 +15,8 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shared.messages import REQUEST_STATES as STATES
-from shared.messages import TERMINAL_STATES, ErrorEvent, TokenEvent, unpack_list_chunks
+from protocol.messages import REQUEST_STATES as STATES
+from protocol.messages import TERMINAL_STATES, ErrorEvent, TokenEvent, unpack_list_chunks
 
 
 @dataclass(slots=True)

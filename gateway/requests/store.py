@@ -23,8 +23,8 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from gateway.requests.records import ResultRecord
 from gateway.routing import PrefixRouter
-from shared.keys import CONSUMER_GROUP, Keys
-from shared.messages import ErrorEvent, RequestMessage
+from protocol.keys import CONSUMER_GROUP, Keys
+from protocol.messages import ErrorEvent, RequestMessage
 
 # KEYS: result hash, request stream, the model's tenant set, the tenant's lease set, the
 # Idempotency-Key's key. ARGV: ttl, message, tenant ('' = none), lease lapses at ('' = no lease),
@@ -72,7 +72,7 @@ QUEUE_KIND = "interactive"  # what the gateway writes; the batch ingester writes
 
 
 class GatewayKeys(Keys):
-    """shared.keys.Keys plus the one key only the gateway uses."""
+    """protocol.keys.Keys plus the one key only the gateway uses."""
 
     def idempotency(self, digest: str) -> str:
         return f"{self.prefix}idem:{digest}"

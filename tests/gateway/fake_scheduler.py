@@ -14,9 +14,9 @@ import time
 import msgpack
 import redis
 
+from protocol.keys import CONSUMER_GROUP, Keys
+from protocol.messages import TERMINAL_STATES, RequestMessage, TokenEvent
 from scheduler.result_store import ResultStore, ResultUpdate, terminal_fields
-from shared.keys import CONSUMER_GROUP, Keys
-from shared.messages import TERMINAL_STATES, RequestMessage, TokenEvent
 
 REPLY = "The quick brown fox jumps over the lazy dog, again and again and again."
 

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
+from protocol.keys import CONSUMER_GROUP, Keys
 from scheduler.replica_streams import ReplicaStreams
-from shared.keys import CONSUMER_GROUP, Keys
 
 KEYS = Keys()
 MODEL = "m"

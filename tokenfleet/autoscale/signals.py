@@ -12,7 +12,7 @@ import time
 
 import redis
 
-from shared.keys import CONSUMER_GROUP, REQUEST_KINDS, Keys
+from protocol.keys import CONSUMER_GROUP, REQUEST_KINDS, Keys
 from tokenfleet.autoscale.policy import FleetSignals, ReplicaLoad
 
 

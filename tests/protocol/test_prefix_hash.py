@@ -1,4 +1,4 @@
-"""The gateway hashes a prompt with shared/prefix_hash.py; the block manager caches blocks under
+"""The gateway hashes a prompt with protocol/prefix_hash.py; the block manager caches blocks under
 update_block_hashes. They must agree on every block size a scheduler accepts, or routing by
 prefix would send every chat to a replica that holds nothing of it."""
 
@@ -8,10 +8,10 @@ import random
 
 import pytest
 
+from protocol.prefix_hash import block_hashes, summary_hash
 from scheduler.block_manager import SUMMARY_DEPTH_BLOCKS, BlockManager, update_block_hashes
 from scheduler.request import Request
 from scheduler.scheduler import SchedulerConfig
-from shared.prefix_hash import block_hashes, summary_hash
 from shared.sampling import SamplingParams
 
 BLOCK_SIZES = [*range(1, 65), 96, 128, 256, 512]  # a scheduler accepts any size >= 1
