@@ -42,9 +42,9 @@ from bench_common import (
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
 from shared.logging import configure_logging
+from shared.model_config import load_model_config
 from shared.sampling import SamplingParams
 from workers.device import DTYPES
-from workers.model_config import load_model_config
 
 HF_BATCH_SIZE = 16
 MATMUL_SIZE = 2048

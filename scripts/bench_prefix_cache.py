@@ -45,9 +45,9 @@ from bench_common import (
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
 from shared.logging import configure_logging
+from shared.model_config import load_model_config
 from workers.default_model import fetch_default_model
 from workers.device import resolve_device
-from workers.model_config import load_model_config
 
 FIRST_ORDINARY_ID = 3  # ids below are special tokens in SmolLM2's and most vocabularies
 
