@@ -1,4 +1,4 @@
-"""The `tf:res:{id}` record of each request, and the one atomic write that updates it.
+"""The one atomic write that updates each request's `tf:res:{id}` record (protocol/result_record.py).
 
 Each step, one Lua call takes every request that moved and, for each, checks that this
 scheduler still owns the request, mirrors the new state into the hash, publishes the event
@@ -13,15 +13,14 @@ when (and as surely as) its result exists.
 
 from __future__ import annotations
 
-import json
-import time
 from dataclasses import dataclass, field
 
 import msgpack
 import redis
 
 from protocol.keys import CONSUMER_GROUP, Keys
-from protocol.messages import TERMINAL_STATES, unpack_list_chunks
+from protocol.messages import TERMINAL_STATES
+from protocol.result_record import F, StoredProgress, is_terminal_write
 
 # One call per step writes every update of the step (Python packs one msgpack list; the loop over
 # requests runs inside Redis). ARGV: owner, ttl, the packed updates, then the tenant lease key
@@ -50,7 +49,7 @@ for i = 1, #updates do
     local notify = false
     if u[6] ~= '' then
       local state = redis.call('HGET', key, 'state')
-      notify = not (state == 'completed' or state == 'failed' or state == 'cancelled' or state == 'expired')
+      notify = not (TERMINAL)
     end
     local appends = u[10]
     if #appends > 0 then
@@ -77,24 +76,13 @@ for i = 1, #updates do
   end
 end
 return owned
-""".replace("'GROUP'", f"'{CONSUMER_GROUP}'")
+""".replace("'GROUP'", f"'{CONSUMER_GROUP}'").replace(
+    "TERMINAL", " or ".join(f"state == '{state}'" for state in TERMINAL_STATES))
 
 
 def _wire(value: object) -> str | bytes:
     """A hash value as Redis stores it (numbers as their exact decimal text, not Lua's)."""
     return value if isinstance(value, (str, bytes)) else str(value)
-
-
-@dataclass
-class StoredProgress:
-    """What a previous owner already delivered: where a successor resumes."""
-
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    seq: int = 0
-    offsets: list = field(default_factory=list)  # per event: [num_tokens, num_chars] so far
-    state: str | None = None
-    owner: str | None = None
 
 
 @dataclass
@@ -127,7 +115,7 @@ class ResultStore:
 
     def pack(self, update: ResultUpdate) -> list:
         """One update as the write script reads it (see _WRITE_SCRIPT)."""
-        is_notice = update.batch_job_id is not None and update.fields.get("state") in TERMINAL_STATES
+        is_notice = update.batch_job_id is not None and is_terminal_write(update.fields)
         appends: list[str | bytes] = []
         for name, value in update.appends.items():
             appends += (name, _wire(value))
@@ -140,7 +128,7 @@ class ResultStore:
             update.ack_entry_id or "",
             self.keys.batch_done if is_notice else "", update.req_id if is_notice else "",
             update.batch_job_id if is_notice else "",
-            _wire(update.fields.get("seq", "")) if update.appends else "", appends, sets,
+            _wire(update.fields.get(F.SEQ, "")) if update.appends else "", appends, sets,
         ]
 
     def write_packed(self, packed: list[list]) -> list[bool]:
@@ -163,34 +151,10 @@ class ResultStore:
         for req_id in req_ids:
             key = self.keys.result(req_id)
             pipe.hgetall(key)
-            pipe.hset(key, "owner", self.owner)
+            pipe.hset(key, F.OWNER, self.owner)
             pipe.expire(key, self.ttl_s)
         for key in flag_keys:
             pipe.exists(key)
         replies = pipe.execute() if req_ids or flag_keys else []
-        progress = [_progress_from(raw) for raw in replies[0:3 * len(req_ids):3]]
+        progress = [StoredProgress.parse(raw) for raw in replies[0:3 * len(req_ids):3]]
         return progress, [bool(n) for n in replies[3 * len(req_ids):]]
-
-
-def _progress_from(raw: dict) -> StoredProgress:
-    """What a previous owner already delivered, from its tf:res record."""
-    progress = StoredProgress()
-    if raw:
-        fields = {k.decode(): v for k, v in raw.items()}
-        if b"token_ids" in raw:
-            progress.token_ids = unpack_list_chunks(raw[b"token_ids"])
-        progress.text = fields.get("text", b"").decode()
-        if b"offsets" in raw:
-            progress.offsets = unpack_list_chunks(raw[b"offsets"])
-        progress.seq = int(fields.get("seq", b"0"))
-        progress.state = fields["state"].decode() if "state" in fields else None
-        progress.owner = fields["owner"].decode() if "owner" in fields else None
-    return progress
-
-
-def terminal_fields(state: str, *, error_code: str | None = None, error_message: str | None = None,
-                    **extra: object) -> dict[str, object]:
-    fields: dict[str, object] = {"state": state, "finished_at": time.time(), **extra}
-    if error_code is not None:
-        fields["error"] = json.dumps({"code": error_code, "message": error_message})
-    return fields

@@ -18,7 +18,6 @@ pending: another scheduler takes it over after the lease, as after a crash.
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
 import time
@@ -36,13 +35,23 @@ from protocol.messages import (
     TokenEvent,
     pack_list_chunk,
 )
+from protocol.result_record import (
+    ErrorCode,
+    RequestState,
+    StoredProgress,
+    progress_fields,
+    running_fields,
+    step_appends,
+    step_fields,
+    terminal_fields,
+)
 from scheduler.claim_renewer import ClaimRenewer
 from scheduler.detokenizer import IncrementalDetokenizer
 from scheduler.engine import LLMEngine, Usage
 from scheduler.prefix_summary import PrefixSummary
 from scheduler.replica_streams import ReplicaStreams, RoutingMetrics
 from scheduler.request import BATCH_PRIORITY, FinishReason, RequestStatus
-from scheduler.result_store import ResultStore, ResultUpdate, StoredProgress, terminal_fields
+from scheduler.result_store import ResultStore, ResultUpdate
 from scheduler.result_writer import ResultWriter
 from scheduler.scheduler import RequestOutput
 from scheduler.telemetry import SchedulerTelemetry
@@ -403,19 +412,18 @@ class SchedulerService:
             )
         except (InvalidRequestError, MessageDecodeError) as exc:
             text = getattr(exc, "message", str(exc))
+            # tf:dead keeps the reason as text; the record says it by its code, without the prefix.
             self._dead_letter(stream, entry_id, f"invalid: {text}", num_deliveries, payload, message.req_id,
-                              message.batch_job_id)
+                              message.batch_job_id, code=ErrorCode.INVALID_REQUEST, message=text)
             return
         if self.engine.tokenizer is not None and not sampling.stop:
             # Decoding continues after what an earlier owner already delivered, as in the engine.
             flight.detokenizer = IncrementalDetokenizer(
                 self.engine.tokenizer, [*message.prompt_token_ids, *progress.token_ids])
         self.inflight[message.req_id] = flight
-        resumed = {"resumed_from_seq": progress.seq} if progress.seq else {}
-        self._pending.append(ResultUpdate(message.req_id, stream, {
-            "state": "running", "model": self.settings.model_name, "started_at": time.time(),
-            "prompt_tokens": flight.num_prompt_tokens, "scheduler": self.settings.scheduler_id, **resumed,
-        }))
+        self._pending.append(ResultUpdate(message.req_id, stream, running_fields(
+            model=self.settings.model_name, prompt_tokens=flight.num_prompt_tokens,
+            scheduler=self.settings.scheduler_id, resumed_from_seq=progress.seq)))
         if progress.seq:
             self.log.info("request_resumed", req_id=message.req_id, from_seq=progress.seq,
                           previous_owner=progress.owner)
@@ -425,14 +433,14 @@ class SchedulerService:
         flight.offsets.append([len(flight.token_ids), len(flight.text)])
         event = ErrorEvent(flight.req_id, flight.seq, code, message).encode()
         fields = terminal_fields(state, error_code=code, error_message=message, seq=flight.seq)
-        appends = {"offsets": pack_list_chunk([flight.offsets[-1]])}
+        appends = step_appends(pack_list_chunk([flight.offsets[-1]]))
         self._pending.append(ResultUpdate(flight.req_id, flight.stream, fields, event=event,
                                           ack_entry_id=flight.entry_id, batch_job_id=flight.batch_job_id,
                                           appends=appends))
 
     def _dead_letter(self, stream: str, entry_id: str, reason: str, num_deliveries: int,
-                     payload: bytes | None, req_id: str | None = None,
-                     batch_job_id: str | None = None) -> None:
+                     payload: bytes | None, req_id: str | None = None, batch_job_id: str | None = None,
+                     code: ErrorCode = ErrorCode.DEAD_LETTER, message: str | None = None) -> None:
         """Set a poison entry aside in tf:dead (with a failed result when it names a request)."""
         self.log.warning("dead_letter", stream=stream, entry_id=entry_id, reason=reason, req_id=req_id)
         letter = DeadLetter(stream, entry_id, reason, num_deliveries, req_id, payload or b"")
@@ -443,7 +451,8 @@ class SchedulerService:
             flight = InFlight(req_id, stream, entry_id, 0, seq=progress.seq,
                               token_ids=list(progress.token_ids), text=progress.text,
                               offsets=list(progress.offsets), batch_job_id=batch_job_id)
-            self._finish_unrun(flight, "failed", "dead_letter", reason)
+            self._finish_unrun(flight, RequestState.FAILED.value, code.value,
+                               reason if message is None else message)
         else:
             pipe = self.client.pipeline()
             pipe.xack(stream, CONSUMER_GROUP, entry_id)
@@ -488,10 +497,8 @@ class SchedulerService:
                     event.finish_reason = out.finish_reason.value
                     event.usage = usage
                 state = "cancelled" if out.finish_reason is FinishReason.ABORT else "completed"
-                fields.update(terminal_fields(state, finish_reason=out.finish_reason.value,
-                                              usage=json.dumps(usage)))
-                if out.stop_reason is not None:
-                    fields["stop_reason"] = str(out.stop_reason)
+                fields.update(terminal_fields(state, finish_reason=out.finish_reason.value, usage=usage,
+                                              stop_reason=out.stop_reason))
                 ack = flight.entry_id
             updates.append(ResultUpdate(out.req_id, flight.stream, fields,
                                         None if event is None else event.encode(), ack,
@@ -515,29 +522,19 @@ class SchedulerService:
                      is_first_token: bool) -> tuple[dict[str, object], dict[str, str | bytes]]:
         """What one step adds to tf:res: the new tokens, text and offsets appended (only they are
         packed and sent, not everything so far), the seq set."""
-        fields: dict[str, object] = {"seq": flight.seq}
-        if is_first_token:
-            fields["first_token_at"] = flight.first_token_at
-        appends: dict[str, str | bytes] = {"offsets": pack_list_chunk([flight.offsets[-1]])}
-        if new_token_ids:
-            appends["token_ids"] = pack_list_chunk(new_token_ids)
-        if text_delta:
-            appends["text"] = text_delta
-        if logprobs:
-            appends["logprobs"] = pack_list_chunk(logprobs)
+        fields = step_fields(flight.seq, first_token_at=flight.first_token_at if is_first_token else None)
+        appends = step_appends(pack_list_chunk([flight.offsets[-1]]),
+                               token_ids_chunk=pack_list_chunk(new_token_ids) if new_token_ids else None,
+                               text=text_delta,
+                               logprobs_chunk=pack_list_chunk(logprobs) if logprobs else None)
         return fields, appends
 
     @staticmethod
     def _progress_fields(flight: InFlight) -> dict[str, object]:
         """Everything delivered so far, as tf:res fields (a successor resumes from them)."""
-        fields: dict[str, object] = {"seq": flight.seq, "text": flight.text,
-                                     "token_ids": pack_list_chunk(flight.token_ids),
-                                     "offsets": pack_list_chunk(flight.offsets)}
-        if flight.first_token_at is not None:
-            fields["first_token_at"] = flight.first_token_at
-        if flight.logprobs:
-            fields["logprobs"] = pack_list_chunk(flight.logprobs)
-        return fields
+        return progress_fields(flight.seq, flight.text, pack_list_chunk(flight.token_ids),
+                               pack_list_chunk(flight.offsets), first_token_at=flight.first_token_at,
+                               logprobs_chunk=pack_list_chunk(flight.logprobs) if flight.logprobs else None)
 
     # -- maintenance ---------------------------------------------------------------------
 
