@@ -6,7 +6,7 @@
   `tf:tenant:{name}:leases`, scored by when the lease lapses. A lease is taken before the
   request is queued, for `pending_lease_s` (a gateway that dies before queueing loses only
   that long); queueing it makes it last `lease_s`. It ends when the request ends: the
-  scheduler's terminal write removes it (scheduler/result_store.py), whoever's client
+  scheduler's terminal write removes it (service/result_store.py), whoever's client
   waited, left or never waited; the gateway removes it at once when it cancels a request
   nobody has claimed, or when its own client leaves. A lease nobody ended lapses.
 

@@ -2,7 +2,7 @@
 first blocks, weighed against that replica's load, through that replica's own stream.
 
 Every scheduler publishes at its heartbeat the (truncated) hashes of its cached chains' first
-blocks (scheduler/prefix_summary.py). The gateway hashes the prompt's first full blocks with the
+blocks (service/prefix_summary.py). The gateway hashes the prompt's first full blocks with the
 block manager's own function (protocol/prefix_hash.py, at each replica's block size) and counts
 the leading ones each replica names: its match, in tokens, capped as the block manager caps a
 hit (the last token is always computed). Then:

@@ -61,7 +61,7 @@ class Keys:
     def replica_stream(self, model: str, scheduler_id: str) -> str:
         """One scheduler's own stream: requests the gateway routed to it for the prefixes it
         holds (gateway/routing.py). It reads this one first; a peer takes what waited too long
-        there, and everything once it is dead or draining (scheduler/replica_streams.py)."""
+        there, and everything once it is dead or draining (service/replica_streams.py)."""
         return f"{self.request_stream(model, 'interactive')}:r:{scheduler_id}"
 
     def replica_streams(self, model: str) -> str:
@@ -70,7 +70,7 @@ class Keys:
 
     def prefix_summary(self, scheduler_id: str) -> str:
         """What a scheduler's KV cache holds: the first bytes of the hashes of its cached chains'
-        first blocks, concatenated (scheduler/prefix_summary.py); renewed with the heartbeat."""
+        first blocks, concatenated (service/prefix_summary.py); renewed with the heartbeat."""
         return f"{self.prefix}prefixes:{scheduler_id}"
 
     def tenants(self, model: str) -> str:

@@ -4,7 +4,7 @@ The gateway creates the record (queued), a scheduler owns it from the claim on (
 step's progress, the terminal write), and the gateway and the batch ingester read it back. All of
 them build and read the hash through this module; tests/protocol/test_result_record_ownership.py
 fails when a field name is spelled anywhere else. (The Lua scripts name the fields they touch in
-their own text: the write script in scheduler/result_store.py, the submit and finish-unclaimed
+their own text: the write script in service/result_store.py, the submit and finish-unclaimed
 scripts in gateway/requests/store.py.)
 """
 
@@ -76,6 +76,10 @@ class ErrorCode(str, Enum):
     EXPIRED = "expired"
     DEAD_LETTER = "dead_letter"  # delivered too often, or undecodable: set aside in tf:dead
     INVALID_REQUEST = "invalid_request"  # the scheduler refused the input itself: a client's 400
+
+
+# The error message of a request that expired before any scheduler ran it (gateway or scheduler).
+EXPIRED_MESSAGE = "the deadline passed while it was queued"
 
 
 def _value(value: object) -> object:

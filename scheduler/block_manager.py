@@ -19,7 +19,7 @@ from protocol.prefix_hash import BlockHash, extend_block_hashes
 from scheduler.request import Request
 
 # The first blocks of each cached chain are remembered apart, most recently used last, so that
-# the scheduler's prefix summary (scheduler/prefix_summary.py) costs O(its size), not O(cache).
+# the scheduler's prefix summary (service/prefix_summary.py) costs O(its size), not O(cache).
 SUMMARY_DEPTH_BLOCKS = 64
 
 

@@ -26,7 +26,7 @@ token event), claim + EXISTS per admitted request, XACK/XDEL in the terminal wri
 UNSUBSCRIBE and the queue-time HMGET at the end, the heartbeat each second; the token events
 are read off a pub/sub connection per driver. The commands are packed by this script
 (faster than redis-py) and checked at start, byte for byte, against what
-scheduler/result_store.py ResultStore.write sends for the same updates. --pattern proposed
+service/result_store.py ResultStore.write sends for the same updates. --pattern proposed
 replays the changes docs/scaling.md weighs: tf:res written every --res-every steps (and at
 the first and last token) by one script call per step for all records due, its list fields
 appended inside the hash as today or as string keys grown with APPEND (--appends), token
@@ -372,7 +372,7 @@ STRING_FIELDS = (":token_ids", ":text", ":offsets")  # --appends strings: a key 
 
 # The result script of commit 917e76f, the pattern docs/scaling.md measured as "today": one
 # call per request per step. Kept here so that `--pattern current` keeps replaying it after
-# scheduler/result_store.py changes (check_packing compares with the store while they agree).
+# service/result_store.py changes (check_packing compares with the store while they agree).
 RESULT_SCRIPT = """
 local owner = redis.call('HGET', KEYS[1], 'owner')
 if owner and owner ~= ARGV[1] then return 0 end
@@ -516,7 +516,7 @@ class Conn:
 
 
 class Flight:
-    """A request a driver generates (scheduler/service.py InFlight, what the replay needs)."""
+    """A request a driver generates (service/scheduler_service.py InFlight, what the replay needs)."""
 
     __slots__ = ("req_id", "entry_id", "seq", "num_tokens", "num_chars", "max_tokens", "res_key", "head",
                  "unwritten")
@@ -830,7 +830,7 @@ def check_packing() -> bool:
     from protocol.keys import Keys
     from protocol.messages import TokenEvent
     from scheduler import result_store
-    from scheduler.result_store import ResultStore, ResultUpdate
+    from service.result_store import ResultStore, ResultUpdate
 
     if result_store._WRITE_SCRIPT != RESULT_SCRIPT:
         return False
@@ -939,7 +939,7 @@ def load_main(args: argparse.Namespace) -> None:
           f"prompts {args.prompt_tokens} tokens, redis-server AOF {args.persistence}, "
           f"{os.cpu_count()} cores on this machine")
     if not is_checked:
-        print("(scheduler/result_store.py no longer sends one call per update: the 'current' pattern "
+        print("(service/result_store.py no longer sends one call per update: the 'current' pattern "
               "replayed is that of commit 917e76f)")
     print()
     print("| drivers | mean decode batch | tokens/s | redis-server CPU | redis CPU s per 1M tokens "

@@ -473,7 +473,7 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
 
     from protocol.keys import Keys
     from scheduler.engine import LLMEngine
-    from scheduler.service import SchedulerService, ServiceSettings
+    from service.scheduler_service import SchedulerService, ServiceSettings
     from shared.errors import InvalidRequestError
     from workers.device import resolve_device
 

@@ -16,7 +16,7 @@ import redis
 from protocol.keys import CONSUMER_GROUP, Keys
 from protocol.messages import TERMINAL_STATES, RequestMessage, TokenEvent
 from protocol.result_record import progress_fields, running_fields, terminal_fields
-from scheduler.result_store import ResultStore, ResultUpdate
+from service.result_store import ResultStore, ResultUpdate
 
 REPLY = "The quick brown fox jumps over the lazy dog, again and again and again."
 

@@ -82,7 +82,7 @@ def test_summary_heads_are_bounded_in_depth_and_forget_evicted_blocks() -> None:
 def test_the_summary_names_what_admitted_requests_are_computing_before_it_is_cached() -> None:
     from types import SimpleNamespace
 
-    from scheduler.prefix_summary import PrefixSummary
+    from service.prefix_summary import PrefixSummary
 
     manager = BlockManager(num_blocks=64, block_size=4)
     cached = list(range(100, 112))

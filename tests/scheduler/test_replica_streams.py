@@ -7,7 +7,7 @@ import time
 import pytest
 
 from protocol.keys import CONSUMER_GROUP, Keys
-from scheduler.replica_streams import ReplicaStreams
+from service.replica_streams import ReplicaStreams
 
 KEYS = Keys()
 MODEL = "m"

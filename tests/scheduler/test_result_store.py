@@ -6,7 +6,7 @@ import redis
 
 from protocol.keys import Keys
 from protocol.messages import pack_list_chunk, unpack_list_chunks
-from scheduler.result_store import ResultStore, ResultUpdate
+from service.result_store import ResultStore, ResultUpdate
 
 
 def test_appended_chunks_land_once_per_seq_even_when_a_flush_is_resent(redis_server) -> None:

@@ -9,8 +9,8 @@ import redis
 
 from protocol.keys import Keys
 from protocol.messages import pack_list_chunk, unpack_list_chunks
-from scheduler.result_store import ResultStore, ResultUpdate
-from scheduler.result_writer import ResultWriter
+from service.result_store import ResultStore, ResultUpdate
+from service.result_writer import ResultWriter
 
 STREAM = "tf:req:m:interactive"
 
