@@ -36,6 +36,7 @@ a client chooses is checked against JOB_ID_PATTERN before it becomes part of a k
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 CONSUMER_GROUP = "schedulers"
@@ -48,6 +49,14 @@ REQUEST_KINDS = ("interactive", "batch")  # read in this order: interactive firs
 @dataclass(frozen=True)
 class Keys:
     prefix: str = "tf:"
+
+    def idempotency(self, digest: str) -> str:
+        """An Idempotency-Key's record, by idempotency_digest (the gateway alone uses it)."""
+        return f"{self.prefix}idem:{digest}"
+
+    def idempotency_for(self, api_key: str | None, key: str) -> str:
+        """A client's Idempotency-Key, scoped to its API key (so two clients never collide)."""
+        return self.idempotency(hashlib.sha256(f"{api_key or ''}\0{key}".encode()).hexdigest())
 
     def request_stream(self, model: str, kind: str, tenant: str | None = None) -> str:
         """A tenant's requests queue in a stream of their own, so that a scheduler can read

@@ -13,7 +13,6 @@ request that was never queued: the client's retry got that id back, and a 404 fo
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import time
 from dataclasses import dataclass
@@ -79,11 +78,7 @@ return 1
 QUEUE_KIND = "interactive"  # what the gateway writes; the batch ingester writes "batch"
 
 
-class GatewayKeys(Keys):
-    """protocol.keys.Keys plus the one key only the gateway uses."""
-
-    def idempotency(self, digest: str) -> str:
-        return f"{self.prefix}idem:{digest}"
+GatewayKeys = Keys  # (every key the gateway uses is named in protocol/keys.py)
 
 
 @dataclass
@@ -273,8 +268,7 @@ class RequestStore:
     # -- idempotency ------------------------------------------------------------------
 
     def idempotency_key(self, api_key: str | None, key: str) -> str:
-        digest = hashlib.sha256(f"{api_key or ''}\0{key}".encode()).hexdigest()
-        return self.keys.idempotency(digest)
+        return self.keys.idempotency_for(api_key, key)
 
     async def find_idempotency(self, redis_key: str) -> dict | None:
         value = await self.client.get(redis_key)
