@@ -18,66 +18,14 @@ from dataclasses import dataclass, field
 import msgpack
 import redis
 
+from protocol import lua
 from protocol.keys import CONSUMER_GROUP, Keys
 from protocol.messages import TERMINAL_STATES
 from protocol.result_record import F, StoredProgress, is_terminal_write
 
-# One call per step writes every update of the step (Python packs one msgpack list; the loop over
-# requests runs inside Redis). ARGV: owner, ttl, the packed updates, then the tenant lease key
-# around its tenant (before, after) and the result key less its req id; each update is
-# [result key, request stream, channel ('' = none), event, entry id to acknowledge ('' = none),
-#  notice stream ('' = none), notice req id, notice job id, seq of this update ('' = none),
-#  [field, chunk, ...] to append, [field, value, ...] to set].
-# Per update: refused (0) when another scheduler owns the request; the appends are skipped when
-# the record's seq has reached this update's (a write retried after a lost connection must not
-# append a chunk twice); a batch notice goes out only on the first terminal write. Returns the
-# 0/1 of each update. A terminal write also ends the request's tenant lease (gateway/limits.py), when
-# its record names a tenant. (Keys are not declared: on a Redis Cluster a step's updates would be split
-# by hash slot first.)
-_WRITE_SCRIPT = """
-local owner = ARGV[1]
-local ttl = tonumber(ARGV[2])
-local updates = cmsgpack.unpack(ARGV[3])
-local owned = {}
-for i = 1, #updates do
-  local u = updates[i]
-  local key = u[1]
-  local current = redis.call('HGET', key, 'owner')
-  if current and current ~= owner then
-    owned[i] = 0
-  else
-    local notify = false
-    if u[6] ~= '' then
-      local state = redis.call('HGET', key, 'state')
-      notify = not (TERMINAL)
-    end
-    local appends = u[10]
-    if #appends > 0 then
-      local applied = u[9] ~= '' and tonumber(redis.call('HGET', key, 'seq') or '0') >= tonumber(u[9])
-      if not applied then
-        for j = 1, #appends, 2 do
-          redis.call('HSET', key, appends[j], (redis.call('HGET', key, appends[j]) or '') .. appends[j + 1])
-        end
-      end
-    end
-    redis.call('HSET', key, 'owner', owner, unpack(u[11]))
-    redis.call('EXPIRE', key, ttl)
-    if u[3] ~= '' then redis.call('PUBLISH', u[3], u[4]) end
-    if u[5] ~= '' then
-      redis.call('XACK', u[2], 'GROUP', u[5])
-      redis.call('XDEL', u[2], u[5])
-      local tenant = redis.call('HGET', key, 'tenant')
-      if tenant then  -- the request's lease on its tenant's concurrency ends with it
-        redis.call('ZREM', ARGV[4] .. tenant .. ARGV[5], string.sub(key, #ARGV[6] + 1))
-      end
-    end
-    if notify then redis.call('XADD', u[6], '*', 'req', u[7], 'job', u[8]) end
-    owned[i] = 1
-  end
-end
-return owned
-""".replace("'GROUP'", f"'{CONSUMER_GROUP}'").replace(
-    "TERMINAL", " or ".join(f"state == '{state}'" for state in TERMINAL_STATES))
+# The step's write (its keys and arguments are named in the script's header).
+_WRITE_SCRIPT = lua.load("write_results", GROUP=CONSUMER_GROUP,
+                         TERMINAL=" or ".join(f"state == '{state}'" for state in TERMINAL_STATES))
 
 
 def _wire(value: object) -> str | bytes:
@@ -114,7 +62,7 @@ class ResultStore:
         return self.write_packed([self.pack(update) for update in updates])
 
     def pack(self, update: ResultUpdate) -> list:
-        """One update as the write script reads it (see _WRITE_SCRIPT)."""
+        """One update as the write script reads it (protocol/lua/write_results.lua)."""
         is_notice = update.batch_job_id is not None and is_terminal_write(update.fields)
         appends: list[str | bytes] = []
         for name, value in update.appends.items():
