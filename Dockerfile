@@ -12,6 +12,8 @@ COPY gateway gateway
 COPY scheduler scheduler
 COPY workers workers
 COPY shared shared
+COPY protocol protocol
+COPY service service
 # The constraints pin torch's CPU build (an unpinned torch pulls a multi-GB CUDA build).
 RUN pip install --no-cache-dir -c scripts/constraints.txt . && mkdir -p /data/models
 VOLUME ["/data"]

@@ -16,9 +16,9 @@ from gateway.errors import Unavailable
 from gateway.metrics import GatewayMetrics
 from gateway.requests.store import RequestStore
 from gateway.routing import PrefixRouter, ReplicaView
-from shared.keys import CONSUMER_GROUP, Keys
+from protocol.keys import CONSUMER_GROUP, Keys
+from protocol.prefix_hash import SUMMARY_HASH_BYTES
 from shared.logging import get_logger
-from shared.prefix_hash import SUMMARY_HASH_BYTES
 
 log = get_logger("tokenfleet.gateway.fleet")
 

@@ -1,7 +1,7 @@
 """The engine metrics of every live scheduler, for the gateway's /metrics.
 
 Each scheduler writes its Prometheus text to `tf:metrics:{scheduler_id}` at every heartbeat,
-with the heartbeat's TTL (scheduler/telemetry.py). Here the texts are read and merged into
+with the heartbeat's TTL (service/telemetry.py). Here the texts are read and merged into
 one exposition: samples of one metric family from all schedulers under one HELP/TYPE header
 (Prometheus refuses a family declared twice), told apart by their `scheduler` label.
 """
@@ -14,7 +14,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from shared.keys import Keys
+from protocol.keys import Keys
 from shared.logging import get_logger
 
 log = get_logger("tokenfleet.gateway.fleet_metrics")

@@ -23,8 +23,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from gateway.batch.jobs import JobStore
-from shared.keys import CONSUMER_GROUP, REQUEST_KINDS, Keys
-from shared.messages import DeadLetter, MessageDecodeError
+from protocol.keys import CONSUMER_GROUP, REQUEST_KINDS, Keys
+from protocol.messages import DeadLetter, MessageDecodeError
 
 MAX_JOBS = 20
 MAX_DEAD_LETTERS = 5

@@ -6,7 +6,7 @@
   `tf:tenant:{name}:leases`, scored by when the lease lapses. A lease is taken before the
   request is queued, for `pending_lease_s` (a gateway that dies before queueing loses only
   that long); queueing it makes it last `lease_s`. It ends when the request ends: the
-  scheduler's terminal write removes it (scheduler/result_store.py), whoever's client
+  scheduler's terminal write removes it (service/result_store.py), whoever's client
   waited, left or never waited; the gateway removes it at once when it cancels a request
   nobody has claimed, or when its own client leaves. A lease nobody ended lapses.
 
@@ -25,7 +25,7 @@ from limits.aio.strategies import SlidingWindowCounterRateLimiter
 
 from gateway.errors import BadRequest, RateLimited
 from gateway.tenants import Tenant
-from shared.keys import Keys
+from protocol.keys import Keys
 
 # KEYS: the tenant's lease set.  ARGV: now, lapses at, cap, req ids...
 # Lapsed leases go first; then all of the call's requests get a lease, or none does.

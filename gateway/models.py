@@ -13,9 +13,9 @@ from typing import Any
 
 from gateway.errors import BadRequest, ModelNotFound
 from gateway.settings import ModelSpec
-from scheduler.engine import load_tokenizer
 from shared.errors import ModelLoadError
-from workers.model_config import load_model_config
+from shared.model_config import load_model_config
+from shared.tokenizer import load_tokenizer
 
 
 @functools.lru_cache(maxsize=16)

@@ -13,7 +13,7 @@ from gateway.batch import batches_api, files_api
 from gateway.openai.api import chat_completions, completions
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.requests import api as requests_api
-from shared.keys import JOB_ID_PATTERN
+from protocol.keys import JOB_ID_PATTERN
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 REQ_ID_PARAM = {"name": "req_id", "in": "path", "required": True,

@@ -2,8 +2,8 @@
 first blocks, weighed against that replica's load, through that replica's own stream.
 
 Every scheduler publishes at its heartbeat the (truncated) hashes of its cached chains' first
-blocks (scheduler/prefix_summary.py). The gateway hashes the prompt's first full blocks with the
-block manager's own function (shared/prefix_hash.py, at each replica's block size) and counts
+blocks (service/prefix_summary.py). The gateway hashes the prompt's first full blocks with the
+block manager's own function (protocol/prefix_hash.py, at each replica's block size) and counts
 the leading ones each replica names: its match, in tokens, capped as the block manager caps a
 hit (the last token is always computed). Then:
 
@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from shared.prefix_hash import BlockHash, block_hashes, summary_hash
+from protocol.prefix_hash import BlockHash, block_hashes, summary_hash
 
 LOAD_WEIGHT = 0.5  # a full match on a replica at load 1 scores as half a match on an idle one
 CONSOLIDATE_FRACTION = 0.5  # a match every replica has is worth one copy only if this long
@@ -42,7 +42,7 @@ class ReplicaView:
     scheduler_id: str
     block_size: int
     depth: int  # blocks of each chain its summary covers
-    prefixes: frozenset[bytes]  # summary hashes (shared.prefix_hash.summary_hash)
+    prefixes: frozenset[bytes]  # summary hashes (protocol.prefix_hash.summary_hash)
     num_running: int = 0
     num_waiting: int = 0
     max_num_seqs: int = 1

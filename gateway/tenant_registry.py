@@ -18,7 +18,7 @@ from dataclasses import fields
 import redis.asyncio as aioredis
 
 from gateway.tenants import Tenant, TenantDirectory, TenantLimits, key_digest
-from shared.keys import Keys
+from protocol.keys import Keys
 from shared.logging import get_logger
 
 log = get_logger("tokenfleet.gateway.tenants")

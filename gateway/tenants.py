@@ -25,8 +25,8 @@ import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from protocol.keys import TENANT_PATTERN
 from shared.errors import InvalidRequestError
-from shared.keys import TENANT_PATTERN
 
 _TENANT = re.compile(TENANT_PATTERN)
 

@@ -15,11 +15,11 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import islice
 
+from protocol.prefix_hash import BlockHash, extend_block_hashes
 from scheduler.request import Request
-from shared.prefix_hash import BlockHash, extend_block_hashes
 
 # The first blocks of each cached chain are remembered apart, most recently used last, so that
-# the scheduler's prefix summary (scheduler/prefix_summary.py) costs O(its size), not O(cache).
+# the scheduler's prefix summary (service/prefix_summary.py) costs O(its size), not O(cache).
 SUMMARY_DEPTH_BLOCKS = 64
 
 
@@ -29,7 +29,7 @@ def cdiv(a: int, b: int) -> int:
 
 def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
     """The hashes of every full block of the request's tokens, extended in place (the tokens
-    of a request only ever grow, so earlier hashes never change). The chain is shared/prefix_hash's,
+    of a request only ever grow, so earlier hashes never change). The chain is protocol/prefix_hash's,
     the one the gateway routes by."""
     hashes = request.block_hashes
     starts = range(len(hashes) * block_size, request.num_tokens // block_size * block_size, block_size)

@@ -21,7 +21,6 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol
 
 from scheduler.grammar import Grammars
@@ -30,10 +29,11 @@ from scheduler.scheduler import RequestOutput, Scheduler, SchedulerConfig, Sched
 from shared.config import EngineConfig
 from shared.errors import InvalidRequestError, ModelLoadError, WorkerError
 from shared.logging import get_logger
+from shared.model_config import load_model_config
 from shared.sampling import SamplingParams
 from shared.step import StepResult
+from shared.tokenizer import load_tokenizer
 from workers.executor import Executor, make_executor
-from workers.model_config import load_model_config
 
 
 @dataclass
@@ -79,22 +79,6 @@ class StepObserver(Protocol):
 
     def record_step(self, output: SchedulerOutput, outputs: list[RequestOutput], duration_s: float) -> None:
         ...
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-
-
-def load_tokenizer(folder: str | Path):
-    """The model folder's Hugging Face tokenizer (with its chat template), or None."""
-    from transformers import AutoTokenizer
-
-    # transformers builds an empty tokenizer from config.json alone; that is no tokenizer.
-    if not any((Path(folder) / name).exists() for name in TOKENIZER_FILES):
-        return None
-    try:
-        return AutoTokenizer.from_pretrained(str(folder))
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot load the tokenizer of {str(folder)!r}: {exc}") from None
 
 
 class LLMEngine:

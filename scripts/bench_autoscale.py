@@ -29,7 +29,7 @@ from pathlib import Path
 import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import redis
 
-from shared.keys import Keys
+from protocol.keys import Keys
 from testkit.checkpoints import tiny_llama_with_smollm2_tokenizer
 from testkit.processes import Children
 from testkit.redis_queue import KEYS, read_results, submit_requests, wait_drained

@@ -30,12 +30,12 @@ import torch
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
 from shared.logging import configure_logging
+from shared.model_config import load_model_config
 from shared.sampling import SamplingParams
 from testkit.roofline import ModelShape, exact_flops, matmul_rate, read_bandwidth, roofline
 from testkit.runs import print_command
 from testkit.workloads import Workload, greedy, uniform_workload
 from workers.device import DTYPES
-from workers.model_config import load_model_config
 
 HF_BATCH_SIZE = 16
 MATMUL_SIZE = 2048

@@ -32,13 +32,13 @@ import torch
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
 from shared.logging import configure_logging
+from shared.model_config import load_model_config
 from testkit.engine_runs import EngineRun, run_engine_workload, warm_up
 from testkit.random_models import LLAMA3_8B, checkpoint_folder, random_llama
 from testkit.runs import log, percentile, print_command
 from testkit.workloads import Workload
 from workers.default_model import fetch_default_model
 from workers.device import resolve_device
-from workers.model_config import load_model_config
 
 FIRST_ORDINARY_ID = 3  # ids below are special tokens in SmolLM2's and most vocabularies
 

@@ -22,9 +22,9 @@ from pathlib import Path
 import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import redis
 
+from protocol.messages import unpack_list_chunks
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
-from shared.messages import unpack_list_chunks
 from testkit.processes import Children
 from testkit.redis_queue import KEYS, read_results, submit_requests, wait_drained
 from testkit.runs import print_command

@@ -37,7 +37,7 @@ import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import aiohttp
 import redis
 
-from shared.keys import Keys
+from protocol.keys import Keys
 from shared.net import free_port
 from testkit.processes import Children, wait_ready
 from testkit.runs import log, percentile, print_command

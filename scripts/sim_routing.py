@@ -30,10 +30,10 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gateway.routing import ReplicaView, choose_replica  # noqa: E402
+from protocol.prefix_hash import SUMMARY_HASH_BYTES  # noqa: E402
 from scheduler.block_manager import SUMMARY_DEPTH_BLOCKS, BlockManager  # noqa: E402
-from scheduler.prefix_summary import PrefixSummary  # noqa: E402
 from scheduler.request import Request  # noqa: E402
-from shared.prefix_hash import SUMMARY_HASH_BYTES  # noqa: E402
+from service.prefix_summary import PrefixSummary  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 
 VOCAB = 49_152

@@ -18,8 +18,8 @@ import hiredis
 import msgpack
 import redis
 
-from shared.keys import Keys
-from shared.messages import RequestMessage
+from protocol.keys import Keys
+from protocol.messages import RequestMessage
 from shared.sampling import SamplingParams
 from testkit.processes import Children
 

@@ -65,7 +65,7 @@ def read_bandwidth(device: torch.device, num_bytes: int, min_seconds: float = 1.
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The sizes the floors need, named as in workers.model_config.ModelConfig."""
+    """The sizes the floors need, named as in shared.model_config.ModelConfig."""
 
     num_layers: int
     hidden_size: int

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 
-from shared.keys import Keys
+from protocol.keys import Keys
 from tokenfleet.supervise import spawn, stop_group
 
 TINY_CHAT = "tiny-chat"  # the folder of the session's tiny_chat model (tests/conftest.py): its served name

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import redis
 
+from protocol.keys import Keys
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
-from shared.keys import Keys
 from shared.net import free_port
 from shared.sampling import SamplingParams
 from testkit.sse import DONE, data_of

@@ -17,8 +17,8 @@ import redis.asyncio as aioredis
 from gateway.batch.entry import JobRefused, check_entry
 from gateway.batch.jobs import TERMINAL_JOB_STATES, Job, JobStore, new_job_id
 from gateway.batch.lines import endpoint_mismatch
+from protocol.keys import Keys
 from shared.errors import InvalidRequestError, TokenfleetError
-from shared.keys import Keys
 from tokenfleet.up import recorded_redis_url
 
 BAR_WIDTH = 30

@@ -250,7 +250,7 @@ def _cmd_autoscale(args: argparse.Namespace) -> int:
     argv_for = autoscale_argv_for(args, model, model_name)
     import torch
 
-    from shared.keys import Keys
+    from protocol.keys import Keys
 
     placement = placement_request(args.tp * args.pp, on_gpu=torch.cuda.is_available(),
                                   num_cpus_per_rank=args.num_cpus_per_rank, strategy=args.placement_strategy,
@@ -471,10 +471,10 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
     import uuid
     from pathlib import Path
 
+    from protocol.keys import Keys
     from scheduler.engine import LLMEngine
-    from scheduler.service import SchedulerService, ServiceSettings
+    from service.scheduler_service import SchedulerService, ServiceSettings
     from shared.errors import InvalidRequestError
-    from shared.keys import Keys
     from workers.device import resolve_device
 
     if args.heartbeat_s <= 0:

@@ -13,8 +13,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from gateway.fleet_view import collect_fleet_view
+from protocol.keys import Keys
 from shared.errors import TokenfleetError
-from shared.keys import Keys
 from shared.redis_url import redacted
 
 

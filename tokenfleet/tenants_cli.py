@@ -11,8 +11,8 @@ from dataclasses import fields
 import redis
 
 from gateway.tenants import TenantLimits, key_digest
+from protocol.keys import TENANT_PATTERN, Keys
 from shared.errors import InvalidRequestError, TokenfleetError
-from shared.keys import TENANT_PATTERN, Keys
 from shared.redis_url import redacted
 
 LIMIT_NAMES = [f.name for f in fields(TenantLimits)]

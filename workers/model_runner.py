@@ -19,13 +19,13 @@ import torch
 from shared.config import EngineConfig
 from shared.errors import ModelLoadError
 from shared.logging import get_logger
+from shared.model_config import ModelConfig, load_model_config
 from shared.step import SequenceWork, StepBatch, StepResult
 from workers.cuda_graphs import DecodeGraphs, use_cuda_graphs
 from workers.device import resolve_device, resolve_dtype
 from workers.grammar_mask import apply_token_mask
 from workers.layers.quantization import METHODS, building_with, method_named
 from workers.mixed_graphs import MixedGraphs
-from workers.model_config import ModelConfig, load_model_config
 from workers.models.registry import MODEL_CLASSES
 from workers.parallel import TensorParallel, all_reduce_min
 from workers.pipeline import SINGLE_STAGE, PipelineStage

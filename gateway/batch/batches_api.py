@@ -24,7 +24,7 @@ from gateway.openai.schemas import StrictModel
 from gateway.requests.serving import read_body
 from gateway.responses import Shape
 from gateway.tenants_access import caller, visible_ids
-from shared.keys import JOB_ID_PATTERN
+from protocol.keys import JOB_ID_PATTERN
 
 
 class BatchCreate(StrictModel):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import re
 
-from shared.keys import TENANT_PATTERN
+from protocol.keys import TENANT_PATTERN
 
 URLS = ("/v1/chat/completions", "/v1/completions")  # a job's endpoint, and each line's url
 ENTRY_FIELDS = ("job_id", "model", "lines", "input_file_id", "endpoint", "completion_window", "metadata",

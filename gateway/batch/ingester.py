@@ -54,10 +54,11 @@ from gateway.requests.records import ResultRecord
 from gateway.requests.store import GatewayKeys, RequestStore
 from gateway.settings import GatewaySettings
 from gateway.tenant_registry import TenantRegistry
-from shared.abandoned import claim_abandoned_async
-from shared.keys import INGESTER_GROUP, JOB_ID_PATTERN, Keys
+from protocol.abandoned import claim_abandoned_async
+from protocol.keys import INGESTER_GROUP, JOB_ID_PATTERN, Keys
+from protocol.messages import RequestMessage
+from protocol.result_record import F, queued_fields
 from shared.logging import get_logger
-from shared.messages import RequestMessage
 
 FEED_CHUNK = 128  # lines queued per compare-and-set
 
@@ -333,11 +334,9 @@ class BatchIngester:
             message = RequestMessage.make(req_id, plan.model.name, choice.prompt_ids, choice.sampling,
                                           kind="batch", priority=plan.priority, arrival_time=now,
                                           batch_job_id=job.id, custom_id=line.custom_id, tenant=job.tenant)
-            record = {"state": "queued", "model": plan.model.name, "api": plan.api, "queued_at": now,
-                      "prompt_tokens": len(choice.prompt_ids), "batch_job": job.id, "batch_index": item.index,
-                      "batch_n": len(plan.choices), "batch_line": item.raw, "custom_id": line.custom_id}
-            if plan.logprobs is not None:
-                record["top_logprobs"] = plan.logprobs
+            record = queued_fields(model=plan.model.name, api=plan.api, queued_at=now,
+                                   prompt_tokens=len(choice.prompt_ids), top_logprobs=plan.logprobs,
+                                   batch=(job.id, item.index, len(plan.choices), item.raw, line.custom_id))
             args += ["R", self.keys.result(req_id), message.encode(), len(record)]
             for name, value in record.items():
                 args += [name, value]
@@ -377,21 +376,20 @@ class BatchIngester:
         self._wake_feeder.set()
 
     async def _collect_line(self, job: Job, index: int) -> int:
-        first_key = self.keys.result(item_req_id(job.id, index, 0))
-        first = await self.client.hgetall(first_key)
-        if not first:
+        first_id = item_req_id(job.id, index, 0)
+        first = ResultRecord.parse(first_id, await self.client.hgetall(self.keys.result(first_id)))
+        if first is None:
             return 0  # written and cleaned up already
-        n = int(first.get(b"batch_n", b"1"))
-        req_ids = [item_req_id(job.id, index, c) for c in range(n)]
+        req_ids = [item_req_id(job.id, index, c) for c in range(first.batch_n or 1)]
         pipe = self.client.pipeline(transaction=False)
         for req_id in req_ids[1:]:
             pipe.hgetall(self.keys.result(req_id))
-        raws = [first, *await pipe.execute()]
-        records = [ResultRecord.parse(r, raw) for r, raw in zip(req_ids, raws, strict=True)]
+        raws = await pipe.execute()
+        records = [first, *(ResultRecord.parse(r, raw) for r, raw in zip(req_ids[1:], raws, strict=True))]
         if any(record is None or not record.is_terminal for record in records):
             return 0  # the last choice's notice will bring it here again
-        custom_id = first.get(b"custom_id", b"").decode() or None
-        ok, line = self._output(job, LineItem(index, first[b"batch_line"].decode(), custom_id), records)
+        custom_id = first.custom_id
+        ok, line = self._output(job, LineItem(index, first.batch_line, custom_id), records)
         record_keys = [self.keys.result(r) for r in req_ids]
         written = await self.jobs.collect(job.id, index, custom_id, ok, line, record_keys)
         if written:
@@ -400,11 +398,10 @@ class BatchIngester:
 
     def _output(self, job: Job, item: LineItem, records: list[ResultRecord]) -> tuple[bool, str]:
         req0 = records[0].req_id
-        refused = next((r for r in records if r.state == "failed" and r.error
-                        and str(r.error.get("message", "")).startswith("invalid:")), None)
+        refused = next((r for r in records if r.is_refused), None)
         if refused is not None:  # the scheduler itself refused the input: what the REST route says
             refusal = {"status_code": 400, "code": "invalid_request", "param": None,
-                       "message": refused.error["message"].removeprefix("invalid:").strip()}
+                       "message": refused.error["message"]}
             return False, refused_line(item.custom_id, req0, refusal)
         stopped = next((r for r in records if r.state in ("cancelled", "expired")), None)
         if stopped is not None:
@@ -480,7 +477,7 @@ class BatchIngester:
             return
         pipe = self.client.pipeline(transaction=False)
         for index in pending:
-            pipe.hget(self.keys.result(item_req_id(job.id, index, 0)), "batch_n")
+            pipe.hget(self.keys.result(item_req_id(job.id, index, 0)), F.BATCH_N)
         counts = await pipe.execute()
         await self.requests.cancel([item_req_id(job.id, index, c)
                                     for index, n in zip(pending, counts, strict=True)

@@ -30,7 +30,7 @@ import redis.asyncio as aioredis
 from gateway.batch.record import JOB_STATES as JOB_STATES  # (re-exported: where callers look for them)
 from gateway.batch.record import TERMINAL_JOB_STATES as TERMINAL_JOB_STATES
 from gateway.batch.record import Job
-from shared.keys import INGESTER_GROUP, JOB_ID_PATTERN, Keys
+from protocol.keys import INGESTER_GROUP, JOB_ID_PATTERN, Keys
 
 # Shared by the scripts that write outputs: when every line is written, the job is finalizing.
 _FINISH_CHECK = """

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 
 from gateway.batch.entry import check_metadata
-from shared.keys import JOB_ID_PATTERN
+from protocol.keys import JOB_ID_PATTERN
 
 TERMINAL_JOB_STATES = ("completed", "failed", "cancelled", "expired")
 JOB_STATES = ("validating", "in_progress", "finalizing", "cancelling", *TERMINAL_JOB_STATES)

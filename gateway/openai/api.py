@@ -27,6 +27,7 @@ from gateway.requests.serving import (
     tenant_leases,
 )
 from gateway.requests.sse import frame
+from protocol.result_record import ErrorCode
 
 # The ids of a call's requests, one per choice in choice order: what GET /v1/requests/{id}
 # (and its /events, resumable with Last-Event-ID) takes. X-Request-Id is the HTTP call's id.
@@ -122,8 +123,8 @@ def _raise_for(outputs: list[ChoiceOutput]) -> None:
     for out in outputs:
         if out.state in ("failed", "expired") and out.error is not None:
             message = out.error.get("message", "the request failed")
-            if str(message).startswith("invalid:"):  # the scheduler refused the input itself
-                raise BadRequest(message.removeprefix("invalid:").strip(), code="invalid_request")
+            if out.error.get("code") == ErrorCode.INVALID_REQUEST:  # the scheduler refused the input itself
+                raise BadRequest(message, code="invalid_request")
             raise UpstreamFailed(message, code=out.error.get("code", "request_failed"))
 
 

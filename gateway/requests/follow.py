@@ -25,14 +25,14 @@ import msgpack
 from gateway.requests.pubsub import RESYNC, EventRouter, Listener
 from gateway.requests.records import Delta, ResultRecord
 from gateway.requests.store import RequestStore
+from protocol.messages import WIRE_VERSION, MessageDecodeError, decode_event
+from protocol.result_record import EXPIRED_MESSAGE
 from shared.logging import get_logger
-from shared.messages import WIRE_VERSION, MessageDecodeError, decode_event
 
 log = get_logger("tokenfleet.gateway.requests.follow")
-EXPIRED_MESSAGE = "the deadline passed while it was queued"
 # The map of almost every event (a token, not the last, no logprobs): decoded here without
 # building a TokenEvent first. Anything else, or a wire format that has moved on, takes
-# shared.messages.decode_event, which checks it strictly.
+# protocol.messages.decode_event, which checks it strictly.
 _PLAIN_EVENT_KEYS = frozenset({"v", "req_id", "seq", "token_ids", "text", "logprobs", "finish_reason",
                                "usage", "type"})
 

@@ -27,7 +27,7 @@ from redis.connection import SSLConnection, UnixDomainSocketConnection, parse_ur
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from shared.keys import Keys
+from protocol.keys import Keys
 from shared.logging import get_logger
 
 RESYNC = b""  # delivered to every listener after a reconnect (no real event is empty)

@@ -11,12 +11,11 @@ produces) and the text boundary is where the decoded tokens stop matching the st
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shared.messages import REQUEST_STATES as STATES
-from shared.messages import TERMINAL_STATES, ErrorEvent, TokenEvent, unpack_list_chunks
+from protocol import result_record
+from protocol.messages import ErrorEvent, TokenEvent
 
 
 @dataclass(slots=True)
@@ -48,73 +47,8 @@ class Delta:
                    event.usage, state=state)
 
 
-def _text(raw: dict[bytes, bytes], name: str) -> str | None:
-    value = raw.get(name.encode())
-    return value.decode() if value is not None else None
-
-
-def _float(raw: dict[bytes, bytes], name: str) -> float | None:
-    value = raw.get(name.encode())
-    return float(value) if value not in (None, b"") else None
-
-
-@dataclass
-class ResultRecord:
-    """A parsed `tf:res:{id}` hash."""
-
-    req_id: str
-    state: str
-    seq: int
-    token_ids: list[int]
-    text: str
-    logprobs: list | None
-    offsets: list | None
-    finish_reason: str | None
-    usage: dict | None
-    error: dict | None
-    owner: str | None
-    model: str | None
-    api: str | None  # "chat" or "completion" (written by the gateway)
-    top_logprobs: int | None  # the logprobs the client asked for (written by the gateway)
-    tool_format: str | None  # chat with tools: how calls are read from the text (written by the gateway)
-    parallel_tool_calls: bool
-    prompt_tokens: int
-    queued_at: float | None
-    started_at: float | None
-    first_token_at: float | None
-    finished_at: float | None
-    deadline: float | None
-    entry_id: str | None
-    tenant: str | None = None  # whose request (its stream and its lease are the tenant's)
-
-    @classmethod
-    def parse(cls, req_id: str, raw: dict[bytes, bytes]) -> ResultRecord | None:
-        if not raw:
-            return None
-        state = _text(raw, "state") or "queued"
-        token_ids = unpack_list_chunks(raw[b"token_ids"]) if b"token_ids" in raw else []
-        top = _text(raw, "top_logprobs")
-        return cls(
-            req_id=req_id, state=state if state in STATES else "queued", seq=int(raw.get(b"seq", 0)),
-            token_ids=token_ids, text=_text(raw, "text") or "",
-            logprobs=unpack_list_chunks(raw[b"logprobs"]) if b"logprobs" in raw else None,
-            offsets=unpack_list_chunks(raw[b"offsets"]) if b"offsets" in raw else None,
-            finish_reason=_text(raw, "finish_reason") or None,
-            usage=json.loads(raw[b"usage"]) if b"usage" in raw else None,
-            error=json.loads(raw[b"error"]) if b"error" in raw else None,
-            owner=_text(raw, "owner"), model=_text(raw, "model"), api=_text(raw, "api"),
-            top_logprobs=int(top) if top not in (None, "") else None,
-            tool_format=_text(raw, "tool_format") or None,
-            parallel_tool_calls=_text(raw, "parallel_tool_calls") != "0",
-            prompt_tokens=int(raw.get(b"prompt_tokens", 0)),
-            queued_at=_float(raw, "queued_at"), started_at=_float(raw, "started_at"),
-            first_token_at=_float(raw, "first_token_at"), finished_at=_float(raw, "finished_at"),
-            deadline=_float(raw, "deadline"), entry_id=_text(raw, "entry_id"), tenant=_text(raw, "tenant"),
-        )
-
-    @property
-    def is_terminal(self) -> bool:
-        return self.state in TERMINAL_STATES
+class ResultRecord(result_record.ResultRecord):
+    """A parsed `tf:res:{id}` hash (protocol/result_record.py), and what a client is sent from it."""
 
     def final_usage(self) -> dict:
         if self.usage is not None:

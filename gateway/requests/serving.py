@@ -20,7 +20,7 @@ from gateway.requests.follow import Watch
 from gateway.requests.sse import comment, frame
 from gateway.requests.store import Submission
 from gateway.tenants import Tenant
-from shared.messages import RequestMessage
+from protocol.messages import RequestMessage
 
 T = TypeVar("T")
 

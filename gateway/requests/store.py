@@ -13,7 +13,6 @@ request that was never queued: the client's retry got that id back, and a 404 fo
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import time
 from dataclasses import dataclass
@@ -23,8 +22,16 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from gateway.requests.records import ResultRecord
 from gateway.routing import PrefixRouter
-from shared.keys import CONSUMER_GROUP, Keys
-from shared.messages import ErrorEvent, RequestMessage
+from protocol.keys import CONSUMER_GROUP, Keys
+from protocol.messages import ErrorEvent, RequestMessage
+from protocol.result_record import (
+    PROGRESS_FIELDS,
+    TIMING_FIELDS,
+    error_json,
+    parse_progress_row,
+    parse_timing_row,
+    queued_fields,
+)
 
 # KEYS: result hash, request stream, the model's tenant set, the tenant's lease set, the
 # Idempotency-Key's key. ARGV: ttl, message, tenant ('' = none), lease lapses at ('' = no lease),
@@ -71,11 +78,7 @@ return 1
 QUEUE_KIND = "interactive"  # what the gateway writes; the batch ingester writes "batch"
 
 
-class GatewayKeys(Keys):
-    """shared.keys.Keys plus the one key only the gateway uses."""
-
-    def idempotency(self, digest: str) -> str:
-        return f"{self.prefix}idem:{digest}"
+GatewayKeys = Keys  # (every key the gateway uses is named in protocol/keys.py)
 
 
 @dataclass
@@ -135,20 +138,11 @@ class RequestStore:
 
     def _submit_args(self, sub: Submission) -> tuple[list[str], list[object]]:
         message = sub.message
-        fields: dict[str, object] = {
-            "state": "queued", "model": message.model, "api": sub.api, "queued_at": message.arrival_time,
-            "prompt_tokens": len(message.prompt_token_ids),
-        }
-        if message.deadline is not None:
-            fields["deadline"] = message.deadline
-        if sub.top_logprobs is not None:
-            fields["top_logprobs"] = sub.top_logprobs
-        if sub.tool_format is not None:
-            fields["tool_format"] = sub.tool_format
-            fields["parallel_tool_calls"] = int(sub.parallel_tool_calls)
-        tenant = message.tenant
-        if tenant is not None:
-            fields["tenant"] = tenant  # the terminal write ends its lease by it
+        tenant = message.tenant  # (the terminal write ends its lease by it)
+        fields = queued_fields(model=message.model, api=sub.api, queued_at=message.arrival_time,
+                               prompt_tokens=len(message.prompt_token_ids), deadline=message.deadline,
+                               top_logprobs=sub.top_logprobs, tool_format=sub.tool_format,
+                               parallel_tool_calls=sub.parallel_tool_calls, tenant=tenant)
         idempotency = "" if sub.idempotency_key is None else json.dumps(
             {"id": sub.req_id, "fingerprint": sub.fingerprint})
         args: list[object] = [self.result_ttl_s, message.encode(), tenant or "",
@@ -223,7 +217,7 @@ class RequestStore:
         """End a request no scheduler has claimed (cancel, expiry); False if one has."""
         if record.model is None:
             return False
-        error = json.dumps({"code": state, "message": message})
+        error = error_json(state, message)
         event = ErrorEvent(record.req_id, 1, state, message).encode()
         stream = self.keys.request_stream(record.model, QUEUE_KIND, record.tenant)
         done = await self._finish_unclaimed(
@@ -250,32 +244,31 @@ class RequestStore:
         """(state, seq, is past its deadline unclaimed) of each request: a cheap look first."""
         pipe = self.client.pipeline(transaction=False)
         for req_id in req_ids:
-            pipe.hmget(self.keys.result(req_id), ["state", "seq", "owner", "deadline"])
+            pipe.hmget(self.keys.result(req_id), PROGRESS_FIELDS)
         rows = await pipe.execute()
         now = time.time()
         out = []
-        for state, seq, owner, deadline in rows:
-            state = state.decode() if state else None
-            is_due = state == "queued" and owner is None and bool(deadline) and now > float(deadline)
-            out.append((state, int(seq or 0), is_due))
+        for row in rows:
+            state, seq, owner, deadline = parse_progress_row(row)
+            is_due = state == "queued" and owner is None and deadline is not None and now > deadline
+            out.append((state, seq, is_due))
         return out
 
     async def timings(self, req_ids: list[str]) -> list[tuple[float | None, float | None]]:
         """(queued_at, started_at) of each request, for the queue-time histogram."""
         if len(req_ids) == 1:  # a plain command: cheaper than a pipeline of one
-            rows = [await self.client.hmget(self.keys.result(req_ids[0]), ["queued_at", "started_at"])]
+            rows = [await self.client.hmget(self.keys.result(req_ids[0]), TIMING_FIELDS)]
         else:
             pipe = self.client.pipeline(transaction=False)
             for req_id in req_ids:
-                pipe.hmget(self.keys.result(req_id), ["queued_at", "started_at"])
+                pipe.hmget(self.keys.result(req_id), TIMING_FIELDS)
             rows = await pipe.execute()
-        return [tuple(float(v) if v else None for v in row) for row in rows]
+        return [parse_timing_row(row) for row in rows]
 
     # -- idempotency ------------------------------------------------------------------
 
     def idempotency_key(self, api_key: str | None, key: str) -> str:
-        digest = hashlib.sha256(f"{api_key or ''}\0{key}".encode()).hexdigest()
-        return self.keys.idempotency(digest)
+        return self.keys.idempotency_for(api_key, key)
 
     async def find_idempotency(self, redis_key: str) -> dict | None:
         value = await self.client.get(redis_key)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from shared.keys import CONSUMER_GROUP, INGESTER_GROUP, Keys
+from protocol.keys import CONSUMER_GROUP, INGESTER_GROUP, Keys
 from testkit.chaos.clients import Outcome
 
 KEYS = Keys()

@@ -48,13 +48,13 @@ def fake_scheduler(redis_server, tokenizer):
 
 
 class RealScheduler:
-    """scheduler.service.SchedulerService on a real engine (float32, CPU), looping in a thread.
+    """service.scheduler_service.SchedulerService on a real engine (float32, CPU), looping in a thread.
     By default SmolLM2 served as MODEL; the batch tests run it on their tiny chat model."""
 
     def __init__(self, url: str, folder, *, model_name: str = MODEL, scheduler_id: str = "real-1",
                  num_kv_blocks: int = 256, max_num_seqs: int = 16, max_num_batched_tokens: int = 512) -> None:
         from scheduler.engine import LLMEngine
-        from scheduler.service import SchedulerService, ServiceSettings
+        from service.scheduler_service import SchedulerService, ServiceSettings
         from shared.config import EngineConfig
 
         self.engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", num_kv_blocks=num_kv_blocks,

@@ -7,16 +7,16 @@ It also writes the proposed `offsets` field (see gateway/records.py), unless tol
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 
 import msgpack
 import redis
 
-from scheduler.result_store import ResultStore, ResultUpdate, terminal_fields
-from shared.keys import CONSUMER_GROUP, Keys
-from shared.messages import TERMINAL_STATES, RequestMessage, TokenEvent
+from protocol.keys import CONSUMER_GROUP, Keys
+from protocol.messages import TERMINAL_STATES, RequestMessage, TokenEvent
+from protocol.result_record import progress_fields, running_fields, terminal_fields
+from service.result_store import ResultStore, ResultUpdate
 
 REPLY = "The quick brown fox jumps over the lazy dog, again and again and again."
 
@@ -115,8 +115,8 @@ class FakeScheduler:
             return
         sampling = message.sampling_params()
         prompt = len(message.prompt_token_ids)
-        self.results.write([ResultUpdate(req_id, stream, {
-            "state": "running", "model": self.model, "started_at": time.time(), "prompt_tokens": prompt})])
+        self.results.write([ResultUpdate(req_id, stream, running_fields(
+            model=self.model, prompt_tokens=prompt, scheduler=self.scheduler_id))])
         ids = (self.reply_ids * 50)[:min(sampling.max_tokens, self.max_reply_tokens or sampling.max_tokens)]
         tokens: list[int] = []
         text = ""
@@ -132,17 +132,16 @@ class FakeScheduler:
             delta = self.tokenizer.decode(tokens)[len(text):] if new else ""
             text += delta
             offsets.append([len(tokens), len(text)])
-            fields: dict = {"seq": seq, "text": text, "token_ids": msgpack.packb(tokens)}
-            if self.write_offsets:
-                fields["offsets"] = msgpack.packb(offsets)
             event_logprobs = None
             if sampling.logprobs is not None and new:
                 top = [[token_id, -0.25]] + [[t, -2.0 - i] for i, t in enumerate(range(10, 10 + 20))]
                 event_logprobs = [[token_id, -0.25, top[:sampling.logprobs] if sampling.logprobs else None]]
                 logprobs += event_logprobs
-                fields["logprobs"] = msgpack.packb(logprobs)
-            if seq == 1:
-                fields["first_token_at"] = time.time()
+            # The whole output so far every step (a shape the reader accepts as well as appends).
+            fields = progress_fields(seq, text, msgpack.packb(tokens),
+                                     msgpack.packb(offsets) if self.write_offsets else None,
+                                     first_token_at=time.time() if seq == 1 else None,
+                                     logprobs_chunk=msgpack.packb(logprobs) if logprobs else None)
             event = TokenEvent(req_id, seq, new, delta, event_logprobs)
             ack = None
             if finished:
@@ -151,7 +150,7 @@ class FakeScheduler:
                          "total_tokens": prompt + len(tokens)}
                 event.finish_reason, event.usage = reason, usage
                 state = "cancelled" if aborted else "completed"
-                fields.update(terminal_fields(state, finish_reason=reason, usage=json.dumps(usage)))
+                fields.update(terminal_fields(state, finish_reason=reason, usage=usage))
                 ack = entry_id
                 if aborted:
                     self.cancelled.append(req_id)

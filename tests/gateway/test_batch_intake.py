@@ -8,7 +8,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.batch.jobs import IntakeLost, JobStore
-from shared.keys import Keys
+from protocol.keys import Keys
 
 pytestmark = pytest.mark.asyncio
 

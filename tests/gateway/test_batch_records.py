@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 
 from gateway.batch.jobs import JobStore
 from gateway.fleet_view import collect_fleet_view
-from shared.keys import Keys
+from protocol.keys import Keys
 from tests.gateway.corrupt_jobs import CORRUPT, GOOD_ID, check_batches, check_rows, write_records
 
 pytestmark = pytest.mark.asyncio

@@ -12,10 +12,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.fleet_metrics import merge_expositions
 from gateway.presence import gateway_id
+from protocol.keys import Keys
+from protocol.messages import DeadLetter
 from scheduler.engine_metrics import EngineMetrics
 from scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from shared.keys import Keys
-from shared.messages import DeadLetter
 from shared.step import SequenceWork, StepBatch
 from tests.gateway.conftest import MODEL
 

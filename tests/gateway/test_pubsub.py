@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.requests.pubsub import RESYNC, EventRouter
-from shared.keys import Keys
+from protocol.keys import Keys
 
 pytestmark = pytest.mark.asyncio
 

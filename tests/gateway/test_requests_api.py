@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from shared.keys import Keys
+from protocol.keys import Keys
 from tests.gateway.conftest import MODEL
 from tests.gateway.fake_scheduler import FakeScheduler
 

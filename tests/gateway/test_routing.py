@@ -11,8 +11,8 @@ import redis.asyncio as aioredis
 from gateway.requests.records import ResultRecord
 from gateway.requests.store import GatewayKeys, RequestStore, Submission
 from gateway.routing import PrefixRouter, ReplicaView, choose_replica
-from shared.messages import RequestMessage
-from shared.prefix_hash import block_hashes, summary_hash
+from protocol.messages import RequestMessage
+from protocol.prefix_hash import block_hashes, summary_hash
 from shared.sampling import SamplingParams
 
 SYSTEM = list(range(1000, 1000 + 16 * 8))  # 8 blocks of 16

@@ -2,7 +2,7 @@
 chat.completion.chunk / text_completion shape) through json.dumps(ensure_ascii=False,
 separators=(",", ":")), framed as `data: ...\\n\\n` -- what the gateway sent before the
 per-token templates (gateway/requests/sse.py). Also: the gateway's fast event decode gives
-the Delta that shared.messages' strict decode gives."""
+the Delta that protocol.messages' strict decode gives."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from gateway.requests.api import EventFrames, _event_data, _kind
 from gateway.requests.follow import decode_delta
 from gateway.requests.records import Delta
 from gateway.requests.sse import Template, dumps
-from shared.messages import ErrorEvent, MessageDecodeError, TokenEvent, decode_event
+from protocol.messages import ErrorEvent, MessageDecodeError, TokenEvent, decode_event
 from shared.sampling import SamplingParams
 
 TEXTS = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40)  # no lone surrogates

@@ -9,8 +9,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.requests.store import GatewayKeys, RequestStore, Submission
-from shared.keys import CONSUMER_GROUP
-from shared.messages import RequestMessage
+from protocol.keys import CONSUMER_GROUP
+from protocol.messages import RequestMessage
 from shared.sampling import SamplingParams
 
 pytestmark = pytest.mark.asyncio

@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 
 from gateway.appkeys import ROUTER
-from shared.keys import Keys
+from protocol.keys import Keys
 from testkit.sse import DONE, data_fields
 from tests.gateway.conftest import MODEL
 from tests.gateway.fake_scheduler import FakeScheduler

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from gateway.tenants import TenantDirectory, key_digest
-from shared.keys import Keys
+from protocol.keys import Keys
 from tests.gateway.conftest import MODEL
 from tests.gateway.fake_scheduler import FakeScheduler
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from gateway.tenants import TenantDirectory
-from shared.keys import Keys
+from protocol.keys import Keys
 from tests.gateway.conftest import MODEL
 from tests.gateway.fake_scheduler import FakeScheduler
 

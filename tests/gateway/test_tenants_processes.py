@@ -13,7 +13,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from shared.keys import Keys
+from protocol.keys import Keys
 from shared.net import free_port
 from tests.gateway.conftest import MODEL
 from tests.gateway.fake_scheduler import FakeScheduler

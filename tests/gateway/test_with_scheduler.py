@@ -13,7 +13,7 @@ import openai
 import pytest
 import pytest_asyncio
 
-from shared.keys import Keys
+from protocol.keys import Keys
 from tests.gateway.conftest import MODEL
 from tests.gateway.test_requests_api import parse_sse
 

@@ -11,8 +11,8 @@ import uuid
 
 import redis
 
-from shared.keys import Keys
-from shared.messages import RequestMessage, decode_event, unpack_list_chunks
+from protocol.keys import Keys
+from protocol.messages import RequestMessage, decode_event, unpack_list_chunks
 from shared.sampling import SamplingParams
 
 KEYS = Keys()

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from scheduler.replica_streams import ReplicaStreams
-from shared.keys import CONSUMER_GROUP, Keys
+from protocol.keys import CONSUMER_GROUP, Keys
+from service.replica_streams import ReplicaStreams
 
 KEYS = Keys()
 MODEL = "m"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import redis
 
-from scheduler.result_store import ResultStore, ResultUpdate
-from shared.keys import Keys
-from shared.messages import pack_list_chunk, unpack_list_chunks
+from protocol.keys import Keys
+from protocol.messages import pack_list_chunk, unpack_list_chunks
+from service.result_store import ResultStore, ResultUpdate
 
 
 def test_appended_chunks_land_once_per_seq_even_when_a_flush_is_resent(redis_server) -> None:

@@ -7,10 +7,10 @@ import threading
 
 import redis
 
-from scheduler.result_store import ResultStore, ResultUpdate
-from scheduler.result_writer import ResultWriter
-from shared.keys import Keys
-from shared.messages import pack_list_chunk, unpack_list_chunks
+from protocol.keys import Keys
+from protocol.messages import pack_list_chunk, unpack_list_chunks
+from service.result_store import ResultStore, ResultUpdate
+from service.result_writer import ResultWriter
 
 STREAM = "tf:req:m:interactive"
 

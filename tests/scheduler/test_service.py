@@ -6,11 +6,11 @@ import random
 import threading
 import time
 
+from protocol.keys import CONSUMER_GROUP
+from protocol.messages import DeadLetter
 from scheduler.engine import LLMEngine
-from scheduler.service import SchedulerService, ServiceSettings
+from service.scheduler_service import SchedulerService, ServiceSettings
 from shared.config import EngineConfig
-from shared.keys import CONSUMER_GROUP
-from shared.messages import DeadLetter
 from shared.sampling import SamplingParams
 from tests.scheduler.service_client import KEYS, EventRecorder, submit, token_ids, wait_terminal
 

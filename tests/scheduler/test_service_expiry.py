@@ -7,7 +7,7 @@ import time
 
 from gateway.requests.records import Delta, ResultRecord
 from scheduler.engine import LLMEngine
-from scheduler.service import SchedulerService, ServiceSettings
+from service.scheduler_service import SchedulerService, ServiceSettings
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
 from tests.scheduler.service_client import KEYS, EventRecorder, submit, token_ids

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from protocol.keys import CONSUMER_GROUP
+from protocol.messages import RequestMessage
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
-from shared.keys import CONSUMER_GROUP
-from shared.messages import RequestMessage
 from shared.sampling import SamplingParams
 from tests.fleet_helpers import start_scheduler, stop_schedulers, wait_heartbeat
 from tests.scheduler.service_client import KEYS, EventRecorder, token_ids, wait_terminal

@@ -5,7 +5,7 @@ Time is counted in engine steps (each tick of the service is one step), never on
 from __future__ import annotations
 
 from scheduler.engine import LLMEngine
-from scheduler.service import SchedulerService, ServiceSettings
+from service.scheduler_service import SchedulerService, ServiceSettings
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
 from tests.scheduler.service_client import KEYS, submit, token_ids

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from shared.keys import CONSUMER_GROUP, Keys
+from protocol.keys import CONSUMER_GROUP, Keys
 from tokenfleet.autoscale.controller import AutoscaleController
 from tokenfleet.autoscale.launcher import PlacementTimeout
 from tokenfleet.autoscale.policy import ScalingPolicy

@@ -12,10 +12,10 @@ from transformers import AutoModelForCausalLM
 
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
+from shared.model_config import load_model_config
 from shared.sampling import SamplingParams
 from tests.hf_reference import assert_greedy_matches, hf_greedy
 from tests.workers.test_ray_group import generate_killing_a_rank
-from workers.model_config import load_model_config
 from workers.models.registry import MODEL_CLASSES
 from workers.parallel import SINGLE_DEVICE
 from workers.pipeline import PipelineStage, split_layers

@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import redis
 
-from shared.keys import Keys
+from protocol.keys import Keys
 from shared.logging import get_logger
 from tokenfleet.autoscale.launcher import PlacementTimeout, ReplicaLauncher
 from tokenfleet.autoscale.policy import Decision, FleetSignals, PolicyState, ScalingPolicy, decide

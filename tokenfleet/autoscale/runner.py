@@ -10,7 +10,7 @@ from pathlib import Path
 
 import redis
 
-from shared.keys import Keys
+from protocol.keys import Keys
 from shared.logging import get_logger
 from tokenfleet.autoscale.controller import AutoscaleController
 from tokenfleet.autoscale.launcher import PlacementRequest, ProcessReplicaLauncher, RayPlacement

@@ -12,14 +12,14 @@ import time
 
 import redis
 
-from shared.keys import CONSUMER_GROUP, REQUEST_KINDS, Keys
+from protocol.keys import CONSUMER_GROUP, REQUEST_KINDS, Keys
 from tokenfleet.autoscale.policy import FleetSignals, ReplicaLoad
 
 
 def read_signals(client: redis.Redis, keys: Keys, model: str, *, now: float | None = None) -> FleetSignals:
     now = time.time() if now is None else now
     num_queued, oldest_ms = 0, None
-    # Each tenant's requests queue in a stream of their own (scheduler/tenant_streams.py).
+    # Each tenant's requests queue in a stream of their own (service/tenant_streams.py).
     members = client.smembers(keys.tenants(model))
     tenants = sorted(t.decode() if isinstance(t, bytes) else t for t in members)
     streams = [keys.request_stream(model, kind, tenant)

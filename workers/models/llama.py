@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shared.model_config import ModelConfig
 from workers.attention_metadata import AttentionMetadata
 from workers.layers import triton_fused
 from workers.layers.attention import PagedAttention
@@ -23,7 +24,6 @@ from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from workers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding
-from workers.model_config import ModelConfig
 from workers.parallel import TensorParallel
 from workers.pipeline import SINGLE_STAGE, PipelineStage
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from shared.model_config import ModelConfig
 from workers.attention_metadata import AttentionMetadata
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding
-from workers.model_config import ModelConfig
 from workers.models.llama import (
     LlamaAttention,
     LlamaDecoderLayer,

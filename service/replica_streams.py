@@ -28,8 +28,8 @@ import redis
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from shared.abandoned import Entry, claim_abandoned
-from shared.keys import CONSUMER_GROUP, Keys
+from protocol.abandoned import Entry, claim_abandoned
+from protocol.keys import CONSUMER_GROUP, Keys
 
 SOURCES = ("routed", "stolen", "fallback")
 
@@ -141,7 +141,7 @@ class ReplicaStreams:
         return {stream: n for stream, n in old.items() if n}
 
     def claim_abandoned(self, stream: str, lease_ms: int, count: int) -> tuple[list[Entry], list[bytes]]:
-        """shared.abandoned.claim_abandoned, where a peer's stream may have been deleted by
+        """protocol.abandoned.claim_abandoned, where a peer's stream may have been deleted by
         another peer meanwhile (then there is nothing to claim)."""
         try:
             return claim_abandoned(self.client, stream, CONSUMER_GROUP, self.scheduler_id, lease_ms, count)

@@ -36,6 +36,7 @@ a client chooses is checked against JOB_ID_PATTERN before it becomes part of a k
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 CONSUMER_GROUP = "schedulers"
@@ -49,6 +50,14 @@ REQUEST_KINDS = ("interactive", "batch")  # read in this order: interactive firs
 class Keys:
     prefix: str = "tf:"
 
+    def idempotency(self, digest: str) -> str:
+        """An Idempotency-Key's record, by idempotency_digest (the gateway alone uses it)."""
+        return f"{self.prefix}idem:{digest}"
+
+    def idempotency_for(self, api_key: str | None, key: str) -> str:
+        """A client's Idempotency-Key, scoped to its API key (so two clients never collide)."""
+        return self.idempotency(hashlib.sha256(f"{api_key or ''}\0{key}".encode()).hexdigest())
+
     def request_stream(self, model: str, kind: str, tenant: str | None = None) -> str:
         """A tenant's requests queue in a stream of their own, so that a scheduler can read
         every tenant's next request however deep another tenant's backlog is (a stream's
@@ -61,7 +70,7 @@ class Keys:
     def replica_stream(self, model: str, scheduler_id: str) -> str:
         """One scheduler's own stream: requests the gateway routed to it for the prefixes it
         holds (gateway/routing.py). It reads this one first; a peer takes what waited too long
-        there, and everything once it is dead or draining (scheduler/replica_streams.py)."""
+        there, and everything once it is dead or draining (service/replica_streams.py)."""
         return f"{self.request_stream(model, 'interactive')}:r:{scheduler_id}"
 
     def replica_streams(self, model: str) -> str:
@@ -70,7 +79,7 @@ class Keys:
 
     def prefix_summary(self, scheduler_id: str) -> str:
         """What a scheduler's KV cache holds: the first bytes of the hashes of its cached chains'
-        first blocks, concatenated (scheduler/prefix_summary.py); renewed with the heartbeat."""
+        first blocks, concatenated (service/prefix_summary.py); renewed with the heartbeat."""
         return f"{self.prefix}prefixes:{scheduler_id}"
 
     def tenants(self, model: str) -> str:

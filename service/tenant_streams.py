@@ -2,7 +2,7 @@
 
 A stream's consumer group hands out entries in order only, so one stream shared by every
 tenant would put a newcomer's request behind another tenant's whole backlog. The gateway
-queues each tenant's requests in a stream of their own (shared.keys.request_stream) and
+queues each tenant's requests in a stream of their own (protocol.keys.request_stream) and
 adds the tenant to the model's tenant set; schedulers learn the set as they admit.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from shared.keys import REQUEST_KINDS, TENANT_PATTERN, Keys
+from protocol.keys import REQUEST_KINDS, TENANT_PATTERN, Keys
 
 _TENANT = re.compile(TENANT_PATTERN)
 

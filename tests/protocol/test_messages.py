@@ -5,14 +5,14 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from shared.errors import InvalidRequestError
-from shared.messages import (
+from protocol.messages import (
     ErrorEvent,
     MessageDecodeError,
     RequestMessage,
     TokenEvent,
     decode_event,
 )
+from shared.errors import InvalidRequestError
 from shared.sampling import SamplingParams
 
 

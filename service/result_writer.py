@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import redis
 
-from scheduler.result_store import ResultStore, ResultUpdate
+from service.result_store import ResultStore, ResultUpdate
 from shared.logging import get_logger
 
 MAX_BACKOFF_S = 5.0

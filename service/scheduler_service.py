@@ -5,7 +5,7 @@ One tick:
     cancel/expire)  ->  admit new entries, only as many as the engine can take
     (pull-based: replicas share load without a router)  ->  one engine step  ->  hand every
     change to the result writer, whose thread publishes and mirrors them in one round trip
-    while the next step runs (scheduler/result_writer.py).
+    while the next step runs (service/result_writer.py).
 A request's stream entry is acknowledged only together with its terminal state, so a
 scheduler that dies leaves its entries pending for a successor, which resumes each from
 the tokens stored in tf:res:{id}: the client sees neither a gap nor a duplicate.
@@ -18,90 +18,55 @@ pending: another scheduler takes it over after the lease, as after a crash.
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 
 import redis
 
-from scheduler.claim_renewer import ClaimRenewer
-from scheduler.detokenizer import IncrementalDetokenizer
-from scheduler.engine import LLMEngine, Usage
-from scheduler.prefix_summary import PrefixSummary
-from scheduler.replica_streams import ReplicaStreams, RoutingMetrics
-from scheduler.request import BATCH_PRIORITY, FinishReason, RequestStatus
-from scheduler.result_store import ResultStore, ResultUpdate, StoredProgress, terminal_fields
-from scheduler.result_writer import ResultWriter
-from scheduler.scheduler import RequestOutput
-from scheduler.telemetry import SchedulerTelemetry
-from scheduler.tenant_streams import TenantStreams
-from shared.errors import InvalidRequestError
-from shared.keys import CONSUMER_GROUP, Keys
-from shared.logging import get_logger
-from shared.messages import (
+from protocol.keys import CONSUMER_GROUP, Keys
+from protocol.messages import (
     TERMINAL_STATES,
     DeadLetter,
     ErrorEvent,
     MessageDecodeError,
     RequestMessage,
-    TokenEvent,
     pack_list_chunk,
 )
+from protocol.result_record import (
+    EXPIRED_MESSAGE,
+    ErrorCode,
+    RequestState,
+    StoredProgress,
+    running_fields,
+    step_appends,
+    terminal_fields,
+)
+from scheduler.detokenizer import IncrementalDetokenizer
+from scheduler.engine import LLMEngine
+from scheduler.request import BATCH_PRIORITY
+from scheduler.scheduler import RequestOutput
+from service.claim_renewer import ClaimRenewer
+from service.inflight import InFlight, ServiceSettings
+from service.maintenance import Maintenance
+from service.prefix_summary import PrefixSummary
+from service.replica_streams import ReplicaStreams, RoutingMetrics
+from service.result_store import ResultStore, ResultUpdate
+from service.result_writer import ResultWriter
+from service.step_updates import updates_for
+from service.telemetry import SchedulerTelemetry
+from service.tenant_streams import TenantStreams
+from shared.errors import InvalidRequestError
+from shared.logging import get_logger
 
 MAX_BACKOFF_S = 5.0
 # A busy scheduler that found its streams empty looks again after this long, not every step:
 # each look is a Redis round trip on the engine thread (up to 10% of a small batch's step).
 ADMISSION_POLL_S = 0.005
 SWITCH_INTERVAL_S = 0.0005
-EXPIRED_MESSAGE = "the deadline passed while it was queued"
 
 
-@dataclass
-class ServiceSettings:
-    model_name: str
-    scheduler_id: str
-    lease_s: float = 10.0  # an entry nobody renewed for this long is taken over
-    heartbeat_s: float = 1.0  # heartbeat, claim renewal and takeover checks, this often
-    max_deliveries: int = 3  # more deliveries than this: the entry is poison -> tf:dead
-    result_ttl_s: int = 24 * 3600
-    idle_block_ms: int = 100  # how long an idle scheduler waits on the streams
-    log_stats_interval_s: float = 5.0  # the throughput log line, this often while busy (0: never)
-    steal_after_s: float = 2.0  # an idle scheduler takes a live peer's routed entries unread this long
-    # Claims are renewed on a thread of their own, also during a long step; a tick that has not
-    # ended after this long is a hung scheduler, whose claims are left to lapse.
-    max_tick_s: float = 300.0
-
-
-@dataclass
-class InFlight:
-    """A request this scheduler owns, and what its client has been sent so far."""
-
-    req_id: str
-    stream: str
-    entry_id: str
-    num_prompt_tokens: int
-    seq: int = 0  # events published so far
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list = field(default_factory=list)
-    # After event k: (tokens, characters) delivered so far, so a reader can replay the
-    # events after any seq from the stored record (SSE resume with Last-Event-ID).
-    offsets: list = field(default_factory=list)
-    wants_logprobs: bool = False
-    deadline: float | None = None
-    first_token_at: float | None = None
-    batch_job_id: str | None = None  # a batch item: written only when it ends, nobody streams it
-    # Turns its tokens into text on the writer thread (None: the engine does it, for stop strings).
-    detokenizer: IncrementalDetokenizer | None = None
-
-    @property
-    def is_batch(self) -> bool:
-        return self.batch_job_id is not None
-
-
-class SchedulerService:
+class SchedulerService(Maintenance):
     def __init__(self, engine: LLMEngine, redis_url: str, settings: ServiceSettings,
                  keys: Keys | None = None) -> None:
         self.engine = engine
@@ -111,13 +76,13 @@ class SchedulerService:
         self.redis_url = redis_url
         self.results = ResultStore(self.client, self.keys, settings.scheduler_id, settings.result_ttl_s)
         self.log = get_logger("tokenfleet.scheduler", scheduler_id=settings.scheduler_id)
-        # kind -> its streams: the model's plain one, then one per tenant (scheduler/tenant_streams.py)
+        # kind -> its streams: the model's plain one, then one per tenant (service/tenant_streams.py)
         self.tenant_streams = TenantStreams(self.keys, settings.model_name)
         self.inflight: dict[str, InFlight] = {}  # req_id -> request this scheduler owns
         # req_id -> request the engine finished whose terminal write has not landed yet: its
         # entry is still ours (renewed, never admitted again) until the writer says it landed.
         self._finishing: dict[str, InFlight] = {}
-        self.writer = ResultWriter(self.results, settings.scheduler_id, self._updates_for)
+        self.writer = ResultWriter(self.results, settings.scheduler_id, updates_for)
         self.renewer = ClaimRenewer(self.client, settings.scheduler_id, settings.heartbeat_s,
                                     settings.max_tick_s)
         # Text is made on the writer thread, except where stop strings need it in the engine.
@@ -133,7 +98,7 @@ class SchedulerService:
         self.telemetry = SchedulerTelemetry(engine, settings.model_name, settings.scheduler_id,
                                             settings.log_stats_interval_s)
         self.drain_deadline: float | None = None  # set once a drain was asked for (unix seconds)
-        # Its own stream (routed requests) and its peers' (scheduler/replica_streams.py).
+        # Its own stream (routed requests) and its peers' (service/replica_streams.py).
         self.replica_streams = ReplicaStreams(self.client, self.keys, settings.model_name,
                                               settings.scheduler_id, steal_after_s=settings.steal_after_s)
         self.telemetry.metrics.registry.register(
@@ -403,19 +368,18 @@ class SchedulerService:
             )
         except (InvalidRequestError, MessageDecodeError) as exc:
             text = getattr(exc, "message", str(exc))
+            # tf:dead keeps the reason as text; the record says it by its code, without the prefix.
             self._dead_letter(stream, entry_id, f"invalid: {text}", num_deliveries, payload, message.req_id,
-                              message.batch_job_id)
+                              message.batch_job_id, code=ErrorCode.INVALID_REQUEST, message=text)
             return
         if self.engine.tokenizer is not None and not sampling.stop:
             # Decoding continues after what an earlier owner already delivered, as in the engine.
             flight.detokenizer = IncrementalDetokenizer(
                 self.engine.tokenizer, [*message.prompt_token_ids, *progress.token_ids])
         self.inflight[message.req_id] = flight
-        resumed = {"resumed_from_seq": progress.seq} if progress.seq else {}
-        self._pending.append(ResultUpdate(message.req_id, stream, {
-            "state": "running", "model": self.settings.model_name, "started_at": time.time(),
-            "prompt_tokens": flight.num_prompt_tokens, "scheduler": self.settings.scheduler_id, **resumed,
-        }))
+        self._pending.append(ResultUpdate(message.req_id, stream, running_fields(
+            model=self.settings.model_name, prompt_tokens=flight.num_prompt_tokens,
+            scheduler=self.settings.scheduler_id, resumed_from_seq=progress.seq)))
         if progress.seq:
             self.log.info("request_resumed", req_id=message.req_id, from_seq=progress.seq,
                           previous_owner=progress.owner)
@@ -425,14 +389,14 @@ class SchedulerService:
         flight.offsets.append([len(flight.token_ids), len(flight.text)])
         event = ErrorEvent(flight.req_id, flight.seq, code, message).encode()
         fields = terminal_fields(state, error_code=code, error_message=message, seq=flight.seq)
-        appends = {"offsets": pack_list_chunk([flight.offsets[-1]])}
+        appends = step_appends(pack_list_chunk([flight.offsets[-1]]))
         self._pending.append(ResultUpdate(flight.req_id, flight.stream, fields, event=event,
                                           ack_entry_id=flight.entry_id, batch_job_id=flight.batch_job_id,
                                           appends=appends))
 
     def _dead_letter(self, stream: str, entry_id: str, reason: str, num_deliveries: int,
-                     payload: bytes | None, req_id: str | None = None,
-                     batch_job_id: str | None = None) -> None:
+                     payload: bytes | None, req_id: str | None = None, batch_job_id: str | None = None,
+                     code: ErrorCode = ErrorCode.DEAD_LETTER, message: str | None = None) -> None:
         """Set a poison entry aside in tf:dead (with a failed result when it names a request)."""
         self.log.warning("dead_letter", stream=stream, entry_id=entry_id, reason=reason, req_id=req_id)
         letter = DeadLetter(stream, entry_id, reason, num_deliveries, req_id, payload or b"")
@@ -443,254 +407,13 @@ class SchedulerService:
             flight = InFlight(req_id, stream, entry_id, 0, seq=progress.seq,
                               token_ids=list(progress.token_ids), text=progress.text,
                               offsets=list(progress.offsets), batch_job_id=batch_job_id)
-            self._finish_unrun(flight, "failed", "dead_letter", reason)
+            self._finish_unrun(flight, RequestState.FAILED.value, code.value,
+                               reason if message is None else message)
         else:
             pipe = self.client.pipeline()
             pipe.xack(stream, CONSUMER_GROUP, entry_id)
             pipe.xdel(stream, entry_id)
             pipe.execute()
-
-    # -- what a step produced ------------------------------------------------------------
-
-    def _updates_for(self, step: list[tuple[InFlight, RequestOutput]], now: float) -> list[ResultUpdate]:
-        """The records and events of one step (runs on the writer thread, which alone changes a
-        flight's delivery state: seq, tokens, text, offsets, logprobs)."""
-        updates = []
-        for flight, out in step:
-            if flight.detokenizer is not None:
-                out.text_delta = self._text_of(flight.detokenizer, out)
-            if not (out.new_token_ids or out.text_delta or out.finished):
-                continue
-            flight.seq += 1
-            flight.token_ids += out.new_token_ids
-            flight.text += out.text_delta
-            flight.offsets.append([len(flight.token_ids), len(flight.text)])
-            is_first_token = bool(out.new_token_ids) and flight.first_token_at is None
-            if is_first_token:
-                flight.first_token_at = now
-            logprobs = None
-            if flight.wants_logprobs and out.logprobs:
-                logprobs = [[lp.token_id, lp.logprob, lp.top_logprobs] for lp in out.logprobs]
-                flight.logprobs += logprobs
-            if flight.is_batch and not out.finished:
-                continue  # nobody streams a batch item: its record is written once, at the end
-            if flight.is_batch:
-                fields, appends, event = self._progress_fields(flight), {}, None
-            else:
-                fields, appends = self._step_fields(flight, out.new_token_ids, out.text_delta, logprobs,
-                                                    is_first_token)
-                event = TokenEvent(out.req_id, flight.seq, out.new_token_ids, out.text_delta, logprobs)
-            ack = None
-            if out.finished:
-                usage = Usage(flight.num_prompt_tokens, len(flight.token_ids),
-                              out.num_cached_tokens).to_dict()
-                if event is not None:
-                    event.finish_reason = out.finish_reason.value
-                    event.usage = usage
-                state = "cancelled" if out.finish_reason is FinishReason.ABORT else "completed"
-                fields.update(terminal_fields(state, finish_reason=out.finish_reason.value,
-                                              usage=json.dumps(usage)))
-                if out.stop_reason is not None:
-                    fields["stop_reason"] = str(out.stop_reason)
-                ack = flight.entry_id
-            updates.append(ResultUpdate(out.req_id, flight.stream, fields,
-                                        None if event is None else event.encode(), ack,
-                                        batch_job_id=flight.batch_job_id, appends=appends))
-        return updates
-
-    @staticmethod
-    def _text_of(detokenizer: IncrementalDetokenizer, out: RequestOutput) -> str:
-        """The text a step's tokens add, as the engine would have made it: the EOS or stop token
-        that ended a request adds none, and an aborted request's held-back text stays held."""
-        token_ids = out.new_token_ids
-        if out.finish_reason is FinishReason.STOP:  # (stop strings never come here)
-            token_ids = token_ids[:-1]
-        text = "".join(detokenizer.add_token(token_id) for token_id in token_ids)
-        if out.finished and out.finish_reason is not FinishReason.ABORT:
-            text += detokenizer.finish()
-        return text
-
-    @staticmethod
-    def _step_fields(flight: InFlight, new_token_ids: list[int], text_delta: str, logprobs: list | None,
-                     is_first_token: bool) -> tuple[dict[str, object], dict[str, str | bytes]]:
-        """What one step adds to tf:res: the new tokens, text and offsets appended (only they are
-        packed and sent, not everything so far), the seq set."""
-        fields: dict[str, object] = {"seq": flight.seq}
-        if is_first_token:
-            fields["first_token_at"] = flight.first_token_at
-        appends: dict[str, str | bytes] = {"offsets": pack_list_chunk([flight.offsets[-1]])}
-        if new_token_ids:
-            appends["token_ids"] = pack_list_chunk(new_token_ids)
-        if text_delta:
-            appends["text"] = text_delta
-        if logprobs:
-            appends["logprobs"] = pack_list_chunk(logprobs)
-        return fields, appends
-
-    @staticmethod
-    def _progress_fields(flight: InFlight) -> dict[str, object]:
-        """Everything delivered so far, as tf:res fields (a successor resumes from them)."""
-        fields: dict[str, object] = {"seq": flight.seq, "text": flight.text,
-                                     "token_ids": pack_list_chunk(flight.token_ids),
-                                     "offsets": pack_list_chunk(flight.offsets)}
-        if flight.first_token_at is not None:
-            fields["first_token_at"] = flight.first_token_at
-        if flight.logprobs:
-            fields["logprobs"] = pack_list_chunk(flight.logprobs)
-        return fields
-
-    # -- maintenance ---------------------------------------------------------------------
-
-    def _maintain(self) -> None:
-        self._check_drain()
-        self._heartbeat()
-        self._renew_claims()
-        if not self.is_draining:
-            room, _ = self._capacity()
-            idle = self.engine.scheduler.num_waiting_requests == 0
-            self._admit_entries([(stream, entry_id, fields, 1) for stream, entry_id, fields
-                                 in self.replica_streams.find_work(room, idle=idle)])
-            self._take_over_abandoned()
-        self._check_cancel_keys_and_deadlines()
-
-    def _check_drain(self) -> None:
-        if self.is_draining:
-            return
-        value = self.client.get(self.keys.drain(self.settings.scheduler_id))
-        if value is None:
-            return
-        try:
-            self.drain_deadline = float(value)
-        except ValueError:
-            self.drain_deadline = float("inf")  # any other value: drain with no deadline
-        self.log.info("drain_started", num_inflight=len(self.inflight), deadline=self.drain_deadline)
-
-    def _drain_done(self) -> bool:
-        """Whether a draining scheduler may stop now: nothing left, or the deadline passed (what
-        is left stays pending for a successor). Its heartbeat and drain keys go with it."""
-        is_empty = not (self.inflight or self._finishing or self.engine.has_unfinished_requests())
-        if not is_empty and time.time() < self.drain_deadline:
-            return False
-        self.flush_and_wait()
-        self._drop_lost_requests()
-        self.client.delete(self.keys.scheduler(self.settings.scheduler_id),
-                           self.keys.drain(self.settings.scheduler_id))
-        left = sorted([*self.inflight, *self._finishing])
-        if not left:  # (a consumer's pending entries go with it: only one that owns none leaves)
-            self.renewer.update([])  # (an XCLAIM would make the consumer again)
-            for stream in self.streams:
-                self.client.xgroup_delconsumer(stream, CONSUMER_GROUP, self.settings.scheduler_id)
-        self.log.info("drained", num_left_for_takeover=len(left), req_ids=left[:16])
-        return True
-
-    def _heartbeat(self) -> None:
-        scheduler = self.engine.scheduler
-        key = self.keys.scheduler(self.settings.scheduler_id)
-        # What its KV cache holds or is computing, for the gateways' routing.
-        summary = self.prefix_summary.build(filter(None, map(scheduler.get_request, self.inflight)))
-        pipe = self.client.pipeline()
-        pipe.hset(key, mapping={
-            "model": self.settings.model_name, "num_running": scheduler.num_running_requests,
-            "num_waiting": scheduler.num_waiting_requests, "kv_usage": scheduler.block_manager.usage,
-            "max_num_seqs": self.engine.config.max_num_seqs, "updated_at": time.time(),
-            **self.telemetry.heartbeat_fields(),
-            "draining": int(self.is_draining),
-            # Since the scheduler started, in prompt tokens (vLLM's counters of the same names).
-            "prefix_cache_queries": scheduler.block_manager.prefix_cache_queries,
-            "prefix_cache_hits": scheduler.block_manager.prefix_cache_hits,
-            **self.replica_streams.heartbeat_fields(), **self.prefix_summary.heartbeat_fields(),
-        })
-        ttl_s = max(2, int(3 * self.settings.heartbeat_s))
-        pipe.expire(key, ttl_s)
-        pipe.set(self.keys.prefix_summary(self.settings.scheduler_id), summary, ex=ttl_s)
-        metrics_key = self.keys.scheduler_metrics(self.settings.scheduler_id)
-        pipe.set(metrics_key, self.telemetry.exposition(), ex=ttl_s)
-        pipe.execute()
-
-    def _renew_claims(self) -> None:
-        """Reset the idle time of every entry we own, so nobody takes it over (the renewer's
-        thread does it too, every heartbeat, while a step runs)."""
-        self.renewer.update(self._owned_entries())
-        self.renewer.renew()
-
-    def _owned_entries(self) -> list[tuple[str, str]]:
-        flights = [*self.inflight.values(), *self._finishing.values()]
-        return [(flight.stream, flight.entry_id) for flight in flights]
-
-    def _take_over_abandoned(self) -> None:
-        lease_ms = int(self.settings.lease_s * 1000)
-        self._ensure_groups(self.tenant_streams.learn(
-            self.client.smembers(self.keys.tenants(self.settings.model_name))))
-        for stream in [*self.streams, *self.replica_streams.peer_streams()]:
-            entries, gone = self.replica_streams.claim_abandoned(stream, lease_ms,
-                                                                 self.engine.config.max_num_seqs)
-            if gone:
-                self.log.warning("pending_entries_gone", stream=stream, count=len(gone))
-            for entry_id, fields in entries:
-                entry_id = entry_id.decode()
-                pending = self.client.xpending_range(stream, CONSUMER_GROUP, entry_id, entry_id, 1)
-                deliveries = pending[0]["times_delivered"] if pending else 1
-                self.log.info("entry_taken_over", stream=stream, entry_id=entry_id, deliveries=deliveries)
-                self._admit_entries([(stream, entry_id, fields, deliveries)])
-
-    def _check_cancel_keys_and_deadlines(self) -> None:
-        """Catch cancellations whose pub/sub message was missed, and expire queued requests."""
-        if not self.inflight:
-            return
-        req_ids = list(self.inflight)
-        flags = self.client.mget([self.keys.cancelled(r) for r in req_ids])
-        now = time.time()
-        for req_id, flag in zip(req_ids, flags, strict=True):
-            deadline = self.inflight[req_id].deadline
-            if flag is not None:
-                self._abort(req_id)
-            elif deadline is not None and now > deadline:
-                # (The engine's request, not the flight, says whether it made tokens: the flight
-                # learns of them on the writer thread.)
-                request = self.engine.scheduler.get_request(req_id)
-                if request is not None and request.status is RequestStatus.WAITING \
-                        and not request.output_token_ids:
-                    self._expire(req_id)
-
-    # -- cancellation ---------------------------------------------------------------------
-
-    def _listen_for_cancels(self, stop: threading.Event) -> None:
-        while not stop.is_set():
-            try:
-                client = redis.Redis.from_url(self.redis_url, socket_connect_timeout=5)
-                pubsub = client.pubsub(ignore_subscribe_messages=True)
-                pubsub.subscribe(self.keys.cancel_channel)
-                while not stop.is_set():
-                    message = pubsub.get_message(timeout=0.5)
-                    if message is not None:
-                        with self._cancel_lock:
-                            self._cancel_ids.add(message["data"].decode())
-            except (redis.ConnectionError, redis.TimeoutError):
-                stop.wait(0.5)  # reconnect; _check_cancel_keys_and_deadlines covers the gap
-
-    def _apply_cancellations(self) -> None:
-        with self._cancel_lock:
-            cancel_ids, self._cancel_ids = self._cancel_ids, set()
-        for req_id in cancel_ids:
-            if req_id in self.inflight:
-                self._abort(req_id)
-
-    def _abort(self, req_id: str) -> None:
-        """Cancel a request now: its blocks are freed at once, its end is written next step."""
-        self.engine.abort(req_id)
-        self.log.info("request_aborted", req_id=req_id, state="cancelled")
-
-    def _expire(self, req_id: str) -> None:
-        """A request whose deadline passed while it waited, before any token, ends as one that
-        expired before it was read (and as the gateway ends an unclaimed one): record and event
-        both say expired (an ErrorEvent), so the request's GET and its events agree. Written now;
-        the engine's abort report comes next step and is moot."""
-        flight = self.inflight.pop(req_id)
-        self.engine.abort(req_id)
-        self._finishing[req_id] = flight  # its entry stays ours until the write lands
-        self._finish_unrun(flight, "expired", "expired", EXPIRED_MESSAGE)
-        self.log.info("request_expired", req_id=req_id)
-
 
 def _entries(response) -> list[tuple[str, str, dict]]:
     """(stream, entry id, fields) of an XREADGROUP reply."""

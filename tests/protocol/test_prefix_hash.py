@@ -1,4 +1,4 @@
-"""The gateway hashes a prompt with shared/prefix_hash.py; the block manager caches blocks under
+"""The gateway hashes a prompt with protocol/prefix_hash.py; the block manager caches blocks under
 update_block_hashes. They must agree on every block size a scheduler accepts, or routing by
 prefix would send every chat to a replica that holds nothing of it."""
 
@@ -8,10 +8,10 @@ import random
 
 import pytest
 
+from protocol.prefix_hash import block_hashes, summary_hash
 from scheduler.block_manager import SUMMARY_DEPTH_BLOCKS, BlockManager, update_block_hashes
 from scheduler.request import Request
 from scheduler.scheduler import SchedulerConfig
-from shared.prefix_hash import block_hashes, summary_hash
 from shared.sampling import SamplingParams
 
 BLOCK_SIZES = [*range(1, 65), 96, 128, 256, 512]  # a scheduler accepts any size >= 1
@@ -82,7 +82,7 @@ def test_summary_heads_are_bounded_in_depth_and_forget_evicted_blocks() -> None:
 def test_the_summary_names_what_admitted_requests_are_computing_before_it_is_cached() -> None:
     from types import SimpleNamespace
 
-    from scheduler.prefix_summary import PrefixSummary
+    from service.prefix_summary import PrefixSummary
 
     manager = BlockManager(num_blocks=64, block_size=4)
     cached = list(range(100, 112))

@@ -16,7 +16,7 @@ import time
 
 import redis
 
-from shared.keys import CONSUMER_GROUP
+from protocol.keys import CONSUMER_GROUP
 from shared.logging import get_logger
 
 

@@ -7,7 +7,7 @@ import asyncio
 import redis
 import redis.asyncio as aioredis
 
-from shared.abandoned import claim_abandoned, claim_abandoned_async
+from protocol.abandoned import claim_abandoned, claim_abandoned_async
 
 
 def _stream_with_a_dead_consumer(client: redis.Redis) -> tuple[bytes, bytes, bytes]:

@@ -5,7 +5,7 @@ the hashes of the blocks within the first SUMMARY_DEPTH_BLOCKS of their chains: 
 the requests it has admitted (their blocks are being computed and will be cached: the next chat
 with that prefix should come here rather than start a second copy elsewhere while the first is
 still in prefill), then its cached ones, the most recently used first; at most `max_hashes`.
-The gateway hashes a prompt's first blocks with the same function (shared/prefix_hash.py) and
+The gateway hashes a prompt's first blocks with the same function (protocol/prefix_hash.py) and
 counts how many leading ones a replica's summary names (gateway/routing.py). Its cost per
 heartbeat is bounded by `max_hashes`, not by the cache's size (the block manager keeps the
 heads in LRU order), plus hashing each admitted request's blocks once (which its admission
@@ -17,10 +17,10 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
+from protocol.prefix_hash import SUMMARY_HASH_BYTES
 from scheduler.block_manager import SUMMARY_DEPTH_BLOCKS, update_block_hashes
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
-from shared.prefix_hash import SUMMARY_HASH_BYTES
 
 # 4,096 hashes of 8 bytes: 32 KiB a heartbeat at most; 64 chains of 64 blocks, or more shorter ones.
 SUMMARY_MAX_HASHES = 4096
