@@ -145,7 +145,7 @@ async def test_chat_default_max_tokens_is_the_rest_of_the_context(make_client, f
 
 async def test_lost_events_are_filled_from_the_record(make_client, redis_server, tokenizer, monkeypatch):
     """Pub/sub is never the only copy: a scheduler whose events all vanish still completes."""
-    from scheduler import result_store
+    from service import result_store
 
     real_write = result_store.ResultStore.write
 
