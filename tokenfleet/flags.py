@@ -22,3 +22,29 @@ def flag(parser: argparse.ArgumentParser, name: str, *, type=str, default=None, 
         parser.add_argument(f"--{name}", default=bool(default), **kwargs)
     else:
         parser.add_argument(f"--{name}", type=type, default=default, **kwargs)
+
+
+ROUTING_MODES = ("prefix", "none")  # the gateway's --routing (gateway/routing.py)
+REDIS_URL_HELP = ("redis://[user:password@]host:port/db, or rediss:// for TLS (TLS options in the query: "
+                  "?ssl_ca_certs=ca.pem)")
+
+
+def redis_flags(parser: argparse.ArgumentParser, *, default: str | None = None,
+                 help: str = REDIS_URL_HELP) -> None:
+    """--redis-url and --redis-password-file: every command that talks to Redis takes both."""
+    flag(parser, "redis-url", default=default, help=help)
+    flag(parser, "redis-password-file",
+          help="file whose first line is the Redis password (kept out of the URL, `ps` and shell history)")
+
+
+def list_flag(parser: argparse.ArgumentParser, name: str, **kwargs) -> None:
+    """A repeatable --name; TOKENFLEET_NAME (comma-separated) stands in when none is given."""
+    parser.add_argument(f"--{name}", action="append", default=None, **kwargs)
+
+
+def list_value(args: argparse.Namespace, name: str) -> list[str]:
+    given = getattr(args, name.replace("-", "_"))
+    if given:
+        return given
+    env = env_default(name)
+    return [item.strip() for item in env.split(",") if item.strip()] if env else []
