@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from testkit.engine_runs import record_step
 from testkit.runs import percentile
 from testkit.workloads import greedy, lognormal_length
 
@@ -104,12 +105,8 @@ def run_chats(engine: LLMEngine, chats: Chats, label: str) -> ServingRow:
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, min(0.001, start + chats.arrivals[i] - now)))
             continue
-        outputs = engine.step()
-        now = time.perf_counter()
-        for out in outputs:
-            if out.new_token_ids:
-                num_output += len(out.new_token_ids)
-                token_times.setdefault(out.req_id, []).append(now)
+        _, made = record_step(engine, token_times)
+        num_output += made
     wall = max(t[-1] for t in token_times.values()) - start
     meter.detach(engine)
     ttft = [times[0] - arrival[r] for r, times in token_times.items()]

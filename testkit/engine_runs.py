@@ -105,12 +105,8 @@ def run_engine_workload(engine: LLMEngine, workload: Workload, seconds_limit: fl
         prompt_len[engine.add_request(prompt, greedy(max_tokens))] = len(prompt)
     num_output, partial = 0, False
     while engine.has_unfinished_requests():
-        outputs = engine.step()
-        now = time.perf_counter()
-        for out in outputs:
-            if out.new_token_ids:
-                num_output += len(out.new_token_ids)
-                token_times.setdefault(out.req_id, []).append(now)
+        now, made = record_step(engine, token_times)
+        num_output += made
         if now - start > seconds_limit:
             partial = True
             break
@@ -146,3 +142,16 @@ def engine_decode_latency(engine: LLMEngine, vocab_size: int, device: torch.devi
             count += sum(len(out.new_token_ids) for out in engine.step())
         best = min(best, (time.perf_counter() - start) / max(count, 1))
     return best
+
+
+def record_step(engine, token_times: dict[str, list[float]]) -> tuple[float, int]:
+    """One engine step; when it returned, appended to each request that got tokens in it.
+    Returns (that time, the tokens the step made)."""
+    outputs = engine.step()
+    now = time.perf_counter()
+    made = 0
+    for out in outputs:
+        if out.new_token_ids:
+            made += len(out.new_token_ids)
+            token_times.setdefault(out.req_id, []).append(now)
+    return now, made
