@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from protocol.usage import Usage
 from scheduler.grammar import Grammars
 from scheduler.request import FinishReason, Request, TokenLogprobs
 from scheduler.scheduler import RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
@@ -34,23 +35,6 @@ from shared.sampling import SamplingParams
 from shared.step import StepResult
 from shared.tokenizer import load_tokenizer
 from workers.executor import Executor, make_executor
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-    def to_dict(self) -> dict:
-        """OpenAI's usage object."""
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.total_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
 
 @dataclass

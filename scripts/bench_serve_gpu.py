@@ -18,8 +18,9 @@ scripts/bench_fleet_gpu.py builds it). Workload, at each --rates for --seconds o
     planned chat rendered by the gateway's own chat-template code, and added when its arrival
     time comes; TTFT from that scheduled time, ITL between the steps that gave it tokens.
 
---py-spy DIR records the scheduler process (all threads, raw stacks) for --seconds during the
---py-spy-rate run. --engine-ab runs no fleet: the engine twice, with mixed-step CUDA graphs and
+--py-spy DIR records the scheduler process and its publisher (all threads, raw stacks) for
+--seconds during the --py-spy-rate run (`python -m testkit.spy_summary` sums it up).
+--engine-ab runs no fleet: the engine twice, with mixed-step CUDA graphs and
 with every mixed step eager (cuda_graph_max_tokens 0), reporting the host time of a mixed
 step's forward and the engine thread's share of time waiting on the GPU. Prints the command line
 first and the table last.
@@ -104,7 +105,7 @@ def start_py_spy(args: argparse.Namespace, rate: float, out: Path) -> subprocess
         return None
     args.py_spy.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen(["py-spy", "record", "-p", str(scheduler.pid), "-d", str(int(args.seconds)),
-                             "-r", "200", "--nonblocking", "-f", "raw",
+                             "-r", "200", "--nonblocking", "--subprocesses", "--threads", "-f", "raw",
                              "-o", str(args.py_spy / f"serve{rate:g}_scheduler.txt")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 

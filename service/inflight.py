@@ -1,10 +1,8 @@
-"""A scheduler service's settings, and the requests it owns with what each client has been sent."""
+"""A scheduler service's settings, and the requests it owns."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from scheduler.detokenizer import IncrementalDetokenizer
+from dataclasses import dataclass
 
 
 @dataclass
@@ -25,25 +23,15 @@ class ServiceSettings:
 
 @dataclass
 class InFlight:
-    """A request this scheduler owns, and what its client has been sent so far."""
+    """A request this scheduler owns: its stream entry (acknowledged with its terminal state)
+    and what admission and expiry need. What its client was sent is the publisher's
+    (service/delivery.py), in another process."""
 
     req_id: str
     stream: str
     entry_id: str
-    num_prompt_tokens: int
-    seq: int = 0  # events published so far
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list = field(default_factory=list)
-    # After event k: (tokens, characters) delivered so far, so a reader can replay the
-    # events after any seq from the stored record (SSE resume with Last-Event-ID).
-    offsets: list = field(default_factory=list)
-    wants_logprobs: bool = False
     deadline: float | None = None
-    first_token_at: float | None = None
     batch_job_id: str | None = None  # a batch item: written only when it ends, nobody streams it
-    # Turns its tokens into text on the writer thread (None: the engine does it, for stop strings).
-    detokenizer: IncrementalDetokenizer | None = None
 
     @property
     def is_batch(self) -> bool:

@@ -5,7 +5,7 @@ One tick:
     cancel/expire)  ->  admit new entries, only as many as the engine can take
     (pull-based: replicas share load without a router)  ->  one engine step  ->  hand every
     change to the result writer, whose thread publishes and mirrors them in one round trip
-    while the next step runs (service/result_writer.py).
+    while the next step runs, from a process of its own (service/result_publisher.py).
 A request's stream entry is acknowledged only together with its terminal state, so a
 scheduler that dies leaves its entries pending for a successor, which resumes each from
 the tokens stored in tf:res:{id}: the client sees neither a gap nor a duplicate.
@@ -18,42 +18,26 @@ pending: another scheduler takes it over after the lease, as after a crash.
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 
 import redis
 
 from protocol.keys import CONSUMER_GROUP, Keys
-from protocol.messages import (
-    TERMINAL_STATES,
-    DeadLetter,
-    ErrorEvent,
-    MessageDecodeError,
-    RequestMessage,
-    pack_list_chunk,
-)
-from protocol.result_record import (
-    EXPIRED_MESSAGE,
-    ErrorCode,
-    RequestState,
-    StoredProgress,
-    running_fields,
-    step_appends,
-    terminal_fields,
-)
-from scheduler.detokenizer import IncrementalDetokenizer
+from protocol.messages import TERMINAL_STATES, DeadLetter, MessageDecodeError, RequestMessage
+from protocol.result_record import EXPIRED_MESSAGE, ErrorCode, RequestState, StoredProgress, running_fields
+from scheduler.detokenizer import NUM_PROMPT_CONTEXT_TOKENS as DETOKENIZER_CONTEXT
 from scheduler.engine import LLMEngine
 from scheduler.request import BATCH_PRIORITY
 from scheduler.scheduler import RequestOutput
 from service.claim_renewer import ClaimRenewer
+from service.delivery import Delivery
 from service.inflight import InFlight, ServiceSettings
 from service.maintenance import Maintenance
 from service.prefix_summary import PrefixSummary
 from service.replica_streams import ReplicaStreams, RoutingMetrics
+from service.result_publisher import ResultPublisher
 from service.result_store import ResultStore, ResultUpdate
-from service.result_writer import ResultWriter
-from service.step_updates import updates_for
 from service.telemetry import SchedulerTelemetry
 from service.tenant_streams import TenantStreams
 from shared.errors import InvalidRequestError
@@ -63,7 +47,6 @@ MAX_BACKOFF_S = 5.0
 # A busy scheduler that found its streams empty looks again after this long, not every step:
 # each look is a Redis round trip on the engine thread (up to 10% of a small batch's step).
 ADMISSION_POLL_S = 0.005
-SWITCH_INTERVAL_S = 0.0005
 
 
 class SchedulerService(Maintenance):
@@ -82,13 +65,13 @@ class SchedulerService(Maintenance):
         # req_id -> request the engine finished whose terminal write has not landed yet: its
         # entry is still ours (renewed, never admitted again) until the writer says it landed.
         self._finishing: dict[str, InFlight] = {}
-        self.writer = ResultWriter(self.results, settings.scheduler_id, updates_for)
+        # Builds and writes each step's records and events in a process of its own.
+        self.writer = ResultPublisher(redis_url, self.keys, settings.scheduler_id, settings.result_ttl_s,
+                                      engine.tokenizer)
         self.renewer = ClaimRenewer(self.client, settings.scheduler_id, settings.heartbeat_s,
                                     settings.max_tick_s)
-        # Text is made on the writer thread, except where stop strings need it in the engine.
+        # Text is made by the publisher, except where stop strings need it in the engine.
         engine.scheduler.text_for_stop_strings_only = True
-        # The writer works while the engine thread waits for the GPU, not while it schedules.
-        self._gates_writer = engine.set_gpu_wait_gate(self.writer.gate)
         self._pending: list[ResultUpdate] = []  # this tick's updates, handed to the writer at its end
         self._cancel_ids: set[str] = set()  # from the tf:cancel listener thread
         self._cancel_lock = threading.Lock()
@@ -112,9 +95,6 @@ class SchedulerService(Maintenance):
     # -- the loop -----------------------------------------------------------------------
 
     def run(self, stop: threading.Event) -> None:
-        # The writer thread holds the GIL while it packs a step; the engine thread, back from a
-        # GPU wait, would otherwise wait up to the default 5 ms switch interval to get it back.
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
         listener = threading.Thread(target=self._listen_for_cancels, args=(stop,), daemon=True)
         listener.start()
         renewer = threading.Thread(target=self.renewer.run, args=(stop,), name="claim-renewer", daemon=True)
@@ -140,13 +120,13 @@ class SchedulerService(Maintenance):
                 self.log.warning("consumer_group_missing", error=str(exc))
                 self._groups_ready = False
         self._flush()
-        self.writer.gate.set()
         self.writer.close()
         stop.set()  # (the listener's and renewer's signal, also when the loop ended by draining)
         listener.join(timeout=5)
         renewer.join(timeout=5)
 
     def tick(self) -> None:
+        self.writer.poll()
         if self.writer.error is not None:
             raise self.writer.error  # Redis is away: pause (the writer retries what it holds)
         if not self._groups_ready:
@@ -157,17 +137,13 @@ class SchedulerService(Maintenance):
             self._next_maintenance = time.monotonic() + self.settings.heartbeat_s
         self.telemetry.tick()
         self._apply_cancellations()
-        if self._gates_writer:
-            self.writer.gate.clear()
         if not self.is_draining:
             self._admit(block=not self.engine.has_unfinished_requests())
         if self.engine.has_unfinished_requests():
             self.renewer.update(self._owned_entries())  # (what it renews while this step runs)
             self._hand_over_step(self.engine.step())
-        else:
-            self.writer.gate.set()  # idle: nothing here needs the GIL
-            if self.is_draining:
-                time.sleep(0.01)  # waiting for the writer's last writes, not reading the streams
+        elif self.is_draining:
+            time.sleep(0.01)  # waiting for the publisher's last writes, not reading the streams
         self._flush()
 
     @property
@@ -187,11 +163,11 @@ class SchedulerService(Maintenance):
         self._groups_ready = True
 
     def _hand_over_step(self, outputs: list[RequestOutput]) -> None:
-        """Give the writer what the step produced; it builds the events and records while the
-        next step runs. Each output travels with its flight as it is now: a request that ends
-        here leaves `inflight` at once, so admission sees its slot free."""
+        """Give the publisher what the step produced (of the requests this scheduler owns); it
+        builds the events and records while the next step runs. A request that ends here leaves
+        `inflight` at once, so admission sees its slot free."""
         now = time.time()
-        step = [(flight, out) for out in outputs if (flight := self.inflight.get(out.req_id)) is not None]
+        step = [out for out in outputs if out.req_id in self.inflight]
         for out in outputs:
             if out.finished and (flight := self.inflight.pop(out.req_id, None)) is not None:
                 self._finishing[out.req_id] = flight
@@ -199,7 +175,7 @@ class SchedulerService(Maintenance):
         self.writer.submit_step(step, now)
 
     def _flush(self) -> None:
-        """Hand this tick's updates to the writer thread (in order after everything before)."""
+        """Hand this tick's updates to the publisher (in order after everything before)."""
         updates, self._pending = self._pending, []
         self.writer.submit(updates)
 
@@ -207,7 +183,6 @@ class SchedulerService(Maintenance):
         """Everything so far written to Redis (for callers that read it back at once); raises
         the writer's error while Redis is away."""
         self._flush()
-        self.writer.gate.set()  # this thread waits for the writer now
         while not self.writer.drain(0.5):
             if self.writer.error is not None:
                 raise self.writer.error
@@ -270,7 +245,6 @@ class SchedulerService(Maintenance):
         if not entries and not block:
             self._next_admission_poll = time.monotonic() + ADMISSION_POLL_S
         if not entries and block:
-            self.writer.gate.set()  # this thread only waits on Redis now
             entries = self._read(self.streams, max(1, batch_room), self.settings.idle_block_ms)
         self._admit_entries([(stream, entry_id, fields, 1) for stream, entry_id, fields in entries])
 
@@ -338,18 +312,17 @@ class SchedulerService(Maintenance):
 
     def _start(self, stream: str, entry_id: str, num_deliveries: int, payload: bytes,
                message: RequestMessage, progress: StoredProgress, is_cancelled: bool) -> None:
-        flight = InFlight(message.req_id, stream, entry_id, len(message.prompt_token_ids),
-                          seq=progress.seq, token_ids=list(progress.token_ids), text=progress.text,
-                          offsets=list(progress.offsets), deadline=message.deadline,
+        flight = InFlight(message.req_id, stream, entry_id, deadline=message.deadline,
                           batch_job_id=message.batch_job_id)
+        delivery = _delivery(flight, progress, len(message.prompt_token_ids))
         if progress.state in TERMINAL_STATES:
             self._pending.append(ResultUpdate(message.req_id, stream, {}, ack_entry_id=entry_id))
             return  # (no notice: the write that made it terminal sent one)
         if is_cancelled:
-            self._finish_unrun(flight, "cancelled", "cancelled", "cancelled before it started")
+            self._finish_unrun(flight, "cancelled", "cancelled", "cancelled before it started", delivery)
             return
         if message.deadline is not None and time.time() > message.deadline and not progress.token_ids:
-            self._finish_unrun(flight, "expired", "expired", EXPIRED_MESSAGE)
+            self._finish_unrun(flight, "expired", "expired", EXPIRED_MESSAGE, delivery)
             return
         if num_deliveries > self.settings.max_deliveries:
             self._dead_letter(stream, entry_id, f"delivered {num_deliveries} times", num_deliveries,
@@ -357,7 +330,7 @@ class SchedulerService(Maintenance):
             return
         try:
             sampling = message.sampling_params()
-            flight.wants_logprobs = sampling.logprobs is not None
+            delivery.wants_logprobs = sampling.logprobs is not None
             # Batch items rank below every interactive request: an interactive arrival preempts
             # batch work when slots or blocks are short.
             priority = message.priority + (BATCH_PRIORITY if flight.is_batch else 0)
@@ -374,25 +347,25 @@ class SchedulerService(Maintenance):
             return
         if self.engine.tokenizer is not None and not sampling.stop:
             # Decoding continues after what an earlier owner already delivered, as in the engine.
-            flight.detokenizer = IncrementalDetokenizer(
-                self.engine.tokenizer, [*message.prompt_token_ids, *progress.token_ids])
+            context = message.prompt_token_ids[-DETOKENIZER_CONTEXT:]
+            delivery.detokenize_after = [*context, *progress.token_ids]
         self.inflight[message.req_id] = flight
-        self._pending.append(ResultUpdate(message.req_id, stream, running_fields(
-            model=self.settings.model_name, prompt_tokens=flight.num_prompt_tokens,
+        self._flush()  # (what was queued before goes first)
+        self.writer.start(delivery, ResultUpdate(message.req_id, stream, running_fields(
+            model=self.settings.model_name, prompt_tokens=delivery.num_prompt_tokens,
             scheduler=self.settings.scheduler_id, resumed_from_seq=progress.seq)))
         if progress.seq:
             self.log.info("request_resumed", req_id=message.req_id, from_seq=progress.seq,
                           previous_owner=progress.owner)
 
-    def _finish_unrun(self, flight: InFlight, state: str, code: str, message: str) -> None:
-        flight.seq += 1
-        flight.offsets.append([len(flight.token_ids), len(flight.text)])
-        event = ErrorEvent(flight.req_id, flight.seq, code, message).encode()
-        fields = terminal_fields(state, error_code=code, error_message=message, seq=flight.seq)
-        appends = step_appends(pack_list_chunk([flight.offsets[-1]]))
-        self._pending.append(ResultUpdate(flight.req_id, flight.stream, fields, event=event,
-                                          ack_entry_id=flight.entry_id, batch_job_id=flight.batch_job_id,
-                                          appends=appends))
+    def _finish_unrun(self, flight: InFlight, state: str, code: str, message: str,
+                      delivery: Delivery | None = None) -> None:
+        """End a request that made no token here: an ErrorEvent and a terminal record, built by
+        the publisher, which holds its delivery (given here for one that never started)."""
+        self._flush()
+        if delivery is not None:
+            self.writer.start(delivery, None)
+        self.writer.finish_unrun(flight.req_id, state, code, message)
 
     def _dead_letter(self, stream: str, entry_id: str, reason: str, num_deliveries: int,
                      payload: bytes | None, req_id: str | None = None, batch_job_id: str | None = None,
@@ -404,11 +377,9 @@ class SchedulerService(Maintenance):
         self.client.xadd(self.keys.dead, {"m": letter.encode()})
         if req_id is not None:
             progress = self.results.claim(req_id)
-            flight = InFlight(req_id, stream, entry_id, 0, seq=progress.seq,
-                              token_ids=list(progress.token_ids), text=progress.text,
-                              offsets=list(progress.offsets), batch_job_id=batch_job_id)
+            flight = InFlight(req_id, stream, entry_id, batch_job_id=batch_job_id)
             self._finish_unrun(flight, RequestState.FAILED.value, code.value,
-                               reason if message is None else message)
+                               reason if message is None else message, _delivery(flight, progress, 0))
         else:
             pipe = self.client.pipeline()
             pipe.xack(stream, CONSUMER_GROUP, entry_id)
@@ -418,3 +389,10 @@ class SchedulerService(Maintenance):
 def _entries(response) -> list[tuple[str, str, dict]]:
     """(stream, entry id, fields) of an XREADGROUP reply."""
     return [(s.decode(), eid.decode(), fields) for s, items in response or [] for eid, fields in items]
+
+
+def _delivery(flight: InFlight, progress: StoredProgress, num_prompt_tokens: int) -> Delivery:
+    """What the client of a request just claimed was sent before (by an earlier owner)."""
+    return Delivery(flight.req_id, flight.stream, flight.entry_id, num_prompt_tokens, seq=progress.seq,
+                    token_ids=list(progress.token_ids), text=progress.text, offsets=list(progress.offsets),
+                    batch_job_id=flight.batch_job_id)

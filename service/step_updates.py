@@ -1,89 +1,96 @@
 """What one engine step writes: each moved request's tf:res fields and appends, and its event.
 
-Runs on the result writer's thread (service/result_writer.py), which alone changes a flight's
-delivery state: seq, tokens, text, offsets, logprobs.
+Runs in the result publisher's process (service/publisher_process.py), which alone changes a
+delivery's state: seq, tokens, text, offsets, logprobs.
 """
 
 from __future__ import annotations
 
-from protocol.messages import TokenEvent, pack_list_chunk
+from protocol.messages import ErrorEvent, TokenEvent, pack_list_chunk
 from protocol.result_record import progress_fields, step_appends, step_fields, terminal_fields
+from protocol.usage import Usage
 from scheduler.detokenizer import IncrementalDetokenizer
-from scheduler.engine import Usage
 from scheduler.request import FinishReason
-from scheduler.scheduler import RequestOutput
-from service.inflight import InFlight
+from service.delivery import Delivery, StepOutput
 from service.result_store import ResultUpdate
 
 
-def updates_for(step: list[tuple[InFlight, RequestOutput]], now: float) -> list[ResultUpdate]:
-    """The records and events of one step (runs on the writer thread, which alone changes a
-    flight's delivery state: seq, tokens, text, offsets, logprobs)."""
-    updates = []
-    for flight, out in step:
-        if flight.detokenizer is not None:
-            out.text_delta = _text_of(flight.detokenizer, out)
-        if not (out.new_token_ids or out.text_delta or out.finished):
-            continue
-        flight.seq += 1
-        flight.token_ids += out.new_token_ids
-        flight.text += out.text_delta
-        flight.offsets.append([len(flight.token_ids), len(flight.text)])
-        is_first_token = bool(out.new_token_ids) and flight.first_token_at is None
-        if is_first_token:
-            flight.first_token_at = now
-        logprobs = None
-        if flight.wants_logprobs and out.logprobs:
-            logprobs = [[lp.token_id, lp.logprob, lp.top_logprobs] for lp in out.logprobs]
-            flight.logprobs += logprobs
-        if flight.is_batch and not out.finished:
-            continue  # nobody streams a batch item: its record is written once, at the end
-        if flight.is_batch:
-            fields, appends, event = _progress_fields(flight), {}, None
-        else:
-            fields, appends = _step_fields(flight, out.new_token_ids, out.text_delta, logprobs,
-                                                is_first_token)
-            event = TokenEvent(out.req_id, flight.seq, out.new_token_ids, out.text_delta, logprobs)
-        ack = None
-        if out.finished:
-            usage = Usage(flight.num_prompt_tokens, len(flight.token_ids),
-                          out.num_cached_tokens).to_dict()
-            if event is not None:
-                event.finish_reason = out.finish_reason.value
-                event.usage = usage
-            state = "cancelled" if out.finish_reason is FinishReason.ABORT else "completed"
-            fields.update(terminal_fields(state, finish_reason=out.finish_reason.value, usage=usage,
-                                          stop_reason=out.stop_reason))
-            ack = flight.entry_id
-        updates.append(ResultUpdate(out.req_id, flight.stream, fields,
-                                    None if event is None else event.encode(), ack,
-                                    batch_job_id=flight.batch_job_id, appends=appends))
-    return updates
+def step_update(delivery: Delivery, out: StepOutput, now: float) -> ResultUpdate | None:
+    """The record change and event of one step's output for one request (None: nothing to say)."""
+    text_delta = out.text_delta
+    if delivery.detokenizer is not None:
+        text_delta = _text_of(delivery.detokenizer, out)
+    if not (out.new_token_ids or text_delta or out.finished):
+        return None
+    delivery.seq += 1
+    delivery.token_ids += out.new_token_ids
+    delivery.text += text_delta
+    delivery.offsets.append([len(delivery.token_ids), len(delivery.text)])
+    is_first_token = bool(out.new_token_ids) and delivery.first_token_at is None
+    if is_first_token:
+        delivery.first_token_at = now
+    logprobs = out.logprobs if delivery.wants_logprobs and out.logprobs else None
+    if logprobs:
+        delivery.logprobs += logprobs
+    if delivery.is_batch and not out.finished:
+        return None  # nobody streams a batch item: its record is written once, at the end
+    if delivery.is_batch:
+        fields, appends, event = _progress_fields(delivery), {}, None
+    else:
+        fields, appends = _step_fields(delivery, out.new_token_ids, text_delta, logprobs, is_first_token)
+        event = TokenEvent(out.req_id, delivery.seq, out.new_token_ids, text_delta, logprobs)
+    ack = None
+    if out.finished:
+        usage = Usage(delivery.num_prompt_tokens, len(delivery.token_ids), out.num_cached_tokens).to_dict()
+        if event is not None:
+            event.finish_reason = out.finish_reason
+            event.usage = usage
+        state = "cancelled" if out.finish_reason == FinishReason.ABORT.value else "completed"
+        fields.update(terminal_fields(state, finish_reason=out.finish_reason, usage=usage,
+                                      stop_reason=out.stop_reason))
+        ack = delivery.entry_id
+    return ResultUpdate(out.req_id, delivery.stream, fields, None if event is None else event.encode(), ack,
+                        batch_job_id=delivery.batch_job_id, appends=appends)
 
-def _text_of(detokenizer: IncrementalDetokenizer, out: RequestOutput) -> str:
+
+def unrun_update(delivery: Delivery, state: str, code: str, message: str) -> ResultUpdate:
+    """The end of a request that made no token here (cancelled or expired before it ran, or
+    refused): an ErrorEvent, the record terminal, the entry acknowledged."""
+    delivery.seq += 1
+    delivery.offsets.append([len(delivery.token_ids), len(delivery.text)])
+    event = ErrorEvent(delivery.req_id, delivery.seq, code, message).encode()
+    fields = terminal_fields(state, error_code=code, error_message=message, seq=delivery.seq)
+    appends = step_appends(pack_list_chunk([delivery.offsets[-1]]))
+    return ResultUpdate(delivery.req_id, delivery.stream, fields, event=event, ack_entry_id=delivery.entry_id,
+                        batch_job_id=delivery.batch_job_id, appends=appends)
+
+
+def _text_of(detokenizer: IncrementalDetokenizer, out: StepOutput) -> str:
     """The text a step's tokens add, as the engine would have made it: the EOS or stop token
     that ended a request adds none, and an aborted request's held-back text stays held."""
     token_ids = out.new_token_ids
-    if out.finish_reason is FinishReason.STOP:  # (stop strings never come here)
+    if out.finish_reason == FinishReason.STOP.value:  # (stop strings never come here)
         token_ids = token_ids[:-1]
     text = "".join(detokenizer.add_token(token_id) for token_id in token_ids)
-    if out.finished and out.finish_reason is not FinishReason.ABORT:
+    if out.finished and out.finish_reason != FinishReason.ABORT.value:
         text += detokenizer.finish()
     return text
 
-def _step_fields(flight: InFlight, new_token_ids: list[int], text_delta: str, logprobs: list | None,
+
+def _step_fields(delivery: Delivery, new_token_ids: list[int], text_delta: str, logprobs: list | None,
                  is_first_token: bool) -> tuple[dict[str, object], dict[str, str | bytes]]:
     """What one step adds to tf:res: the new tokens, text and offsets appended (only they are
     packed and sent, not everything so far), the seq set."""
-    fields = step_fields(flight.seq, first_token_at=flight.first_token_at if is_first_token else None)
-    appends = step_appends(pack_list_chunk([flight.offsets[-1]]),
+    fields = step_fields(delivery.seq, first_token_at=delivery.first_token_at if is_first_token else None)
+    appends = step_appends(pack_list_chunk([delivery.offsets[-1]]),
                            token_ids_chunk=pack_list_chunk(new_token_ids) if new_token_ids else None,
                            text=text_delta,
                            logprobs_chunk=pack_list_chunk(logprobs) if logprobs else None)
     return fields, appends
 
-def _progress_fields(flight: InFlight) -> dict[str, object]:
+
+def _progress_fields(delivery: Delivery) -> dict[str, object]:
     """Everything delivered so far, as tf:res fields (a successor resumes from them)."""
-    return progress_fields(flight.seq, flight.text, pack_list_chunk(flight.token_ids),
-                           pack_list_chunk(flight.offsets), first_token_at=flight.first_token_at,
-                           logprobs_chunk=pack_list_chunk(flight.logprobs) if flight.logprobs else None)
+    return progress_fields(delivery.seq, delivery.text, pack_list_chunk(delivery.token_ids),
+                           pack_list_chunk(delivery.offsets), first_token_at=delivery.first_token_at,
+                           logprobs_chunk=pack_list_chunk(delivery.logprobs) if delivery.logprobs else None)

@@ -1,0 +1,132 @@
+"""The result publisher: a process of its own that turns each step's outputs into records and
+events and writes them in order, through Redis outages, and says which requests a successor
+took. Against a real Redis server, with the real tokenizer of a tiny model."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import redis
+
+from protocol.keys import Keys
+from protocol.messages import decode_event, unpack_list_chunks
+from scheduler.request import FinishReason
+from scheduler.scheduler import RequestOutput
+from service.delivery import Delivery
+from service.result_publisher import PublisherDied, ResultPublisher
+from service.result_store import ResultUpdate
+from shared.tokenizer import load_tokenizer
+
+STREAM = "tf:req:m:interactive"
+
+
+def _publisher(redis_server, tokenizer=None, owner: str = "s1") -> ResultPublisher:
+    redis_server.client().xgroup_create(STREAM, "schedulers", id="0", mkstream=True)
+    return ResultPublisher(redis_server.url, Keys(), owner, 60, tokenizer)
+
+
+def _out(req_id: str, *token_ids: int, finished: bool = False) -> RequestOutput:
+    return RequestOutput(req_id, list(token_ids), "", finished,
+                         FinishReason.LENGTH if finished else None)
+
+
+def test_steps_are_written_in_order_with_gap_free_seqs(redis_server) -> None:
+    client = redis_server.client()
+    publisher = _publisher(redis_server)
+    publisher.start(Delivery("r1", STREAM, "1-0", 3), None)
+    pubsub = client.pubsub()
+    pubsub.subscribe("tf:ev:r1")
+    for token in range(1, 201):
+        publisher.submit_step([_out("r1", token, finished=token == 200)], now=0.0)
+    assert publisher.drain(timeout_s=30)
+    record = client.hgetall("tf:res:r1")
+    assert unpack_list_chunks(record[b"token_ids"]) == list(range(1, 201))
+    assert record[b"seq"] == b"200" and record[b"state"] == b"completed"
+    assert publisher.take_ended() == ["r1"]
+    events = []
+    while (message := pubsub.get_message(timeout=1.0)) is not None or len(events) < 200:
+        if message is not None and message["type"] == "message":
+            events.append(decode_event(message["data"]))
+    assert [e.seq for e in events] == list(range(1, 201))
+    assert events[-1].finish_reason == "length" and events[-1].usage["completion_tokens"] == 200
+    publisher.close()
+
+
+def test_text_is_made_in_the_publishers_process_from_where_an_earlier_owner_stopped(
+        redis_server, tiny_chat) -> None:
+    tokenizer = load_tokenizer(tiny_chat)
+    client = redis_server.client()
+    words = tokenizer(" the quick brown fox jumps", add_special_tokens=False).input_ids
+    prompt = tokenizer("Say:", add_special_tokens=False).input_ids
+    publisher = _publisher(redis_server, tokenizer)
+    # Resumed after the first two tokens, whose text an earlier owner sent.
+    sent = tokenizer.decode(words[:2])
+    publisher.start(Delivery("r1", STREAM, "1-0", len(prompt), seq=1, token_ids=words[:2], text=sent,
+                             offsets=[[2, len(sent)]], detokenize_after=[*prompt, *words[:2]]), None)
+    for token in words[2:]:
+        publisher.submit_step([_out("r1", token)], now=0.0)
+    assert publisher.drain(timeout_s=30)
+    assert client.hget("tf:res:r1", "text").decode() == tokenizer.decode(words[2:])
+    assert publisher._process.pid != os.getpid()
+    publisher.close()
+
+
+def test_a_write_during_a_redis_outage_lands_once_when_redis_is_back(redis_server) -> None:
+    client = redis_server.client()
+    publisher = _publisher(redis_server)
+    publisher.start(Delivery("r1", STREAM, "1-0", 3), None)
+    publisher.submit_step([_out("r1", 11)], now=0.0)
+    assert publisher.drain(timeout_s=30)
+    redis_server.stop()
+    publisher.submit_step([_out("r1", 12)], now=0.0)
+    publisher.submit([ResultUpdate("r1", STREAM, {"model": "m"})])
+    assert not publisher.drain(timeout_s=1.5)  # held, not dropped
+    assert isinstance(publisher.error, redis.ConnectionError)
+    redis_server.start()  # same port, its append-only file kept the first write
+    assert publisher.drain(timeout_s=30)
+    assert publisher.error is None
+    assert unpack_list_chunks(client.hget("tf:res:r1", "token_ids")) == [11, 12]
+    assert client.hget("tf:res:r1", "model") == b"m"
+    publisher.close()
+
+
+def test_requests_a_successor_owns_are_reported_and_not_written(redis_server) -> None:
+    client = redis_server.client()
+    publisher = _publisher(redis_server)
+    client.hset("tf:res:taken", mapping={"owner": "s2", "seq": 4})
+    client.hset("tf:res:mine", mapping={"owner": "s1"})
+    publisher.start(Delivery("mine", STREAM, "1-0", 3), None)
+    publisher.start(Delivery("taken", STREAM, "2-0", 3, seq=4), None)
+    publisher.submit_step([_out("mine", 1), _out("taken", 5)], now=0.0)
+    assert publisher.drain(timeout_s=30)
+    assert publisher.take_lost() == ["taken"]
+    assert publisher.take_lost() == []  # each reported once
+    assert client.hget("tf:res:taken", "seq") == b"4" and not client.hexists("tf:res:taken", "token_ids")
+    assert client.hget("tf:res:mine", "seq") == b"1"
+    publisher.close()
+
+
+def test_a_request_that_never_ran_ends_with_an_error_event_after_its_earlier_seqs(redis_server) -> None:
+    client = redis_server.client()
+    publisher = _publisher(redis_server)
+    publisher.start(Delivery("r1", STREAM, "1-0", 3, seq=2, token_ids=[7, 8], text="ab",
+                             offsets=[[1, 1], [2, 2]]), None)
+    publisher.finish_unrun("r1", "expired", "expired", "it waited past its deadline")
+    assert publisher.drain(timeout_s=30)
+    record = client.hgetall("tf:res:r1")
+    assert record[b"state"] == b"expired" and record[b"seq"] == b"3"
+    assert publisher.take_ended() == ["r1"]
+    publisher.close()
+
+
+def test_a_dead_publisher_stops_the_scheduler_instead_of_losing_its_writes_silently(redis_server) -> None:
+    publisher = _publisher(redis_server)
+    os.kill(publisher._process.pid, signal.SIGKILL)
+    publisher._process.join(timeout=10)
+    with pytest.raises(PublisherDied):
+        for _ in range(100):  # (the pipe may take a few sends to notice)
+            publisher.start(Delivery("r1", STREAM, "1-0", 3), None)
+            publisher.take_ended()
+    publisher.close()
