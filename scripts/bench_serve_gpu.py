@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -39,10 +40,13 @@ from pathlib import Path
 
 import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import psutil
+import redis
 import torch
 from bench_fleet_gpu import prepare_model
 
 from gateway.models import ServedModel
+from protocol.keys import Keys
+from protocol.result_record import F
 from shared.net import free_port
 from testkit.arrivals import Chats, ServingRow, run_chats
 from testkit.processes import Children, wait_ready
@@ -81,7 +85,8 @@ def fleet_rows(args: argparse.Namespace, folder: Path, rates: list[float], out: 
         for rate in rates:
             spy = start_py_spy(args, rate, out)
             results, wall, model = asyncio.run(fleet_bench.run(bench_args(args, url, rate)))
-            summaries[rate] = {"results": results, "wall": wall}
+            summaries[rate] = {"results": results, "wall": wall,
+                               "ttft_parts": ttft_parts(redis_url_of(out / "up.log"), results)}
             if spy is not None:
                 spy.wait(timeout=args.seconds + 60)
             ok = [r for r in results if r.ok]
@@ -91,6 +96,39 @@ def fleet_rows(args: argparse.Namespace, folder: Path, rates: list[float], out: 
         children.stop()
         shutil.rmtree(home, ignore_errors=True)
     return summaries
+
+
+def redis_url_of(up_log: Path) -> str:
+    """The fleet's Redis, as `up` announced it."""
+    found = re.search(r"Redis (redis://\S+?)\)", up_log.read_text())
+    if found is None:
+        raise RuntimeError(f"no Redis URL in {up_log}")
+    return found.group(1)
+
+
+TTFT_PARTS = ("gateway", "queue", "engine", "delivery")
+
+
+def ttft_parts(redis_url: str, results: list) -> dict[str, list[float]]:
+    """Each streamed request's TTFT cut at its record's timestamps (seconds): the gateway (POST
+    to queued_at), the queue (to started_at: a scheduler claimed it), the engine (to
+    first_token_at: the step that made it was handed to the publisher), and the delivery
+    (publisher, Redis, gateway, SSE: to the client's first content chunk)."""
+    ok = [r for r in results if r.ok and r.req_id]
+    client = redis.Redis.from_url(redis_url)
+    pipe = client.pipeline(transaction=False)
+    for r in ok:
+        pipe.hmget(Keys().result(r.req_id), [F.QUEUED_AT, F.STARTED_AT, F.FIRST_TOKEN_AT])
+    parts: dict[str, list[float]] = {name: [] for name in TTFT_PARTS}
+    for r, row in zip(ok, pipe.execute(), strict=True):
+        if None in row:
+            continue
+        queued, started, first = (float(v) for v in row)
+        for name, value in zip(TTFT_PARTS, (queued - r.started_wall, started - queued, first - started,
+                                            r.first_token_wall - first), strict=True):
+            parts[name].append(value)
+    client.close()
+    return parts
 
 
 def start_py_spy(args: argparse.Namespace, rate: float, out: Path) -> subprocess.Popen | None:
@@ -203,6 +241,14 @@ def main(argv: list[str] | None = None) -> None:
               f"| {1e3 * percentile(ttft, 50):.0f} / {1e3 * e.ttft_p50:.0f} ms "
               f"| {1e3 * percentile(ttft, 99):.0f} / {1e3 * e.ttft_p99:.0f} ms "
               f"| {1e3 * percentile(itl, 99):.0f} / {1e3 * e.itl_p99:.0f} ms | {len(results) - len(ok)} |")
+    print("\nThe fleet's TTFT in parts, p50 / p99 ms (from each request's tf:res timestamps):\n")
+    print("| req/s | " + " | ".join(TTFT_PARTS) + " |")
+    print("| ---: |" + " --- |" * len(TTFT_PARTS))
+    for rate in rates:
+        parts = fleet[rate]["ttft_parts"]
+        print(f"| {rate:g} | " + " | ".join(
+            f"{1e3 * percentile(parts[name], 50):.1f} / {1e3 * percentile(parts[name], 99):.1f}"
+            if parts[name] else "-" for name in TTFT_PARTS) + " |")
     sys.stdout.flush()
 
 

@@ -43,6 +43,9 @@ class Result:
     finished: float | None = None
     output_tokens: int = 0
     gaps: list[float] = field(default_factory=list)  # seconds between consecutive tokens
+    req_id: str | None = None  # the fleet's id (its tokenfleet-request-id header)
+    started_wall: float = 0.0  # time.time() of started and first_token, to set beside the
+    first_token_wall: float | None = None  # record's timestamps (scripts/bench_serve_gpu.py)
 
     @property
     def tpot(self) -> float | None:
@@ -132,12 +135,14 @@ def plan_requests(args, model: str) -> list[Planned]:
 
 async def one_request(session: aiohttp.ClientSession, url: str, body: dict, result: Result) -> None:
     result.started = time.perf_counter()
+    result.started_wall = time.time()
     last = None
     try:
         async with session.post(url, json=body) as response:
             if response.status != 200:
                 result.error = f"HTTP {response.status}: {(await response.text())[:300]}"
                 return
+            result.req_id = response.headers.get("tokenfleet-request-id")
             async for raw in response.content:
                 line = raw.decode(errors="replace").strip()
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -157,6 +162,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict, resu
                 now = time.perf_counter()
                 if result.first_token is None:
                     result.first_token = now
+                    result.first_token_wall = time.time()
                 elif last is not None:
                     result.gaps.append(now - last)
                 last = now
