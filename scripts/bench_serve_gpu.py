@@ -18,7 +18,7 @@ scripts/bench_fleet_gpu.py builds it). Workload, at each --rates for --seconds o
     planned chat rendered by the gateway's own chat-template code, and added when its arrival
     time comes; TTFT from that scheduled time, ITL between the steps that gave it tokens.
 
---py-spy DIR records the scheduler process and its publisher (all threads, raw stacks) for
+--py-spy DIR records the scheduler (and its publisher) and the gateway (and its workers) for
 --seconds during the --py-spy-rate run (`python -m testkit.spy_summary` sums it up).
 --engine-ab runs no fleet: the engine twice, with mixed-step CUDA graphs and
 with every mixed step eager (cuda_graph_max_tokens 0), reporting the host time of a mixed
@@ -83,11 +83,11 @@ def fleet_rows(args: argparse.Namespace, folder: Path, rates: list[float], out: 
         warm.duration = 2.0
         asyncio.run(fleet_bench.run(warm))
         for rate in rates:
-            spy = start_py_spy(args, rate, out)
+            spies = start_py_spy(args, rate, out)
             results, wall, model = asyncio.run(fleet_bench.run(bench_args(args, url, rate)))
             summaries[rate] = {"results": results, "wall": wall,
                                "ttft_parts": ttft_parts(redis_url_of(out / "up.log"), results)}
-            if spy is not None:
+            for spy in spies:
                 spy.wait(timeout=args.seconds + 60)
             ok = [r for r in results if r.ok]
             log(f"fleet {rate:g} req/s: {len(ok)}/{len(results)} ok, "
@@ -131,21 +131,24 @@ def ttft_parts(redis_url: str, results: list) -> dict[str, list[float]]:
     return parts
 
 
-def start_py_spy(args: argparse.Namespace, rate: float, out: Path) -> subprocess.Popen | None:
+def start_py_spy(args: argparse.Namespace, rate: float, out: Path) -> list[subprocess.Popen]:
+    """py-spy on the scheduler (with its publisher) and on the gateway (with its workers)."""
     if args.py_spy is None or rate != args.py_spy_rate or shutil.which("py-spy") is None:
-        return None
-    def is_scheduler(cmdline: list[str] | None) -> bool:
-        return "scheduler" in (cmdline or []) and "tokenfleet.cli" in (cmdline or [])
-
-    scheduler = next((p for p in psutil.process_iter(["cmdline"]) if is_scheduler(p.info["cmdline"])), None)
-    if scheduler is None:
-        log("no scheduler process found: no profile")
-        return None
+        return []
     args.py_spy.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen(["py-spy", "record", "-p", str(scheduler.pid), "-d", str(int(args.seconds)),
-                             "-r", "200", "--nonblocking", "--subprocesses", "--threads", "-f", "raw",
-                             "-o", str(args.py_spy / f"serve{rate:g}_scheduler.txt")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    spies = []
+    for role in ("scheduler", "gateway"):
+        process = next((p for p in psutil.process_iter(["cmdline"])
+                        if {role, "tokenfleet.cli"} <= set(p.info["cmdline"] or [])), None)
+        if process is None:
+            log(f"no {role} process found: no profile of it")
+            continue
+        spies.append(subprocess.Popen(
+            ["py-spy", "record", "-p", str(process.pid), "-d", str(int(args.seconds)), "-r", "200",
+             "--nonblocking", "--subprocesses", "--threads", "-f", "raw",
+             "-o", str(args.py_spy / f"serve{rate:g}_{role}.txt")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+    return spies
 
 
 def engine_rows(args: argparse.Namespace, folder: Path, rates: list[float], *,
