@@ -62,6 +62,7 @@ def bench_args(args: argparse.Namespace, url: str, rate: float) -> argparse.Name
     """`tokenfleet bench`'s flags for one rate (the engine's plan is drawn from the same)."""
     return argparse.Namespace(
         url=url, model=MODEL_NAME, num_requests=1, duration=args.seconds, rate=rate, concurrency=100_000,
+        client_processes=args.client_processes,
         prefix_tokens=args.prefix_tokens, prompt_words="40-300", max_tokens="16-512:lognormal:150",
         temperature=0.0, completions=False, api_key=None, seed=0, timeout_s=300.0,
         slo_ttft_ms=None, slo_itl_ms=None)
@@ -200,6 +201,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefix-tokens", type=int, default=800)
     parser.add_argument("--py-spy", type=Path, help="folder for the scheduler's py-spy profile")
     parser.add_argument("--py-spy-rate", type=float, default=48.0)
+    parser.add_argument("--client-processes", type=int, default=4,
+                        help="client processes the streams are dealt over (one adds its own queueing)")
     parser.add_argument("--logs", type=Path, help="folder for the fleet's logs (default: a temp folder)")
     parser.add_argument("--engine-ab", action="store_true",
                         help="no fleet: the engine with mixed-step graphs against every mixed step eager")

@@ -8,6 +8,9 @@ turn of `--prompt-words` words; each asks for `--max-tokens` output tokens (`ign
 lengths take a fixed number, a uniform range `A-B`, or `A-B:lognormal:MEAN` (lognormal of that
 mean, sigma 0.8, clipped to A..B).
 
+With `--client-processes N` the requests are dealt over N client processes, so that one
+process parsing every chunk of every stream does not add its own queueing to the latencies.
+
 From the chunks' arrival times it reports, per request: time to first token (TTFT), inter-token
 latency (ITL: the gap before each later content chunk; the gateway sends one chunk per scheduler
 step, which is one token in a plain decode, and the OpenAI chunk does not say how many tokens it
@@ -20,8 +23,10 @@ whose TTFT and whose mean inter-token gap (TPOT) met them.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import math
+import multiprocessing
 import random
 import time
 from dataclasses import dataclass, field
@@ -185,23 +190,82 @@ async def discover_model(session: aiohttp.ClientSession, base_url: str) -> str:
 
 
 async def run(args) -> tuple[list[Result], float, str]:
+    """Every planned request, from this process or from `--client-processes` of them."""
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with aiohttp.ClientSession(headers=headers) as session:
+        model = args.model or await discover_model(session, args.url)
+    planned = plan_requests(args, model)
+    num_processes = max(1, min(getattr(args, "client_processes", 1), len(planned)))
+    if num_processes == 1:
+        start = time.perf_counter()
+        results = await _drive(args, planned, list(range(len(planned))), start)
+        return results, time.perf_counter() - start, model
+    results, wall = await asyncio.to_thread(_drive_in_processes, args, planned, num_processes)
+    return results, wall, model
+
+
+async def _drive(args, planned: list[Planned], indices: list[int], start: float) -> list[Result]:
+    """Send planned[i] for each i at its arrival time after `start` (a perf_counter time)."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     timeout = aiohttp.ClientTimeout(total=None, connect=30, sock_read=args.timeout_s)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector) as session:
-        model = args.model or await discover_model(session, args.url)
-        planned = plan_requests(args, model)
         gate = asyncio.Semaphore(args.concurrency)
-        results = [Result(i) for i in range(len(planned))]
-        start = time.perf_counter()
+        results = [Result(i) for i in indices]
 
-        async def go(i: int) -> None:
-            await asyncio.sleep(max(0.0, start + planned[i].arrival - time.perf_counter()))
+        async def go(result: Result) -> None:
+            await asyncio.sleep(max(0.0, start + planned[result.index].arrival - time.perf_counter()))
             async with gate:
-                await one_request(session, args.url + planned[i].path, planned[i].body, results[i])
+                await one_request(session, args.url + planned[result.index].path, planned[result.index].body,
+                                  result)
 
-        await asyncio.gather(*(go(i) for i in range(len(planned))))
-        return results, time.perf_counter() - start, model
+        await asyncio.gather(*(go(result) for result in results))
+        return results
+
+
+def _drive_in_processes(args, planned: list[Planned], num_processes: int) -> tuple[list[Result], float]:
+    """The plan dealt round-robin over client processes, so that the load generator's own
+    parsing (one process reads every chunk of every stream) does not add to the latency it
+    measures. perf_counter is the system's monotonic clock, the same in every process: each
+    client, once ready, is told the one start time."""
+    context = multiprocessing.get_context("spawn")
+    connections, processes = [], []
+    for k in range(num_processes):
+        ours, theirs = context.Pipe()
+        indices = list(range(k, len(planned), num_processes))
+        share = copy.copy(args)
+        share.concurrency = -(-args.concurrency // num_processes)  # (the cap is for them all)
+        process = context.Process(target=_client_process, args=(share, planned, indices, theirs), daemon=True)
+        process.start()
+        theirs.close()
+        connections.append(ours)
+        processes.append(process)
+    try:
+        for conn, process in zip(connections, processes, strict=True):
+            _receive(conn, process)  # "ready"
+        start = time.perf_counter() + 0.1
+        for conn in connections:
+            conn.send(start)
+        results = [r for conn, process in zip(connections, processes, strict=True)
+                   for r in _receive(conn, process)]
+    finally:
+        for process in processes:
+            process.join(timeout=5)
+    return sorted(results, key=lambda r: r.index), time.perf_counter() - start
+
+
+def _receive(conn, process):
+    try:
+        return conn.recv()
+    except EOFError:
+        raise RuntimeError(f"client process {process.pid} died (exit code {process.exitcode})") from None
+
+
+def _client_process(args, planned: list[Planned], indices: list[int], conn) -> None:
+    conn.send("ready")
+    start = conn.recv()
+    conn.send(asyncio.run(_drive(args, planned, indices, start)))
+    conn.close()
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -192,6 +192,8 @@ def _add_bench_parser(commands) -> None:
     _flag(bench, "duration", type=float, default=0.0,
           help="with --rate: send what arrives in this many seconds instead of --num-requests")
     _flag(bench, "concurrency", type=int, default=16, help="requests in flight at most")
+    _flag(bench, "client-processes", type=int, default=1,
+          help="deal the requests over this many client processes (a loaded client adds latency)")
     _flag(bench, "rate", type=float, default=0.0, help="new requests per second, Poisson (0: no pacing)")
     _flag(bench, "prefix-tokens", type=int, default=0,
           help="a system prompt of about this many tokens, shared by every request (0: none)")

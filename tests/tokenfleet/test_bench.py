@@ -102,3 +102,15 @@ async def test_the_plan_is_the_same_for_the_same_flags_and_lengths_stay_in_their
 async def test_bench_refuses_a_bad_length_in_one_line():
     done = await bench("--url", "http://127.0.0.1:1", "--max-tokens", "10-5")
     assert done.returncode != 0 and "--max-tokens" in done.stderr and "Traceback" not in done.stderr
+
+
+async def test_bench_deals_its_requests_over_client_processes(make_client, fake_scheduler):
+    client = await make_client()
+    url = str(client.make_url("")).rstrip("/")
+    done = await bench("--url", url, "--num-requests", "9", "--client-processes", "3", "--max-tokens", "4",
+                       "--rate", "30", "--json")
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert (summary["ok"], summary["failed"], summary["output_tokens"]) == (9, 0, 9 * 4)
+    assert summary["ttft_ms"]["p50"] <= summary["e2e_ms"]["p50"]
+    assert len(fake_scheduler.seen) == 9
