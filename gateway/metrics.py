@@ -15,9 +15,24 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_PHASES = (
+    ("queue_time", "tokenfleet_gateway_queue_time_seconds", "queued until a scheduler started it",
+     _LATENCY_BUCKETS),
+    ("ttft", "tokenfleet_gateway_time_to_first_token_seconds", "request received until its first token left",
+     _LATENCY_BUCKETS),
+    ("itl", "tokenfleet_gateway_inter_token_latency_seconds", "between two token deliveries of one stream",
+     _ITL_BUCKETS),
+    ("e2e", "tokenfleet_gateway_e2e_request_latency_seconds", "request received until its last token left",
+     _LATENCY_BUCKETS),
+)
 
 
 class GatewayMetrics:
+    queue_time: Histogram
+    ttft: Histogram
+    itl: Histogram
+    e2e: Histogram
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -28,18 +43,9 @@ class GatewayMetrics:
         self.requests = Counter("tokenfleet_gateway_requests",
                                 "generation requests (choices of /v1/completions and /v1/chat/completions "
                                 "calls) by model and end state", ["model", "status"], registry=r)
-        self.queue_time = Histogram("tokenfleet_gateway_queue_time_seconds",
-                                    "queued until a scheduler started it", ["model"],
-                                    buckets=_LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("tokenfleet_gateway_time_to_first_token_seconds",
-                              "request received until its first token left", ["model"],
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("tokenfleet_gateway_inter_token_latency_seconds",
-                             "between two token deliveries of one stream", ["model"],
-                             buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("tokenfleet_gateway_e2e_request_latency_seconds",
-                             "request received until its last token left", ["model"],
-                             buckets=_LATENCY_BUCKETS, registry=r)
+        # The request's phases, by model: name, help, buckets.
+        for attr, name, doc, buckets in _PHASES:
+            setattr(self, attr, Histogram(name, doc, ["model"], buckets=buckets, registry=r))
         self.active_streams = Gauge("tokenfleet_gateway_active_streams", "SSE responses open now",
                                     registry=r, multiprocess_mode="livesum")
         self.queue_depth = Gauge("tokenfleet_gateway_queue_depth",

@@ -21,6 +21,7 @@ from tokenfleet.engine_flags import (
 )
 from tokenfleet.flags import REDIS_URL_HELP, ROUTING_MODES  # noqa: F401
 from tokenfleet.flags import flag as _flag
+from tokenfleet.flags import flag_table as _flag_table
 from tokenfleet.flags import list_flag as _list_flag
 from tokenfleet.flags import list_value as _list_value
 from tokenfleet.flags import redis_flags as _redis_flags
@@ -31,6 +32,20 @@ from tokenfleet.fleet_cli import (
     cmd_autoscale,
     cmd_up,
     fleet_options,  # noqa: F401 - the tests read up's options with it
+)
+
+# The scheduler's service settings (service/inflight.py ServiceSettings): name, type, default, help.
+SERVICE_FLAGS = (
+    ("lease-s", float, 10.0, "entries nobody renewed for this long are taken over"),
+    ("max-deliveries", int, 3, "deliveries before an entry is dead-lettered"),
+    ("result-ttl-s", int, 24 * 3600, "how long tf:res:{id} records live"),
+    ("key-prefix", str, "tf:", "prefix of every Redis key"),
+    ("heartbeat-s", float, 1.0,
+     "heartbeat (load, KV use, engine metrics to Redis) and claim renewal, this often"),
+    ("log-stats-interval-s", float, 5.0,
+     "log prompt/generation tok/s, running, waiting and KV use this often while busy (0: never)"),
+    ("steal-after-s", float, 2.0,
+     "when idle, take requests routed to a busy peer that waited unread this long"),
 )
 
 
@@ -82,17 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     _redis_flags(sched, default=DEFAULT_REDIS_URL)
     _flag(sched, "model-name", help="served model name (default: the model folder's name)")
     _flag(sched, "scheduler-id", help="unique id of this scheduler (default: hostname-pid-random)")
-    _flag(sched, "lease-s", type=float, default=10.0,
-          help="entries nobody renewed for this long are taken over")
-    _flag(sched, "max-deliveries", type=int, default=3, help="deliveries before an entry is dead-lettered")
-    _flag(sched, "result-ttl-s", type=int, default=24 * 3600, help="how long tf:res:{id} records live")
-    _flag(sched, "key-prefix", default="tf:", help="prefix of every Redis key")
-    _flag(sched, "heartbeat-s", type=float, default=1.0,
-          help="heartbeat (load, KV use, engine metrics to Redis) and claim renewal, this often")
-    _flag(sched, "log-stats-interval-s", type=float, default=5.0,
-          help="log prompt/generation tok/s, running, waiting and KV use this often while busy (0: never)")
-    _flag(sched, "steal-after-s", type=float, default=2.0,
-          help="when idle, take requests routed to a busy peer that waited unread this long")
+    _flag_table(sched, SERVICE_FLAGS)
     _add_gateway_parser(commands)
     add_up_parser(commands)
     _add_batch_parser(commands)

@@ -24,6 +24,12 @@ def flag(parser: argparse.ArgumentParser, name: str, *, type=str, default=None, 
         parser.add_argument(f"--{name}", type=type, default=default, **kwargs)
 
 
+def flag_table(parser: argparse.ArgumentParser, rows: tuple[tuple[str, type, object, str], ...]) -> None:
+    """flag() for each (name, type, default, help) row: a command's settings read as a table."""
+    for name, kind, default, text in rows:
+        flag(parser, name, type=kind, default=default, help=text)
+
+
 ROUTING_MODES = ("prefix", "none")  # the gateway's --routing (gateway/routing.py)
 REDIS_URL_HELP = ("redis://[user:password@]host:port/db, or rediss:// for TLS (TLS options in the query: "
                   "?ssl_ca_certs=ca.pem)")

@@ -17,9 +17,25 @@ from tokenfleet.engine_flags import (
 )
 from tokenfleet.flags import REDIS_URL_HELP, ROUTING_MODES
 from tokenfleet.flags import flag as _flag
+from tokenfleet.flags import flag_table as _flag_table
 from tokenfleet.flags import list_flag as _list_flag
 from tokenfleet.flags import list_value as _list_value
 from tokenfleet.flags import redis_flags as _redis_flags
+
+# The autoscaler's policy and pacing (tokenfleet/autoscale/policy.py): name, type, default, help.
+AUTOSCALE_FLAGS = (
+    ("target-queue", float, 8.0, "waiting requests per replica above which one is added"),
+    ("target-wait-s", float, 5.0, "a request waiting longer than this in the queue adds a replica"),
+    ("scale-down-load", float, 0.5,
+     "one is removed when the running work fits one replica fewer at this fraction of its slots"),
+    ("scale-up-cooldown-s", float, 5.0, "at least this long between additions"),
+    ("scale-down-cooldown-s", float, 60.0, "low load for this long before a replica is removed (drained)"),
+    ("placement-timeout-s", float, 60.0,
+     "a replica Ray cannot place within this is reported (log, tf:replicas:{model}), not awaited"),
+    ("drain-timeout-s", float, 300.0,
+     "a draining replica's requests still running after this are handed over (takeover)"),
+    ("autoscale-interval-s", float, 1.0, "how often the autoscaler looks"),
+)
 
 
 def add_up_parser(commands) -> None:
@@ -53,21 +69,7 @@ def _add_autoscale_flags(parser: argparse.ArgumentParser, *, required: bool = Fa
     _flag(parser, "min-replicas", type=int, help="fewest schedulers the autoscaler keeps (default: 1)")
     _flag(parser, "max-replicas", type=int, help="most schedulers the autoscaler starts" + (
         "" if required else "; given (or --min-replicas), replicas follow the load instead of --replicas"))
-    _flag(parser, "target-queue", type=float, default=8.0,
-          help="waiting requests per replica above which one is added")
-    _flag(parser, "target-wait-s", type=float, default=5.0,
-          help="a request waiting longer than this in the queue adds a replica")
-    _flag(parser, "scale-down-load", type=float, default=0.5,
-          help="one is removed when the running work fits one replica fewer at this fraction of its slots")
-    _flag(parser, "scale-up-cooldown-s", type=float, default=5.0, help="at least this long between additions")
-    _flag(parser, "scale-down-cooldown-s", type=float, default=60.0,
-          help="low load for this long before a replica is removed (drained)")
-    _flag(parser, "placement-timeout-s", type=float, default=60.0,
-          help="a replica Ray cannot place within this is reported (log, tf:replicas:{model}), not awaited")
-    _flag(parser, "drain-timeout-s", type=float, default=300.0,
-          help="a draining replica's requests still running after this are handed over (takeover)")
-    _flag(parser, "autoscale-interval-s", type=float, default=1.0, help="how often the autoscaler looks")
-
+    _flag_table(parser, AUTOSCALE_FLAGS)
 
 def _autoscale_options(args: argparse.Namespace):
     """The autoscaler's options from the flags, or None when neither bound was given."""
