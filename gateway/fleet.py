@@ -5,17 +5,16 @@ request pays for no SCAN; a model that looks unserved is re-checked once before 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 from gateway.errors import Unavailable
 from gateway.metrics import GatewayMetrics
 from gateway.requests.store import RequestStore
 from gateway.routing import PrefixRouter, ReplicaView
+from gateway.tasks import every
 from protocol.keys import CONSUMER_GROUP, Keys
 from protocol.prefix_hash import SUMMARY_HASH_BYTES
 from shared.logging import get_logger
@@ -140,14 +139,5 @@ class FleetTracker:
                               code="no_scheduler", headers={"Retry-After": "5"})
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Refresh until stop is set. (Cancelling alone is not enough: redis-py may turn a
-        cancellation in the middle of a command into a ConnectionError.)"""
-        while not stop.is_set():
-            try:
-                await self.refresh()
-            except (RedisError, OSError) as exc:
-                if stop.is_set():
-                    break
-                log.warning("fleet_refresh_failed", error=str(exc))
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.refresh_s)
+        """Refresh every refresh_s until stop is set."""
+        await every(self.refresh_s, stop, self.refresh, "fleet_refresh_failed")

@@ -17,6 +17,7 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from gateway.appkeys import REDIS, SETTINGS, STORE
+from gateway.tasks import every
 from shared.logging import get_logger
 
 log = get_logger("tokenfleet.gateway.presence")
@@ -39,20 +40,13 @@ async def presence_ctx(app: web.Application) -> AsyncIterator[None]:
     stop = asyncio.Event()
 
     async def beat() -> None:
-        while not stop.is_set():
-            try:
-                pipe = client.pipeline(transaction=False)
-                pipe.hset(key, mapping={**fields, "updated_at": time.time()})
-                pipe.expire(key, TTL_S)
-                await pipe.execute()
-            except (RedisError, OSError) as exc:
-                if stop.is_set():
-                    break
-                log.warning("gateway_heartbeat_failed", error=str(exc))
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), HEARTBEAT_S)
+        pipe = client.pipeline(transaction=False)
+        pipe.hset(key, mapping={**fields, "updated_at": time.time()})
+        pipe.expire(key, TTL_S)
+        await pipe.execute()
 
-    task = asyncio.create_task(beat(), name="gateway-presence")
+    task = asyncio.create_task(every(HEARTBEAT_S, stop, beat, "gateway_heartbeat_failed"),
+                               name="gateway-presence")
     yield
     stop.set()
     await asyncio.gather(task, return_exceptions=True)

@@ -1,9 +1,13 @@
-"""Fire-and-forget work that must still finish (a cancel sent as a client leaves)."""
+"""Background work of a gateway process: fire-and-forget work that must still finish (a cancel
+sent as a client leaves), and work repeated every few seconds until the app stops."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+import contextlib
+from collections.abc import Awaitable, Callable, Coroutine
+
+from redis.exceptions import RedisError
 
 from shared.logging import get_logger
 
@@ -34,3 +38,19 @@ class TaskSet:
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+
+
+async def every(interval_s: float, stop: asyncio.Event, work: Callable[[], Awaitable[None]],
+                failure_event: str) -> None:
+    """Await work() every interval_s until stop is set. Redis being away is logged as
+    `failure_event` and tried again next time. (Cancelling alone is not enough to stop it:
+    redis-py may turn a cancellation in the middle of a command into a ConnectionError.)"""
+    while not stop.is_set():
+        try:
+            await work()
+        except (RedisError, OSError) as exc:
+            if stop.is_set():
+                break
+            log.warning(failure_event, error=str(exc))
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval_s)
