@@ -118,12 +118,16 @@ def test_only_the_sampled_constrained_rows_get_a_mask(smollm2):
 
 
 @pytest.mark.slow
-def test_at_tp2_the_mask_reaches_the_rank_that_samples(tiny_chat):
-    greedy = [_params(i, PET_GRAMMAR, temperature=0.0) for i in range(2)]
+@pytest.mark.parametrize("group", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
+def test_in_a_ray_group_the_mask_reaches_the_rank_that_samples(tiny_chat, group):
+    # pp=2: two steps in flight, each with its own requests, each mask filled before it is sent.
+    greedy = [_params(i, PET_GRAMMAR, temperature=0.0) for i in range(4)]
     with _engine(tiny_chat) as one_rank:
-        expected = one_rank.generate(PROMPTS[:2], greedy, chat=True)
-    with _engine(tiny_chat, tp=2) as two_ranks:  # a Ray group: the batch, mask included, is pickled
-        results = two_ranks.generate(PROMPTS[:2], greedy, chat=True)
+        expected = one_rank.generate(PROMPTS, greedy, chat=True)
+    with _engine(tiny_chat, **group) as ranks:  # a Ray group: the batch, mask included, is pickled
+        results = ranks.generate(PROMPTS, greedy, chat=True)
+        if "pp" in group:
+            assert ranks.executor.peak_in_flight == 2
     assert [r.token_ids for r in results] == [r.token_ids for r in expected]
     for result in results:
         Pet.model_validate_json(result.text)
