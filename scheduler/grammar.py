@@ -15,7 +15,7 @@ threads: one below FILL_ROWS_PER_THREAD * 2 rows, more for larger batches, never
 cores this process may use (scripts/bench_structured.py measures where threads stop paying).
 
 Jump-forward (`jump_forward=True`, off by default): where the grammar admits a single text
-after a request's token (the rest of a key, `": "`, a closing brace), `jump_forward_tokens`
+after a request's token (the rest of a key, `": "`, a closing brace), `forced_tokens`
 gives that text as tokens and the scheduler appends them unsampled; the next step computes
 them with the next sampled token, as a short prefill. The tokens may differ from plain masked
 decoding: xgrammar splits the forced text greedily (longest vocabulary token first), where the
@@ -206,7 +206,7 @@ class Grammars:
             return True
         return matcher.is_terminated()
 
-    def jump_forward_tokens(self, req_id: str) -> list[int]:
+    def forced_tokens(self, req_id: str) -> list[int]:
         """With jump_forward: the tokens of the text the request's grammar forces next (not yet
         accepted: the scheduler appends each as if sampled, and `accept` takes it); else []."""
         matcher = self._matchers.get(req_id)

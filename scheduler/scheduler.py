@@ -459,7 +459,7 @@ class Scheduler:
         text_delta = self._detokenize_and_check_stop(request, sampled.token_id)
         new_token_ids = [sampled.token_id]
         # Jump-forward (scheduler/grammar.py): text the grammar forces now, appended unsampled.
-        forced = self.grammars.jump_forward_tokens(request.req_id) if self.grammars and logprobs is None else []
+        forced = self.grammars.forced_tokens(request.req_id) if self.grammars and logprobs is None else []
         for token_id in itertools.takewhile(lambda _: not request.is_finished, forced):
             request.output_token_ids.append(token_id)
             new_token_ids.append(token_id)

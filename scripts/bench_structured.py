@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--model", help="a model folder with a tokenizer (default: a random Llama-3-8B "
                                         "shape with SmolLM2's tokenizer on cuda, SmolLM2 on cpu)")
-    parser.add_argument("--smoke", action="store_true", help="a tiny random model and small sizes (CPU check)")
+    parser.add_argument("--smoke", action="store_true", help="a tiny random model, small sizes (CPU check)")
     parser.add_argument("--batch", type=int, help="rows of the decode passes (default 64; 16 with --smoke)")
     parser.add_argument("--mixed-batch", type=int, help="rows of the mixed pass, a quarter constrained "
                                                         "(default 256; 32 with --smoke)")
@@ -308,7 +308,8 @@ def print_tables(args, description, num_steps, free, constrained, probed_pass, p
     print(f"| (c) parts: pick the constrained rows (schedule) | {pick:.3f} | {pick / base:.1%} | |")
     print(f"| (c) parts: fill the bitmask ({args.batch} rows, host; hidden behind the forward in "
           f"{hidden:.0%} of steps) | {fill:.3f} | {fill / base:.1%} | |")
-    print(f"| (c) parts: apply it to the logits ({args.device}, synchronised) | {apply:.3f} | {apply / base:.1%} | |")
+    print(f"| (c) parts: apply it to the logits ({args.device}, synchronised) | {apply:.3f} | "
+          f"{apply / base:.1%} | |")
     print(f"| (c) parts: matchers accept the tokens | {accept:.3f} | {accept / base:.1%} | |")
     critical = pick + exposed_fill + apply + accept
     print(f"| (c) parts on the critical path (pick + unhidden fill + apply + accept) | {critical:.3f} | "

@@ -36,8 +36,8 @@ class TokenMaskApplier:
             if is_every_row:
                 xgr.apply_token_bitmask_inplace(logits, mask.bits)
             else:
-                xgr.apply_token_bitmask_inplace(logits, self._full_height(mask.bits, mask.rows, logits.shape[0]),
-                                                indices=mask.rows)
+                full = self._full_height(mask.bits, mask.rows, logits.shape[0])
+                xgr.apply_token_bitmask_inplace(logits, full, indices=mask.rows)
             return
         bits, rows = self._upload(mask, logits.device, with_rows=not is_every_row)
         if is_every_row:
@@ -59,13 +59,13 @@ class TokenMaskApplier:
                 with_rows: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         bits: torch.Tensor = mask.bits
         num_rows, words = bits.shape
-        if self._pinned_bits is None or self._pinned_bits.shape[0] < num_rows or self._pinned_bits.shape[1] != words:
-            self._sync_uploads()
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # at once, as a rule: the last step's sampler synchronised
+        staging = self._pinned_bits
+        if staging is None or staging.shape[0] < num_rows or staging.shape[1] != words:
             capacity = max(num_rows, 64)
             self._pinned_bits = torch.empty((capacity, words), dtype=torch.int32, pin_memory=True)
             self._pinned_rows = torch.empty(capacity, dtype=torch.int32, pin_memory=True)
-        else:
-            self._sync_uploads()  # the last step's copies are long done: the sampler synchronised
         staged_bits = self._pinned_bits[:num_rows]
         staged_bits.copy_(bits)
         on_device = staged_bits.to(device, non_blocking=True)
@@ -78,10 +78,6 @@ class TokenMaskApplier:
             self._uploaded = torch.cuda.Event()
         self._uploaded.record()
         return on_device, rows
-
-    def _sync_uploads(self) -> None:
-        if self._uploaded is not None:
-            self._uploaded.synchronize()
 
 
 def apply_token_mask(logits: torch.Tensor, mask: TokenBitmask) -> None:

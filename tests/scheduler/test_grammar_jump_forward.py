@@ -40,7 +40,8 @@ def _run(folder, jump_forward: bool, sampling: list[SamplingParams]) -> tuple[li
 
 @pytest.mark.slow
 def test_jump_forward_appends_forced_text_unsampled_and_answers_stay_valid(tiny_chat):
-    greedy = [SamplingParams(max_tokens=80, temperature=0.0, grammar=g) for g in (RECORD_GRAMMAR, PET_GRAMMAR)]
+    greedy = [SamplingParams(max_tokens=80, temperature=0.0, grammar=grammar)
+              for grammar in (RECORD_GRAMMAR, PET_GRAMMAR)]
     plain, plain_outputs, plain_steps = _run(tiny_chat, False, greedy)
     jumped, jumped_outputs, jumped_steps = _run(tiny_chat, True, greedy)
     # Off (the default): one token per request per step, as plain masked decoding.

@@ -95,7 +95,8 @@ def test_on_cuda_the_mask_matches_the_cpu_mask_step_after_step():
     applier = TokenMaskApplier(torch.device("cuda"))
     generator = torch.Generator().manual_seed(0)
     for num_rows, rows in [(8, list(range(8))), (8, [1, 5]), (300, list(range(0, 300, 4))), (8, [7])]:
-        bits = torch.randint(-2**31, 2**31 - 1, (len(rows), 49152 // 32), dtype=torch.int32, generator=generator)
+        bits = torch.randint(-2**31, 2**31 - 1, (len(rows), 49152 // 32), dtype=torch.int32,
+                             generator=generator)
         logits = torch.randn(num_rows, 49152, generator=generator)
         expected = logits.clone()
         apply_token_mask(expected, TokenBitmask(rows, bits))
