@@ -33,6 +33,7 @@ from pathlib import Path
 import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import torch
 
+import workers.model_runner as model_runner_module
 from scheduler.engine import LLMEngine
 from scheduler.grammar import Grammars, available_cores
 from shared.config import EngineConfig
@@ -123,11 +124,13 @@ def probed(engine: LLMEngine, device: torch.device, probes: Probes, timing: list
     grammars._fill = timed(grammars._fill, "fill", after=count_hidden)
     grammars.mask_filler = timed(grammars.mask_filler, "pick")
     grammars.accept = timed(grammars.accept, "accept")
-    runner.token_masks.apply = timed(runner.token_masks.apply, "apply", synchronise=True)
+    apply = model_runner_module.apply_token_mask
+    model_runner_module.apply_token_mask = timed(apply, "apply", synchronise=True)
     try:
         yield
     finally:
-        del runner.forward, grammars._fill, grammars.mask_filler, grammars.accept, runner.token_masks.apply
+        del runner.forward, grammars._fill, grammars.mask_filler, grammars.accept
+        model_runner_module.apply_token_mask = apply
 
 
 def decode_pass(engine: LLMEngine, name: str, prompts: list[list[int]], grammars: list[str | None],

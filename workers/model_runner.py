@@ -23,7 +23,7 @@ from shared.model_config import ModelConfig, load_model_config
 from shared.step import SequenceWork, StepBatch, StepResult
 from workers.cuda_graphs import DecodeGraphs, use_cuda_graphs
 from workers.device import resolve_device, resolve_dtype
-from workers.grammar_mask import TokenMaskApplier
+from workers.grammar_mask import apply_token_mask
 from workers.layers.quantization import METHODS, building_with, method_named
 from workers.mixed_graphs import MixedGraphs
 from workers.models.registry import MODEL_CLASSES
@@ -95,7 +95,6 @@ class ModelRunner:
         self.decode_graphs = self._capture_decode_graphs()
         self.mixed_graphs = self._capture_mixed_graphs()
         self.sampler = Sampler(seed=config.seed) if self.is_driver else None
-        self.token_masks = TokenMaskApplier(self.device)  # grammar masks to the logits' device
         # Set while this thread waits for the GPU (the sampler's copy of the chosen ids): a
         # caller's helper thread (the scheduler's result writer) uses the GIL then, rather than
         # while this thread launches the next step.
@@ -295,7 +294,7 @@ class ModelRunner:
         if logits is None:
             return StepResult(batch.step_id, [])
         if token_mask is not None:
-            self.token_masks.apply(logits, token_mask)
+            apply_token_mask(logits, token_mask)
         # The step's one host synchronisation: the sampler's .tolist() of the chosen ids.
         gate = self.gpu_wait_gate
         if gate is not None:

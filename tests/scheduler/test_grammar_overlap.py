@@ -90,9 +90,6 @@ def test_the_mask_of_some_rows_leaves_the_other_rows_untouched():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA path: pinned uploads, Triton kernel")
 def test_on_cuda_the_mask_matches_the_cpu_mask_step_after_step():
-    from workers.grammar_mask import TokenMaskApplier
-
-    applier = TokenMaskApplier(torch.device("cuda"))
     generator = torch.Generator().manual_seed(0)
     for num_rows, rows in [(8, list(range(8))), (8, [1, 5]), (300, list(range(0, 300, 4))), (8, [7])]:
         bits = torch.randint(-2**31, 2**31 - 1, (len(rows), 49152 // 32), dtype=torch.int32,
@@ -101,5 +98,5 @@ def test_on_cuda_the_mask_matches_the_cpu_mask_step_after_step():
         expected = logits.clone()
         apply_token_mask(expected, TokenBitmask(rows, bits))
         on_gpu = logits.cuda().to(torch.bfloat16)
-        applier.apply(on_gpu, TokenBitmask(rows, bits))
+        apply_token_mask(on_gpu, TokenBitmask(rows, bits))
         assert torch.equal(torch.isinf(on_gpu.cpu()), torch.isinf(expected))
