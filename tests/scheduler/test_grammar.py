@@ -55,12 +55,13 @@ def test_random_weights_answer_schema_valid_json_and_free_rows_are_untouched(tin
 
 
 @pytest.mark.slow
-def test_the_grammar_survives_preemption(tiny_chat):
+@pytest.mark.parametrize("jump_forward", [False, True], ids=["masked", "jump_forward"])
+def test_the_grammar_survives_preemption(tiny_chat, jump_forward):
     # Four blocks of 16 tokens for two ~40-token prompts growing to ~60 tokens: they preempt each other.
     greedy = [_params(i, PET_GRAMMAR, temperature=0.0) for i in range(2)]
-    with _engine(tiny_chat) as roomy:
+    with _engine(tiny_chat, grammar_jump_forward=jump_forward) as roomy:
         expected = roomy.generate(PROMPTS[:2], greedy, chat=True)
-    with _engine(tiny_chat, num_kv_blocks=6) as tight:
+    with _engine(tiny_chat, num_kv_blocks=6, grammar_jump_forward=jump_forward) as tight:
         ids = [tight.add_request(tight.encode(p, chat=True), sp)
                for p, sp in zip(PROMPTS[:2], greedy, strict=True)]
         requests = [tight.scheduler.get_request(i) for i in ids]
