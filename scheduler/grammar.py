@@ -39,6 +39,7 @@ import json
 import os
 import re
 from collections.abc import Callable
+from pathlib import Path
 
 from shared.errors import InvalidRequestError
 from shared.logging import get_logger
@@ -90,12 +91,10 @@ def available_cores() -> int:
     container's `--cpus`), which os.cpu_count() and xgrammar's "auto" both ignore."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     try:
-        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()
-        if quota != "max":
-            cores = min(cores, max(1, int(quota) // int(period)))
-    except (OSError, ValueError):
-        pass
-    return cores
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+    except (OSError, ValueError):  # no cgroup v2 (or not Linux): the affinity is all there is
+        return cores
+    return cores if quota == "max" else min(cores, max(1, int(quota) // int(period)))
 
 
 def fill_threads(num_rows: int, cores: int | None = None) -> int:
