@@ -46,4 +46,3 @@ def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`host` on `device`, copied without the host waiting: through pinned memory (PyTorch's
     caching host allocator keeps the pinned block until the copy is done)."""
     return host.pin_memory().to(device, non_blocking=True)
-
