@@ -33,13 +33,20 @@ def apply_token_mask(logits: torch.Tensor, mask: TokenBitmask) -> None:
     if is_every_row:
         xgr.apply_token_bitmask_inplace(logits, bits)
         return
-    # xgrammar's kernel reads row r of the bitmask for logits row r: place the constrained rows'
-    # bits there (the other rows are never read) and mask those rows only. Int32 rows, as the
-    # kernel reads them.
-    rows = _upload(torch.tensor(mask.rows, dtype=torch.int32), logits.device)
+    # Int32 rows, as the kernel reads them.
+    mask_rows(logits, bits, _upload(torch.tensor(mask.rows, dtype=torch.int32), logits.device))
+
+
+def mask_rows(logits: torch.Tensor, bits: torch.Tensor, rows: torch.Tensor, backend: str = "auto") -> None:
+    """Mask logits rows `rows` with `bits` (row i for logits row rows[i]), all on one device.
+    xgrammar's kernel reads row r of the bitmask for logits row r: the constrained rows' bits go
+    there (the other rows are never read), and only those rows are masked."""
+    # logits: [num_sampled, vocab]; bits: int32 [len(rows), words]; rows: int32 [len(rows)]
+    import xgrammar as xgr
+
     full = torch.empty((logits.shape[0], bits.shape[1]), dtype=torch.int32, device=logits.device)
     full[rows] = bits
-    xgr.apply_token_bitmask_inplace(logits, full, indices=rows)
+    xgr.apply_token_bitmask_inplace(logits, full, indices=rows, backend=backend)
 
 
 def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -15,6 +15,7 @@ from shared.config import EngineConfig
 from shared.sampling import SamplingParams
 from shared.step import SequenceWork, TokenBitmask
 from tests.scheduler.test_grammar import PET_GRAMMAR, PROMPTS, Pet
+from tests.workers.triton_interpreter import run_interpreted
 from workers.grammar_mask import apply_token_mask
 
 ANY_JSON = json.dumps({"type": "json_object"})
@@ -100,3 +101,27 @@ def test_on_cuda_the_mask_matches_the_cpu_mask_step_after_step():
         on_gpu = logits.cuda().to(torch.bfloat16)
         apply_token_mask(on_gpu, TokenBitmask(rows, bits))
         assert torch.equal(torch.isinf(on_gpu.cpu()), torch.isinf(expected))
+
+
+_INTERPRETED_ROWS_CHECK = """
+import types
+import torch
+torch.cuda.get_device_properties = lambda *_: types.SimpleNamespace(multi_processor_count=4, gcnArchName="")
+from shared.step import TokenBitmask
+from workers.grammar_mask import apply_token_mask, mask_rows
+generator = torch.Generator().manual_seed(0)
+for num_rows, rows in [(6, [1, 4]), (5, [0, 1, 2, 3, 4]), (9, [8])]:
+    bits = torch.randint(-2**31, 2**31 - 1, (len(rows), 8192 // 32), dtype=torch.int32, generator=generator)
+    logits = torch.randn(num_rows, 8192, generator=generator)
+    expected = logits.clone()
+    apply_token_mask(expected, TokenBitmask(rows, bits))
+    mask_rows(logits, bits, torch.tensor(rows, dtype=torch.int32), backend="triton")
+    assert torch.equal(torch.isinf(logits), torch.isinf(expected)), rows
+print("ok")
+"""
+
+
+def test_the_cuda_paths_row_layout_masks_the_right_rows_in_the_triton_interpreter():
+    """The GPU path's layout (the constrained rows' bits placed at their rows, the kernel told
+    which rows) through xgrammar's Triton kernel, run by Triton's CPU interpreter."""
+    run_interpreted(_INTERPRETED_ROWS_CHECK)
