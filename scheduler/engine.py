@@ -91,7 +91,8 @@ class LLMEngine:
                 pipeline_depth=self.executor.pipeline_depth,
             ),
             self.tokenizer,
-            Grammars(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)),
+            Grammars(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),
+                     jump_forward=config.grammar_jump_forward),
         )
         self._req_counter = itertools.count()
         self._num_failed_steps = 0  # consecutive, reset by a good step

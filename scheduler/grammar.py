@@ -1,11 +1,27 @@
 """Grammar-constrained decoding, scheduler side: the grammar lives with its request.
 
 A request whose SamplingParams carry a grammar spec (shared/sampling.py) gets an xgrammar
-matcher when it is added. Every step, `fill` writes the token bitmask of the constrained rows
-that sample (and of no other row: unconstrained requests pay nothing) and the batch carries it
-to the rank that samples, which masks those rows' logits (workers/grammar_mask.py). After the
-step, `accept` advances each matcher by the token its row drew; a matcher that accepted a stop
-token has finished its grammar, and so has the request.
+matcher when it is added. Every step, `mask_filler` picks the constrained rows that sample (no
+other row: unconstrained requests pay nothing) and hands the batch a filler
+(`StepBatch.mask_filler`); the runner calls it once the step's forward is launched, so the
+bitmask is written on the host while the device computes, then masks those rows' logits
+(workers/grammar_mask.py) and samples. A Ray group, whose sampling rank is another process,
+fills it before the batch is sent. After the step, `accept` advances each matcher by the token
+its row drew; a matcher that accepted a stop token has finished its grammar, and so has the
+request.
+
+The fill runs on xgrammar's batch matcher, which releases the GIL, over `fill_threads(rows)`
+threads: one below FILL_ROWS_PER_THREAD * 2 rows, more for larger batches, never more than the
+cores this process may use (scripts/bench_structured.py measures where threads stop paying).
+
+Jump-forward (`jump_forward=True`, off by default): where the grammar admits a single text
+after a request's token (the rest of a key, `": "`, a closing brace), `forced_tokens`
+gives that text as tokens and the scheduler appends them unsampled; the next step computes
+them with the next sampled token, as a short prefill. The tokens may differ from plain masked
+decoding: xgrammar splits the forced text greedily (longest vocabulary token first), where the
+model, masked, might have spelt the same text with other tokens and then continued differently;
+and a seeded request's later draws shift by the forced tokens (its random stream follows the
+output length). The text stays valid under the grammar either way.
 
 The matcher's state is a function of the tokens the request has generated, so:
 - preemption changes nothing (the output tokens are kept, only the KV cache is recomputed);
@@ -20,7 +36,10 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
+from collections.abc import Callable
+from pathlib import Path
 
 from shared.errors import InvalidRequestError
 from shared.logging import get_logger
@@ -61,17 +80,48 @@ def compact_structural_tag(structural_tag: str) -> str:
     return json.dumps(compact(json.loads(structural_tag)))
 
 
+# Fewer rows than this per thread do not pay for a thread's wake-up (measured: 64 rows of the
+# benchmark's schema fill in ~0.2 ms on one core; a second thread on a busy core cost more).
+FILL_ROWS_PER_THREAD = 64
+MAX_FILL_THREADS = 8  # past this, rows per step (a few hundred) leave each thread too little
+
+
+def available_cores() -> int:
+    """Cores this process may run on: its CPU affinity, capped by a cgroup v2 CPU quota (a
+    container's `--cpus`), which os.cpu_count() and xgrammar's "auto" both ignore."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+    except (OSError, ValueError):  # no cgroup v2 (or not Linux): the affinity is all there is
+        return cores
+    return cores if quota == "max" else min(cores, max(1, int(quota) // int(period)))
+
+
+def fill_threads(num_rows: int, cores: int | None = None) -> int:
+    """Threads to fill `num_rows` bitmask rows with: one per FILL_ROWS_PER_THREAD rows, at most
+    half the cores (the scheduler's own thread and its result writer need the rest), at most
+    MAX_FILL_THREADS."""
+    cores = available_cores() if cores is None else cores
+    return max(1, min(num_rows // FILL_ROWS_PER_THREAD, cores // 2, MAX_FILL_THREADS))
+
+
 class Grammars:
     """The matchers of the constrained requests of one scheduler (req_id -> matcher)."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], *,
+                 jump_forward: bool = False, num_fill_threads: int | None = None) -> None:
         """`vocab_size` is the width of the logits (the model's vocabulary, which may have more
-        rows than the tokenizer: those padding ids are never allowed)."""
+        rows than the tokenizer: those padding ids are never allowed). `jump_forward`: see the
+        module docstring. `num_fill_threads`: the fill's threads for any batch (None: sized by
+        `fill_threads` from the rows and the cores)."""
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._stop_token_ids = sorted(stop_token_ids)
+        self.jump_forward = jump_forward
+        self.num_fill_threads = num_fill_threads
+        self._cores = available_cores()
         self._compiler = None  # built at the first constrained request (it reads the whole vocab)
-        self._batch_matcher = None
+        self._batch_matchers: dict[int, object] = {}  # threads -> xgrammar.BatchGrammarMatcher
         self._matchers: dict[str, object] = {}  # req_id -> xgrammar.GrammarMatcher
 
     def __contains__(self, req_id: str) -> bool:
@@ -98,8 +148,10 @@ class Grammars:
     def discard(self, req_id: str) -> None:
         self._matchers.pop(req_id, None)
 
-    def fill(self, works: list[SequenceWork]) -> TokenBitmask | None:
-        """The bitmask of the step's constrained sampled rows; None when it has none."""
+    def mask_filler(self, works: list[SequenceWork]) -> Callable[[], TokenBitmask] | None:
+        """What fills the bitmask of the step's constrained sampled rows when called (after the
+        forward is launched: StepBatch.mask_filler); None when the step has no such row. The
+        rows are picked now; the bits are those of the matchers' state at the call."""
         if not self._matchers:
             return None
         rows: list[int] = []  # index among the sampled works
@@ -115,15 +167,30 @@ class Grammars:
             num_sampled += 1
         if not rows:
             return None
+        return functools.partial(self._fill, rows, matchers)
+
+    def fill(self, works: list[SequenceWork]) -> TokenBitmask | None:
+        """The bitmask of the step's constrained sampled rows, now; None when it has none."""
+        filler = self.mask_filler(works)
+        return filler() if filler is not None else None
+
+    def fill_threads(self, num_rows: int) -> int:
+        return self.num_fill_threads or fill_threads(num_rows, self._cores)
+
+    def _fill(self, rows: list[int], matchers: list) -> TokenBitmask:
         import xgrammar as xgr
 
         bits = xgr.allocate_token_bitmask(len(rows), self._vocab_size)  # int32 [rows, words], CPU
         if len(matchers) == 1:
             matchers[0].fill_next_token_bitmask(bits, 0)
-        else:
-            if self._batch_matcher is None:
-                self._batch_matcher = xgr.BatchGrammarMatcher()
-            self._batch_matcher.batch_fill_next_token_bitmask(matchers, bits)
+            return TokenBitmask(rows, bits)
+        threads = self.fill_threads(len(rows))
+        batch_matcher = self._batch_matchers.get(threads)
+        if batch_matcher is None:
+            # Never xgrammar's "auto" (half of std::thread::hardware_concurrency): in a container
+            # that is the host's cores, not ours, and too many threads cost more than they save.
+            batch_matcher = self._batch_matchers[threads] = xgr.BatchGrammarMatcher(threads)
+        batch_matcher.batch_fill_next_token_bitmask(matchers, bits)  # releases the GIL
         return TokenBitmask(rows, bits)
 
     def accept(self, req_id: str, token_id: int) -> bool:
@@ -137,6 +204,14 @@ class Grammars:
             logger.warning("grammar_refused_token", req_id=req_id, token_id=token_id)
             return True
         return matcher.is_terminated()
+
+    def forced_tokens(self, req_id: str) -> list[int]:
+        """With jump_forward: the tokens of the text the request's grammar forces next (not yet
+        accepted: the scheduler appends each as if sampled, and `accept` takes it); else []."""
+        matcher = self._matchers.get(req_id)
+        if not self.jump_forward or matcher is None:
+            return []
+        return matcher.find_jump_forward_tokens()
 
     # -- compiling -------------------------------------------------------------------
 

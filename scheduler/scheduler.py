@@ -20,6 +20,7 @@ token, and the blocks the step writes, are not known before.
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass, field
 
 from scheduler.block_manager import BlockManager, cdiv, update_block_hashes
@@ -236,8 +237,8 @@ class Scheduler:
             for req_id, num_tokens in plan.num_scheduled_tokens.items()
         ]
         batch = StepBatch(step_id=self._next_step_id, works=works)
-        if self.grammars is not None:
-            batch.token_mask = self.grammars.fill(works)
+        if self.grammars is not None:  # the runner fills it once the forward runs (shared/step.py)
+            batch.mask_filler = self.grammars.mask_filler(works)
         self._next_step_id += 1
         self._in_flight.update(plan.num_scheduled_tokens)
         return SchedulerOutput(batch, plan.num_scheduled_tokens, plan.preempted_req_ids)
@@ -456,21 +457,22 @@ class Scheduler:
             logprobs = [TokenLogprobs(sampled.token_id, sampled.logprob, sampled.top_logprobs)]
             request.output_logprobs.extend(logprobs)
         text_delta = self._detokenize_and_check_stop(request, sampled.token_id)
+        new_token_ids = [sampled.token_id]
+        # Jump-forward (scheduler/grammar.py): text the grammar forces now, appended unsampled.
+        forced = self.grammars.forced_tokens(request.req_id) if self.grammars and logprobs is None else []
+        for token_id in itertools.takewhile(lambda _: not request.is_finished, forced):
+            request.output_token_ids.append(token_id)
+            new_token_ids.append(token_id)
+            text_delta += self._detokenize_and_check_stop(request, token_id)
         request.output_text += text_delta
         if request.is_finished:
             self._running.remove(request)
             self.block_manager.free(request)
             self._forget(request.req_id)
         return RequestOutput(
-            request.req_id,
-            [sampled.token_id],
-            text_delta,
-            finished=request.is_finished,
-            finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason,
-            logprobs=logprobs,
-            num_cached_tokens=request.num_cached_tokens or 0,
-        )
+            request.req_id, new_token_ids, text_delta, finished=request.is_finished,
+            finish_reason=request.finish_reason, stop_reason=request.stop_reason, logprobs=logprobs,
+            num_cached_tokens=request.num_cached_tokens or 0)
 
     def _detokenize_and_check_stop(self, request: Request, token_id: int) -> str:
         """Text the token adds; finishes the request when it meets a stop condition."""

@@ -70,6 +70,9 @@ class EngineConfig:
     # Reuse the KV blocks of prompt prefixes computed before (hash-addressed full blocks).
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch threads per rank on CPU
+    # Structured outputs: append the text a grammar forces (a key, a closing brace) without
+    # sampling it (scheduler/grammar.py says how that can change a request's tokens).
+    grammar_jump_forward: bool = False
     # CUDA graphs of decode-only steps (CUDA with Triton only; CPU always runs eagerly).
     cuda_graphs: bool = True
     cuda_graph_max_batch_size: int = _CPU.max_num_seqs  # decode batches above this run eagerly

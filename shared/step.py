@@ -9,6 +9,7 @@ works was otherwise about a fifth of a pipelined scheduler's time (py-spy, two H
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shared.sampling import SamplingParams
@@ -51,12 +52,27 @@ class StepBatch:
     step_id: int
     works: list[SequenceWork]
     token_mask: TokenBitmask | None = None  # None: no row is constrained (the common case)
+    # The seam between the grammars and the runner: when set, what fills token_mask, called
+    # (through resolve_token_mask, once) by the sampling runner after it has launched the step's
+    # forward and before it samples, so the host fills the bitmask while the device computes.
+    # In process only: a batch is pickled with token_mask resolved (RayWorkerGroup.submit).
+    mask_filler: Callable[[], TokenBitmask | None] | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
         return sum(len(w.token_ids) for w in self.works)
 
+    def resolve_token_mask(self) -> TokenBitmask | None:
+        """The step's token mask: mask_filler's, called now (the first time), else token_mask."""
+        if self.mask_filler is not None:
+            filler, self.mask_filler = self.mask_filler, None
+            self.token_mask = filler()
+        return self.token_mask
+
     def __reduce__(self):
+        if self.mask_filler is not None:
+            # The filler holds the scheduler's matchers, which stay in this process.
+            raise ValueError(f"step {self.step_id}: resolve_token_mask() before the batch leaves the process")
         # A dataclass instance's __dict__ holds its fields in declaration order (its __init__
         # sets them so): SamplingParams(*values) rebuilds it, and fails loudly if that changes.
         works = [(w.req_id, w.token_ids, w.start_pos, w.block_ids, w.is_sampled,

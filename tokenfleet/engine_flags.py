@@ -36,6 +36,7 @@ class EngineFlag:
     field: str | None = ""  # the EngineConfig field it sets ("": its name with _); None: none
     choices: tuple[str, ...] | None = None
     switch: bool = False  # a store_true flag that turns its field off (--no-prefix-caching)
+    turns_on: bool = False  # with switch: the flag turns its field on instead
 
     @property
     def dest(self) -> str:
@@ -80,6 +81,10 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                                   "worker group instead of reserving one", field="placement_group_name"),
     EngineFlag("no-prefix-caching", "recompute every prompt instead of reusing the KV blocks of a prefix "
                                     "seen before", default=False, field="enable_prefix_caching", switch=True),
+    EngineFlag("grammar-jump-forward", "structured outputs: append the text a grammar forces (keys, "
+                                       "closing braces) without sampling it; may spell it with other "
+                                       "tokens than plain masked decoding", default=False, switch=True,
+               turns_on=True),
 )
 
 # What `up` and `autoscale` set on each scheduler themselves (see scheduler_command).
@@ -125,7 +130,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     for spec in ENGINE_FLAGS:
         if spec.config_field is not None:
             value = getattr(args, spec.dest, spec.default)  # (up and autoscale lack placement-group)
-            fields[spec.config_field] = not value if spec.switch else value
+            fields[spec.config_field] = (value if spec.turns_on else not value) if spec.switch else value
     fields["model"] = resolve_model(args.model)
     fields["use_ray"] = uses_ray(args.executor, args.tp, args.pp)
     return EngineConfig.for_device(resolve_device(args.device).type, **fields)

@@ -288,10 +288,13 @@ class ModelRunner:
             timer.stop("step", start)
         if not self.is_driver:
             return None
+        # The forward is launched (on CUDA it runs now): fill the grammar mask on the host
+        # meanwhile (StepBatch.mask_filler), then mask the logits behind the forward.
+        token_mask = batch.resolve_token_mask()
         if logits is None:
             return StepResult(batch.step_id, [])
-        if batch.token_mask is not None:
-            apply_token_mask(logits, batch.token_mask)
+        if token_mask is not None:
+            apply_token_mask(logits, token_mask)
         # The step's one host synchronisation: the sampler's .tolist() of the chosen ids.
         gate = self.gpu_wait_gate
         if gate is not None:

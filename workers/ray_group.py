@@ -279,6 +279,9 @@ class RayWorkerGroup:
 
     def submit(self, batch: StepBatch) -> tuple[int, object]:
         """Start a step on every rank; returns its handle for `collect`."""
+        # The sampling rank is another process and the matchers stay here: the grammar mask is
+        # filled before the batch goes (not overlapped with the forward, as in process).
+        batch.resolve_token_mask()
         with self._lock:
             with _worker_errors(batch.step_id):
                 if self._park_ref is not None:

@@ -55,12 +55,13 @@ def test_random_weights_answer_schema_valid_json_and_free_rows_are_untouched(tin
 
 
 @pytest.mark.slow
-def test_the_grammar_survives_preemption(tiny_chat):
+@pytest.mark.parametrize("jump_forward", [False, True], ids=["masked", "jump_forward"])
+def test_the_grammar_survives_preemption(tiny_chat, jump_forward):
     # Four blocks of 16 tokens for two ~40-token prompts growing to ~60 tokens: they preempt each other.
     greedy = [_params(i, PET_GRAMMAR, temperature=0.0) for i in range(2)]
-    with _engine(tiny_chat) as roomy:
+    with _engine(tiny_chat, grammar_jump_forward=jump_forward) as roomy:
         expected = roomy.generate(PROMPTS[:2], greedy, chat=True)
-    with _engine(tiny_chat, num_kv_blocks=6) as tight:
+    with _engine(tiny_chat, num_kv_blocks=6, grammar_jump_forward=jump_forward) as tight:
         ids = [tight.add_request(tight.encode(p, chat=True), sp)
                for p, sp in zip(PROMPTS[:2], greedy, strict=True)]
         requests = [tight.scheduler.get_request(i) for i in ids]
@@ -118,12 +119,16 @@ def test_only_the_sampled_constrained_rows_get_a_mask(smollm2):
 
 
 @pytest.mark.slow
-def test_at_tp2_the_mask_reaches_the_rank_that_samples(tiny_chat):
-    greedy = [_params(i, PET_GRAMMAR, temperature=0.0) for i in range(2)]
+@pytest.mark.parametrize("group", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
+def test_in_a_ray_group_the_mask_reaches_the_rank_that_samples(tiny_chat, group):
+    # pp=2: two steps in flight, each with its own requests, each mask filled before it is sent.
+    greedy = [_params(i, PET_GRAMMAR, temperature=0.0) for i in range(4)]
     with _engine(tiny_chat) as one_rank:
-        expected = one_rank.generate(PROMPTS[:2], greedy, chat=True)
-    with _engine(tiny_chat, tp=2) as two_ranks:  # a Ray group: the batch, mask included, is pickled
-        results = two_ranks.generate(PROMPTS[:2], greedy, chat=True)
+        expected = one_rank.generate(PROMPTS, greedy, chat=True)
+    with _engine(tiny_chat, **group) as ranks:  # a Ray group: the batch, mask included, is pickled
+        results = ranks.generate(PROMPTS, greedy, chat=True)
+        if "pp" in group:
+            assert ranks.executor.peak_in_flight == 2
     assert [r.token_ids for r in results] == [r.token_ids for r in expected]
     for result in results:
         Pet.model_validate_json(result.text)

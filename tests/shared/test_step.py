@@ -28,3 +28,19 @@ def test_a_batch_and_a_result_come_back_equal_field_for_field():
         assert back.token_mask.rows == [0] and torch.equal(back.token_mask.bits, mask.bits)
     result = StepResult(4, [SampledToken("r0", 9), SampledToken("r2", 8, -0.25, [(8, -0.25), (1, -2.0)])])
     assert pickle.loads(ray.cloudpickle.dumps(result)) == result
+
+
+def test_a_batch_leaves_the_process_only_with_its_mask_filled():
+    mask = TokenBitmask(rows=[0], bits=torch.tensor([[3]], dtype=torch.int32))
+    calls = []
+    batch = StepBatch(1, [SequenceWork("r", [1], 0, [0], True, SamplingParams())],
+                      mask_filler=lambda: calls.append("fill") or mask)
+    try:
+        pickle.dumps(batch)
+        raise AssertionError("a batch whose filler holds the scheduler's matchers was pickled")
+    except ValueError as exc:
+        assert "resolve_token_mask" in str(exc)
+    assert batch.resolve_token_mask() is mask and batch.resolve_token_mask() is mask
+    assert calls == ["fill"]  # filled once, when the runner asks
+    back = pickle.loads(ray.cloudpickle.dumps(batch))
+    assert back.mask_filler is None and torch.equal(back.token_mask.bits, mask.bits)

@@ -19,7 +19,7 @@ SAMPLES = {
     "num-kv-blocks": "64", "block-size": "32", "quantization": "int8", "max-num-seqs": "8",
     "max-num-batched-tokens": "1024", "cuda-graph-max-batch-size": "4", "cuda-graph-max-tokens": "256",
     "num-threads": "2", "ray-address": "127.0.0.1:6380", "placement-strategy": "SPREAD",
-    "num-cpus-per-rank": "0.5", "no-prefix-caching": None,
+    "num-cpus-per-rank": "0.5", "no-prefix-caching": None, "grammar-jump-forward": None,
 }
 PLACEMENT_GROUP = "tokenfleet-replica-m-0"  # the one flag the launchers set per replica
 
