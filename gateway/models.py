@@ -15,7 +15,7 @@ from gateway.errors import BadRequest, ModelNotFound
 from gateway.settings import ModelSpec
 from shared.errors import ModelLoadError
 from shared.model_config import load_model_config
-from shared.tokenizer import load_tokenizer
+from shared.tokenizer import encode_ids, load_tokenizer
 
 
 @functools.lru_cache(maxsize=16)
@@ -53,7 +53,7 @@ class ServedModel:
         return template if isinstance(template, str) else None
 
     def encode_text(self, text: str, *, param: str = "prompt") -> list[int]:
-        ids = self.tokenizer(text).input_ids
+        ids = encode_ids(self.tokenizer, text)
         if not ids:
             raise BadRequest("the prompt is empty", param=param)
         return ids
@@ -77,7 +77,7 @@ class ServedModel:
                                                       tokenize=False)
         except Exception as exc:  # noqa: BLE001 - a template may raise anything (jinja raise_exception)
             raise BadRequest(f"the chat template refused the messages: {exc}", param="messages") from None
-        ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        ids = encode_ids(self.tokenizer, text, add_special_tokens=False)
         if not ids:
             raise BadRequest("the messages make an empty prompt", param="messages")
         return text, ids
