@@ -31,6 +31,7 @@ penalties (their counts need it), or a pending token that is already its last.
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 
 from scheduler.block_manager import BlockManager, cdiv, update_block_hashes
 from scheduler.detokenizer import IncrementalDetokenizer, Tokenizer
@@ -72,6 +73,9 @@ class Scheduler:
         self._waiting: list[Request] = []
         self._fair_share = FairShare()  # which tenant's waiting request starts next, per priority
         self._running: list[Request] = []  # in admission order
+        # Hashes of the full blocks that steps in flight compute (findable once taken back), with
+        # the number of steps computing each: a newcomer waits for them as for the current step's.
+        self._computing_in_flight: Counter[bytes] = Counter()
         self._aborted: list[Request] = []  # aborted since the last update_from_output
         self._next_step_id = 0
         # When set, only requests with stop strings are detokenized here (their text decides when
@@ -174,8 +178,10 @@ class Scheduler:
         for request, work in zip(scheduled, works, strict=True):
             request.num_in_flight_tokens += len(work.token_ids)
             request.num_pending_tokens += work.is_sampled
+        self._computing_in_flight.update(plan.computing_block_hashes)
         return SchedulerOutput(batch, plan.num_scheduled_tokens, plan.preempted_req_ids,
-                               [(request, request.num_preemptions) for request in scheduled])
+                               [(request, request.num_preemptions) for request in scheduled],
+                               plan.computing_block_hashes)
 
     def _step_seq_budget(self) -> int:
         """Sequences this step may take: all of max_num_seqs, but for a pipeline a 1/depth share
@@ -273,12 +279,15 @@ class Scheduler:
         plan.computing_block_hashes.update(hashes[first:end])
 
     def _prefix_is_being_computed(self, request: Request, num_cached_blocks: int, plan: StepPlan) -> bool:
-        """Whether the request's first block not in the cache is computed in this step by another."""
-        if not plan.computing_block_hashes:
+        """Whether the request's first block not in the cache is computed by another, in this step
+        or in one in flight."""
+        if not plan.computing_block_hashes and not self._computing_in_flight:
             return False
         max_blocks = (request.num_tokens - 1) // self.config.block_size
-        return (num_cached_blocks < max_blocks
-                and request.block_hashes[num_cached_blocks] in plan.computing_block_hashes)
+        if num_cached_blocks >= max_blocks:
+            return False
+        block_hash = request.block_hashes[num_cached_blocks]
+        return block_hash in plan.computing_block_hashes or block_hash in self._computing_in_flight
 
     def _make_room(self, request: Request, num_new_tokens: int, plan: StepPlan,
                    cached_block_ids: list[int]) -> bool:
@@ -316,6 +325,7 @@ class Scheduler:
         request goes back to waiting to recompute its prompt and output so far. Tokens
         already returned stay returned, so callers see no gap and no repeat."""
         plan = StepPlan(token_budget=0, max_num_seqs=0)
+        self._computing_in_flight.clear()
         for request in list(self._running):  # their steps in flight died with the group
             self._preempt(request, plan)
         self.block_manager.reset_prefix_cache()  # the K/V behind it died with the group
@@ -379,6 +389,8 @@ class Scheduler:
         batch = scheduler_output.batch
         if step_result.step_id != batch.step_id:
             raise WorkerError(f"result of step {step_result.step_id} for batch {batch.step_id}")
+        self._computing_in_flight.subtract(scheduler_output.computing_block_hashes)
+        self._computing_in_flight += Counter()  # drops the hashes no step computes any more
         outputs = [self._report_abort(request) for request in self._aborted]
         self._aborted = []
         sampled_tokens = iter(step_result.sampled)

@@ -59,6 +59,8 @@ class SchedulerOutput:
     # Batch order: (the request, its num_preemptions when scheduled). The result of a request
     # preempted since (and perhaps admitted again) belongs to the old run and is dropped.
     scheduled_requests: list[tuple[Request, int]] = field(default_factory=list)
+    # Hashes of the full blocks this step's prefills compute, findable once it is taken back.
+    computing_block_hashes: set[bytes] = field(default_factory=set)
 
     @property
     def scheduled_req_ids(self) -> list[str]:

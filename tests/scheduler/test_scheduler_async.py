@@ -208,3 +208,18 @@ def test_without_async_scheduling_a_request_is_in_one_step_at_a_time() -> None:
     scheduler.add_request(make_request("r", max_tokens=5))
     scheduler.schedule()
     assert scheduler.schedule().batch.works == []
+
+
+def test_a_newcomer_waits_for_the_prefix_a_step_in_flight_computes_then_takes_it_from_the_cache() -> None:
+    scheduler = make_scheduler(async_scheduling=True)
+    runner = AsyncFakeRunner(scheduler.config.block_size)
+    scheduler.add_request(make_request("first", num_prompt=9, max_tokens=4))  # two full blocks
+    first = scheduler.schedule()
+    first_result = runner(first.batch)
+    scheduler.add_request(make_request("second", num_prompt=9, max_tokens=4))  # the same prompt
+    ahead = scheduler.schedule()
+    assert [w.req_id for w in ahead.batch.works] == ["first"]  # not computing the prefix again
+    scheduler.update_from_output(first, first_result)
+    after = scheduler.schedule()
+    second = next(w for w in after.batch.works if w.req_id == "second")
+    assert second.start_pos == 8 and second.token_ids == [18]  # after the two cached blocks
