@@ -225,6 +225,12 @@ class MixedGraphs:
                          self.block_tables[self.num_decode_slots + i - num_decodes, : int(needed[i])])
             for i in range(num_decodes, len(ordered))
         ]
+        num_tokens = int(lens.sum())
+        if size > num_tokens:
+            # The padding rows attend among themselves (a chunk with nothing cached): left out,
+            # their attention output would be uninitialized memory, NaN at times, and go into the
+            # scratch block's K/V, which padded block tables let decodes read (masked, 0 * NaN).
+            chunks.append(PrefillChunk(num_tokens, size - num_tokens, 0, self.block_tables[0, :0]))
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:size], num_decode_tokens=num_decodes,
             block_tables=self.block_tables[:num_decodes], seq_lens=self.seq_lens[:num_decodes],

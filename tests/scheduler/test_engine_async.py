@@ -59,7 +59,8 @@ def _generate(folder, prompts, params, *, async_scheduling: bool, with_tokenizer
     return results, count, engine
 
 
-def _assert_same(got: list[GenerationResult], want: list[GenerationResult], logprobs_tol: float = 0.0) -> None:
+def _assert_same(got: list[GenerationResult], want: list[GenerationResult], logprobs_tol: float = 0.0
+                 ) -> None:
     for g, w in zip(got, want, strict=True):
         assert (g.token_ids, g.text, g.finish_reason, g.stop_reason) == (
             w.token_ids, w.text, w.finish_reason, w.stop_reason)

@@ -163,7 +163,8 @@ def test_blocks_cover_the_pending_tokens_position() -> None:
 def test_a_pending_token_that_is_the_last_is_not_scheduled_ahead() -> None:
     scheduler = make_scheduler(async_scheduling=True, max_num_batched_tokens=2048)
     scheduler.add_request(make_request("last", max_tokens=1))
-    scheduler.add_request(make_request("window", num_prompt=1023, first_token=100, max_tokens=50))  # max_model_len 1024
+    # Its pending token is the last that max_model_len (1024) allows.
+    scheduler.add_request(make_request("window", num_prompt=1023, first_token=100, max_tokens=50))
     scheduler.add_request(make_request("more", first_token=200, max_tokens=2))
     scheduler.schedule()
     ahead = scheduler.schedule()
