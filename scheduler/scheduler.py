@@ -163,7 +163,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         plan = StepPlan(token_budget=self.config.max_num_batched_tokens,
-                         max_num_seqs=self._step_seq_budget())
+                        max_num_seqs=self._step_seq_budget())
         self._schedule_running(plan)
         # Blocks just freed by preemption are for the running requests that needed them;
         # admitting new ones now would only preempt again.
