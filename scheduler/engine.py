@@ -9,6 +9,12 @@ A pipeline-parallel group takes `executor.pipeline_depth` steps in flight: `step
 many submitted (each with requests the others do not have) and takes back the oldest, so
 every stage has a step to work on while the scheduler handles the tokens of another.
 
+Async scheduling (`EngineConfig.async_scheduling`, one stage): `step` keeps two steps in
+flight with the same requests. It schedules and submits step n+1 while the device still runs
+step n, each decode's input the token step n samples, which stays on the device; then it
+collects step n, which waits for step n only. Stop checks, aborts and preemption therefore act
+one step late; the scheduler drops what the step ahead computed for a finished request.
+
 `generate` runs a list of prompts to completion; the Redis service loop (a later issue)
 calls `add_request` / `step` itself.
 """
@@ -18,7 +24,6 @@ from __future__ import annotations
 import collections
 import itertools
 import random
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -77,6 +82,10 @@ class LLMEngine:
         if self.tokenizer is None and load_tokenizer_files:
             self.tokenizer = load_tokenizer(config.model)
         self.executor: Executor = make_executor(config)
+        # A pipeline's steps in flight hold different requests; they overlap already.
+        self.async_scheduling = config.async_scheduling and self.executor.pipeline_depth == 1
+        # Steps submitted and not yet collected, at most.
+        self.max_in_flight = 2 if self.async_scheduling else self.executor.pipeline_depth
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -89,6 +98,7 @@ class LLMEngine:
                 max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
                 enable_prefix_caching=config.enable_prefix_caching,
                 pipeline_depth=self.executor.pipeline_depth,
+                async_scheduling=self.async_scheduling,
             ),
             self.tokenizer,
             Grammars(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),
@@ -160,11 +170,11 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def step(self) -> list[RequestOutput]:
-        """Submit steps until the executor's pipeline is full (or nothing more can run), then
-        take back the oldest; returns what it (and any step with nothing to run) produced."""
+        """Submit steps until max_in_flight are (or nothing more can run), then take back the
+        oldest; returns what it (and any step with nothing to run) produced."""
         outputs: list[RequestOutput] = []
         try:
-            while len(self._in_flight) < self.executor.pipeline_depth:
+            while len(self._in_flight) < self.max_in_flight:
                 started = time.perf_counter()
                 output = self.scheduler.schedule()
                 if not output.batch.works:  # only aborts (or preemption) to report
@@ -222,15 +232,6 @@ class LLMEngine:
             for out in self.step():
                 collect_output(results[out.req_id], out)
         return [results[req_id] for req_id in order]
-
-    def set_gpu_wait_gate(self, gate: threading.Event) -> bool:
-        """Have the executor set `gate` while each step waits for the GPU, so that a caller's
-        helper thread runs then; False when this executor has no such wait to offer."""
-        setter = getattr(self.executor, "set_gpu_wait_gate", None)
-        if setter is None:
-            return False
-        setter(gate)
-        return True
 
     def warm_up(self) -> None:
         """Run a few throwaway requests through every kind of step (long prefill chunks, mixed

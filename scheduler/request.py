@@ -74,6 +74,12 @@ class Request:
     # all_token_ids[num_computed_tokens:], so chunked prefill, decode and resume after
     # preemption (which resets this to 0) are the same rule.
     num_computed_tokens: int = 0
+    # Steps submitted and not yet taken back (a pipeline's, or async scheduling's step ahead):
+    # the tokens they compute for this request, and how many of those steps sample a token that
+    # is still on the device. The next step starts at num_planned_tokens; a pending token is
+    # the input of the step after the one that samples it (the runner takes it on the device).
+    num_in_flight_tokens: int = 0
+    num_pending_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)  # block table, in position order
     # Prefix caching: the hash of each full block of all_token_ids so far (they never change),
     # how many of block_ids are findable by their hash, and how many prompt tokens the first
@@ -110,6 +116,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_planned_tokens(self) -> int:
+        """Tokens whose K/V is in the cache or being computed by a step in flight."""
+        return self.num_computed_tokens + self.num_in_flight_tokens
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -15,102 +15,38 @@ Under pipeline parallelism several steps are in flight at once (the engine submi
 before the last one's tokens are back). A request in a step still in flight is left out of
 the next ones, and never preempted, until that step's output has been taken back: its next
 token, and the blocks the step writes, are not known before.
+
+Under async scheduling (one step in flight while the engine plans the next) a request in the
+step in flight is scheduled again: a prefill's next chunk, or a decode whose input is the token
+that step samples, still on the device (`SequenceWork.is_token_pending`). Blocks cover every
+planned position, the pending one included. Stop checks, aborts and preemption act when a step
+is taken back, so they may be one step late: what the step ahead computed for a request that
+has finished, been aborted or been preempted meanwhile is dropped, never returned nor counted
+(its blocks are freed with the request's; the device runs the steps in order, so nothing
+handed out again is written by the late step after its new owner). A request the step ahead
+cannot serve waits for its token as under a pipeline: a grammar (its mask needs the token),
+penalties (their counts need it), or a pending token that is already its last.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
-from dataclasses import dataclass, field
+from collections import Counter
 
 from scheduler.block_manager import BlockManager, cdiv, update_block_hashes
 from scheduler.detokenizer import IncrementalDetokenizer, Tokenizer
 from scheduler.fair_share import FairShare
 from scheduler.grammar import Grammars
 from scheduler.request import BATCH_PRIORITY, FinishReason, Request, RequestStatus, TokenLogprobs
+from scheduler.step_plan import RequestOutput, SchedulerConfig, SchedulerOutput, StepPlan
 from shared.errors import InvalidRequestError, WorkerError
 from shared.logging import get_logger
 from shared.step import SampledToken, SequenceWork, StepBatch, StepResult
 
+__all__ = ["RequestOutput", "Scheduler", "SchedulerConfig", "SchedulerOutput"]
+
 logger = get_logger(__name__)
-
-
-@dataclass
-class SchedulerConfig:
-    max_model_len: int  # prompt + output tokens of one sequence
-    num_kv_blocks: int
-    block_size: int = 16  # tokens per KV block
-    max_num_seqs: int = 256  # cap on the sequences of one step (and on running ones, per step in flight)
-    max_num_batched_tokens: int = 2048  # per-step token budget
-    # Cap on one request's prefill chunk per step, so several prompts can progress at once;
-    # None: a prefill takes whatever budget the decodes leave.
-    long_prefill_chunk: int | None = None
-    enable_prefix_caching: bool = True
-    # Steps in flight at once (a pipeline's stages): each step takes about 1/depth of the
-    # requests, so that every in-flight step has some.
-    pipeline_depth: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("max_model_len", "num_kv_blocks", "block_size", "max_num_seqs",
-                     "max_num_batched_tokens", "pipeline_depth"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.long_prefill_chunk is not None and self.long_prefill_chunk < 1:
-            raise ValueError(f"long_prefill_chunk must be >= 1, got {self.long_prefill_chunk}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            # Otherwise some running sequences could not decode in a step and would starve.
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                f"max_num_seqs ({self.max_num_seqs})"
-            )
-
-
-@dataclass
-class SchedulerOutput:
-    batch: StepBatch
-    num_scheduled_tokens: dict[str, int]  # req_id -> tokens computed this step, batch order
-    preempted_req_ids: list[str]  # preempted during this schedule() call
-
-    @property
-    def scheduled_req_ids(self) -> list[str]:
-        return list(self.num_scheduled_tokens)
-
-
-@dataclass
-class RequestOutput:
-    """What one step added to one request, for streaming back to its client."""
-
-    req_id: str
-    new_token_ids: list[int]
-    text_delta: str  # new text since the previous output (empty while held back)
-    finished: bool
-    finish_reason: FinishReason | None = None
-    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
-    logprobs: list[TokenLogprobs] | None = None  # of new_token_ids; None if not asked for
-    num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
-
-
-@dataclass
-class _StepPlan:
-    """What schedule() has decided so far; preemption can take a decision back."""
-
-    token_budget: int
-    max_num_seqs: int  # sequences this step may take
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # req_id -> tokens
-    preempted_req_ids: list[str] = field(default_factory=list)
-    # Hashes of the full blocks this step's prefills compute: cached from the next step on.
-    computing_block_hashes: set[bytes] = field(default_factory=set)
-
-    def add(self, request: Request, num_tokens: int) -> None:
-        self.num_scheduled_tokens[request.req_id] = num_tokens
-        self.token_budget -= num_tokens
-
-    @property
-    def has_seq_room(self) -> bool:
-        return len(self.num_scheduled_tokens) < self.max_num_seqs
-
-    def remove(self, request: Request) -> None:
-        self.token_budget += self.num_scheduled_tokens.pop(request.req_id, 0)
 
 
 def _importance(request: Request) -> tuple[int, float]:
@@ -138,7 +74,9 @@ class Scheduler:
         self._waiting: list[Request] = []
         self._fair_share = FairShare()  # which tenant's waiting request starts next, per priority
         self._running: list[Request] = []  # in admission order
-        self._in_flight: set[str] = set()  # req_ids in steps scheduled and not yet taken back
+        # Hashes of the full blocks that steps in flight compute (findable once taken back), with
+        # the number of steps computing each: a newcomer waits for them as for the current step's.
+        self._computing_in_flight: Counter[bytes] = Counter()
         self._aborted: list[Request] = []  # aborted since the last update_from_output
         self._next_step_id = 0
         # When set, only requests with stop strings are detokenized here (their text decides when
@@ -225,23 +163,26 @@ class Scheduler:
     # -- one step: schedule ----------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        plan = _StepPlan(token_budget=self.config.max_num_batched_tokens,
-                         max_num_seqs=self._step_seq_budget())
+        plan = StepPlan(token_budget=self.config.max_num_batched_tokens,
+                        max_num_seqs=self._step_seq_budget())
         self._schedule_running(plan)
         # Blocks just freed by preemption are for the running requests that needed them;
         # admitting new ones now would only preempt again.
         if not plan.preempted_req_ids:
             self._schedule_waiting(plan)
-        works = [
-            self._make_work(self._requests[req_id], num_tokens)
-            for req_id, num_tokens in plan.num_scheduled_tokens.items()
-        ]
+        scheduled = [self._requests[req_id] for req_id in plan.num_scheduled_tokens]
+        works = [self._make_work(request, plan.num_scheduled_tokens[request.req_id]) for request in scheduled]
         batch = StepBatch(step_id=self._next_step_id, works=works)
         if self.grammars is not None:  # the runner fills it once the forward runs (shared/step.py)
             batch.mask_filler = self.grammars.mask_filler(works)
         self._next_step_id += 1
-        self._in_flight.update(plan.num_scheduled_tokens)
-        return SchedulerOutput(batch, plan.num_scheduled_tokens, plan.preempted_req_ids)
+        for request, work in zip(scheduled, works, strict=True):
+            request.num_in_flight_tokens += len(work.token_ids)
+            request.num_pending_tokens += work.is_sampled
+        self._computing_in_flight.update(plan.computing_block_hashes)
+        return SchedulerOutput(batch, plan.num_scheduled_tokens, plan.preempted_req_ids,
+                               [(request, request.num_preemptions) for request in scheduled],
+                               plan.computing_block_hashes)
 
     def _step_seq_budget(self) -> int:
         """Sequences this step may take: all of max_num_seqs, but for a pipeline a 1/depth share
@@ -252,7 +193,7 @@ class Scheduler:
         num_requests = len(self._running) + len(self._waiting)
         return max(1, min(self.config.max_num_seqs, -(-num_requests // depth)))
 
-    def _schedule_running(self, plan: _StepPlan) -> None:
+    def _schedule_running(self, plan: StepPlan) -> None:
         # Decodes first: a request still prefilling gets what they leave, so a long prompt
         # never holds back the decodes of others for more than its current chunk.
         by_decodes_first = sorted(
@@ -261,13 +202,17 @@ class Scheduler:
         for request in by_decodes_first:
             if not plan.has_seq_room:
                 break  # the rest go with the next step (a pipeline's share)
-            if request.status is not RequestStatus.RUNNING or request.req_id in self._in_flight:
-                continue  # preempted for another request earlier in this loop, or in flight
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted for another request earlier in this loop
+            if request.num_in_flight_tokens and not self._can_schedule_ahead(request):
+                continue  # in a step in flight: its next step waits for that one's token
             num_new_tokens = self._num_new_tokens(request, plan.token_budget)
             if num_new_tokens == 0:
                 continue
-            while not self.block_manager.allocate_slots(request, num_new_tokens):
-                victim = max((r for r in self._running if r.req_id not in self._in_flight),
+            # Blocks for every planned position: those of the step in flight, then these.
+            num_slots = request.num_in_flight_tokens + num_new_tokens
+            while not self.block_manager.allocate_slots(request, num_slots):
+                victim = max((r for r in self._running if self._can_preempt(r)),
                              key=_importance)  # `request` itself at worst
                 self._preempt(victim, plan)
                 if victim is request:
@@ -276,7 +221,25 @@ class Scheduler:
                 plan.add(request, num_new_tokens)
                 self._note_computing(request, num_new_tokens, plan)
 
-    def _schedule_waiting(self, plan: _StepPlan) -> None:
+    def _can_schedule_ahead(self, request: Request) -> bool:
+        """Whether a request in the step in flight can be in the next one too (async scheduling)."""
+        if not self.config.async_scheduling or request.sampling.grammar is not None:
+            return False
+        if request.sampling.has_penalties:
+            return False
+        if not request.num_pending_tokens:
+            return True  # a prefill's next chunk: its tokens are known
+        # The pending token may already be its last: a step for the one after would be wasted,
+        # and could reach past the model's window.
+        return (request.num_output_tokens + request.num_pending_tokens < request.sampling.max_tokens
+                and request.num_tokens + request.num_pending_tokens < self._max_num_tokens)
+
+    def _can_preempt(self, request: Request) -> bool:
+        """Under a pipeline a request in a step in flight stays (its stages may still write its
+        K/V); under async scheduling the step in flight's result is dropped, as for an abort."""
+        return self.config.async_scheduling or not request.num_in_flight_tokens
+
+    def _schedule_waiting(self, plan: StepPlan) -> None:
         admits_interactive = False
         # Strict priorities; tenants take turns inside one (scheduler/fair_share.py).
         for request in self._fair_share.order(self._waiting):
@@ -308,23 +271,26 @@ class Scheduler:
             plan.add(request, num_new_tokens)
             self._note_computing(request, num_new_tokens, plan)
 
-    def _note_computing(self, request: Request, num_new_tokens: int, plan: _StepPlan) -> None:
+    def _note_computing(self, request: Request, num_new_tokens: int, plan: StepPlan) -> None:
         if num_new_tokens <= 1 or not self.config.enable_prefix_caching:
             return  # a decode's block is its own output: not worth waiting for
         hashes = update_block_hashes(request, self.config.block_size)
-        first = request.num_computed_tokens // self.config.block_size
-        end = (request.num_computed_tokens + num_new_tokens) // self.config.block_size
+        first = request.num_planned_tokens // self.config.block_size
+        end = (request.num_planned_tokens + num_new_tokens) // self.config.block_size
         plan.computing_block_hashes.update(hashes[first:end])
 
-    def _prefix_is_being_computed(self, request: Request, num_cached_blocks: int, plan: _StepPlan) -> bool:
-        """Whether the request's first block not in the cache is computed in this step by another."""
-        if not plan.computing_block_hashes:
+    def _prefix_is_being_computed(self, request: Request, num_cached_blocks: int, plan: StepPlan) -> bool:
+        """Whether the request's first block not in the cache is computed by another, in this step
+        or in one in flight."""
+        if not plan.computing_block_hashes and not self._computing_in_flight:
             return False
         max_blocks = (request.num_tokens - 1) // self.config.block_size
-        return (num_cached_blocks < max_blocks
-                and request.block_hashes[num_cached_blocks] in plan.computing_block_hashes)
+        if num_cached_blocks >= max_blocks:
+            return False
+        block_hash = request.block_hashes[num_cached_blocks]
+        return block_hash in plan.computing_block_hashes or block_hash in self._computing_in_flight
 
-    def _make_room(self, request: Request, num_new_tokens: int, plan: _StepPlan,
+    def _make_room(self, request: Request, num_new_tokens: int, plan: StepPlan,
                    cached_block_ids: list[int]) -> bool:
         """Get a sequence slot and blocks for a waiting request (starting with its cached
         prefix); True when allocated.
@@ -338,7 +304,7 @@ class Scheduler:
         num_blocks_needed = manager.num_free_blocks_taken(request, num_new_tokens, cached_block_ids)
         num_free_blocks = manager.num_free_blocks
         candidates = sorted(
-            (r for r in self._running if r.priority > request.priority and r.req_id not in self._in_flight),
+            (r for r in self._running if r.priority > request.priority and self._can_preempt(r)),
             key=_importance,
             reverse=True,
         )
@@ -359,18 +325,19 @@ class Scheduler:
         """After a failed step (a worker group died, its KV cache with it): every running
         request goes back to waiting to recompute its prompt and output so far. Tokens
         already returned stay returned, so callers see no gap and no repeat."""
-        plan = _StepPlan(token_budget=0, max_num_seqs=0)
-        self._in_flight.clear()  # those steps died with the group
-        for request in list(self._running):
+        plan = StepPlan(token_budget=0, max_num_seqs=0)
+        self._computing_in_flight.clear()
+        for request in list(self._running):  # their steps in flight died with the group
             self._preempt(request, plan)
         self.block_manager.reset_prefix_cache()  # the K/V behind it died with the group
         return plan.preempted_req_ids
 
-    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
         """Free the request's blocks and queue it to recompute everything; keep its output."""
         self._running.remove(request)
         self.block_manager.free(request)
         request.num_computed_tokens = 0
+        request.num_in_flight_tokens = request.num_pending_tokens = 0  # their results are dropped
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         bisect.insort(self._waiting, request, key=_importance)
@@ -382,27 +349,32 @@ class Scheduler:
         )
 
     def _num_new_tokens(self, request: Request, token_budget: int, num_cached_tokens: int = 0) -> int:
-        num_new_tokens = request.num_tokens - request.num_computed_tokens - num_cached_tokens
+        num_known = request.num_tokens + request.num_pending_tokens  # a pending token is known next step
+        num_new_tokens = num_known - request.num_planned_tokens - num_cached_tokens
         if self.config.long_prefill_chunk is not None:
             num_new_tokens = min(num_new_tokens, self.config.long_prefill_chunk)
         return min(num_new_tokens, token_budget)
 
     def _make_work(self, request: Request, num_tokens: int) -> SequenceWork:
-        start = request.num_computed_tokens
+        start = request.num_planned_tokens
         end = start + num_tokens
-        is_sampled = end == request.num_tokens
+        # A step ahead of a pending token computes that token alone (the schedule allows one).
+        is_token_pending = end > request.num_tokens
+        is_sampled = end == request.num_tokens + request.num_pending_tokens
         # Penalties need the token history; don't ship it for steps that don't sample.
         needs_history = is_sampled and request.sampling.has_penalties
         return SequenceWork(
             req_id=request.req_id,
-            token_ids=request.token_ids_slice(start, end),
+            token_ids=[0] if is_token_pending else request.token_ids_slice(start, end),
             start_pos=start,
             block_ids=list(request.block_ids),
             is_sampled=is_sampled,
             sampling=request.worker_sampling,
-            num_output_tokens=request.num_output_tokens,
+            # With a seed this picks the random stream: the pending tokens come before this one.
+            num_output_tokens=request.num_output_tokens + request.num_pending_tokens,
             prompt_token_ids=list(request.prompt_token_ids) if needs_history else [],
             output_token_ids=list(request.output_token_ids) if needs_history else [],
+            is_token_pending=is_token_pending,
         )
 
     # -- one step: take the result back ----------------------------------------------
@@ -418,20 +390,27 @@ class Scheduler:
         batch = scheduler_output.batch
         if step_result.step_id != batch.step_id:
             raise WorkerError(f"result of step {step_result.step_id} for batch {batch.step_id}")
-        self._in_flight.difference_update(scheduler_output.num_scheduled_tokens)
+        self._computing_in_flight.subtract(scheduler_output.computing_block_hashes)
+        self._computing_in_flight += Counter()  # drops the hashes no step computes any more
         outputs = [self._report_abort(request) for request in self._aborted]
         self._aborted = []
         sampled_tokens = iter(step_result.sampled)
-        for work in batch.works:
+        scheduled = scheduler_output.scheduled_requests or [
+            (self._requests.get(w.req_id), None) for w in batch.works]  # an output built by hand (tests)
+        for work, (request, num_preemptions) in zip(batch.works, scheduled, strict=True):
             sampled = next(sampled_tokens, None) if work.is_sampled else None
             if work.is_sampled and (sampled is None or sampled.req_id != work.req_id):
                 raise WorkerError(f"step {batch.step_id}: no sampled token for {work.req_id!r}")
-            request = self._requests.get(work.req_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
-                continue  # aborted after schedule(): what the step did for it is moot
+            if request is None or request.status is not RequestStatus.RUNNING or (
+                    num_preemptions is not None and request.num_preemptions != num_preemptions):
+                # Aborted, finished or preempted after schedule(): what the step did for it is moot
+                # (a token past a stop, an abort or max_tokens is dropped here, never counted).
+                continue
             request.num_computed_tokens += len(work.token_ids)
+            request.num_in_flight_tokens -= len(work.token_ids)
             self.block_manager.register_full_blocks(request)
             if sampled is not None:
+                request.num_pending_tokens -= 1
                 outputs.append(self._append_token(request, sampled))
         if next(sampled_tokens, None) is not None:
             raise WorkerError(f"step {batch.step_id}: more sampled tokens than sampled works")

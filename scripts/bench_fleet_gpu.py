@@ -162,9 +162,11 @@ def prepare_model(args: argparse.Namespace, folder: Path) -> str:
 
 def run_engine_path(args: argparse.Namespace, folder: Path, workload: Workload) -> PathResult:
     result = PathResult("(a) in-process engine")
-    config = EngineConfig(model=str(folder), device=args.device, dtype=args.dtype, tp=args.tp, pp=args.pp,
-                          max_num_seqs=args.max_num_seqs, cuda_graph_max_batch_size=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens)
+    # for_device: the device's defaults for the rest (async scheduling on CUDA), as the fleet's scheduler.
+    config = EngineConfig.for_device(torch.device(args.device).type, model=str(folder), device=args.device,
+                                     dtype=args.dtype, tp=args.tp, pp=args.pp, max_num_seqs=args.max_num_seqs,
+                                     cuda_graph_max_batch_size=args.max_num_seqs,
+                                     max_num_batched_tokens=args.max_num_batched_tokens)
     with LLMEngine(config, load_tokenizer_files=False) as engine:
         warm_up(engine, SMOLLM2_VOCAB_SIZE)
         meter = CpuMeter({"this process": os.getpid()})

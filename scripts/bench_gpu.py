@@ -326,10 +326,11 @@ def run_engine_config(args, max_num_seqs: int, folder: Path, workload: Workload,
     rows = []
     engine = None
     try:
-        config = EngineConfig(model=str(folder), device=args.device, dtype="bfloat16",
-                              max_num_seqs=max_num_seqs, cuda_graph_max_batch_size=max_num_seqs,
-                              max_num_batched_tokens=args.max_num_batched_tokens,
-                              cuda_graphs=not args.no_cuda_graphs)
+        # for_device: the device's defaults for the rest (async scheduling on CUDA), as the commands'.
+        config = EngineConfig.for_device(device.type, model=str(folder), device=args.device, dtype="bfloat16",
+                                         max_num_seqs=max_num_seqs, cuda_graph_max_batch_size=max_num_seqs,
+                                         max_num_batched_tokens=args.max_num_batched_tokens,
+                                         cuda_graphs=not args.no_cuda_graphs)
         engine = LLMEngine(config, load_tokenizer_files=False)
         graphs = getattr(engine.executor.runner, "decode_graphs", None)
         log(f"engine loaded (max_num_seqs {max_num_seqs}): {engine.executor.num_kv_blocks} KV blocks, CUDA "

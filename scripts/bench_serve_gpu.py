@@ -22,8 +22,11 @@ scripts/bench_fleet_gpu.py builds it). Workload, at each --rates for --seconds o
 --seconds during the --py-spy-rate run (`python -m testkit.spy_summary` sums it up).
 --engine-ab runs no fleet: the engine twice, with mixed-step CUDA graphs and
 with every mixed step eager (cuda_graph_max_tokens 0), reporting the host time of a mixed
-step's forward and the engine thread's share of time waiting on the GPU. Prints the command line
-first and the table last.
+step's forward and the engine thread's share of time waiting on the GPU. --engine-ab async
+compares async scheduling on and off the same way (both with the graphs). Prints the command
+line first and the table last.
+
+    python3 scripts/bench_serve_gpu.py --tokenizer DIR --engine-ab async   # one H200, ~4 min
 """
 
 from __future__ import annotations
@@ -152,11 +155,15 @@ def start_py_spy(args: argparse.Namespace, rate: float, out: Path) -> list[subpr
     return spies
 
 
+# --engine-ab's runs: label -> the scheduler flags of each (the first is the default config's).
+AB_RUNS = {"graphs": {"graphs": [], "eager": ["--cuda-graph-max-tokens", "0"]},
+           "async": {"async on": ["--async-scheduling", "on"], "async off": ["--async-scheduling", "off"]}}
+
+
 def engine_rows(args: argparse.Namespace, folder: Path, rates: list[float], *,
-                mixed_graphs: bool = True) -> dict[float, ServingRow]:
+                flags: tuple[str, ...] = ()) -> dict[float, ServingRow]:
     from scheduler.engine import LLMEngine
 
-    flags = [] if mixed_graphs else ["--cuda-graph-max-tokens", "0"]
     scheduler_args = build_parser().parse_args(["scheduler", "--model", str(folder), *flags])
     config = engine_config(scheduler_args)
     served = ServedModel(MODEL_NAME, str(folder), None, 0, 0)
@@ -175,13 +182,12 @@ def engine_rows(args: argparse.Namespace, folder: Path, rates: list[float], *,
     return rows
 
 
-def print_engine_ab(description: str, rates: list[float], graphs: dict[float, ServingRow],
-                    eager: dict[float, ServingRow]) -> None:
-    print(f"\n{description}; the engine alone, mixed-step graphs against eager mixed steps\n")
+def print_engine_ab(description: str, rates: list[float], runs: dict[str, dict[float, ServingRow]]) -> None:
+    print(f"\n{description}; the engine alone: {' against '.join(runs)}\n")
     print("| run | output tok/s | TTFT p50 | TTFT p99 | ITL p99 | host ms per mixed forward "
           "| mixed steps (in graphs) | waiting on the GPU |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for mode, rows in (("graphs", graphs), ("eager", eager)):
+    for mode, rows in runs.items():
         for rate in rates:
             r = rows[rate]
             print(f"| {mode}, {rate:g} req/s | {r.tok_s:,.0f} | {1e3 * r.ttft_p50:.0f} ms "
@@ -204,8 +210,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--client-processes", type=int, default=4,
                         help="client processes the streams are dealt over (one adds its own queueing)")
     parser.add_argument("--logs", type=Path, help="folder for the fleet's logs (default: a temp folder)")
-    parser.add_argument("--engine-ab", action="store_true",
-                        help="no fleet: the engine with mixed-step graphs against every mixed step eager")
+    parser.add_argument("--engine-ab", nargs="?", const="graphs", choices=tuple(AB_RUNS),
+                        help="no fleet: the engine with mixed-step graphs against every mixed step eager "
+                             "(graphs, the default), or with async scheduling on against off (async)")
     args = parser.parse_args(argv)
     print_command()
     rates = [float(r) for r in args.rates.split(",")]
@@ -219,9 +226,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         description = prepare_model(args, folder)
         if args.engine_ab:
-            graphs = engine_rows(args, folder, rates)
-            eager = engine_rows(args, folder, rates, mixed_graphs=False)
-            print_engine_ab(description, rates, graphs, eager)
+            runs = {label: engine_rows(args, folder, rates, flags=tuple(flags))
+                    for label, flags in AB_RUNS[args.engine_ab].items()}
+            print_engine_ab(description, rates, runs)
             return
         fleet = fleet_rows(args, folder, rates, out)
         if args.device == "cuda":

@@ -2,7 +2,7 @@
 
 Engine defaults live in two layers, both here. `EngineConfig`'s dataclass defaults are the
 CPU's (and the tests'): `EngineConfig(model=...)` is the same config on every machine. The
-limits that depend on the hardware (max_num_seqs, max_num_batched_tokens and
+limits that depend on the hardware (max_num_seqs, max_num_batched_tokens, async_scheduling and
 cuda_graph_max_batch_size, which follows max_num_seqs) are in `DEVICE_DEFAULTS`, applied by
 `EngineConfig.for_device`: the commands build their config through it (tokenfleet/engine_flags.py,
 from the same table their flags come from), and so should an in-process user that wants what
@@ -40,13 +40,19 @@ def env_default(name: str, default: str | None = None) -> str | None:
 class DeviceDefaults:
     max_num_seqs: int  # running sequences (and the largest CUDA-graph decode batch)
     max_num_batched_tokens: int  # tokens per step
+    # Plan step n+1 while the device runs step n (scheduler/engine.py). On a CPU the in-process
+    # runner computes a step as it is submitted, so planning ahead overlaps nothing there and
+    # only delays each step's tokens by one step's time: off.
+    async_scheduling: bool
 
 
 # Engine limits a config takes, by device type, when nobody sets them. On a GPU, decode
 # throughput keeps growing up to ~512 sequences per step (scripts/bench_gpu.py, H200: 10.1k
 # output tok/s at 512 against 7.9k at 256); a CPU is saturated long before.
-DEVICE_DEFAULTS = {"cuda": DeviceDefaults(max_num_seqs=512, max_num_batched_tokens=8192),
-                   "cpu": DeviceDefaults(max_num_seqs=256, max_num_batched_tokens=2048)}
+DEVICE_DEFAULTS = {
+    "cuda": DeviceDefaults(max_num_seqs=512, max_num_batched_tokens=8192, async_scheduling=True),
+    "cpu": DeviceDefaults(max_num_seqs=256, max_num_batched_tokens=2048, async_scheduling=False),
+}
 _CPU = DEVICE_DEFAULTS["cpu"]
 
 
@@ -69,6 +75,10 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context window
     # Reuse the KV blocks of prompt prefixes computed before (hash-addressed full blocks).
     enable_prefix_caching: bool = True
+    # Submit step n+1 before collecting step n: sampled ids stay on the device and feed the next
+    # step's inputs; stop checks act one step late (scheduler/scheduler.py). Ignored under
+    # pipeline parallelism, whose steps in flight already overlap.
+    async_scheduling: bool = _CPU.async_scheduling
     num_threads: int | None = None  # torch threads per rank on CPU
     # Structured outputs: append the text a grammar forces (a key, a closing brace) without
     # sampling it (scheduler/grammar.py says how that can change a request's tokens).
@@ -102,7 +112,7 @@ class EngineConfig:
 
     @classmethod
     def for_device(cls, device_type: str, **fields) -> EngineConfig:
-        """The config of `fields` where max_num_seqs, max_num_batched_tokens and
+        """The config of `fields` where max_num_seqs, max_num_batched_tokens, async_scheduling and
         cuda_graph_max_batch_size, left out or None, take the defaults of `device_type` ("cuda"
         or "cpu": workers.device.resolve_device(config.device).type); the largest graph batch
         follows max_num_seqs."""
@@ -111,6 +121,8 @@ class EngineConfig:
             fields["max_num_seqs"] = defaults.max_num_seqs
         if fields.get("max_num_batched_tokens") is None:
             fields["max_num_batched_tokens"] = defaults.max_num_batched_tokens
+        if fields.get("async_scheduling") is None:
+            fields["async_scheduling"] = defaults.async_scheduling
         if fields.get("cuda_graph_max_batch_size") is None:
             fields["cuda_graph_max_batch_size"] = fields["max_num_seqs"]
         return cls(**fields)

@@ -34,6 +34,10 @@ class SequenceWork:
     # Only filled when sampling.has_penalties and is_sampled (penalties need history).
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
+    # Async scheduling: token_ids is [one decode token] that the previous step samples and the
+    # scheduler does not know yet (its value here means nothing); the runner takes it from that
+    # step's sampled ids on the device.
+    is_token_pending: bool = False
 
 
 @dataclass
@@ -77,7 +81,7 @@ class StepBatch:
         # sets them so): SamplingParams(*values) rebuilds it, and fails loudly if that changes.
         works = [(w.req_id, w.token_ids, w.start_pos, w.block_ids, w.is_sampled,
                   tuple(vars(w.sampling).values()), w.num_output_tokens,
-                  w.prompt_token_ids, w.output_token_ids) for w in self.works]
+                  w.prompt_token_ids, w.output_token_ids, w.is_token_pending) for w in self.works]
         return _batch_from_wire, (self.step_id, works, self.token_mask)
 
 
@@ -103,9 +107,9 @@ class StepResult:
 def _batch_from_wire(step_id: int, works: list[tuple], token_mask: TokenBitmask | None) -> StepBatch:
     return StepBatch(step_id, [
         SequenceWork(req_id, token_ids, start_pos, block_ids, is_sampled, SamplingParams(*sampling),
-                     num_output_tokens, prompt_token_ids, output_token_ids)
+                     num_output_tokens, prompt_token_ids, output_token_ids, is_token_pending)
         for (req_id, token_ids, start_pos, block_ids, is_sampled, sampling, num_output_tokens,
-             prompt_token_ids, output_token_ids) in works
+             prompt_token_ids, output_token_ids, is_token_pending) in works
     ], token_mask)
 
 

@@ -39,7 +39,8 @@ def chat_arrivals(rate: float, seconds: float, prefix: list[int], vocab: int, se
 
 @dataclass
 class StepMeter:
-    """Times the runner's forward of mixed steps and the sampler's wait for the GPU."""
+    """Times the runner's forward of mixed steps and the wait for the GPU (the host reading a
+    step's sampled ids: `ModelRunner.finish`; under async scheduling, after the next step's launch)."""
 
     mixed_forward_s: list[float] = field(default_factory=list)
     graph_steps: int = 0
@@ -47,7 +48,7 @@ class StepMeter:
 
     def attach(self, engine: LLMEngine) -> None:
         runner = engine.executor.runner
-        forward, sample = runner.forward, runner.sampler.sample
+        forward, finish = runner.forward, runner.finish
         graphs = runner.mixed_graphs
 
         def timed_forward(batch, use_graphs=True):
@@ -60,18 +61,18 @@ class StepMeter:
                     if graphs is not None and graphs.can_run(batch.works):
                         self.graph_steps += 1
 
-        def timed_sample(*args, **kw):
+        def timed_finish(*args, **kw):
             start = time.perf_counter()
             try:
-                return sample(*args, **kw)
+                return finish(*args, **kw)
             finally:
                 self.gpu_wait_s += time.perf_counter() - start
 
-        runner.forward, runner.sampler.sample = timed_forward, timed_sample
+        runner.forward, runner.finish = timed_forward, timed_finish
 
     def detach(self, engine: LLMEngine) -> None:
         runner = engine.executor.runner
-        del runner.forward, runner.sampler.sample
+        del runner.forward, runner.finish
 
 
 @dataclass

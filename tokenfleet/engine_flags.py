@@ -24,6 +24,14 @@ from shared.errors import InvalidRequestError
 from tokenfleet.flags import flag
 
 EXECUTORS = ("auto", "inprocess", "ray")
+
+
+def on_off(text: str) -> bool:
+    """--async-scheduling on|off (also true/false, as engine_argv passes a bool on)."""
+    words = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False}
+    if text.lower() not in words:
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return words[text.lower()]
 _CUDA, _CPU = DEVICE_DEFAULTS["cuda"], DEVICE_DEFAULTS["cpu"]
 
 
@@ -79,6 +87,9 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("num-cpus-per-rank", "Ray CPUs per rank on CPU hosts", float, EngineConfig.num_cpus_per_rank),
     EngineFlag("placement-group", "use this named Ray placement group (reserved by the autoscaler) for the "
                                   "worker group instead of reserving one", field="placement_group_name"),
+    EngineFlag("async-scheduling", "plan step n+1 while the device runs step n: on or off (default: on "
+                                   "on CUDA, off on CPU, where a step runs as it is submitted)",
+               on_off),
     EngineFlag("no-prefix-caching", "recompute every prompt instead of reusing the KV blocks of a prefix "
                                     "seen before", default=False, field="enable_prefix_caching", switch=True),
     EngineFlag("grammar-jump-forward", "structured outputs: append the text a grammar forces (keys, "

@@ -22,6 +22,8 @@ eager from the batch alone, so their collectives always line up.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from torch import nn
@@ -152,12 +154,16 @@ class DecodeGraphs:
         self.graphs = capture_graphs(self.sizes, self._forward, self.device)
 
     @torch.inference_mode()
-    def run(self, works: list[SequenceWork], hidden_in: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, works: list[SequenceWork], hidden_in: torch.Tensor | None = None,
+            fill_tokens: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Logits [len(works), vocab] of a decode-only batch (check can_run first); on a stage
-        before the last, its activation [len(works), hidden]. `hidden_in`: the previous stage's."""
+        before the last, its activation [len(works), hidden]. `hidden_in`: the previous stage's.
+        `fill_tokens` writes the pending input tokens into the token-id buffer (on the device)."""
         num_seqs = len(works)
         size = self.padded_size(num_seqs)
         self._load_inputs(works, size)
+        if fill_tokens is not None:
+            fill_tokens(self.token_ids)
         if hidden_in is not None:
             self.hidden_in[:num_seqs].copy_(hidden_in)
         if self.graphs:

@@ -5,18 +5,19 @@
   used for TP or PP > 1, for replicas, or when `EngineConfig.use_ray` is set.
 
 `submit` starts a step and `collect` waits for its result; a pipelined group (PP > 1) takes
-`pipeline_depth` steps in flight at once, so that every stage has work.
+`pipeline_depth` steps in flight at once, so that every stage has work. Under async scheduling
+the engine submits step n+1 before it collects step n (one stage): in-process, `submit` queues
+the step's kernels (on CUDA nothing waits) and `collect` waits for that step's sampled ids.
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Protocol
 
 from shared.config import EngineConfig
 from shared.errors import ModelLoadError
 from shared.step import StepBatch, StepResult
-from workers.model_runner import ModelRunner
+from workers.model_runner import LaunchedStep, ModelRunner
 from workers.parallel import SINGLE_DEVICE
 
 
@@ -49,25 +50,19 @@ class InProcessExecutor:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.gpu_wait_gate: threading.Event | None = None
         self._start()
 
     def _start(self) -> None:
         self.runner = ModelRunner(self.config, SINGLE_DEVICE)
-        self.runner.gpu_wait_gate = self.gpu_wait_gate
         self.num_kv_blocks = self.runner.num_kv_blocks
         self.max_model_len = self.runner.max_model_len
         self.block_size = self.runner.block_size
 
-    def submit(self, batch: StepBatch) -> StepResult:
-        return self.runner.execute(batch)  # one rank, one step at a time: it runs now
+    def submit(self, batch: StepBatch) -> LaunchedStep:
+        return self.runner.launch(batch)  # on a CPU it runs now; on CUDA its kernels are queued
 
-    def collect(self, handle: StepResult) -> StepResult:
-        return handle
-
-    def set_gpu_wait_gate(self, gate: threading.Event) -> None:
-        """Set `gate` while each step waits for the GPU (see ModelRunner.gpu_wait_gate)."""
-        self.gpu_wait_gate = self.runner.gpu_wait_gate = gate
+    def collect(self, handle: LaunchedStep) -> StepResult:
+        return self.runner.finish(handle)
 
     def restart(self) -> None:
         # The old runner goes first: on CUDA the new one sizes its KV cache from free memory.

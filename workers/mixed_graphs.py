@@ -22,6 +22,8 @@ over several programs. All ranks of a group choose from the batch alone, as ther
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from torch import nn
@@ -126,14 +128,17 @@ class MixedGraphs:
         self.graphs = capture_graphs(self.sizes, self._forward, self.device)
 
     @torch.inference_mode()
-    def run(self, works: list[SequenceWork], hidden_in: torch.Tensor | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, works: list[SequenceWork], hidden_in: torch.Tensor | None = None,
+            fill_tokens: Callable[[torch.Tensor], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(the body's output for the step's rows [num_tokens, hidden], decodes first then the
         chunks in batch order; the row of each sampled work's last token, in batch order).
-        Check can_run first. `hidden_in`: the previous pipeline stage's activation, same rows."""
+        Check can_run first. `hidden_in`: the previous pipeline stage's activation, same rows.
+        `fill_tokens` writes the pending input tokens into the token-id buffer (on the device)."""
         num_tokens = sum(len(w.token_ids) for w in works)
         size = self.bucket(num_tokens)
         sample_rows = self._load_inputs(works, size)
+        if fill_tokens is not None:
+            fill_tokens(self.token_ids)
         if hidden_in is not None:
             self.hidden_in[:num_tokens].copy_(hidden_in)
         if self.graphs:
@@ -220,6 +225,12 @@ class MixedGraphs:
                          self.block_tables[self.num_decode_slots + i - num_decodes, : int(needed[i])])
             for i in range(num_decodes, len(ordered))
         ]
+        num_tokens = int(lens.sum())
+        if size > num_tokens:
+            # The padding rows attend among themselves (a chunk with nothing cached): left out,
+            # their attention output would be uninitialized memory, NaN at times, and go into the
+            # scratch block's K/V, which padded block tables let decodes read (masked, 0 * NaN).
+            chunks.append(PrefillChunk(num_tokens, size - num_tokens, 0, self.block_tables[0, :0]))
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:size], num_decode_tokens=num_decodes,
             block_tables=self.block_tables[:num_decodes], seq_lens=self.seq_lens[:num_decodes],

@@ -6,13 +6,18 @@ parallelism a rank holds its stage's layers and their KV cache only; a stage aft
 receives its input activation from the previous stage, one before the last sends its output on.
 On CUDA, decode-only steps replay a graph of their batch size (`workers/cuda_graphs.py`) and
 mixed steps one of their token count (`workers/mixed_graphs.py`); larger steps run eagerly.
+
+A step is `launch`ed (inputs, forward, mask, sampling: nothing waits for the device) and then
+`finish`ed (the sampled ids read on the host). Under async scheduling the in-process executor
+launches step n+1 before it finishes step n: the runner keeps each step's sampled ids on the
+device for the next step's pending inputs (`workers/pending_tokens.py`).
 """
 
 from __future__ import annotations
 
 import gc
-import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -23,15 +28,25 @@ from shared.model_config import ModelConfig, load_model_config
 from shared.step import SequenceWork, StepBatch, StepResult
 from workers.cuda_graphs import DecodeGraphs, use_cuda_graphs
 from workers.device import resolve_device, resolve_dtype
+from workers.device_sample import HostSample
 from workers.grammar_mask import apply_token_mask
 from workers.layers.quantization import METHODS, building_with, method_named
 from workers.mixed_graphs import MixedGraphs
 from workers.models.registry import MODEL_CLASSES
 from workers.parallel import TensorParallel, all_reduce_min
+from workers.pending_tokens import PendingTokens, share
 from workers.pipeline import SINGLE_STAGE, PipelineStage
 from workers.sampler import Sampler
 from workers.step_inputs import build_step_inputs
 from workers.weight_loader import load_weights, resident_weight_bytes
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device; `ModelRunner.finish` reads its result."""
+
+    step_id: int
+    host: HostSample | None  # the sampled ids on their way to the host (driver); None: no row sampled
 
 
 def format_bytes(num_bytes: int) -> str:
@@ -95,10 +110,10 @@ class ModelRunner:
         self.decode_graphs = self._capture_decode_graphs()
         self.mixed_graphs = self._capture_mixed_graphs()
         self.sampler = Sampler(seed=config.seed) if self.is_driver else None
-        # Set while this thread waits for the GPU (the sampler's copy of the chosen ids): a
-        # caller's helper thread (the scheduler's result writer) uses the GIL then, rather than
-        # while this thread launches the next step.
-        self.gpu_wait_gate: threading.Event | None = None
+        # Async scheduling (one pipeline stage): each step's sampled ids stay on the device for
+        # the next step's pending inputs, on every rank of the stage.
+        keeps_ids = config.async_scheduling and stage.size == 1
+        self.pending_tokens = PendingTokens(self.device) if keeps_ids else None
         self.is_closed = False
 
     def _new_model(self, device: torch.device) -> torch.nn.Module:
@@ -255,14 +270,21 @@ class ModelRunner:
         if not self.stage.is_first:
             hidden_in = self.stage.receive(batch.num_tokens, self.model_config.hidden_size, self.dtype,
                                            self.device)
+        fill_tokens = None
+        if self.pending_tokens is not None:
+            def fill_tokens(token_ids: torch.Tensor) -> None:
+                self.pending_tokens.fill(token_ids, batch.works)
+        elif any(w.is_token_pending for w in batch.works):
+            raise RuntimeError("a pending input token, but this runner does not keep sampled ids "
+                               "(async_scheduling is off, or pipeline stages)")
         if use_graphs and self.decode_graphs is not None and self.decode_graphs.can_run(batch.works):
-            out = self.decode_graphs.run(batch.works, hidden_in)
+            out = self.decode_graphs.run(batch.works, hidden_in, fill_tokens)
             if not self.stage.is_last:
                 self.stage.send(out)
                 return None, []
             return out, batch.works  # every decode row samples
         if use_graphs and self.mixed_graphs is not None and self.mixed_graphs.can_run(batch.works):
-            hidden, sample_rows = self.mixed_graphs.run(batch.works, hidden_in)
+            hidden, sample_rows = self.mixed_graphs.run(batch.works, hidden_in, fill_tokens)
             if not self.stage.is_last:
                 self.stage.send(hidden)
                 return None, []
@@ -271,6 +293,8 @@ class ModelRunner:
                 return None, []
             return self.model.compute_logits(hidden[sample_rows]), sampled_works
         inputs = build_step_inputs(batch, self.block_size, self.device)
+        if fill_tokens is not None:
+            fill_tokens(inputs.token_ids)
         hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, inputs.meta, hidden_in)
         if not self.stage.is_last:
             self.stage.send(hidden)
@@ -281,30 +305,42 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> StepResult | None:
+        """Run a step to its end (launch, then finish)."""
+        return self.finish(self.launch(batch))
+
+    @torch.inference_mode()
+    def launch(self, batch: StepBatch) -> LaunchedStep:
+        """Queue the step's work on the device, sampling and the ids' copy to the host included;
+        waits for nothing on CUDA."""
         timer = self.tp.timer
         start = timer.start(self.device) if timer else None
         logits, sampled_works = self.forward(batch)
         if timer:
             timer.stop("step", start)
+        if logits is not None and self.is_driver:
+            # The forward is launched (on CUDA it runs now): fill the grammar mask on the host
+            # meanwhile (StepBatch.mask_filler), then mask the logits behind the forward.
+            token_mask = batch.resolve_token_mask()
+            if token_mask is not None:
+                apply_token_mask(logits, token_mask)
+            sample = self.sampler.sample_on_device(logits, sampled_works)  # float32 inside, where it matters
+            token_ids, host = sample.token_ids, sample.to_host()
+        else:
+            token_ids, host = None, None
+        if self.pending_tokens is not None and self.stage.is_last:
+            if logits is not None:
+                token_ids = share(self.tp, token_ids, len(sampled_works), self.device)
+            self.pending_tokens.keep(sampled_works, token_ids)
+        return LaunchedStep(batch.step_id, host)
+
+    def finish(self, launched: LaunchedStep) -> StepResult | None:
+        """The step's StepResult (driver) or None (other ranks). The step's one host
+        synchronisation: waiting for the sampled ids' copy."""
         if not self.is_driver:
             return None
-        # The forward is launched (on CUDA it runs now): fill the grammar mask on the host
-        # meanwhile (StepBatch.mask_filler), then mask the logits behind the forward.
-        token_mask = batch.resolve_token_mask()
-        if logits is None:
-            return StepResult(batch.step_id, [])
-        if token_mask is not None:
-            apply_token_mask(logits, token_mask)
-        # The step's one host synchronisation: the sampler's .tolist() of the chosen ids.
-        gate = self.gpu_wait_gate
-        if gate is not None:
-            gate.set()
-        try:
-            sampled = self.sampler.sample(logits, sampled_works)  # float32 inside, where it matters
-        finally:
-            if gate is not None:
-                gate.clear()
-        return StepResult(batch.step_id, sampled)
+        if launched.host is None:
+            return StepResult(launched.step_id, [])
+        return StepResult(launched.step_id, launched.host.tokens())
 
     def close(self) -> None:
         """Give back everything this runner took on its device: the CUDA graphs and their memory

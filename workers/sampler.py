@@ -14,6 +14,7 @@ import torch
 
 from shared.sampling import SamplingParams
 from shared.step import SampledToken, SequenceWork
+from workers.device_sample import DeviceSample
 
 # Temperatures below this are treated as greedy: dividing by them can overflow float32
 # logits to inf and the softmax to NaN. vLLM uses the same cut.
@@ -33,22 +34,23 @@ class Sampler:
         self._seeded_generators: dict[torch.device, torch.Generator] = {}
 
     def sample(self, logits: torch.Tensor, works: list[SequenceWork]) -> list[SampledToken]:
-        """One token per row of `logits`; row i belongs to works[i]."""
+        """One token per row of `logits`; row i belongs to works[i]. Waits for the device."""
+        return self.sample_on_device(logits, works).to_host().tokens()
+
+    def sample_on_device(self, logits: torch.Tensor, works: list[SequenceWork]) -> DeviceSample:
+        """The same picks, left on the device: nothing here waits for the device."""
         # logits: [num_seqs, vocab]
         if logits.dim() != 2 or logits.shape[0] != len(works):
             raise ValueError(
                 f"logits of shape {tuple(logits.shape)} do not match {len(works)} works"
             )
-        if not works:
-            return []
         if all(_is_plain_greedy(w.sampling) for w in works):
             # The argmax of the logits as they come (bf16 -> float32 is exact and keeps the
             # order, ties included): no float32 copy of [num_seqs, vocab] (~0.1 ms at 256 rows).
-            ids = logits.argmax(dim=-1).tolist()
-            return [SampledToken(req_id=w.req_id, token_id=t) for w, t in zip(works, ids, strict=True)]
+            return DeviceSample(works, logits.argmax(dim=-1))
         logits = apply_penalties(logits.float(), works)
         token_ids = self._pick_tokens(logits, works)  # [num_seqs]
-        return _to_sampled_tokens(logits, token_ids, works)
+        return _with_logprobs(logits, token_ids, works)
 
     def _pick_tokens(self, logits: torch.Tensor, works: list[SequenceWork]) -> torch.Tensor:
         # logits: [num_seqs, vocab], penalized -> token ids: [num_seqs]
@@ -174,34 +176,18 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> to
     return torch.empty_like(logits).scatter_(-1, sorted_ids, sorted_logits)
 
 
-def _to_sampled_tokens(
-    logits: torch.Tensor, token_ids: torch.Tensor, works: list[SequenceWork]
-) -> list[SampledToken]:
+def _with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, works: list[SequenceWork]) -> DeviceSample:
     # logits: [num_seqs, vocab], penalized; token_ids: [num_seqs]
     num_logprobs = [w.sampling.logprobs for w in works]
-    ids = token_ids.tolist()
     if all(n is None for n in num_logprobs):
-        return [SampledToken(req_id=w.req_id, token_id=t) for w, t in zip(works, ids, strict=True)]
-
+        return DeviceSample(works, token_ids)
     logprobs = logits.log_softmax(dim=-1)  # [num_seqs, vocab]
-    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
     num_top = min(max(n or 0 for n in num_logprobs), logits.shape[-1])
-    top_values: list[list[float]] = [[] for _ in works]
-    top_ids: list[list[int]] = [[] for _ in works]
-    if num_top > 0:
-        values, indices = logprobs.topk(num_top, dim=-1)  # [num_seqs, num_top], best first
-        top_values, top_ids = values.tolist(), indices.tolist()
-
-    sampled = []
-    rows = zip(works, num_logprobs, ids, chosen, top_ids, top_values, strict=True)
-    for work, n, token_id, logprob, row_top_ids, row_top_values in rows:
-        token = SampledToken(req_id=work.req_id, token_id=token_id)
-        if n is not None:
-            token.logprob = logprob
-            if n > 0:
-                token.top_logprobs = list(zip(row_top_ids[:n], row_top_values[:n], strict=True))
-        sampled.append(token)
-    return sampled
+    if num_top == 0:
+        return DeviceSample(works, token_ids, chosen)
+    values, indices = logprobs.topk(num_top, dim=-1)  # [num_seqs, num_top], best first
+    return DeviceSample(works, token_ids, chosen, values, indices)
 
 
 def _token_counts(id_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:

@@ -19,7 +19,8 @@ SAMPLES = {
     "num-kv-blocks": "64", "block-size": "32", "quantization": "int8", "max-num-seqs": "8",
     "max-num-batched-tokens": "1024", "cuda-graph-max-batch-size": "4", "cuda-graph-max-tokens": "256",
     "num-threads": "2", "ray-address": "127.0.0.1:6380", "placement-strategy": "SPREAD",
-    "num-cpus-per-rank": "0.5", "no-prefix-caching": None, "grammar-jump-forward": None,
+    "num-cpus-per-rank": "0.5", "async-scheduling": "on", "no-prefix-caching": None,
+    "grammar-jump-forward": None,
 }
 PLACEMENT_GROUP = "tokenfleet-replica-m-0"  # the one flag the launchers set per replica
 
@@ -86,3 +87,15 @@ def test_flags_left_out_reach_no_scheduler_and_take_the_devices_defaults(tmp_pat
     cpu = engine_config(build_parser().parse_args(["scheduler", "--model", "m", "--device", "cpu"]))
     assert cpu == EngineConfig.for_device("cpu", model="m", device="cpu")
     assert EngineConfig.for_device("cpu", model="m") == EngineConfig(model="m")  # the dataclass: the CPU's
+
+
+def test_async_scheduling_takes_on_or_off_and_names_itself_otherwise(tmp_path, capsys) -> None:
+    def parsed(*flags: str) -> EngineConfig:
+        return engine_config(build_parser().parse_args(["scheduler", "--model", str(tmp_path), *flags]))
+
+    assert parsed("--async-scheduling", "on").async_scheduling is True
+    assert parsed("--async-scheduling", "off").async_scheduling is False
+    assert parsed("--device", "cpu").async_scheduling is False  # the CPU's default
+    with pytest.raises(SystemExit):
+        parsed("--async-scheduling", "maybe")
+    assert "--async-scheduling: expected on or off, got 'maybe'" in capsys.readouterr().err

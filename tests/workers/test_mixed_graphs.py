@@ -255,3 +255,19 @@ def test_engine_on_the_mixed_graph_path_gives_the_eager_greedy_tokens(tiny_check
         results = [r.token_ids for r in engine.generate(prompts, greedy)]
         assert sum(g.num_replays for g in graphs.graphs.values()) > 0
     assert results == expected
+
+
+def test_the_cpu_stand_in_attends_every_row_of_the_bucket_padding_included() -> None:
+    """The padding rows' attention output was left uninitialized (torch.empty_like) on the eager
+    stand-in's path; whatever it held (NaN at times) went into the scratch block's K/V, which a
+    decode's padded table reads (masked, but 0 * NaN is NaN): the engine's tokens turned to 0 in
+    about one run in ten. Every row of the bucket now belongs to a decode or a chunk."""
+    graphs = _graphs()
+    works = [_work(0, [11, 12, 13], 4, [5, 6]), _work(1, [21], 7, [3, 8])]
+    with torch.inference_mode():
+        graphs._load_inputs(works, 16)
+    meta = graphs._host_meta
+    covered = set(range(meta.num_decode_tokens))
+    for chunk in meta.prefills:
+        covered |= set(range(chunk.token_start, chunk.token_start + chunk.num_tokens))
+    assert covered == set(range(16))

@@ -1,0 +1,104 @@
+"""What one step of the scheduler is made of: its config, the plan schedule() builds, and what
+it hands out (the batch for the workers, one output per changed request).
+
+Under async scheduling (`SchedulerConfig.async_scheduling`) the engine submits step n+1 before
+it takes step n back, so a step's output keeps the Request objects it scheduled, with each one's
+preemption count: a request preempted, finished or aborted while its step was in flight has
+that step's result dropped (scheduler.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler.request import FinishReason, Request, TokenLogprobs
+from shared.step import StepBatch
+
+
+@dataclass
+class SchedulerConfig:
+    max_model_len: int  # prompt + output tokens of one sequence
+    num_kv_blocks: int
+    block_size: int = 16  # tokens per KV block
+    max_num_seqs: int = 256  # cap on the sequences of one step (and on running ones, per step in flight)
+    max_num_batched_tokens: int = 2048  # per-step token budget
+    # Cap on one request's prefill chunk per step, so several prompts can progress at once;
+    # None: a prefill takes whatever budget the decodes leave.
+    long_prefill_chunk: int | None = None
+    enable_prefix_caching: bool = True
+    # Steps in flight at once (a pipeline's stages): each step takes about 1/depth of the
+    # requests, so that every in-flight step has some.
+    pipeline_depth: int = 1
+    # Async scheduling (one step in flight while the next is planned): a request whose step is
+    # in flight is scheduled again, its next input the token that step samples (still on the
+    # device). Only with pipeline_depth 1: a pipeline's steps in flight hold different requests.
+    async_scheduling: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "num_kv_blocks", "block_size", "max_num_seqs",
+                     "max_num_batched_tokens", "pipeline_depth"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.long_prefill_chunk is not None and self.long_prefill_chunk < 1:
+            raise ValueError(f"long_prefill_chunk must be >= 1, got {self.long_prefill_chunk}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # Otherwise some running sequences could not decode in a step and would starve.
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs})"
+            )
+        if self.async_scheduling and self.pipeline_depth > 1:
+            raise ValueError("async_scheduling needs pipeline_depth 1 (a pipeline overlaps its steps)")
+
+
+@dataclass
+class SchedulerOutput:
+    batch: StepBatch
+    num_scheduled_tokens: dict[str, int]  # req_id -> tokens computed this step, batch order
+    preempted_req_ids: list[str]  # preempted during this schedule() call
+    # Batch order: (the request, its num_preemptions when scheduled). The result of a request
+    # preempted since (and perhaps admitted again) belongs to the old run and is dropped.
+    scheduled_requests: list[tuple[Request, int]] = field(default_factory=list)
+    # Hashes of the full blocks this step's prefills compute, findable once it is taken back.
+    computing_block_hashes: set[bytes] = field(default_factory=set)
+
+    @property
+    def scheduled_req_ids(self) -> list[str]:
+        return list(self.num_scheduled_tokens)
+
+
+@dataclass
+class RequestOutput:
+    """What one step added to one request, for streaming back to its client."""
+
+    req_id: str
+    new_token_ids: list[int]
+    text_delta: str  # new text since the previous output (empty while held back)
+    finished: bool
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    logprobs: list[TokenLogprobs] | None = None  # of new_token_ids; None if not asked for
+    num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
+
+
+@dataclass
+class StepPlan:
+    """What schedule() has decided so far; preemption can take a decision back."""
+
+    token_budget: int
+    max_num_seqs: int  # sequences this step may take
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # req_id -> tokens
+    preempted_req_ids: list[str] = field(default_factory=list)
+    # Hashes of the full blocks this step's prefills compute: cached from the next step on.
+    computing_block_hashes: set[bytes] = field(default_factory=set)
+
+    def add(self, request: Request, num_tokens: int) -> None:
+        self.num_scheduled_tokens[request.req_id] = num_tokens
+        self.token_budget -= num_tokens
+
+    @property
+    def has_seq_room(self) -> bool:
+        return len(self.num_scheduled_tokens) < self.max_num_seqs
+
+    def remove(self, request: Request) -> None:
+        self.token_budget += self.num_scheduled_tokens.pop(request.req_id, 0)
