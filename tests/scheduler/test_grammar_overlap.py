@@ -34,7 +34,7 @@ def test_the_mask_is_filled_after_the_forward_is_launched_and_before_sampling(ti
             return wrapper
 
         runner.forward = spy("forward", runner.forward)
-        runner.sampler.sample = spy("sample", runner.sampler.sample)
+        runner.sampler.sample_on_device = spy("sample", runner.sampler.sample_on_device)
         grammars._fill = spy("fill", grammars._fill)
         # The constrained request outlives the free one: every step has a row to mask.
         sampling = [SamplingParams(max_tokens=40, temperature=0.0, grammar=PET_GRAMMAR),
