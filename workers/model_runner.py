@@ -47,14 +47,19 @@ def kv_blocks_for_budget(free_bytes: int, *, fraction: float, activation_bytes: 
     return max(0, budget // block_bytes - 1)
 
 
-def resolve_quantization(requested: str | None, model_config: ModelConfig) -> str | None:
+def resolve_quantization(requested: str | None, model_config: ModelConfig,
+                         device: torch.device) -> str | None:
     """The quantization to run: the flag's, or the checkpoint's own when it stores one."""
     stored = model_config.checkpoint_quantization
     if requested is not None and requested not in METHODS:
         raise ModelLoadError(f"unknown quantization {requested!r}; choose one of {sorted(METHODS)}")
     if stored and requested not in (None, stored):
         raise ModelLoadError(f"the checkpoint stores {stored} weights; it cannot run as {requested}")
-    return requested or stored
+    chosen = requested or stored
+    refusal = METHODS[chosen].refusal_on(device) if chosen else None
+    if refusal:
+        raise ModelLoadError(refusal)
+    return chosen
 
 
 def release_device_memory(device: torch.device) -> None:
@@ -86,7 +91,7 @@ class ModelRunner:
         self.max_model_len = min(config.max_model_len or self.model_config.context_window,
                                  self.model_config.context_window)
         self.block_size = config.block_size
-        self.quantization = resolve_quantization(config.quantization, self.model_config)
+        self.quantization = resolve_quantization(config.quantization, self.model_config, self.device)
         self._check_weight_budget()
         self.model = self._build_model()
         self.weight_bytes = resident_weight_bytes(self.model)
