@@ -17,7 +17,8 @@ from tests.scheduler.test_prefix_caching_engine import assert_same_with_and_with
 
 
 def test_fp8_kv_prefix_cache_hits_match_recomputing(tiny_checkpoints):
-    assert_same_with_and_without_cache(tiny_checkpoints["qwen2"], kv_cache_dtype="fp8", max_num_batched_tokens=8)
+    assert_same_with_and_without_cache(tiny_checkpoints["qwen2"], kv_cache_dtype="fp8",
+                                       max_num_batched_tokens=8)
 
 
 def test_fp8_kv_prefix_cache_matches_recomputing_under_preemption(tiny_checkpoints):

@@ -46,7 +46,8 @@ def _logits_of_steps(runner: ModelRunner, prompt: list[int], next_ids: list[int]
     of next_ids one at a time: the logits of every sampled step."""
     split = 2 * runner.block_size + 1  # the second chunk starts inside a block
     blocks = list(range(-(-(len(prompt) + len(next_ids)) // runner.block_size)))
-    runner.forward(StepBatch(0, [SequenceWork("r", prompt[:split], 0, blocks, False, GREEDY)]), use_graphs=False)
+    first = SequenceWork("r", prompt[:split], 0, blocks, False, GREEDY)
+    runner.forward(StepBatch(0, [first]), use_graphs=False)
     steps = [SequenceWork("r", prompt[split:], split, blocks, True, GREEDY)]
     steps += [SequenceWork("r", [t], len(prompt) + i, blocks, True, GREEDY) for i, t in enumerate(next_ids)]
     return [runner.forward(StepBatch(i + 1, [w]), use_graphs=False)[0].float() for i, w in enumerate(steps)]

@@ -153,7 +153,8 @@ def test_int8_is_refused_on_cuda_with_a_message_naming_the_flag(tiny_checkpoints
     from workers.model_runner import resolve_quantization
 
     model_config = load_model_config(str(tiny_checkpoints["llama"]))
-    with pytest.raises(ModelLoadError, match="--quantization int8 .* runs on CPU only.*use --quantization fp8"):
+    message = "--quantization int8 .* runs on CPU only.*use --quantization fp8"
+    with pytest.raises(ModelLoadError, match=message):
         resolve_quantization("int8", model_config, torch.device("cuda", 0))
     assert resolve_quantization("int8", model_config, torch.device("cpu")) == "int8"
     assert resolve_quantization("fp8", model_config, torch.device("cuda", 0)) == "fp8"

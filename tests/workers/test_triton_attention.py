@@ -86,8 +86,8 @@ def relative_error(step: dict, *, max_query_len: int, num_decodes: int = 0,
         out = triton_attention.paged_attention_slots(*inputs, head_dim**-0.5, num_decode_slots=num_decodes,
                                                      **scales)
     else:
-        out = triton_attention.paged_attention(*inputs, max_query_len, head_dim**-0.5, num_decodes=num_decodes,
-                                               num_segments=num_segments, **scales)
+        out = triton_attention.paged_attention(*inputs, max_query_len, head_dim**-0.5,
+                                               num_decodes=num_decodes, num_segments=num_segments, **scales)
     ref = reference(step, head_dim**-0.5)
     return float((out.double().cpu() - ref).norm() / ref.norm())
 

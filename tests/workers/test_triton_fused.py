@@ -67,7 +67,8 @@ def fp8_store_vs_pytorch(dtype: torch.dtype, device: str) -> dict[str, float]:
     gen = torch.Generator().manual_seed(1)
     tokens, heads, kv_heads, dim = 6, 8, 2, 32
     rotary = RotaryEmbedding(dim, 64, 10000.0, None).to(device)
-    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen) * 30).to(device=device, dtype=dtype)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen) * 30
+    qkv = qkv.to(device=device, dtype=dtype)
     q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
     q, k, v = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
     k[0, 0, 0] = 1000.0  # beyond e4m3's 448 even after the scale: saturates, never NaN
