@@ -104,6 +104,12 @@ def test_fp8_kernels_match_pytorch_on_cuda(dtype) -> None:
           dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.skipif(triton_quant.triton is None, reason="needs Triton installed")
+def test_the_small_m_kernel_does_not_specialise_on_the_token_count() -> None:
+    params = {p.name: p.do_not_specialize for p in fp8_gemm._w8a16_kernel.params}
+    assert params["M"]
+
+
 _INTERPRETER_CHECK = """
 import torch
 from tests.workers.test_triton_quant import check, kernels_vs_pytorch

@@ -42,7 +42,9 @@ MAX_SPLIT_K = 8
 
 if triton is not None:
 
-    @triton.jit
+    # M is the step's token count: specialised on it (M == 1, M % 16), each new value class would
+    # be another compile in the middle of serving.
+    @triton.jit(do_not_specialize=["M"])
     def _w8a16_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       SPLIT_K: tl.constexpr, IEEE_DOT: tl.constexpr):

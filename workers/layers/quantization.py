@@ -94,7 +94,7 @@ class Fp8Quantization(WeightQuantization):
             # Dynamic per-token scales: each row of activations spans FP8's whole range.
             out = fp8_gemm.scaled_mm(quantize_activation(rows), weight, scale, use_fast_accum=False)
         elif fp8_gemm.uses_w8a16(rows.shape[0], rows.device):
-            out = fp8_gemm.w8a16(rows, weight, scale)
+            out = fp8_gemm.w8a16(rows.contiguous(), weight, scale)
         else:
             out = fp8_gemm.scaled_mm(triton_quant.per_token_quant(rows.contiguous()), weight, scale)
         return out.reshape(*x.shape[:-1], out_features)
