@@ -4,8 +4,8 @@ budget, accuracy.
     python3 scripts/bench_quant.py                        # H200: Llama-3-8B shape, 500 requests
     python3 scripts/bench_quant.py --linears              # H200: the per-linear table alone
     python3 scripts/bench_quant.py --smoke --device cpu   # tiny model and workload: checks the script
-    python3 scripts/bench_quant.py --smoke --device cpu --dtype float32 --methods bf16,fp8,int8 \
-        --accuracy-model PATH                             # + perplexity (weights x KV cache) on CPU
+    python3 scripts/bench_quant.py --device cpu --dtype float32 --methods bf16,fp8,int8 \
+        --accuracy-model PATH --accuracy-only             # perplexity (weights x KV cache) alone
 
 For each method (bf16, fp8, int8 as --methods says) an engine loads the same random-weight
 Llama-3-8B-shaped checkpoint (bench_gpu.py's) and runs bench_gpu's 500-request workload, then
@@ -68,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16", help="serving dtype (float32 for CPU accuracy runs)")
     parser.add_argument("--linears", action="store_true", help="only the per-linear table (quant_linears.py)")
     parser.add_argument("--no-kv", action="store_true", help="skip the FP8 KV cache's long-context workload")
+    parser.add_argument("--accuracy-only", action="store_true",
+                        help="only the --accuracy-model table (no random model, no engines)")
     return parser.parse_args(argv)
 
 
@@ -214,6 +216,11 @@ def main(argv: list[str] | None = None) -> None:
     methods = args.methods.split(",")
     if methods[0] != "bf16" or not set(methods) <= {"bf16", "fp8", "int8"}:
         raise SystemExit("--methods: bf16 first (the baseline), then fp8 and/or int8")
+    if args.accuracy_only:
+        if not args.accuracy_model:
+            raise SystemExit("--accuracy-only needs --accuracy-model")
+        print_accuracy(accuracy(args.accuracy_model, methods, args), args)
+        return
     device = torch.device(args.device)
     shape = SMOKE_LLAMA if args.smoke else LLAMA3_8B
     num_requests = args.num_requests or (24 if args.smoke else 500)

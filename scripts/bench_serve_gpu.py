@@ -2,6 +2,7 @@
 engine fed the same arrivals, at several rates, in one run (issue 27's table; docs/perf-notes.md).
 
     python3 scripts/bench_serve_gpu.py --tokenizer DIR          # one H200, ~6 min
+    python3 scripts/bench_serve_gpu.py --tokenizer DIR --quantization fp8   # the same with fp8 weights
     .venv/bin/python scripts/bench_serve_gpu.py --smoke         # this CPU, tiny model: checks the script
 
 Model: Llama-3-8B's shape with SmolLM2's vocabulary and tokenizer, random bf16 weights (as
@@ -68,7 +69,7 @@ def fleet_rows(args: argparse.Namespace, folder: Path, rates: list[float], out: 
     children = Children(out)
     port = free_port()
     children.spawn("up", [sys.executable, "-m", "tokenfleet.cli", "up", "--model", str(folder),
-                          "--model-name", MODEL_NAME, "--port", str(port)])
+                          "--model-name", MODEL_NAME, "--port", str(port), *quant_flags(args)])
     summaries: dict[float, dict] = {}
     try:
         url = f"http://127.0.0.1:{port}"
@@ -109,11 +110,17 @@ def start_py_spy(args: argparse.Namespace, rate: float, out: Path) -> subprocess
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
 
+def quant_flags(args: argparse.Namespace) -> list[str]:
+    """--quantization and --kv-cache-dtype, given to the fleet's `up` and to the engine alike."""
+    flags = ["--quantization", args.quantization] if args.quantization else []
+    return flags + (["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype != "auto" else [])
+
+
 def engine_rows(args: argparse.Namespace, folder: Path, rates: list[float], *,
                 mixed_graphs: bool = True) -> dict[float, ServingRow]:
     from scheduler.engine import LLMEngine
 
-    flags = [] if mixed_graphs else ["--cuda-graph-max-tokens", "0"]
+    flags = ([] if mixed_graphs else ["--cuda-graph-max-tokens", "0"]) + quant_flags(args)
     scheduler_args = build_parser().parse_args(["scheduler", "--model", str(folder), *flags])
     config = engine_config(scheduler_args)
     served = ServedModel(MODEL_NAME, str(folder), None, 0, 0)
@@ -159,6 +166,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--py-spy", type=Path, help="folder for the scheduler's py-spy profile")
     parser.add_argument("--py-spy-rate", type=float, default=48.0)
     parser.add_argument("--logs", type=Path, help="folder for the fleet's logs (default: a temp folder)")
+    parser.add_argument("--quantization", choices=("fp8",), help="fp8 weights (fleet and engine alike)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
     parser.add_argument("--engine-ab", action="store_true",
                         help="no fleet: the engine with mixed-step graphs against every mixed step eager")
     args = parser.parse_args(argv)
@@ -185,7 +194,8 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     print(f"\n{description}; {args.seconds:g} s of Poisson arrivals per rate; shared prefix "
-          f"{args.prefix_tokens} words\n")
+          f"{args.prefix_tokens} words; weights {args.quantization or 'as stored'}, KV cache "
+          f"{args.kv_cache_dtype}\n")
     print("| req/s | fleet tok/s | engine tok/s | fleet / engine | TTFT p50 fleet / engine "
           "| TTFT p99 fleet / engine | ITL p99 fleet / engine | failed |")
     print("| ---: | ---: | ---: | ---: | --- | --- | --- | ---: |")
