@@ -70,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16", help="serving dtype (float32 for CPU accuracy runs)")
     parser.add_argument("--linears", action="store_true", help="only the per-linear table (quant_linears.py)")
     parser.add_argument("--no-kv", action="store_true", help="skip the FP8 KV cache's long-context workload")
-    parser.add_argument("--kv-only", action="store_true", help="only the FP8 KV cache's long-context workload")
+    parser.add_argument("--kv-only", action="store_true", help="only the FP8 KV cache's long-context run")
     parser.add_argument("--accuracy-only", action="store_true",
                         help="only the --accuracy-model table (no random model, no engines)")
     return parser.parse_args(argv)
