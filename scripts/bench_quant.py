@@ -1,8 +1,13 @@
-"""Quantized weights against bf16 on one GPU, in one run: speed, bytes, the budget, accuracy.
+"""Quantized weights and the FP8 KV cache against bf16 on one GPU, in one run: speed, bytes, the
+budget, accuracy.
 
-    python3 scripts/bench_quant.py                        # H200: Llama-3-8B shape, 500 requests
+    python3 scripts/bench_quant.py                        # H200: Llama-3-8B shape, 500 requests, + KV
+    python3 scripts/bench_quant.py --no-kv                # H200: the weights part alone (~7 min)
+    python3 scripts/bench_quant.py --kv-only              # H200: the FP8 KV cache part alone
+    python3 scripts/bench_quant.py --linears              # H200: the per-linear table alone
     python3 scripts/bench_quant.py --smoke --device cpu   # tiny model and workload: checks the script
-    python3 scripts/bench_quant.py --smoke --device cpu --methods bf16,int8 --accuracy-model PATH
+    python3 scripts/bench_quant.py --device cpu --dtype float32 --methods bf16,fp8,int8 \
+        --accuracy-model PATH --accuracy-only             # perplexity (weights x KV cache) alone
 
 For each method (bf16, fp8, int8 as --methods says) an engine loads the same random-weight
 Llama-3-8B-shaped checkpoint (bench_gpu.py's) and runs bench_gpu's 500-request workload, then
@@ -14,7 +19,12 @@ its batch-1 decode latency. Reported against bf16, measured in the same run:
   must be refused under and each quantized method loads under (its engine runs with it);
 - accuracy on the random model: the relative error of the last-position logits against bf16
   and the share of 16 greedy 32-token outputs identical to bf16's. With --accuracy-model (a real
-  checkpoint such as SmolLM2), also the perplexity of README.md under each method.
+  checkpoint such as SmolLM2), also the perplexity of README.md under each method, with the
+  serving dtype's KV cache and with an FP8 one, and greedy agreement with the baseline;
+- int8 on CUDA: the refusal (no kernel there yet dequantizes in registers);
+- the FP8 KV cache (bf16 weights): a long-context workload (64 requests, 8,192-token prompts, 512
+  outputs) with a bf16 and an FP8 cache: output tok/s (goal >= 1.25x) and KV blocks (>= 1.9x).
+`--linears` prints the per-linear table of scripts/quant_linears.py instead.
 """
 
 from __future__ import annotations
@@ -38,13 +48,15 @@ from shared.step import SequenceWork, StepBatch
 from testkit.engine_runs import engine_decode_latency, run_engine_workload, warm_up
 from testkit.random_models import LLAMA3_8B, TINY_LLAMA, checkpoint_folder, module_bytes, random_llama
 from testkit.runs import log, print_command
-from testkit.workloads import sharegpt_workload
+from testkit.workloads import sharegpt_workload, uniform_workload
 from workers.model_runner import format_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 # The smoke model's linear layers outweigh its embeddings, as Llama-3-8B's do, so that the 60%
 # budget binds the same way.
 SMOKE_LLAMA = {**TINY_LLAMA, "hidden_size": 128, "intermediate_size": 512, "vocab_size": 256}
+# The long-context workload's window: 8,192-token prompts and 512 outputs.
+LONG_PROMPT, LONG_OUTPUT = 8192, 512
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -55,12 +67,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-requests", type=int, help="default 500 (24 with --smoke)")
     parser.add_argument("--engine-seconds", type=float, default=240.0)
     parser.add_argument("--accuracy-model", type=Path, help="a real checkpoint for perplexity (e.g. SmolLM2)")
+    parser.add_argument("--dtype", default="bfloat16", help="serving dtype (float32 for CPU accuracy runs)")
+    parser.add_argument("--linears", action="store_true", help="only the per-linear table (quant_linears.py)")
+    parser.add_argument("--no-kv", action="store_true", help="skip the FP8 KV cache's long-context workload")
+    parser.add_argument("--kv-only", action="store_true", help="only the FP8 KV cache's long-context run")
+    parser.add_argument("--accuracy-only", action="store_true",
+                        help="only the --accuracy-model table (no random model, no engines)")
     return parser.parse_args(argv)
 
 
 def engine_config(folder: Path, args, quantization: str | None, **overrides) -> EngineConfig:
-    return EngineConfig(model=str(folder), device=args.device, dtype="bfloat16", quantization=quantization,
-                        max_num_seqs=64 if args.smoke else 512, **overrides)
+    overrides.setdefault("max_model_len", 2048 if args.smoke else 8192)
+    overrides.setdefault("max_num_seqs", 64 if args.smoke else 512)
+    return EngineConfig(model=str(folder), device=args.device, dtype=args.dtype, quantization=quantization,
+                        **overrides)
 
 
 def greedy_outputs_and_logits(engine: LLMEngine,
@@ -80,7 +100,11 @@ def measure(method: str, folder: Path, args, workload, vocab_size: int, budget: 
     quantization = None if method == "bf16" else method
     result: dict = {"method": method}
     overrides = {} if quantization is None else {"max_weight_bytes_per_rank": budget}
-    engine = LLMEngine(engine_config(folder, args, quantization, **overrides), load_tokenizer_files=False)
+    try:
+        engine = LLMEngine(engine_config(folder, args, quantization, **overrides), load_tokenizer_files=False)
+    except ModelLoadError as exc:  # int8 on CUDA
+        result["refused"] = str(exc)
+        return result
     try:
         result["weight_bytes"] = engine.executor.runner.weight_bytes
         result["outputs"], result["logits"] = greedy_outputs_and_logits(engine, prompts)
@@ -105,32 +129,107 @@ def bf16_refused_under(folder: Path, args, budget: int) -> str:
     return "LOADED (the budget did not bind)"
 
 
-def perplexities(model: Path, methods: list[str], args) -> dict[str, float]:
+def kv_long_context(folder: Path, args) -> list[dict]:
+    """bf16 weights, a bf16 then an FP8 KV cache: the long-context workload's tok/s and blocks."""
+    prompt, output = (256, 32) if args.smoke else (LONG_PROMPT, LONG_OUTPUT)
+    num_requests = 8 if args.smoke else 64
+    shape = SMOKE_LLAMA if args.smoke else LLAMA3_8B
+    workload = uniform_workload(num_requests, shape["vocab_size"], prompt_lens=(prompt, prompt),
+                                output_lens=(output, output))
+    found = []
+    for kv in ("auto", "fp8"):
+        config = engine_config(folder, args, None, kv_cache_dtype=kv, max_model_len=prompt + output,
+                               max_num_seqs=num_requests)
+        engine = LLMEngine(config, load_tokenizer_files=False)
+        try:
+            warm_up(engine, shape["vocab_size"])
+            run = run_engine_workload(engine, workload, args.engine_seconds, torch.device(args.device))
+            found.append({"kv": kv, "blocks": engine.executor.num_kv_blocks, "output_rate": run.output_rate,
+                          "seconds": run.seconds, "partial": run.partial_limit_s is not None})
+        finally:
+            engine.close()
+            del engine
+            gc.collect()
+        log(f"KV {kv}: {found[-1]['output_rate']:,.0f} output tok/s, {found[-1]['blocks']:,} blocks")
+    return found
+
+
+ACCURACY_RUNS = (("bf16", "auto"), ("fp8", "auto"), ("int8", "auto"), ("bf16", "fp8"), ("fp8", "fp8"))
+
+
+def accuracy(model: Path, methods: list[str], args) -> list[dict]:
+    """Per (weights, KV cache): README.md's perplexity (2,048 tokens, windows of 512) and greedy
+    agreement with the baseline over 16 README prompts x 32 tokens."""
     from transformers import AutoTokenizer
 
     from testkit.perplexity import perplexity
     from workers.model_runner import ModelRunner
     from workers.parallel import SINGLE_DEVICE
 
-    token_ids = AutoTokenizer.from_pretrained(model)((REPO / "README.md").read_text())["input_ids"][:2048]
-    found = {}
-    for method in methods:
-        config = engine_config(model, args, None if method == "bf16" else method, num_kv_blocks=64)
-        runner = ModelRunner(config, SINGLE_DEVICE)
-        found[method] = perplexity(runner, token_ids)
+    token_ids = AutoTokenizer.from_pretrained(model)((REPO / "README.md").read_text())["input_ids"]
+    prompts = [token_ids[i * 97 : i * 97 + 48] for i in range(16)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    found = []
+    for method, kv in ACCURACY_RUNS:
+        if method not in methods:
+            continue
+        quantization = None if method == "bf16" else method
+        config = engine_config(model, args, quantization, num_kv_blocks=256, kv_cache_dtype=kv,
+                               max_num_seqs=16)
+        try:
+            runner = ModelRunner(config, SINGLE_DEVICE)
+        except ModelLoadError as exc:
+            found.append({"method": method, "kv": kv, "refused": str(exc)})
+            continue
+        ppl = perplexity(runner, token_ids[:2048])
         runner.close()
+        with LLMEngine(config, load_tokenizer_files=False) as engine:
+            outputs = [r.token_ids for r in engine.generate(prompts, greedy)]
+        found.append({"method": method, "kv": kv, "perplexity": ppl, "outputs": outputs})
     return found
+
+
+def print_accuracy(rows: list[dict], args) -> None:
+    base = rows[0]
+    print(f"\nAccuracy, {args.accuracy_model.name}, serving dtype {args.dtype} ('bf16' = no weight "
+          "quantization), README.md: perplexity of 2,048 tokens; greedy 16 prompts x 32 tokens vs the "
+          "first row")
+    print("| weights | KV cache | perplexity | vs first row | tokens identical | first tokens |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        if "refused" in r:
+            print(f"| {r['method']} | {r['kv']} | refused: {r['refused'][:90]} | | | |")
+            continue
+        pairs = list(zip(r["outputs"], base["outputs"], strict=True))
+        same = sum(a == b for s, t in pairs for a, b in zip(s, t, strict=True))
+        firsts = sum(s[0] == t[0] for s, t in pairs)
+        change = r["perplexity"] / base["perplexity"] - 1
+        print(f"| {r['method']} | {r['kv']} | {r['perplexity']:.3f} | {change:+.1%} | {same}/{16 * 32} "
+              f"| {firsts}/16 |")
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     print_command()
     configure_logging("WARNING")
+    if args.linears:
+        from quant_linears import linear_table
+
+        print("\n".join(linear_table(torch.device(args.device), smoke=args.smoke)))
+        return
     methods = args.methods.split(",")
     if methods[0] != "bf16" or not set(methods) <= {"bf16", "fp8", "int8"}:
         raise SystemExit("--methods: bf16 first (the baseline), then fp8 and/or int8")
+    if args.accuracy_only:
+        if not args.accuracy_model:
+            raise SystemExit("--accuracy-only needs --accuracy-model")
+        print_accuracy(accuracy(args.accuracy_model, methods, args), args)
+        return
     device = torch.device(args.device)
-    shape = SMOKE_LLAMA if args.smoke else LLAMA3_8B
+    # Llama-3-8B's window is 8,192: the long-context workload's 8,192 + 512 need a little more
+    # (Llama 3.1's shapes are the same with a longer window); the 500-request engines stay at 8,192.
+    long_window = LONG_PROMPT + LONG_OUTPUT
+    shape = SMOKE_LLAMA if args.smoke else {**LLAMA3_8B, "max_position_embeddings": long_window}
     num_requests = args.num_requests or (24 if args.smoke else 500)
     workload = sharegpt_workload(num_requests, shape["vocab_size"], prompt_max=200 if args.smoke else 1024,
                                  output_max=48 if args.smoke else 512)
@@ -145,30 +244,56 @@ def main(argv: list[str] | None = None) -> None:
     budget = int(0.6 * bf16_bytes)
     results = []
     try:
-        for method in methods:
+        for method in [] if args.kv_only else methods:
             start = time.perf_counter()
             results.append(measure(method, folder, args, workload, shape["vocab_size"], budget, prompts))
-            log(f"{method}: {results[-1]['output_rate']:,.0f} output tok/s, "
-                f"{results[-1]['ms_per_token']:.2f} ms/token ({time.perf_counter() - start:.0f} s)")
-        refusal = bf16_refused_under(folder, args, budget)
+            log(f"{method}: {results[-1].get('output_rate', 0):,.0f} output tok/s, "
+                f"{results[-1].get('ms_per_token', 0):.2f} ms/token ({time.perf_counter() - start:.0f} s)")
+        refusal = "" if args.kv_only else bf16_refused_under(folder, args, budget)
+        kv_rows = [] if args.no_kv else kv_long_context(folder, args)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    ppl = perplexities(args.accuracy_model, methods, args) if args.accuracy_model else {}
+    accuracy_rows = accuracy(args.accuracy_model, methods, args) if args.accuracy_model else []
+    if results:
+        print_results(results, args, device, num_requests, budget, refusal)
+    if kv_rows:
+        print_kv(kv_rows, args)
+    if accuracy_rows:
+        print_accuracy(accuracy_rows, args)
+
+
+def print_kv(rows: list[dict], args) -> None:
+    auto, fp8 = rows
+    prompt, output = (256, 32) if args.smoke else (LONG_PROMPT, LONG_OUTPUT)
+    print(f"\nFP8 KV cache, bf16 weights: {8 if args.smoke else 64} requests, {prompt:,}-token prompts, "
+          f"{output} outputs")
+    print("| KV cache | output tok/s | vs bf16 KV | KV blocks | vs bf16 KV | seconds |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {'fp8' if r['kv'] == 'fp8' else args.dtype} | {r['output_rate']:,.0f}"
+              f"{' (partial)' if r['partial'] else ''} | {r['output_rate'] / auto['output_rate']:.2f}x "
+              f"| {r['blocks']:,} | {r['blocks'] / auto['blocks']:.2f}x | {r['seconds']:.1f} |")
+
+
+def print_results(results: list[dict], args, device: torch.device, num_requests: int, budget: int,
+                  refusal: str) -> None:
     base = results[0]
     print(f"\n{'SMOKE RUN, not a measurement: ' if args.smoke else ''}{device}, "
           f"{'tiny' if args.smoke else 'Llama-3-8B'} shape, {num_requests} requests; "
           f"budget {format_bytes(budget)}/rank (60% of bf16); bf16 under it: {refusal}\n")
     print("| method | output tok/s | vs bf16 | batch-1 ms/token | vs bf16 | weight bytes/rank | vs bf16 "
-          "| logits rel. err | greedy same | perplexity |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| logits rel. err | greedy same |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
+        if "refused" in r:
+            print(f"| {r['method']} | refused: {r['refused']} | | | | | | | |")
+            continue
         error = float((r["logits"] - base["logits"]).norm() / base["logits"].norm())
         same = sum(a == b for a, b in zip(r["outputs"], base["outputs"], strict=True))
         print(f"| {r['method']} | {r['output_rate']:,.0f}{' (partial)' if r['partial'] else ''} "
               f"| {r['output_rate'] / base['output_rate']:.2f}x | {r['ms_per_token']:.2f} "
               f"| {r['ms_per_token'] / base['ms_per_token']:.2f}x | {format_bytes(r['weight_bytes'])} "
-              f"| {r['weight_bytes'] / base['weight_bytes']:.2f}x | {error:.4f} | {same}/16 "
-              f"| {ppl.get(r['method'], float('nan')):.3f} |")
+              f"| {r['weight_bytes'] / base['weight_bytes']:.2f}x | {error:.4f} | {same}/16 |")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 engine fed the same arrivals, at several rates, in one run (issue 27's table; docs/perf-notes.md).
 
     python3 scripts/bench_serve_gpu.py --tokenizer DIR          # one H200, ~6 min
+    python3 scripts/bench_serve_gpu.py --tokenizer DIR --quantization fp8   # the same with fp8 weights
     .venv/bin/python scripts/bench_serve_gpu.py --smoke         # this CPU, tiny model: checks the script
 
 Model: Llama-3-8B's shape with SmolLM2's vocabulary and tokenizer, random bf16 weights (as
@@ -77,7 +78,7 @@ def fleet_rows(args: argparse.Namespace, folder: Path, rates: list[float], out: 
     children = Children(out)
     port = free_port()
     children.spawn("up", [sys.executable, "-m", "tokenfleet.cli", "up", "--model", str(folder),
-                          "--model-name", MODEL_NAME, "--port", str(port)])
+                          "--model-name", MODEL_NAME, "--port", str(port), *quant_flags(args)])
     summaries: dict[float, dict] = {}
     try:
         url = f"http://127.0.0.1:{port}"
@@ -160,11 +161,18 @@ AB_RUNS = {"graphs": {"graphs": [], "eager": ["--cuda-graph-max-tokens", "0"]},
            "async": {"async on": ["--async-scheduling", "on"], "async off": ["--async-scheduling", "off"]}}
 
 
+def quant_flags(args: argparse.Namespace) -> list[str]:
+    """--quantization and --kv-cache-dtype, given to the fleet's `up` and to the engine alike."""
+    flags = ["--quantization", args.quantization] if args.quantization else []
+    return flags + (["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype != "auto" else [])
+
+
 def engine_rows(args: argparse.Namespace, folder: Path, rates: list[float], *,
                 flags: tuple[str, ...] = ()) -> dict[float, ServingRow]:
     from scheduler.engine import LLMEngine
 
-    scheduler_args = build_parser().parse_args(["scheduler", "--model", str(folder), *flags])
+    scheduler_args = build_parser().parse_args(["scheduler", "--model", str(folder), *flags,
+                                                *quant_flags(args)])
     config = engine_config(scheduler_args)
     served = ServedModel(MODEL_NAME, str(folder), None, 0, 0)
     rows: dict[float, ServingRow] = {}
@@ -210,6 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--client-processes", type=int, default=4,
                         help="client processes the streams are dealt over (one adds its own queueing)")
     parser.add_argument("--logs", type=Path, help="folder for the fleet's logs (default: a temp folder)")
+    parser.add_argument("--quantization", choices=("fp8",), help="fp8 weights (fleet and engine alike)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
     parser.add_argument("--engine-ab", nargs="?", const="graphs", choices=tuple(AB_RUNS),
                         help="no fleet: the engine with mixed-step graphs against every mixed step eager "
                              "(graphs, the default), or with async scheduling on against off (async)")
@@ -237,7 +247,8 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     print(f"\n{description}; {args.seconds:g} s of Poisson arrivals per rate; shared prefix "
-          f"{args.prefix_tokens} words\n")
+          f"{args.prefix_tokens} words; weights {args.quantization or 'as stored'}, KV cache "
+          f"{args.kv_cache_dtype}\n")
     print("| req/s | fleet tok/s | engine tok/s | fleet / engine | TTFT p50 fleet / engine "
           "| TTFT p99 fleet / engine | ITL p99 fleet / engine | failed |")
     print("| ---: | ---: | ---: | ---: | --- | --- | --- | ---: |")

@@ -19,6 +19,8 @@ ENV_PREFIX = "TOKENFLEET_"
 # Where schedulers, gateways and the batch tools look for Redis when no --redis-url says otherwise.
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 QUANTIZATIONS = ("fp8", "int8")  # what --quantization takes (workers/layers/quantization.py)
+# What --kv-cache-dtype takes: "auto" (the serving dtype) or "fp8" (e4m3, docs/quantization.md).
+KV_CACHE_DTYPES = ("auto", "fp8")
 # NVLink multicast (NVLS) off unless the environment says otherwise: on shared multi-GPU
 # hosts a program that uses it can take every GPU of the host out of service. Set before
 # NCCL (or PyTorch's symmetric memory) reads them, i.e. before a process group exists.
@@ -95,6 +97,9 @@ class EngineConfig:
     # Linear weights quantized at load: "fp8" (e4m3, dynamic per-token activations) or "int8"
     # (weight-only). None: as the checkpoint stores them (an FP8 checkpoint stays FP8).
     quantization: str | None = None
+    # K/V storage: "auto" (the serving dtype) or "fp8" (e4m3 with a per-layer scale: twice the
+    # blocks of bf16 in the same memory; workers/layers/kv_fp8.py).
+    kv_cache_dtype: str = "auto"
     # Profiling: CUDA events around every step and collective (read through the rank
     # workers' collective_times()); steps then run eagerly, without CUDA graphs.
     time_collectives: bool = False

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from shared.config import DEVICE_DEFAULTS, QUANTIZATIONS, EngineConfig, uses_ray
+from shared.config import DEVICE_DEFAULTS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, uses_ray
 from shared.errors import InvalidRequestError
 from tokenfleet.flags import flag
 
@@ -70,6 +70,8 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("quantization", "quantize linear weights at load: fp8 (Hopper's FP8 GEMMs) or int8 "
                                "(weight-only); default: as the checkpoint stores them",
                choices=QUANTIZATIONS),
+    EngineFlag("kv-cache-dtype", "K/V cache storage: auto (the serving dtype) or fp8 (e4m3, twice the blocks "
+                                 "of bf16)", default="auto", choices=KV_CACHE_DTYPES),
     EngineFlag("max-num-seqs", "cap on running sequences (default: "
                                f"{_CUDA.max_num_seqs} on CUDA, {_CPU.max_num_seqs} on CPU)", int),
     EngineFlag("max-num-batched-tokens", "tokens per step, chunked prefill (default: "

@@ -83,8 +83,9 @@ def release(owner: object, graphs: dict[int, torch.cuda.CUDAGraph], buffers: lis
 class DecodeGraphs:
     def __init__(
         self, model: nn.Module, kv_caches: torch.Tensor, *, block_size: int, max_model_len: int,
-        scratch_block: int, max_batch_size: int, device: torch.device,
+        scratch_block: int, max_batch_size: int, device: torch.device, dtype: torch.dtype | None = None,
     ) -> None:
+        """dtype: the activations' (None: the KV cache's, which differs under an fp8 KV cache)."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -104,7 +105,7 @@ class DecodeGraphs:
         stage = getattr(model, "stage", SINGLE_STAGE)  # a whole model when it names none
         # The previous pipeline stage's activation, for a stage that does not embed tokens.
         self.hidden_in = None if stage.is_first else torch.zeros(
-            size, model.cfg.hidden_size, dtype=kv_caches.dtype, device=device)
+            size, model.cfg.hidden_size, dtype=dtype or kv_caches.dtype, device=device)
         self.makes_logits = stage.is_last
         # [size, vocab] logits (the last stage) or [size, hidden] activations, written by every graph
         self.out: torch.Tensor | None = None

@@ -55,8 +55,9 @@ class MixedGraphs:
     def __init__(
         self, model: nn.Module, kv_caches: torch.Tensor, *, block_size: int, max_model_len: int,
         scratch_block: int, max_tokens: int, num_decode_slots: int, hidden_size: int,
-        device: torch.device, num_prefill_slots: int = MAX_PREFILL_SLOTS,
+        device: torch.device, num_prefill_slots: int = MAX_PREFILL_SLOTS, dtype: torch.dtype | None = None,
     ) -> None:
+        """dtype: the activations' (None: the KV cache's, which differs under an fp8 KV cache)."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -78,8 +79,8 @@ class MixedGraphs:
         self.block_tables = torch.full((num_slots, max_blocks), scratch_block, dtype=torch.long,
                                        device=device)
         stage = getattr(model, "stage", SINGLE_STAGE)
-        self.hidden_in = None if stage.is_first else torch.zeros(size, hidden_size, dtype=kv_caches.dtype,
-                                                                 device=device)
+        self.hidden_in = None if stage.is_first else torch.zeros(
+            size, hidden_size, dtype=dtype or kv_caches.dtype, device=device)
         self.out: torch.Tensor | None = None  # [size, hidden]: the model body's output, every graph's
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # token bucket -> its graph
         # The eager stand-in's attention inputs (no Triton: CPU tests), set by _load_inputs.

@@ -30,6 +30,7 @@ from workers.cuda_graphs import DecodeGraphs, use_cuda_graphs
 from workers.device import resolve_device, resolve_dtype
 from workers.device_sample import HostSample
 from workers.grammar_mask import apply_token_mask
+from workers.layers.kv_fp8 import kv_cache_dtype
 from workers.layers.quantization import METHODS, building_with, method_named
 from workers.mixed_graphs import MixedGraphs
 from workers.models.registry import MODEL_CLASSES
@@ -62,14 +63,19 @@ def kv_blocks_for_budget(free_bytes: int, *, fraction: float, activation_bytes: 
     return max(0, budget // block_bytes - 1)
 
 
-def resolve_quantization(requested: str | None, model_config: ModelConfig) -> str | None:
+def resolve_quantization(requested: str | None, model_config: ModelConfig,
+                         device: torch.device) -> str | None:
     """The quantization to run: the flag's, or the checkpoint's own when it stores one."""
     stored = model_config.checkpoint_quantization
     if requested is not None and requested not in METHODS:
         raise ModelLoadError(f"unknown quantization {requested!r}; choose one of {sorted(METHODS)}")
     if stored and requested not in (None, stored):
         raise ModelLoadError(f"the checkpoint stores {stored} weights; it cannot run as {requested}")
-    return requested or stored
+    chosen = requested or stored
+    refusal = METHODS[chosen].refusal_on(device) if chosen else None
+    if refusal:
+        raise ModelLoadError(refusal)
+    return chosen
 
 
 def release_device_memory(device: torch.device) -> None:
@@ -101,7 +107,11 @@ class ModelRunner:
         self.max_model_len = min(config.max_model_len or self.model_config.context_window,
                                  self.model_config.context_window)
         self.block_size = config.block_size
-        self.quantization = resolve_quantization(config.quantization, self.model_config)
+        self.quantization = resolve_quantization(config.quantization, self.model_config, self.device)
+        try:
+            self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        except ValueError as exc:
+            raise ModelLoadError(str(exc)) from None
         self._check_weight_budget()
         self.model = self._build_model()
         self.weight_bytes = resident_weight_bytes(self.model)
@@ -171,7 +181,7 @@ class ModelRunner:
     def kv_block_bytes(self) -> int:
         cfg = self.model_config
         kv_heads = self.tp.shard(cfg.num_kv_heads)[1]
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         return 2 * self.num_stage_layers * self.block_size * kv_heads * cfg.head_dim * elem
 
     def _decide_num_kv_blocks(self) -> int:
@@ -202,9 +212,9 @@ class ModelRunner:
         # Block num_kv_blocks is the scratch block: padded rows of graph steps write there.
         shape = (self.num_stage_layers, 2, self.num_kv_blocks + 1, self.block_size,
                  self.tp.shard(cfg.num_kv_heads)[1], cfg.head_dim)
-        self.log.info("kv_cache_allocated", num_blocks=self.num_kv_blocks,
+        self.log.info("kv_cache_allocated", num_blocks=self.num_kv_blocks, dtype=str(self.kv_dtype),
                       bytes=(self.num_kv_blocks + 1) * self.kv_block_bytes)
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -219,7 +229,7 @@ class ModelRunner:
             self.model, self.kv_caches, block_size=self.block_size, max_model_len=self.max_model_len,
             scratch_block=self.num_kv_blocks,
             max_batch_size=min(self.config.cuda_graph_max_batch_size, self.config.max_num_seqs),
-            device=self.device,
+            device=self.device, dtype=self.dtype,
         )
         return self._captured(graphs, "cuda_graphs")
 
@@ -237,7 +247,7 @@ class ModelRunner:
             self.model, self.kv_caches, block_size=self.block_size, max_model_len=self.max_model_len,
             scratch_block=self.num_kv_blocks, max_tokens=max_tokens,
             num_decode_slots=self.config.max_num_seqs, hidden_size=self.model_config.hidden_size,
-            device=self.device,
+            device=self.device, dtype=self.dtype,
         )
         return self._captured(graphs, "mixed_graphs")
 

@@ -16,8 +16,9 @@ from tokenfleet.up import Fleet
 # A value of each flag that differs from its default (None: a switch).
 SAMPLES = {
     "tp": "2", "pp": "2", "executor": "ray", "device": "cpu", "dtype": "bfloat16", "max-model-len": "512",
-    "num-kv-blocks": "64", "block-size": "32", "quantization": "int8", "max-num-seqs": "8",
-    "max-num-batched-tokens": "1024", "cuda-graph-max-batch-size": "4", "cuda-graph-max-tokens": "256",
+    "num-kv-blocks": "64", "block-size": "32", "quantization": "int8", "kv-cache-dtype": "fp8",
+    "max-num-seqs": "8", "max-num-batched-tokens": "1024", "cuda-graph-max-batch-size": "4",
+    "cuda-graph-max-tokens": "256",
     "num-threads": "2", "ray-address": "127.0.0.1:6380", "placement-strategy": "SPREAD",
     "num-cpus-per-rank": "0.5", "async-scheduling": "on", "no-prefix-caching": None,
     "grammar-jump-forward": None,

@@ -145,3 +145,16 @@ def test_checkpoint_quantizations_we_cannot_run_are_refused_by_name(tiny_checkpo
         _runner(folder)
     with pytest.raises(ModelLoadError, match="unknown quantization 'int4'"):
         _runner(tiny_checkpoints["llama"], quantization="int4")
+
+
+def test_int8_is_refused_on_cuda_with_a_message_naming_the_flag(tiny_checkpoints) -> None:
+    """Widening int8 weights to bf16 per call is slower than bf16 on a GPU: refused there, not run."""
+    from shared.model_config import load_model_config
+    from workers.model_runner import resolve_quantization
+
+    model_config = load_model_config(str(tiny_checkpoints["llama"]))
+    message = "--quantization int8 .* runs on CPU only.*use --quantization fp8"
+    with pytest.raises(ModelLoadError, match=message):
+        resolve_quantization("int8", model_config, torch.device("cuda", 0))
+    assert resolve_quantization("int8", model_config, torch.device("cpu")) == "int8"
+    assert resolve_quantization("fp8", model_config, torch.device("cuda", 0)) == "fp8"

@@ -1,6 +1,7 @@
 """The Triton paged-attention kernel against a float64 reference: mixed steps (decodes and
-prefill chunks with and without a cached prefix), decode-only steps with split-K, on CUDA and,
-on CPU hosts, in Triton's interpreter."""
+prefill chunks with and without a cached prefix), decode-only steps with split-K, FP8 caches
+with per-layer scales (the reference reads the same e4m3 bytes, widened), on CUDA and, on CPU
+hosts, in Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -41,9 +42,19 @@ def make_step(query_lens: list[int], cached: list[int], *, num_heads: int, num_k
             for name, t in step.items()}
 
 
+def with_fp8_cache(step: dict, k_scale: float, v_scale: float) -> dict:
+    """The step with its caches stored in e4m3 (stored = value / scale), as kv_fp8.to_cache does."""
+    from workers.layers.kv_fp8 import to_cache
+
+    return {**step, "k_cache": to_cache(step["k_cache"], torch.float8_e4m3fn, k_scale),
+            "v_cache": to_cache(step["v_cache"], torch.float8_e4m3fn, v_scale),
+            "k_scale": k_scale, "v_scale": v_scale}
+
+
 def reference(step: dict, scale: float) -> torch.Tensor:
     """Per sequence: its keys gathered page by page, causal by position, in float64."""
     q, k_cache, v_cache = (step[k].double().cpu() for k in ("q", "k_cache", "v_cache"))
+    k_cache, v_cache = k_cache * step.get("k_scale", 1.0), v_cache * step.get("v_scale", 1.0)
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     page_size = k_cache.shape[1]
     starts = step["query_start_loc"].tolist()
@@ -64,13 +75,19 @@ def reference(step: dict, scale: float) -> torch.Tensor:
 
 
 def relative_error(step: dict, *, max_query_len: int, num_decodes: int = 0,
-                   num_segments: int | None = None) -> float:
+                   num_segments: int | None = None, as_slots: bool = False) -> float:
+    """as_slots: through paged_attention_slots (the mixed-step graphs' entry), decodes in the
+    first num_decodes slots."""
     head_dim = step["q"].shape[2]
-    out = triton_attention.paged_attention(
-        step["q"], step["k_cache"], step["v_cache"], step["block_tables"], step["seq_lens"],
-        step["query_start_loc"], max_query_len, head_dim**-0.5, num_decodes=num_decodes,
-        num_segments=num_segments,
-    )
+    inputs = (step["q"], step["k_cache"], step["v_cache"], step["block_tables"], step["seq_lens"],
+              step["query_start_loc"])
+    scales = {"k_scale": step.get("k_scale", 1.0), "v_scale": step.get("v_scale", 1.0)}
+    if as_slots:
+        out = triton_attention.paged_attention_slots(*inputs, head_dim**-0.5, num_decode_slots=num_decodes,
+                                                     **scales)
+    else:
+        out = triton_attention.paged_attention(*inputs, max_query_len, head_dim**-0.5,
+                                               num_decodes=num_decodes, num_segments=num_segments, **scales)
     ref = reference(step, head_dim**-0.5)
     return float((out.double().cpu() - ref).norm() / ref.norm())
 
@@ -109,6 +126,18 @@ def test_decode_step_matches_reference_on_cuda(dtype, segments) -> None:
 
 
 @needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_caches_match_reference_on_cuda(dtype) -> None:
+    shape = dict(num_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype=dtype, device="cuda")
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    mixed = with_fp8_cache(make_step(**MIXED, **shape), 0.5, 2.0)
+    assert relative_error(mixed, max_query_len=70, num_decodes=3) < tol
+    assert relative_error(mixed, max_query_len=70, num_decodes=3, as_slots=True) < tol
+    decodes = with_fp8_cache(make_step(**DECODES, **shape), 0.5, 2.0)
+    assert relative_error(decodes, max_query_len=1) < tol
+
+
+@needs_cuda
 def test_random_steps_match_reference_on_cuda() -> None:
     rng = random.Random(0)
     for seed in range(20):
@@ -144,6 +173,12 @@ mixed = relative_error(make_step(**MIXED, **shape), max_query_len=70)
 split = relative_error(make_step(**MIXED, **shape), max_query_len=70, num_decodes=3, num_segments=2)
 decodes = relative_error(make_step(**DECODES, **shape), max_query_len=1)  # 4 segments off CUDA
 assert max(mixed, split, decodes) < 1e-5, (mixed, split, decodes)
+from tests.workers.test_triton_attention import with_fp8_cache
+fp8 = with_fp8_cache(make_step(**MIXED, **shape), 0.5, 2.0)
+errors = [relative_error(fp8, max_query_len=70, num_decodes=3),
+          relative_error(fp8, max_query_len=70, num_decodes=3, as_slots=True),
+          relative_error(with_fp8_cache(make_step(**DECODES, **shape), 0.5, 2.0), max_query_len=1)]
+assert max(errors) < 1e-5, errors
 print("ok")
 """
 

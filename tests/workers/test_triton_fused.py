@@ -58,6 +58,46 @@ def fused_vs_pytorch(dtype: torch.dtype, device: str) -> dict[str, float]:
     return errors
 
 
+def fp8_store_vs_pytorch(dtype: torch.dtype, device: str) -> dict[str, float]:
+    """rope_and_store into e4m3 caches with per-layer scales against kv_fp8.to_cache of the
+    PyTorch rotary's k and of v: the largest gap, in e4m3 steps."""
+    from tests.workers.test_triton_quant import e4m3_steps_apart
+    from workers.layers.kv_fp8 import to_cache
+
+    gen = torch.Generator().manual_seed(1)
+    tokens, heads, kv_heads, dim = 6, 8, 2, 32
+    rotary = RotaryEmbedding(dim, 64, 10000.0, None).to(device)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen) * 30
+    qkv = qkv.to(device=device, dtype=dtype)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k, v = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
+    k[0, 0, 0] = 1000.0  # beyond e4m3's 448 even after the scale: saturates, never NaN
+    positions = torch.tensor([0, 5, 9, 17, 33, 63], device=device)
+    slots = torch.tensor([3, 7, 8, 20, 21, 39], device=device)
+    fp8 = torch.float8_e4m3fn
+    k_cache = torch.zeros(10, 4, kv_heads, dim, dtype=fp8, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
+    triton_fused.rope_and_store(q, k, v, positions, rotary.cos, rotary.sin, k_cache, v_cache, slots,
+                                k_scale=2.0, v_scale=0.25)
+    _, ref_k = rotary(positions, q, k)
+    ref_k_cache.view(-1, kv_heads, dim)[slots] = to_cache(ref_k, fp8, 2.0)
+    ref_v_cache.view(-1, kv_heads, dim)[slots] = to_cache(v, fp8, 0.25)
+    assert not k_cache.float().isnan().any() and float(k_cache.float().abs().max()) == 448.0
+    interpreted = device == "cpu"
+    return {"fp8 k cache": e4m3_steps_apart(k_cache, ref_k_cache, interpreted=interpreted),
+            "fp8 v cache": e4m3_steps_apart(v_cache, ref_v_cache, interpreted=interpreted)}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or triton_fused.triton is None,
+                    reason="needs CUDA and Triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_cache_store_rounds_like_pytorch_on_cuda(dtype) -> None:
+    errors = fp8_store_vs_pytorch(dtype, "cuda")
+    assert errors["fp8 v cache"] == 0.0, errors  # the same float32 product, cast once
+    assert errors["fp8 k cache"] <= 1.0, errors  # rotary may sit one bf16 step apart (see above)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or triton_fused.triton is None,
                     reason="needs CUDA and Triton")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -74,6 +114,9 @@ import torch
 from tests.workers.test_triton_fused import fused_vs_pytorch
 errors = fused_vs_pytorch(torch.float32, "cpu")
 assert all(e <= 2e-6 for e in errors.values()), errors
+from tests.workers.test_triton_fused import fp8_store_vs_pytorch
+errors = fp8_store_vs_pytorch(torch.float32, "cpu")
+assert all(e <= 1.0 for e in errors.values()), errors
 print("ok")
 """
 

@@ -7,6 +7,8 @@ slots (one fused kernel on CUDA, `triton_fused.rope_and_store`), then attends. O
 over its own sequence's pages. Elsewhere the portable PyTorch path runs:
 - decodes as one padded batch over the blocks their tables name (or per sequence on CPU),
 - each prefill chunk over its cached prefix plus itself, causally.
+The cache may hold FP8 (e4m3) K/V with a per-layer scale (`--kv-cache-dtype fp8`; kv_fp8.py):
+every path then casts what it writes and widens what it reads, in the same kernel.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import nn
 
 from workers.attention_metadata import AttentionMetadata, PrefillChunk
 from workers.layers import triton_attention, triton_fused
+from workers.layers.kv_fp8 import DEFAULT_KV_SCALE, from_cache, is_fp8, to_cache
 from workers.layers.rotary import RotaryEmbedding
 
 
@@ -27,6 +30,9 @@ class PagedAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
+        # Per-layer scales of an FP8 KV cache (stored = value / scale); unused otherwise.
+        self.k_scale = DEFAULT_KV_SCALE
+        self.v_scale = DEFAULT_KV_SCALE
 
     def forward(
         self,
@@ -43,22 +49,28 @@ class PagedAttention(nn.Module):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         if triton_fused.is_available(q):
             q = triton_fused.rope_and_store(q, k, v, positions, rotary.cos, rotary.sin, k_cache, v_cache,
-                                            meta.slot_mapping)
+                                            meta.slot_mapping, k_scale=self.k_scale, v_scale=self.v_scale)
         else:
             q, k = rotary(positions, q, k)
-            k_cache.view(-1, self.num_kv_heads, self.head_dim)[meta.slot_mapping] = k
-            v_cache.view(-1, self.num_kv_heads, self.head_dim)[meta.slot_mapping] = v
+            stored_k = to_cache(k, k_cache.dtype, self.k_scale)
+            stored_v = to_cache(v, v_cache.dtype, self.v_scale)
+            k_cache.view(-1, self.num_kv_heads, self.head_dim)[meta.slot_mapping] = stored_k
+            v_cache.view(-1, self.num_kv_heads, self.head_dim)[meta.slot_mapping] = stored_v
+            if is_fp8(k_cache):  # fresh K/V as the cache holds them (kv_fp8.py says why)
+                k = from_cache(stored_k, q.dtype, self.k_scale)
+                v = from_cache(stored_v, q.dtype, self.v_scale)
 
+        scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
         if triton_attention.is_available(q) and meta.num_decode_slots is not None:  # a mixed-step graph
             out = triton_attention.paged_attention_slots(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale,
-                num_decode_slots=meta.num_decode_slots,
+                num_decode_slots=meta.num_decode_slots, **scales,
             )
             return out.view(q.shape[0], self.num_heads * self.head_dim)
         if triton_attention.is_available(q):
             out = triton_attention.paged_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                meta.max_query_len, self.scale, num_decodes=meta.num_decode_tokens,
+                meta.max_query_len, self.scale, num_decodes=meta.num_decode_tokens, **scales,
             )
             return out.view(q.shape[0], self.num_heads * self.head_dim)
 
@@ -70,6 +82,13 @@ class PagedAttention(nn.Module):
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
             out[rows] = self._attend_prefill(q[rows], k[rows], v[rows], k_cache, v_cache, chunk)
         return out.view(q.shape[0], self.num_heads * self.head_dim)
+
+    def _keys(self, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Gathered cache blocks -> keys in the activations' dtype (widened here from FP8)."""
+        return from_cache(stored, dtype, self.k_scale)
+
+    def _values(self, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return from_cache(stored, dtype, self.v_scale)
 
     def _attend_decodes(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
@@ -83,8 +102,9 @@ class PagedAttention(nn.Module):
         key_pos = torch.arange(tables.shape[1] * meta.block_size, device=q.device)
         mask = (key_pos[None, :] < meta.decode_context_lens[:, None]).view(num_decodes, 1, 1, -1)
         # [num_decodes, max_blocks, block_size, kv_heads, head_dim] -> [n, kv_heads, L, head_dim]
-        keys = k_cache[tables].view(num_decodes, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        values = v_cache[tables].view(num_decodes, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        shape = (num_decodes, -1, self.num_kv_heads, self.head_dim)
+        keys = self._keys(k_cache[tables], q.dtype).view(shape).transpose(1, 2)
+        values = self._values(v_cache[tables], q.dtype).view(shape).transpose(1, 2)
         attn = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=mask, scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
@@ -100,7 +120,7 @@ class PagedAttention(nn.Module):
         out = torch.empty_like(q)
         gqa = self.num_heads != self.num_kv_heads
         for i, (blocks, context_len) in enumerate(meta.decode_host):
-            keys, values = k_cache[blocks], v_cache[blocks]
+            keys, values = self._keys(k_cache[blocks], q.dtype), self._values(v_cache[blocks], q.dtype)
             # [blocks, block_size, kv_heads, head_dim] -> [1, kv_heads, context_len, head_dim]
             keys = keys.reshape(-1, self.num_kv_heads, self.head_dim)[:context_len].transpose(0, 1)
             values = values.reshape(-1, self.num_kv_heads, self.head_dim)[:context_len].transpose(0, 1)
@@ -130,8 +150,9 @@ class PagedAttention(nn.Module):
             )
             return attn[0].transpose(0, 1)
         context_len = chunk.start_pos + chunk.num_tokens
-        keys = k_cache[chunk.block_table].view(-1, self.num_kv_heads, self.head_dim)[:context_len]
-        values = v_cache[chunk.block_table].view(-1, self.num_kv_heads, self.head_dim)[:context_len]
+        shape = (-1, self.num_kv_heads, self.head_dim)
+        keys = self._keys(k_cache[chunk.block_table], q.dtype).view(shape)[:context_len]
+        values = self._values(v_cache[chunk.block_table], q.dtype).view(shape)[:context_len]
         # Query i sits at position start_pos + i and sees keys 0..start_pos + i.
         query_pos = torch.arange(chunk.num_tokens, device=q.device) + chunk.start_pos
         key_pos = torch.arange(context_len, device=q.device)

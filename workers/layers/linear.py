@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.layers.fp8 import QuantizedActivation
 from workers.layers.quantization import WeightQuantization, method_being_built
 from workers.parallel import TensorParallel
 
@@ -56,7 +57,12 @@ class LinearBase(nn.Module):
             loaded = loaded.reshape(-1)  # compressed-tensors writes channel scales as [out, 1]
         _copy_checked(param.data[rows], loaded, name)
 
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def takes_fp8_input(self, x: torch.Tensor) -> bool:
+        """Whether this layer wants x [num_tokens, in] as a QuantizedActivation (its FP8 product
+        runs on e4m3 activations): the kernel before it then fuses the quant."""
+        return self.quant is not None and self.quant.takes_fp8_input(x, self.weight)
+
+    def _matmul(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         if self.quant:
             return self.quant.linear(x, self.weight, self.weight_scale)
         return F.linear(x, self.weight)

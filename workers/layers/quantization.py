@@ -6,9 +6,12 @@ a row-parallel rank scales its own columns. Only the linear layers of the decode
 quantized; the embedding and the LM head stay in the serving dtype, as in vLLM.
 
 - `fp8`: weights in float8 e4m3, activations scaled per token on the fly (dynamic), the product
-  through `torch._scaled_mm` (Hopper's FP8 tensor cores; PyTorch's CPU build has it too).
+  through `torch._scaled_mm` (Hopper's FP8 tensor cores; PyTorch's CPU build has it too). On
+  CUDA the activation quant is one Triton kernel, fused into the RMSNorm or SiLU-mul before the
+  linear when the caller asks `takes_fp8_input`, and steps of few tokens take a weight-only
+  Triton kernel instead (workers/layers/fp8_gemm.py says which runs when, and why).
 - `int8`: weight-only; activations stay in the serving dtype and `torch._weight_int8pack_mm`
-  multiplies them by the int8 weight and its scales.
+  multiplies them by the int8 weight and its scales. CPU only: refused on CUDA (see below).
 
 Layers pick their method while the model is built, inside `building_with(method)`, so a
 quantized model never holds its weights in full precision on the device: a model that only
@@ -24,8 +27,9 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8_DTYPE).max
+from workers.layers import fp8_gemm, triton_quant
+from workers.layers.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, QuantizedActivation, quantize_activation
+
 INT8_MAX = 127
 # torch._scaled_mm on CUDA wants both matrix dimensions it reads from the weight in multiples
 # of 16; smaller or odd layers (tiny test models) multiply a dequantized weight instead.
@@ -49,6 +53,15 @@ class WeightQuantization:
     def dequantize(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return (weight.to(torch.float32) * scale.unsqueeze(1)).to(dtype)
 
+    def refusal_on(self, device: torch.device) -> str | None:
+        """Why this method does not run on `device` (a sentence for the user); None: it runs."""
+        return None
+
+    def takes_fp8_input(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether `linear` wants x [num_tokens, in] already quantized (a QuantizedActivation from
+        the kernel before it, which then fuses the quant) rather than in the serving dtype."""
+        return False
+
 
 class Fp8Quantization(WeightQuantization):
     name = "fp8"
@@ -56,20 +69,34 @@ class Fp8Quantization(WeightQuantization):
 
     def quantize_rows(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         weight = weight.to(torch.float32)
-        scale = (weight.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
+        scale = (weight.abs().amax(dim=1) / FP8_MAX).clamp(min=MIN_SCALE)
         quantized = (weight / scale.unsqueeze(1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         return quantized, scale
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _aligned(weight: torch.Tensor) -> bool:
+        return not (weight.shape[0] % SCALED_MM_ALIGNMENT or weight.shape[1] % SCALED_MM_ALIGNMENT)
+
+    def takes_fp8_input(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        # x: [num_tokens, in]. Only where the product is scaled_mm: the small-M kernel reads bf16.
+        return (triton_quant.is_available(x) and self._aligned(weight)
+                and not fp8_gemm.uses_w8a16(x.shape[0], x.device))
+
+    def linear(self, x: torch.Tensor | QuantizedActivation, weight: torch.Tensor,
+               scale: torch.Tensor) -> torch.Tensor:
         out_features, in_features = weight.shape
-        if out_features % SCALED_MM_ALIGNMENT or in_features % SCALED_MM_ALIGNMENT:
+        if isinstance(x, QuantizedActivation):  # quantized by the kernel before (takes_fp8_input)
+            return fp8_gemm.scaled_mm(x, weight, scale)
+        if not self._aligned(weight):
             return F.linear(x, self.dequantize(weight, scale, x.dtype))
         rows = x.reshape(-1, in_features)
-        # Dynamic per-token scales: each row of activations spans FP8's whole range.
-        x_scale = (rows.abs().amax(dim=1, keepdim=True).to(torch.float32) / FP8_MAX).clamp(min=1e-12)
-        x_fp8 = (rows.to(torch.float32) / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-        out = torch._scaled_mm(x_fp8, weight.t(), scale_a=x_scale, scale_b=scale.unsqueeze(0),
-                               out_dtype=x.dtype)
+        if not triton_quant.is_available(rows):
+            # Dynamic per-token scales: each row of activations spans FP8's whole range.
+            out = fp8_gemm.scaled_mm(quantize_activation(rows), weight, scale, use_fast_accum=False)
+        elif fp8_gemm.uses_w8a16(rows.shape[0], rows.device):
+            out = fp8_gemm.w8a16(rows.contiguous(), weight, scale)
+        else:
+            out = fp8_gemm.scaled_mm(triton_quant.per_token_quant(rows.contiguous()), weight, scale)
         return out.reshape(*x.shape[:-1], out_features)
 
 
@@ -79,9 +106,17 @@ class Int8WeightOnly(WeightQuantization):
 
     def quantize_rows(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         weight = weight.to(torch.float32)
-        scale = (weight.abs().amax(dim=1) / INT8_MAX).clamp(min=1e-12)
+        scale = (weight.abs().amax(dim=1) / INT8_MAX).clamp(min=MIN_SCALE)
         quantized = torch.round(weight / scale.unsqueeze(1)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
         return quantized, scale
+
+    def refusal_on(self, device: torch.device) -> str | None:
+        if device.type != "cuda":
+            return None
+        # Widening the int8 weight to bf16 on every call reads more bytes than bf16 itself
+        # (issue 31): on a GPU it would be slower than no quantization at all.
+        return ("--quantization int8 (weight-only) runs on CPU only: on CUDA it has no kernel that "
+                "dequantizes in registers, so it would be slower than bf16; use --quantization fp8")
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         out_features, in_features = weight.shape
@@ -94,7 +129,7 @@ class Int8WeightOnly(WeightQuantization):
             out = torch._weight_int8pack_mm(rows.to(torch.bfloat16), weight, scale.to(torch.bfloat16))
             out = out.to(x.dtype)
         else:
-            # Other devices: the int8 weight is what sits in memory; it is widened per call.
+            # Other devices but CUDA (refused there): the int8 weight is widened per call.
             out = F.linear(rows, weight.to(x.dtype)) * scale.to(x.dtype)
         return out.reshape(*x.shape[:-1], out_features)
 

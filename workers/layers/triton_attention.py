@@ -12,6 +12,9 @@ table (a tile spans several pages), both products on the tensor cores, online so
 float32. Decode-only batches have too few programs to fill the GPU at small batch sizes, so
 they can split each sequence's keys over NUM_SEGMENTS programs and combine the partial
 results in a second small kernel (split-K).
+
+An FP8 (e4m3) cache is read as it is: each K/V tile is widened to q's dtype in registers, the
+layer's K scale folds into the softmax scale and its V scale into the output (kv_fp8.py).
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ if triton is not None:
                 do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "query_start_ptr"])
     def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-        block_tables_ptr, seq_lens_ptr, query_start_ptr, num_seqs, scale,
+        block_tables_ptr, seq_lens_ptr, query_start_ptr, num_seqs, scale, v_scale,
         stride_q_tok, stride_q_head,
         stride_cache_block, stride_cache_token, stride_cache_head,
         stride_table_seq,
@@ -126,8 +129,9 @@ if triton is not None:
             key_off = page * stride_cache_block + (key_pos % PAGE_SIZE) * stride_cache_token \
                 + kv_head * stride_cache_head  # [BLOCK_N]
             kv_mask = key_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_cache_ptr + key_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + key_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            # Widened to q's dtype in registers (a no-op unless the cache is FP8).
+            k = tl.load(k_cache_ptr + key_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            v = tl.load(v_cache_ptr + key_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
             if IEEE_DOT:
                 scores = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -148,6 +152,7 @@ if triton is not None:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
 
+        acc = acc * v_scale  # an FP8 cache's V scale (1.0 otherwise)
         if NUM_SEGMENTS == 1:
             out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
             out_offs = q_rows[:, None] * stride_out_tok + head[:, None] * stride_out_head + d[None, :]
@@ -199,38 +204,41 @@ def decode_segments(num_seqs: int, num_kv_heads: int, device: torch.device) -> i
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
-    num_decodes: int = 0, num_segments: int | None = None,
+    num_decodes: int = 0, num_segments: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim]; caches: [num_blocks, page_size, kv_heads, head_dim];
     block_tables: [num_seqs, width]; seq_lens: [num_seqs] (cached + this step's tokens);
     query_start_loc: [num_seqs + 1]; max_query_len: the longest sequence's query count (1 means
     decode-only; known on the host); num_decodes: the first sequences, one query token each;
-    num_segments: split-K of decode-only launches (None: by occupancy)
-    -> [num_tokens, num_heads, head_dim]"""
+    num_segments: split-K of decode-only launches (None: by occupancy); k_scale, v_scale: an
+    FP8 cache's per-layer scales -> [num_tokens, num_heads, head_dim]"""
+    scales = {"k_scale": k_scale, "v_scale": v_scale}
     out = torch.empty_like(q)
     if q.shape[0] == 0:
         return out
     if max_query_len == 1:
         _launch(q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale, decode_only=True,
-                num_tokens=q.shape[0], num_segments=num_segments)
+                num_tokens=q.shape[0], num_segments=num_segments, **scales)
         return out
     if SPLIT_MIXED and num_decodes:
         # The decodes as their own decode-only launch (one program per sequence, wider key
         # tiles), the prefill chunks in a second one; both write their rows of `out`.
         _launch(q, k_cache, v_cache, out, block_tables[:num_decodes], seq_lens[:num_decodes],
                 query_start_loc[: num_decodes + 1], scale, decode_only=True, num_tokens=num_decodes,
-                num_segments=num_segments)
+                num_segments=num_segments, **scales)
         _launch(q, k_cache, v_cache, out, block_tables[num_decodes:], seq_lens[num_decodes:],
-                query_start_loc[num_decodes:], scale, decode_only=False, num_tokens=q.shape[0] - num_decodes)
+                query_start_loc[num_decodes:], scale, decode_only=False, num_tokens=q.shape[0] - num_decodes,
+                **scales)
         return out
     _launch(q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale, decode_only=False,
-            num_tokens=q.shape[0])
+            num_tokens=q.shape[0], **scales)
     return out
 
 
 def paged_attention_slots(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *, num_decode_slots: int,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
     """A mixed step laid out in fixed sequence slots, so that its two launches' grids depend on
     the tensors' shapes alone (a CUDA graph replays them for any step that fits): slots
@@ -241,18 +249,20 @@ def paged_attention_slots(
     seq_lens: [num_slots]; query_start_loc: [num_slots + 1] -> [num_token_slots, num_heads, head_dim]"""
     out = torch.empty_like(q)
     d = num_decode_slots
+    scales = {"k_scale": k_scale, "v_scale": v_scale}
     _launch(q, k_cache, v_cache, out, block_tables[:d], seq_lens[:d], query_start_loc[: d + 1], scale,
-            decode_only=True, num_tokens=d, num_segments=1)
+            decode_only=True, num_tokens=d, num_segments=1, **scales)
     # The grid's upper bound (num_tokens // BLOCK_Q + slots) holds for any split of the rows.
     _launch(q, k_cache, v_cache, out, block_tables[d:], seq_lens[d:], query_start_loc[d:], scale,
-            decode_only=False, num_tokens=q.shape[0])
+            decode_only=False, num_tokens=q.shape[0], **scales)
     return out
 
 
 def _launch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
-    decode_only: bool, num_tokens: int, num_segments: int | None = None,
+    decode_only: bool, num_tokens: int, num_segments: int | None = None, k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """One launch over the sequences given (num_tokens query rows from query_start_loc[0] on)."""
     _, num_heads, head_dim = q.shape
@@ -274,7 +284,7 @@ def _launch(
         part_acc = part_max = part_sum = out  # never touched
     _paged_attention_kernel[(num_programs, num_kv_heads, num_segments)](
         q, k_cache, v_cache, out, part_acc, part_max, part_sum,
-        block_tables, seq_lens, query_start_loc, num_seqs, scale,
+        block_tables, seq_lens, query_start_loc, num_seqs, scale * k_scale, v_scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),

@@ -6,7 +6,8 @@ costs more than reading the weights, and in prefill-heavy steps each of them str
 [tokens, hidden] activation through memory. These kernels keep PyTorch's rounding points (every
 bf16 product or sum rounded as PyTorch would round it), so greedy tokens do not move:
 - rms_norm: (x + residual) rounded, RMSNorm in float32, cast, times the weight (HF's order);
-- rope_and_store: rotary embedding of q and k, and k, v written into their cache slots;
+- rope_and_store: rotary embedding of q and k, and k, v written into their cache slots (an FP8
+  cache gets them divided by the layer's scale and cast to e4m3 in the same store, kv_fp8.py);
 - silu_and_mul: silu(gate) rounded, times up.
 The CPU path keeps the PyTorch code in norm.py, rotary.py and llama.py.
 """
@@ -58,15 +59,20 @@ if triton is not None:
         out2 = ((a2 * cos).to(dtype).to(tl.float32) + (a1 * sin).to(dtype).to(tl.float32)).to(dtype)
         return out1, out2
 
+    @triton.jit
+    def _to_fp8(x, inv_scale, fp8_type: tl.constexpr):
+        """K or V -> e4m3 as kv_fp8.to_cache makes it: scaled in float32, saturated at +-448."""
+        return tl.clamp(x.to(tl.float32) * inv_scale, -448.0, 448.0).to(fp8_type)
+
     # positions and slots are views into the step's uploaded buffer: their alignment varies,
     # and each variant would be another compile mid-serving.
     @triton.jit(do_not_specialize_on_alignment=["positions_ptr", "slots_ptr"])
     def _rope_and_store_kernel(
         q_ptr, k_ptr, v_ptr, positions_ptr, cos_ptr, sin_ptr, slots_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
         stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-        stride_table, stride_slot,
+        stride_table, stride_slot, inv_k_scale, inv_v_scale,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
-        KV_HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+        KV_HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, FP8_CACHE: tl.constexpr,
     ):
         tok = tl.program_id(0).to(tl.int64)
         pos = tl.load(positions_ptr + tok).to(tl.int64)
@@ -93,11 +99,18 @@ if triton is not None:
         k1, k2 = _rotate(tl.load(k_ptr + offs, mask=mask), tl.load(k_ptr + offs + HALF, mask=mask),
                          cos[None, :], sin[None, :])
         cache_offs = slot * stride_slot + g[:, None] * 2 * HALF + c[None, :]
+        offs = tok * stride_v_tok + g[:, None] * stride_v_head + c[None, :]
+        v1 = tl.load(v_ptr + offs, mask=mask)
+        v2 = tl.load(v_ptr + offs + HALF, mask=mask)
+        if FP8_CACHE:
+            k1 = _to_fp8(k1, inv_k_scale, k_cache_ptr.dtype.element_ty)
+            k2 = _to_fp8(k2, inv_k_scale, k_cache_ptr.dtype.element_ty)
+            v1 = _to_fp8(v1, inv_v_scale, v_cache_ptr.dtype.element_ty)
+            v2 = _to_fp8(v2, inv_v_scale, v_cache_ptr.dtype.element_ty)
         tl.store(k_cache_ptr + cache_offs, k1, mask=mask)
         tl.store(k_cache_ptr + cache_offs + HALF, k2, mask=mask)
-        offs = tok * stride_v_tok + g[:, None] * stride_v_head + c[None, :]
-        tl.store(v_cache_ptr + cache_offs, tl.load(v_ptr + offs, mask=mask), mask=mask)
-        tl.store(v_cache_ptr + cache_offs + HALF, tl.load(v_ptr + offs + HALF, mask=mask), mask=mask)
+        tl.store(v_cache_ptr + cache_offs, v1, mask=mask)
+        tl.store(v_cache_ptr + cache_offs + HALF, v2, mask=mask)
 
     @triton.jit
     def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, N: tl.constexpr, BLOCK: tl.constexpr):
@@ -129,11 +142,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def rope_and_store(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-    sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q: [num_tokens, heads, head_dim], k, v: [num_tokens, kv_heads, head_dim] (views, last dim
     contiguous); cos, sin: [max_positions, head_dim] float32; caches: [blocks, block_size,
-    kv_heads, head_dim]. Writes rotated k and v at their slots; returns rotated q, contiguous."""
+    kv_heads, head_dim], in q's dtype or e4m3 (then stored = value / scale). Writes rotated k and
+    v at their slots; returns rotated q, contiguous."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     # The kernel addresses a slot as slot * stride(1) and a head as head * head_dim.
@@ -144,10 +159,11 @@ def rope_and_store(
         _rope_and_store_kernel[(num_tokens,)](
             q, k, v, positions, cos, sin, slot_mapping, q_out, k_cache, v_cache,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            cos.stride(0), k_cache.stride(1),
+            cos.stride(0), k_cache.stride(1), 1.0 / k_scale, 1.0 / v_scale,
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_heads),
             KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads), HALF=half,
-            HALF_PAD=triton.next_power_of_2(half), num_warps=4,
+            HALF_PAD=triton.next_power_of_2(half), FP8_CACHE=k_cache.dtype == torch.float8_e4m3fn,
+            num_warps=4,
         )
     return q_out
 

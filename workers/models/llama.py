@@ -18,7 +18,7 @@ from torch import nn
 
 from shared.model_config import ModelConfig
 from workers.attention_metadata import AttentionMetadata
-from workers.layers import triton_fused
+from workers.layers import triton_fused, triton_quant
 from workers.layers.attention import PagedAttention
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from workers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -71,6 +71,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
+        if self.down_proj.takes_fp8_input(gate_up):  # FP8 weights on CUDA: quant fused in
+            return self.down_proj(triton_quant.silu_and_mul_quant(gate_up))
         if triton_fused.is_available(gate_up):
             return self.down_proj(triton_fused.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
@@ -95,12 +97,15 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # FP8 linears on CUDA: the norms hand them e4m3 rows (the quant fused into the norm).
+        quantize = self.self_attn.qkv_proj.takes_fp8_input(x)
         if residual is None:
-            x, residual = self.input_layernorm(x), x
+            x, residual = self.input_layernorm(x, quantize=quantize), x
         else:
-            x, residual = self.input_layernorm(x, residual)
+            x, residual = self.input_layernorm(x, residual, quantize=quantize)
         x = self.self_attn(positions, x, kv_cache, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
+        quantize = self.mlp.gate_up_proj.takes_fp8_input(x)
+        x, residual = self.post_attention_layernorm(x, residual, quantize=quantize)
         return self.mlp(x), residual
 
 
