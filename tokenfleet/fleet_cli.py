@@ -139,14 +139,14 @@ def cmd_autoscale(args: argparse.Namespace) -> int:
     argv_for = autoscale_argv_for(args, model, model_name)
     import torch
 
-    from protocol.keys import Keys
+    from protocol.keys import keys_for
 
     placement = placement_request(args.tp * args.pp, on_gpu=torch.cuda.is_available(),
                                   num_cpus_per_rank=args.num_cpus_per_rank, strategy=args.placement_strategy,
                                   timeout_s=options.placement_timeout_s) if needs_ray else None
     runner = AutoscaleRunner(args.redis_url, model_name, options, argv_for, tokenfleet_home() / "logs",
                              env=dict(os.environ), ray_address=args.ray_address, placement=placement,
-                             keys=Keys(args.key_prefix))
+                             keys=keys_for(args.redis_url, args.key_prefix))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -51,7 +51,7 @@ from gateway.models import ModelRegistry
 from gateway.openai.format import ChoiceOutput, chat_completion, text_completion
 from gateway.openai.params import Plan, plan_chat, plan_completion
 from gateway.requests.records import ResultRecord
-from gateway.requests.store import GatewayKeys, RequestStore
+from gateway.requests.store import RequestStore
 from gateway.settings import GatewaySettings
 from gateway.tenant_registry import TenantRegistry
 from protocol.abandoned import claim_abandoned_async
@@ -76,7 +76,7 @@ class BatchIngester:
         # Whose limits a tenant's job feeds under (its max_batch_lines_in_flight).
         self.tenants = TenantRegistry(settings.tenants, client if settings.tenants_from_redis else None, keys)
         # The gateway's own cancel (flag + message), for the queued lines of a stopping job.
-        self.requests = RequestStore(client, GatewayKeys(keys.prefix), result_ttl_s=settings.result_ttl_s,
+        self.requests = RequestStore(client, keys, result_ttl_s=settings.result_ttl_s,
                                      cancel_ttl_s=settings.cancel_ttl_s,
                                      idempotency_ttl_s=settings.idempotency_ttl_s)
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"

@@ -19,6 +19,7 @@ import redis
 
 from gateway.app import create_app
 from gateway.settings import GatewaySettings, ModelSpec
+from protocol.keys import Keys
 from tests.gateway.batch_fleet import (
     TINY_CHAT,
     job_lines,
@@ -116,7 +117,8 @@ async def test_a_1000_line_job_from_a_plain_redis_client_comes_back_exactly_once
     assert f'tokenfleet_batch_lines_total{{status="completed"}} {float(1000 - len(broken))}' in metrics
     assert 'tokenfleet_batch_jobs_total{status="completed"} 1.0' in metrics
     # The job's working keys are gone; nothing is left queued.
-    assert not plain.exists("tf:batch:plain-1:lines", "tf:batch:plain-1:written", "tf:res:plain-1.1.0")
+    assert not plain.exists("tf:batch:plain-1:lines", "tf:batch:plain-1:written",
+                            Keys().result("plain-1.1.0"))
     assert not plain.sismember("tf:batch:active", "plain-1")
 
 
@@ -303,8 +305,8 @@ async def test_a_scheduler_killed_mid_job_and_the_job_completes_exactly_once(red
         lines, broken = job_lines(KILL_JOB_LINES, max_tokens=KILL_JOB_TOKENS)
         client.xadd("tf:batch:in", {"job_id": "crash-1", "lines": "\n".join(lines)})
         await asyncio.to_thread(wait_written, client, "crash-1", KILL_JOB_LINES // 4, 240)
-        taken = client.xpending_range("tf:req:tiny-chat:batch", "schedulers", "-", "+", KILL_JOB_LINES,
-                                      consumername="s0")
+        taken = client.xpending_range(Keys().request_stream("tiny-chat", "batch"), "schedulers", "-", "+",
+                                      KILL_JOB_LINES, consumername="s0")
         assert taken, "the scheduler to be killed holds no work"
         _kill(schedulers[0])
         job = await asyncio.to_thread(wait_for_job, client, "crash-1", timeout_s=240)
@@ -353,7 +355,6 @@ async def test_an_intake_longer_than_the_lease_is_not_done_twice(redis_server, t
     from gateway.batch.ingester import BatchIngester
     from gateway.batch.lines import LineItem
     from gateway.models import ModelRegistry
-    from protocol.keys import Keys
 
     settings = GatewaySettings(redis_url=redis_server.url, models=[ModelSpec.from_path(str(tiny_chat))],
                                batch_lease_s=0.3, batch_max_inflight=1)

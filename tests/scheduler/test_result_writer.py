@@ -12,7 +12,7 @@ from protocol.messages import pack_list_chunk, unpack_list_chunks
 from service.result_store import ResultStore, ResultUpdate
 from service.result_writer import ResultWriter
 
-STREAM = "tf:req:m:interactive"
+STREAM = Keys().request_stream("m", "interactive")
 
 
 def _step_update(req_id: str, seq: int, token_id: int) -> ResultUpdate:
@@ -40,7 +40,7 @@ def test_steps_and_updates_are_written_in_submission_order_by_the_writer_thread(
         else:
             writer.submit([_step_update("r1", seq, seq)])
     assert writer.drain(timeout_s=30)
-    record = client.hgetall("tf:res:r1")
+    record = client.hgetall(Keys().result("r1"))
     assert unpack_list_chunks(record[b"token_ids"]) == list(range(1, 201))
     assert record[b"text"].decode() == "".join(f"<{seq}>" for seq in range(1, 201))
     assert threads and set(threads) == {"result-writer"}  # never on the caller's thread
@@ -60,18 +60,19 @@ def test_a_write_during_a_redis_outage_lands_once_when_redis_is_back(redis_serve
     redis_server.start()  # same port, its append-only file kept the first write
     assert writer.drain(timeout_s=30)
     assert writer.error is None
-    assert unpack_list_chunks(client.hget("tf:res:r1", "token_ids")) == [11, 12, 13]
+    assert unpack_list_chunks(client.hget(Keys().result("r1"), "token_ids")) == [11, 12, 13]
     writer.close()
 
 
 def test_requests_a_successor_owns_are_reported_and_not_written(redis_server) -> None:
     client = redis_server.client()
     writer, _ = _writer(client)
-    client.hset("tf:res:taken", mapping={"owner": "s2", "seq": 4})
+    client.hset(Keys().result("taken"), mapping={"owner": "s2", "seq": 4})
     writer.submit_step([("mine", 1, 1), ("taken", 5, 5)], now=0.0)
     assert writer.drain(timeout_s=30)
     assert writer.take_lost() == ["taken"]
     assert writer.take_lost() == []  # each reported once
-    assert client.hget("tf:res:taken", "seq") == b"4" and not client.hexists("tf:res:taken", "token_ids")
-    assert client.hget("tf:res:mine", "seq") == b"1"
+    taken = Keys().result("taken")
+    assert client.hget(taken, "seq") == b"4" and not client.hexists(taken, "token_ids")
+    assert client.hget(Keys().result("mine"), "seq") == b"1"
     writer.close()
