@@ -141,7 +141,7 @@ class ResultStore:
         exists = [False] * len(flag_keys)
         for (records, flags), reply in zip(by_partition.values(), _CLAIM_SCRIPT.run_many(self.client, calls),
                                            strict=True):
-            for i, flat in zip(records, reply, strict=True):
+            for i, flat in zip(records, reply[:len(records)], strict=True):
                 progress[i] = StoredProgress.parse(dict(zip(flat[::2], flat[1::2], strict=True)))
             for j, flag in zip(flags, reply[len(records):], strict=True):
                 exists[j] = bool(flag)

@@ -24,7 +24,7 @@ import time
 
 import redis
 
-from protocol.keys import CONSUMER_GROUP, Keys
+from protocol.keys import CONSUMER_GROUP, Keys, keys_for
 from protocol.messages import (
     TERMINAL_STATES,
     DeadLetter,
@@ -73,7 +73,7 @@ class SchedulerService(Maintenance):
                  keys: Keys | None = None) -> None:
         self.engine = engine
         self.settings = settings
-        self.keys = keys or Keys()
+        self.keys = keys or keys_for(redis_url)
         self.client = connect(redis_url, socket_timeout=10, socket_connect_timeout=5)
         self.redis_url = redis_url
         self.results = ResultStore(self.client, self.keys, settings.scheduler_id, settings.result_ttl_s)

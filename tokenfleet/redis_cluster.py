@@ -78,15 +78,30 @@ class RedisCluster:
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
-        """Until every slot is served and every live node agrees the cluster is ok."""
+        """Until every slot is served, every live node agrees the cluster is ok, and each primary
+        has a replica in sync (with as many live nodes as primaries: none need be)."""
         deadline = time.monotonic() + timeout_s
         while True:
             states = [self.cluster_info(p) for p in self.live_ports()]
-            if all(s.get("cluster_state") == "ok" and s.get("cluster_slots_ok") == "16384" for s in states):
+            if all(s.get("cluster_state") == "ok" and s.get("cluster_slots_ok") == "16384" for s in states) \
+                    and self._replicas_online():
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the Redis Cluster on {self.ports} is not ready: {states}")
             time.sleep(0.1)
+
+    def _replicas_online(self) -> bool:
+        if len(self.live_ports()) <= self.num_primaries:
+            return True
+        for port in self.primaries():
+            try:
+                info = redis.Redis(self.host, port, socket_timeout=2).info("replication")
+            except redis.RedisError:
+                return False
+            if not any(isinstance(v, dict) and v.get("state") == "online" for k, v in info.items()
+                       if k.startswith("slave")):
+                return False
+        return True
 
     def cluster_info(self, port: int) -> dict[str, str]:
         try:
