@@ -26,7 +26,7 @@ from protocol import lua
 from protocol.keys import CONSUMER_GROUP, Keys
 from protocol.messages import TERMINAL_STATES
 from protocol.result_record import F, StoredProgress, is_terminal_write
-from shared.redis_client import is_cluster_client
+from shared.redis_client import is_cluster_client, unreplicated
 
 
 # The step's write and the admission's claim (their keys and arguments are named in each
@@ -66,7 +66,8 @@ class ResultStore:
         self.keys = keys
         self.owner = owner
         self.ttl_s = ttl_s
-        self._write = _write_script(sharded=is_cluster_client(client))
+        self.is_cluster = is_cluster_client(client)
+        self._write = _write_script(sharded=self.is_cluster)
 
     def write(self, updates: list[ResultUpdate]) -> list[bool]:
         """One round trip and one script call per partition; False where another scheduler
@@ -115,12 +116,24 @@ class ResultStore:
                 owned[i] = flag != 0
                 if isinstance(flag, bytes):
                     ended.append((flag, packed[i][3]))
+        if self.is_cluster:
+            self._confirm_replicated([packed[members[0]][1] for members in groups.values()])
         if ended:
             pipe = self.client.pipeline(transaction=False)
             for tenant, req_id in ended:
                 pipe.zrem(self.keys.tenant_leases(tenant.decode()), req_id)
             pipe.execute()
         return owned
+
+    def _confirm_replicated(self, record_keys: list[str]) -> None:
+        """On a cluster, a write counts once a replica has it: else ConnectionError, and the
+        writer sends the same updates again (to the promoted replica, after a failover), so the
+        record never misses a step its clients saw (appends are skipped where they landed)."""
+        nodes = {node.name: node for node in map(self.client.get_node_from_key, record_keys)}
+        late = unreplicated(self.client, list(nodes.values()))
+        if late:
+            raise redis.ConnectionError(f"no replica of the Redis shard(s) {', '.join(late)} confirmed "
+                                        f"the step's writes")
 
     def claim(self, req_id: str) -> StoredProgress:
         """Become the owner of a request and read what was delivered before."""

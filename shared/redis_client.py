@@ -14,13 +14,17 @@ per shard, so slots can move: protocol/keys.py), publishes tokens with sharded p
 
 from __future__ import annotations
 
+import asyncio
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import redis
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import ExponentialBackoff
 from redis.cluster import ClusterNode, RedisCluster
+from redis.retry import Retry
 
 from shared.errors import InvalidRequestError
 
@@ -29,8 +33,13 @@ CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 # spread evenly over 1, 2, 4, 8 or 16 shards and unevenly (6/5/5) over 3; one server needs one.
 CLUSTER_PARTITIONS = 16
 SINGLE_SERVER_PARTITIONS = 1
-# How long a submit waits for a replica to confirm it has the request (cluster only).
+# How long a write waits for a replica to confirm it has it (cluster only).
 REPLICA_WAIT_MS = 1000
+# A cluster client retries a command through a failover (a primary's death is noticed after the
+# nodes' timeout, 2 s in tokenfleet/redis_cluster.py, then its replica is elected): up to about
+# 12 s of backoff, re-reading the slots between tries, before the caller sees the error.
+FAILOVER_RETRIES = 30
+FAILOVER_BACKOFF = (0.5, 0.02)  # (cap, base) in seconds
 
 
 def is_cluster_url(url: str) -> bool:
@@ -97,6 +106,7 @@ def connect(url: str, **options) -> redis.Redis | RedisCluster:
     if not is_cluster_url(url):
         return redis.Redis.from_url(url, **options)
     options.pop("health_check_interval", None)
+    options.setdefault("retry", Retry(ExponentialBackoff(*FAILOVER_BACKOFF), FAILOVER_RETRIES))
     return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in cluster_nodes(url)],
                         **cluster_options(url), **options)
 
@@ -110,6 +120,7 @@ def connect_async(url: str, *, max_connections: int | None = None, blocking_pool
         options.pop("timeout", None)  # (a cluster client's per-node pools do not block)
         if max_connections is not None:
             options["max_connections"] = max_connections
+        options.setdefault("retry", AsyncRetry(ExponentialBackoff(*FAILOVER_BACKOFF), FAILOVER_RETRIES))
         return AsyncRedisCluster(startup_nodes=[AsyncClusterNode(h, p) for h, p in cluster_nodes(url)],
                                  **cluster_options(url), **options)
     if blocking_pool:
@@ -126,3 +137,31 @@ def get_many(client, keys: list[str]) -> list:
     if not keys:
         return []
     return client.mget_nonatomic(keys) if is_cluster_client(client) else client.mget(keys)
+
+
+def unreplicated(client, nodes: list, timeout_ms: int = REPLICA_WAIT_MS) -> list[str]:
+    """The names of the cluster nodes among `nodes` (primaries just written to) whose replica
+    has not confirmed the writes so far within timeout_ms (WAIT 1). A primary with no replica
+    connected at all does not hold the fleet up: it counts as confirmed (degraded: a failover of
+    that shard can lose its last writes; `tokenfleet status` shows the replica's health)."""
+    late = []
+    for node in nodes:
+        if int(client.execute_command("WAIT", 1, timeout_ms, target_nodes=node)) >= 1:
+            continue
+        replication = client.execute_command("INFO", "replication", target_nodes=node)
+        if int(replication.get("connected_slaves", 0)) > 0:
+            late.append(node.name)
+    return late
+
+
+async def unreplicated_async(client, nodes: list, timeout_ms: int = REPLICA_WAIT_MS) -> list[str]:
+    """unreplicated() for an asyncio cluster client (the nodes waited on together)."""
+
+    async def late(node) -> bool:
+        if int(await client.execute_command("WAIT", 1, timeout_ms, target_nodes=node)) >= 1:
+            return False
+        replication = await client.execute_command("INFO", "replication", target_nodes=node)
+        return int(replication.get("connected_slaves", 0)) > 0
+
+    flags = await asyncio.gather(*(late(node) for node in nodes))
+    return [node.name for node, is_late in zip(nodes, flags, strict=True) if is_late]

@@ -189,7 +189,10 @@ class EventRouter:
             return
         for channel in channels:
             self._unconfirmed[channel] = self._unconfirmed.get(channel, 0) + 1
-        self._write(_command(self._subscribe_command, *channels))
+        if self._home is None:  # sharded: one channel a command (channels of two slots are CROSSSLOT)
+            self._write(b"".join(_command(self._subscribe_command, channel) for channel in channels))
+        else:
+            self._write(_command(self._subscribe_command, *channels))
 
     def _write(self, data: bytes) -> None:
         protocol = self._protocol

@@ -41,7 +41,7 @@ from protocol.result_record import (
     parse_timing_row,
     queued_fields,
 )
-from shared.redis_client import REPLICA_WAIT_MS, is_cluster_client
+from shared.redis_client import REPLICA_WAIT_MS, is_cluster_client, unreplicated_async
 
 QUEUE_KIND = "interactive"  # what the gateway writes; the batch ingester writes "batch"
 
@@ -108,14 +108,10 @@ class RequestStore:
         whose replica does not confirm in time fails the submit (503: the client retries, with
         its Idempotency-Key if it gave one), rather than accept what a failover could lose."""
         nodes = {node.name: node for node in map(self.client.get_node_from_key, record_keys)}
-        wait = ("WAIT", 1, REPLICA_WAIT_MS)
-        waits = [self.client.execute_command(*wait, target_nodes=n) for n in nodes.values()]
-        replies = await asyncio.gather(*waits)
-        for node, reply in zip(nodes, replies, strict=True):
-            confirmed = reply[node] if isinstance(reply, dict) else reply
-            if int(confirmed) < 1:
-                raise RedisConnectionError(f"no replica of the Redis shard {node} confirmed the request "
-                                           f"within {REPLICA_WAIT_MS} ms")
+        late = await unreplicated_async(self.client, list(nodes.values()))
+        if late:
+            raise RedisConnectionError(f"no replica of the Redis shard(s) {', '.join(late)} confirmed the "
+                                       f"request within {REPLICA_WAIT_MS} ms")
 
     def _submit_call(self, sub: Submission) -> tuple[list[str], list[object]]:
         """protocol/lua/submit.lua's KEYS and ARGV for one request (named in its header)."""
