@@ -30,6 +30,9 @@ def add_up_parser(commands) -> None:
     _flag(up, "replicas", type=int, default=1, help="schedulers (each with its worker group)")
     _redis_flags(up, help="use this Redis instead of starting one (" + REDIS_URL_HELP + ")")
     _flag(up, "redis-port", type=int, help="port of the Redis started here (default: a free one)")
+    _flag(up, "redis-cluster", type=int, metavar="N",
+          help="start a local Redis Cluster of N primaries and N replicas instead (redis-server >= 7 "
+               "on the PATH; for trying one)")
     # Every engine flag, for each replica's scheduler (--ray-address: a Ray `up` joins instead of
     # starting one); the autoscaler reserves the placement groups itself.
     add_engine_flags(up, exclude=("placement-group",))
@@ -181,10 +184,14 @@ def fleet_options(args: argparse.Namespace):
         # `up` waits for a serving replica before it says the fleet is up.
         raise InvalidRequestError("up needs --min-replicas >= 1 (tokenfleet autoscale allows 0)",
                                   param="min-replicas")
+    if args.redis_cluster is not None and (args.redis_url or args.redis_cluster < 1):
+        raise InvalidRequestError("--redis-cluster N (N >= 1) starts a Redis Cluster here: give it or "
+                                  "--redis-url, not both", param="redis-cluster")
     return FleetOptions(
         autoscale=autoscale, model=model, model_name=args.model_name or Path(model).name, host=args.host,
         port=args.port,
         tp=args.tp, pp=args.pp, replicas=args.replicas, redis_url=args.redis_url, redis_port=args.redis_port,
+        redis_cluster=args.redis_cluster,
         ray_address=args.ray_address, executor=args.executor, scheduler_args=engine_argv(args),
         num_cpus_per_rank=args.num_cpus_per_rank, placement_strategy=args.placement_strategy,
         gateway_workers=args.gateway_workers or default_gateway_workers(),

@@ -58,24 +58,32 @@ class RedisCluster:
         binary = cluster_server_binary()
         for port in self.ports:
             self.start_node(port, binary)
-        for port in self.ports:
-            _wait_ping(self.host, port)
-        # Slots spread evenly over the first half; each of the second half replicates one of them.
-        subprocess.run(["redis-cli", "--cluster", "create", *(f"{self.host}:{p}" for p in self.ports),
-                        "--cluster-replicas", "1", "--cluster-yes"],
-                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=60)
-        self.wait_ready()
+        self.create()
+
+    def node_argv(self, port: int, binary: str | None = None) -> list[str]:
+        """The command line of the node on `port` (its data, nodes.conf included, in its own
+        folder: restarted, it rejoins the cluster, as a replica of whoever took its slots)."""
+        folder = self.data_dir / str(port)
+        folder.mkdir(parents=True, exist_ok=True)
+        return [binary or cluster_server_binary(), "--port", str(port), "--bind", self.host,
+                "--dir", str(folder), "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--appendonly", "yes", "--save", "",
+                "--protected-mode", "no"]
 
     def start_node(self, port: int, binary: str | None = None) -> None:
         """Start (or restart, with its data) the node on `port`."""
-        folder = self.data_dir / str(port)
-        folder.mkdir(parents=True, exist_ok=True)
-        self.processes[port] = subprocess.Popen(
-            [binary or cluster_server_binary(), "--port", str(port), "--bind", self.host,
-             "--dir", str(folder), "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-             "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--appendonly", "yes", "--save", "",
-             "--protected-mode", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.processes[port] = subprocess.Popen(self.node_argv(port, binary), stdout=subprocess.DEVNULL,
+                                                stderr=subprocess.DEVNULL)
+
+    def create(self, timeout_s: float = 60.0) -> None:
+        """Once every node answers: make them one cluster (slots spread evenly over the first
+        half; each of the second half replicates one of them), and wait until it serves."""
+        for port in self.ports:
+            _wait_ping(self.host, port)
+        subprocess.run(["redis-cli", "--cluster", "create", *(f"{self.host}:{p}" for p in self.ports),
+                        "--cluster-replicas", "1", "--cluster-yes"],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=timeout_s)
+        self.wait_ready(timeout_s)
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
         """Until every slot is served, every live node agrees the cluster is ok, and each primary
@@ -111,6 +119,9 @@ class RedisCluster:
         return {name: str(value) for name, value in info.items()}
 
     def live_ports(self) -> list[int]:
+        """The nodes running (all of them when another process supervises them, as `up` does)."""
+        if not self.processes:
+            return list(self.ports)
         return [p for p, proc in self.processes.items() if proc.poll() is None]
 
     def primaries(self) -> list[int]:
