@@ -123,7 +123,7 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
 async def _batch_ctx(app: web.Application) -> AsyncIterator[None]:
     """The batch ingester of this process (gateway/batch_ingester.py), unless turned off."""
     settings = app[SETTINGS]
-    if not settings.batch_ingester or app[STORE].is_cluster:  # (no batch jobs on a cluster yet)
+    if not settings.batch_ingester:
         yield
         return
     ingester = BatchIngester(app[REDIS], app[STORE].keys, app[MODELS], settings,

@@ -22,11 +22,11 @@
 | {p}replicas:{model}                   | hash          | autoscaler              | status, metrics       |
 | {p}dead                               | stream        | scheduler               | operators             |
 | {p}batch:in                           | stream        | any Redis client        | batch ingesters       |
-| {p}batch:{job}                        | hash          | batch ingesters         | clients, CLI, gateway |
-| {p}batch:{job}:out                    | stream        | batch ingesters         | clients, CLI, gateway |
-| {p}batch:{job}:lines, :staging        | list          | batch ingesters         | batch ingesters       |
-| {p}batch:{job}:written                | bitmap        | batch ingesters         | batch ingesters       |
-| {p}batch:done                         | stream        | scheduler               | batch ingesters       |
+| {p}batch:{P}:{job}                    | hash          | batch ingesters         | clients, CLI, gateway |
+| {p}batch:{P}:{job}:out                | stream        | batch ingesters         | clients, CLI, gateway |
+| {p}batch:{P}:{job}:lines, :staging    | list          | batch ingesters         | batch ingesters       |
+| {p}batch:{P}:{job}:written            | bitmap        | batch ingesters         | batch ingesters       |
+| {p}batch:done (:{P} on a cluster)     | stream        | scheduler               | batch ingesters       |
 | {p}batch:jobs, {p}batch:active        | zset, set     | batch ingesters         | gateway, ingesters    |
 | {p}batch:entry:{entry_id}             | string        | batch ingesters         | clients               |
 | {p}file:{file_id}, {p}files           | hash, zset    | gateway (/v1/files)     | gateway, ingesters    |
@@ -79,9 +79,12 @@ class Keys:
 
     # -- partitions ---------------------------------------------------------------------
 
-    def partition(self, name: str) -> int:
-        """The partition of a request id (or of an Idempotency-Key's digest)."""
-        return zlib.crc32(name.encode()) % self.partitions
+    def partition(self, name: str | bytes) -> int:
+        """The partition of a request id (or of an Idempotency-Key's digest, or a batch job's id).
+        A batch item's id, `<job>.<line>.<choice>`, is in its job's: crc32 of what precedes its
+        first dot (a job's keys, items and streams share one slot)."""
+        raw = name if isinstance(name, bytes) else name.encode()
+        return zlib.crc32(raw.partition(b".")[0]) % self.partitions
 
     @staticmethod
     def tag(partition: int) -> str:
@@ -277,19 +280,24 @@ class Keys:
         return f"{self.prefix}batch:active"
 
     def batch_job(self, job_id: str) -> str:
-        return f"{self.prefix}batch:{job_id}"
+        """A job's hash; its other keys add a suffix. In the job's partition, with its items."""
+        return f"{self.prefix}batch:{self.tag(self.partition(job_id))}:{job_id}"
+
+    def batch_job_raw(self, job_id: bytes) -> bytes:
+        """batch_job() of an id as stored (a member that is not text still names its key)."""
+        return f"{self.prefix}batch:{self.tag(self.partition(job_id))}:".encode() + job_id
 
     def batch_out(self, job_id: str) -> str:
-        return f"{self.prefix}batch:{job_id}:out"
+        return f"{self.batch_job(job_id)}:out"
 
     def batch_lines(self, job_id: str) -> str:
-        return f"{self.prefix}batch:{job_id}:lines"
+        return f"{self.batch_job(job_id)}:lines"
 
     def batch_staging(self, job_id: str) -> str:
-        return f"{self.prefix}batch:{job_id}:staging"
+        return f"{self.batch_job(job_id)}:staging"
 
     def batch_written(self, job_id: str) -> str:
-        return f"{self.prefix}batch:{job_id}:written"
+        return f"{self.batch_job(job_id)}:written"
 
     def batch_entry(self, entry_id: str) -> str:
         return f"{self.prefix}batch:entry:{entry_id}"

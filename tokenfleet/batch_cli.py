@@ -15,18 +15,11 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from gateway.batch.entry import JobRefused, check_entry
-from gateway.batch.jobs import (
-    BATCH_ON_CLUSTER,
-    TERMINAL_JOB_STATES,
-    BatchOnClusterError,
-    Job,
-    JobStore,
-    new_job_id,
-)
+from gateway.batch.jobs import TERMINAL_JOB_STATES, Job, JobStore, new_job_id
 from gateway.batch.lines import endpoint_mismatch
 from protocol.keys import keys_for
 from shared.errors import InvalidRequestError, TokenfleetError
-from shared.redis_client import connect_async, is_cluster_url
+from shared.redis_client import connect_async
 from tokenfleet.up import recorded_redis_url
 
 BAR_WIDTH = 30
@@ -84,8 +77,6 @@ class BatchCommands:
         job_id = job_id or new_job_id()
         try:
             await self.jobs.create(job_id, fields)
-        except BatchOnClusterError as exc:
-            raise InvalidRequestError(str(exc), param="redis-url") from None
         except ValueError as exc:
             raise InvalidRequestError(str(exc), param="job-id") from None
         print(job_id, flush=True)
@@ -177,8 +168,6 @@ def _run_ingester(args) -> int:
                                key_prefix=args.key_prefix, batch_max_inflight=args.max_inflight,
                                batch_lease_s=args.lease_s, tenants=tenants,
                                tenants_from_redis=args.tenants_from_redis)
-    if is_cluster_url(settings.redis_url):
-        raise InvalidRequestError(BATCH_ON_CLUSTER, param="redis-url")
 
     async def go() -> int:
         models = await asyncio.to_thread(ModelRegistry.load, specs)

@@ -17,19 +17,14 @@ from pydantic import Field
 from gateway.appkeys import JOBS, REDIS
 from gateway.batch.entry import check_metadata, parse_window
 from gateway.batch.files_api import FILE_ID_PATTERN, stored_file
-from gateway.batch.jobs import JOB_STATES, BatchOnClusterError, Job, new_job_id
+from gateway.batch.jobs import JOB_STATES, Job, new_job_id
 from gateway.batch.lines import URLS, endpoint_mismatch
-from gateway.errors import BadRequest, Conflict, GatewayError, NotFound
+from gateway.errors import BadRequest, Conflict, NotFound
 from gateway.openai.schemas import StrictModel
 from gateway.requests.serving import read_body
 from gateway.responses import Shape
 from gateway.tenants_access import caller, visible_ids
 from protocol.keys import JOB_ID_PATTERN
-
-
-class NotImplementedOnCluster(GatewayError):
-    http_status = 501
-    code = "not_supported_on_redis_cluster"
 
 
 class BatchCreate(StrictModel):
@@ -101,10 +96,7 @@ async def create(request: web.Request) -> web.Response:
     tenant = request.get("tenant")
     if tenant is not None:
         fields["tenant"] = tenant.name  # its lines queue in the tenant's stream, within its limit
-    try:
-        await jobs.create(job_id, fields)
-    except BatchOnClusterError as exc:
-        raise NotImplementedOnCluster(str(exc)) from None
+    await jobs.create(job_id, fields)
     job = await jobs.get(job_id)
     return web.json_response(job.to_openai())
 

@@ -14,8 +14,10 @@ job); cancelling -> cancelled; expired (past its completion window). Every line 
 accounted for in the counts: completed + failed == total when the job ends, whatever way.
 
 The scripts (protocol/lua/batch_*.lua) name every key they touch in KEYS, the records of the
-requests they queue too; they span a job's keys and the shared ones (tf:batch:in, the active
-set), so batch jobs run on one Redis server, not on a cluster (docs/scaling.md).
+requests they queue too, and touch one slot each: a job's keys, its items (ids `<job>.<line>.
+<choice>`) and the request stream it feeds share the job's partition tag (protocol/keys.py).
+The fleet's shared keys (tf:batch:in, the jobs zset, the active set) are written by idempotent
+commands around the scripts, so a job works alike on one server and on a Redis Cluster.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ from gateway.batch.record import TERMINAL_JOB_STATES as TERMINAL_JOB_STATES
 from gateway.batch.record import Job
 from protocol import lua
 from protocol.keys import INGESTER_GROUP, JOB_ID_PATTERN, Keys
-from shared.redis_client import is_cluster_client
 
 # The scripts that move a job (protocol/lua/batch_*.lua, their KEYS and ARGV named in each one's
 # header); those that write outputs end with the check that moves a finished job to finalizing.
@@ -41,20 +42,12 @@ _FINISH_CHECK = lua.load("batch_finish_check")
 _FEED = lua.Script("batch_feed", FINISH_CHECK=_FINISH_CHECK)
 _COLLECT = lua.Script("batch_collect", FINISH_CHECK=_FINISH_CHECK)
 _STAGE = lua.Script("batch_stage")
-_COMMIT = lua.Script("batch_commit", GROUP=INGESTER_GROUP)
-_REFUSE = lua.Script("batch_refuse", GROUP=INGESTER_GROUP)
+_COMMIT = lua.Script("batch_commit")
+_REFUSE = lua.Script("batch_refuse")
 _BEGIN = lua.Script("batch_begin")
 _CREATE = lua.Script("batch_create")
 _STOP = lua.Script("batch_stop")
 _FINALIZE = lua.Script("batch_finalize")
-
-
-BATCH_ON_CLUSTER = ("batch jobs do not run on a Redis Cluster yet (a job's scripts span its keys and "
-                    "the fleet's shared ones): run batch work on a fleet with one Redis server")
-
-
-class BatchOnClusterError(ValueError):
-    """A batch job asked of a fleet on a Redis Cluster."""
 
 
 class IntakeLost(Exception):
@@ -101,10 +94,9 @@ class JobStore:
             return [], has_more
         # Keys built from the raw member, so that a member that is not text still finds its record
         # (and shows as corrupt) instead of failing the listing.
-        key_prefix = self.keys.batch_job("").encode()
         pipe = self.client.pipeline(transaction=False)
         for raw_id in ids:
-            pipe.hgetall(key_prefix + raw_id)
+            pipe.hgetall(self.keys.batch_job_raw(raw_id))
         jobs = []
         for raw_id, raw in zip(ids, await pipe.execute(), strict=True):
             job = Job.parse(raw_id.decode(errors="replace"), raw)
@@ -131,32 +123,46 @@ class JobStore:
 
     async def create(self, job_id: str, entry_fields: dict[str, object]) -> str:
         """Submit a job (what a plain Redis client does with one XADD), readable at once; returns
-        its entry id. ValueError when job_id is not a usable id or another job has it."""
-        if is_cluster_client(self.client):
-            raise BatchOnClusterError(BATCH_ON_CLUSTER)
+        its entry id. ValueError when job_id is not a usable id or another job has it. The entry
+        goes first, then the record (in the job's slot; an intake that read the entry meanwhile
+        made it already, from the same entry), then the listing: a crash in between leaves an
+        entry that intake turns into the job all the same."""
         if not re.match(JOB_ID_PATTERN, job_id):
             raise ValueError(f"job id {job_id[:80]!r} must match {JOB_ID_PATTERN}")
-        args: list[object] = [job_id, time.time()]
+        key = self.keys.batch_job(job_id)
+        if await self.client.exists(key):
+            raise ValueError(f"job id {job_id!r} is taken by another job")
+        now = time.time()
+        entry = (await self.client.xadd(self.keys.batch_in, {"job_id": job_id, **entry_fields})).decode()
+        args: list[object] = [job_id, now, entry]
         for name, value in entry_fields.items():
             args += [name, value]
-        keys = [self.keys.batch_in, self.keys.batch_job(job_id), self.keys.batch_jobs]
-        entry = await _CREATE.run_async(self.client, keys, args)
-        if entry is None:
+        if not int(await _CREATE.run_async(self.client, [key], args)):
+            await self.client.xdel(self.keys.batch_in, entry)  # (another submit took the id meanwhile)
             raise ValueError(f"job id {job_id!r} is taken by another job")
-        return entry.decode() if isinstance(entry, bytes) else str(entry)
+        await self.client.zadd(self.keys.batch_jobs, {job_id: now}, nx=True)
+        return entry
 
     async def begin(self, job_id: str, entry_id: str, fields: dict[str, object],
                     token: str = "") -> Job | None:
         """Create the job in `validating` unless it exists; the existing job otherwise. Either
-        way the intake is now `token`'s: an earlier intake of the same entry stages no more."""
+        way the intake is now `token`'s: an earlier intake of the same entry stages no more.
+        The job is listed, and its entry mapped to it, whenever the job is this entry's (again
+        after a crash: both are idempotent)."""
         key = self.keys.batch_job(job_id)
-        args: list[object] = [job_id, time.time(), entry_id, token]
+        now = time.time()
+        args: list[object] = [job_id, now, entry_id, token]
         for name, value in fields.items():
             args += [name, value]
-        keys = [key, self.keys.batch_jobs, self.keys.batch_entry(entry_id)]
-        if await _BEGIN.run_async(self.client, keys, args):
+        made = int(await _BEGIN.run_async(self.client, [key], args))
+        job = None if made else await self.get(job_id)
+        if made or (job is not None and job.fields.get("entry_id") == entry_id):
+            pipe = self.client.pipeline(transaction=False)
+            pipe.zadd(self.keys.batch_jobs, {job_id: now}, nx=True)
+            pipe.set(self.keys.batch_entry(entry_id), job_id)
+            await pipe.execute()
+        if made:
             return None
-        job = await self.get(job_id)
         if job is not None and not job.fields.get("committed") and job.fields.get("entry_id") == entry_id:
             await self.client.hset(key, "intake_token", token)
         return job
@@ -174,18 +180,29 @@ class JobStore:
     async def commit(self, job_id: str, entry_id: str, total: int, expires_at: float,
                      token: str = "") -> bool:
         """True when this call committed the job; False when it was committed before (the entry is
-        acknowledged either way). IntakeLost when another intake holds the job now."""
-        keys = [self.keys.batch_job(job_id), self.keys.batch_staging(job_id), self.keys.batch_lines(job_id),
-                self.keys.batch_in, self.keys.batch_active]
-        args = [entry_id, total, time.time(), job_id, expires_at, token]
-        result = int(await _COMMIT.run_async(self.client, keys, args))
+        acknowledged either way). IntakeLost when another intake holds the job now. A running job
+        is listed as active after the commit, then its entry acknowledged: a crash in between
+        leaves the entry pending, and its next intake does both again."""
+        keys = [self.keys.batch_job(job_id), self.keys.batch_staging(job_id), self.keys.batch_lines(job_id)]
+        result = int(await _COMMIT.run_async(self.client, keys, [total, time.time(), expires_at, token]))
         if result < 0:
             raise IntakeLost(job_id)
-        return bool(result)
+        if result in (0, 1):
+            await self.client.sadd(self.keys.batch_active, job_id)
+        await self._acknowledge_intake(entry_id)
+        return result == 1
 
     async def refuse(self, job_id: str, entry_id: str, errors: list[dict]) -> None:
-        await _REFUSE.run_async(self.client, [self.keys.batch_job(job_id), self.keys.batch_in],
-                                [entry_id, time.time(), json.dumps(errors)])
+        await _REFUSE.run_async(self.client, [self.keys.batch_job(job_id)], [time.time(), json.dumps(errors)])
+        await self._acknowledge_intake(entry_id)
+
+    async def _acknowledge_intake(self, entry_id: str) -> None:
+        """The entry leaves tf:batch:in (acknowledged first: one found between the two is no
+        longer pending, and never delivered again)."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.xack(self.keys.batch_in, INGESTER_GROUP, entry_id)
+        pipe.xdel(self.keys.batch_in, entry_id)
+        await pipe.execute()
 
     # -- running ----------------------------------------------------------------------
 
@@ -196,9 +213,9 @@ class JobStore:
         """Queue/write off the next num_lines lines (items: the script's flat item list):
         1 done, 2 done and the job's last line is written, -1 the job is not in that state,
         -2 another ingester moved first."""
-        keys = [self.keys.batch_job(job.id), self.keys.batch_lines(job.id),
-                self.keys.request_stream(model, "batch", job.tenant), self.keys.batch_out(job.id),
-                self.keys.batch_written(job.id)]
+        stream = self.keys.request_stream(model, "batch", job.tenant, self.keys.partition(job.id))
+        keys = [self.keys.batch_job(job.id), self.keys.batch_lines(job.id), stream,
+                self.keys.batch_out(job.id), self.keys.batch_written(job.id)]
         if job.tenant is not None and mode == "run":  # the schedulers read the tenant's stream from now on
             await self.client.sadd(self.keys.tenants(model), job.tenant)
         keys += _record_keys(items)
@@ -220,9 +237,11 @@ class JobStore:
         return bool(await _STOP.run_async(self.client, [self.keys.batch_job(job_id)], [ending, time.time()]))
 
     async def finalize(self, job_id: str) -> bool:
-        keys = [self.keys.batch_job(job_id), self.keys.batch_lines(job_id), self.keys.batch_written(job_id),
-                self.keys.batch_active]
-        return bool(await _FINALIZE.run_async(self.client, keys, [job_id, time.time()]))
+        keys = [self.keys.batch_job(job_id), self.keys.batch_lines(job_id), self.keys.batch_written(job_id)]
+        if not int(await _FINALIZE.run_async(self.client, keys, [time.time()])):
+            return False
+        await self.client.srem(self.keys.batch_active, job_id)  # (or the maintenance does, if we die)
+        return True
 
     async def active(self) -> list[str]:
         return sorted(m.decode() for m in await self.client.smembers(self.keys.batch_active))

@@ -7,7 +7,7 @@
 -- ARGV[5] 'run' | 'end'   ARGV[6...] items:
 --           'E', index, custom_id, output line            (a line refused: its error line)
 --           'R', message, n, n field/value pairs           (one request: its record and entry)
--- One server only (batch jobs do not run on a Redis Cluster yet: docs/scaling.md).
+-- One slot: the job's keys, its items' records and its partition's stream share its tag.
 -- Returns 1, 2 when the job's last line is written, -1 when the job is not in that state,
 -- -2 when another ingester moved first (next_index is a compare-and-set).
 local status = redis.call('HGET', KEYS[1], 'status')

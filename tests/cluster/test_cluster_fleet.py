@@ -110,3 +110,35 @@ async def test_tenants_limits_hold_across_shards(gateway):
     assert (await slow).status == 200
     # Its lease ended with it: the next one is admitted.
     assert (await client.post("/v1/chat/completions", json=chat(3), headers=b)).status == 200
+
+
+async def test_a_batch_job_writes_every_line_once(gateway, redis_cluster):
+    from gateway.batch.jobs import JobStore
+    from protocol.keys import keys_for
+    from shared.redis_client import connect_async
+    from tests.gateway.batch_fleet import job_lines
+
+    await gateway()  # its batch ingester takes the job in and feeds it
+    client = connect_async(redis_cluster.url)
+    jobs = JobStore(client, keys_for(redis_cluster.url))
+    lines, broken = job_lines(120)
+    job_ids = ["cluster-job-1", "cluster-job-2"]  # (two jobs: two partitions, most likely two shards)
+    for job_id in job_ids:
+        await jobs.create(job_id, {"lines": "\n".join(lines)})
+    for job_id in job_ids:
+        for _ in range(600):
+            job = await jobs.get(job_id)
+            if job is not None and job.status in ("completed", "failed"):
+                break
+            await asyncio.sleep(0.2)
+        assert job.status == "completed", job.fields
+        outputs = [json.loads(line) for line in await jobs.outputs(job_id)]
+        assert len(outputs) == 120  # every line once (a line that is not JSON has no custom_id)
+        unreadable = {c for c, kind in broken.items() if kind == "json"}
+        named = sorted(o["custom_id"] for o in outputs if o["custom_id"] is not None)
+        assert named == sorted(f"req-{i}" for i in range(120) if f"req-{i}" not in unreadable)
+        failed = [o["custom_id"] for o in outputs if o.get("error") or o["response"]["status_code"] != 200]
+        assert len(failed) == len(broken) and set(failed) - {None} == set(broken) - unreadable
+    listed, _ = await jobs.list(limit=10)
+    assert {j.id for j in listed} >= set(job_ids)
+    await client.aclose()

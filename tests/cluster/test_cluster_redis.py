@@ -166,12 +166,3 @@ async def test_status_shows_every_shard(redis_cluster) -> None:
     for shard in shards:
         assert shard["primary"] in text
 
-
-@pytest.mark.asyncio
-async def test_a_batch_job_on_a_cluster_is_refused_clearly(redis_cluster) -> None:
-    from gateway.batch.jobs import BatchOnClusterError, JobStore
-
-    client = connect_async(redis_cluster.url)
-    with pytest.raises(BatchOnClusterError, match="Redis Cluster"):
-        await JobStore(client, keys_for(redis_cluster.url)).create("job-1", {"lines": "{}"})
-    await client.aclose()
