@@ -67,6 +67,8 @@ class Script:
 
     def run_many(self, client, calls: Sequence[Call]) -> list:
         """Each call's reply, in order (sync client: a single server's or a cluster's)."""
+        if len(calls) == 1:  # (one call: a plain command, cheaper than a pipeline of one)
+            return [self.run(client, *calls[0])]
         out: list = [None] * len(calls)
         todo = dict(enumerate(calls))
         while todo:
@@ -78,10 +80,16 @@ class Script:
         return out
 
     def run(self, client, keys: Sequence[object], args: Sequence[object]):
-        return self.run_many(client, [(keys, args)])[0]
+        try:
+            return client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            client.script_load(self.source)
+            return client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
 
     async def run_many_async(self, client, calls: Sequence[Call]) -> list:
         """run_many for an asyncio client."""
+        if len(calls) == 1:
+            return [await self.run_async(client, *calls[0])]
         out: list = [None] * len(calls)
         todo = dict(enumerate(calls))
         while todo:
@@ -93,4 +101,8 @@ class Script:
         return out
 
     async def run_async(self, client, keys: Sequence[object], args: Sequence[object]):
-        return (await self.run_many_async(client, [(keys, args)]))[0]
+        try:
+            return await client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            await client.script_load(self.source)
+            return await client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
