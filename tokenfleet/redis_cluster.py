@@ -80,10 +80,36 @@ class RedisCluster:
         half; each of the second half replicates one of them), and wait until it serves."""
         for port in self.ports:
             _wait_ping(self.host, port)
-        subprocess.run(["redis-cli", "--cluster", "create", *(f"{self.host}:{p}" for p in self.ports),
-                        "--cluster-replicas", "1", "--cluster-yes"],
-                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=timeout_s)
+        if self.num_primaries >= 3:
+            subprocess.run(["redis-cli", "--cluster", "create", *(f"{self.host}:{p}" for p in self.ports),
+                            "--cluster-replicas", "1", "--cluster-yes"],
+                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=timeout_s)
+        else:
+            self._create_by_hand(timeout_s)
         self.wait_ready(timeout_s)
+
+    def _create_by_hand(self, timeout_s: float) -> None:
+        """What `redis-cli --cluster create` does, for the 1 or 2 primaries it refuses: the
+        slots split over the primaries, every node met, each replica following its primary."""
+        nodes = {p: redis.Redis(self.host, p, socket_timeout=5, decode_responses=True) for p in self.ports}
+        primaries, replicas = self.ports[:self.num_primaries], self.ports[self.num_primaries:]
+        step = 16384 // len(primaries)
+        for i, port in enumerate(primaries):
+            last = 16383 if i == len(primaries) - 1 else (i + 1) * step - 1
+            nodes[port].execute_command("CLUSTER ADDSLOTSRANGE", i * step, last)
+        for port in self.ports[1:]:
+            nodes[port].execute_command("CLUSTER MEET", self.host, self.ports[0])
+        deadline = time.monotonic() + timeout_s
+        for primary, replica in zip(primaries, replicas, strict=True):
+            primary_id = nodes[primary].execute_command("CLUSTER MYID")
+            while True:  # (a replica must know its primary before it can follow it)
+                try:
+                    nodes[replica].execute_command("CLUSTER REPLICATE", primary_id)
+                    break
+                except redis.ResponseError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
         """Until every slot is served, every live node agrees the cluster is ok, and each primary
