@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-import redis.asyncio as aioredis
 from aiohttp import web
 
 from gateway.appkeys import (
@@ -33,15 +32,17 @@ from gateway.models import ModelRegistry
 from gateway.openapi import openapi_document
 from gateway.presence import presence_ctx
 from gateway.queue_times import QueueTimes
-from gateway.requests.pubsub import EventRouter
-from gateway.requests.store import GatewayKeys, RequestStore
+from gateway.requests.pubsub import event_router
+from gateway.requests.store import RequestStore
 from gateway.routes import ROUTES
 from gateway.routing import PrefixRouter
 from gateway.settings import GatewaySettings
 from gateway.tasks import TaskSet
 from gateway.tenant_registry import TenantRegistry
 from gateway.tokenize_pool import TokenizePool
+from protocol.keys import keys_for
 from shared.logging import get_logger
+from shared.redis_client import connect_async
 
 log = get_logger("tokenfleet.gateway")
 
@@ -58,23 +59,21 @@ async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     # Not pinged here: a gateway may start before Redis; /ready and 503s tell the difference.
     # A blocking pool: a burst of requests waits for a connection instead of failing.
-    pool = aioredis.BlockingConnectionPool.from_url(
-        settings.redis_url, max_connections=settings.redis_max_connections, timeout=10, socket_timeout=5,
-        socket_connect_timeout=2, health_check_interval=30)
-    client = aioredis.Redis(connection_pool=pool)
+    client = connect_async(settings.redis_url, blocking_pool=True,
+                           max_connections=settings.redis_max_connections, timeout=10, socket_timeout=5,
+                           socket_connect_timeout=2, health_check_interval=30)
+    keys = keys_for(settings.redis_url, settings.key_prefix)
     app[REDIS] = client
-    app[STORE] = RequestStore(client, GatewayKeys(settings.key_prefix), result_ttl_s=settings.result_ttl_s,
+    app[STORE] = RequestStore(client, keys, result_ttl_s=settings.result_ttl_s,
                               cancel_ttl_s=settings.cancel_ttl_s,
                               idempotency_ttl_s=settings.idempotency_ttl_s)
-    app[JOBS] = JobStore(client, GatewayKeys(settings.key_prefix), record_ttl_s=settings.result_ttl_s)
-    app[TENANTS] = TenantRegistry(settings.tenants, client if settings.tenants_from_redis else None,
-                                  GatewayKeys(settings.key_prefix))
-    app[LIMITER] = TenantLimiter(client, GatewayKeys(settings.key_prefix), lease_s=settings.tenant_lease_s,
+    app[JOBS] = JobStore(client, keys, record_ttl_s=settings.result_ttl_s)
+    app[TENANTS] = TenantRegistry(settings.tenants, client if settings.tenants_from_redis else None, keys)
+    app[LIMITER] = TenantLimiter(client, keys, lease_s=settings.tenant_lease_s,
                                  pending_lease_s=settings.tenant_pending_lease_s,
-                                 retry_after_s=settings.retry_after_s)
+                                 retry_after_s=settings.retry_after_s, redis_url=settings.redis_url)
     yield
     await client.aclose()
-    await pool.aclose()
 
 
 async def _tasks_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -84,7 +83,7 @@ async def _tasks_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _router_ctx(app: web.Application) -> AsyncIterator[None]:
-    router = EventRouter(app[SETTINGS].redis_url, GatewayKeys(app[SETTINGS].key_prefix))
+    router = event_router(app[SETTINGS].redis_url, app[STORE].keys)
     await router.start()
     app[ROUTER] = router
     yield
@@ -105,9 +104,11 @@ async def _queue_times_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
-    router = PrefixRouter(app[METRICS]) if settings.routing == "prefix" else None
+    # (Routing by prefix runs on one server only: protocol/keys.py, replica_stream.)
+    is_routed = settings.routing == "prefix" and not app[STORE].is_cluster
+    router = PrefixRouter(app[METRICS]) if is_routed else None
     app[STORE].router = router
-    fleet = FleetTracker(app[REDIS], GatewayKeys(settings.key_prefix), app[STORE], app[METRICS],
+    fleet = FleetTracker(app[REDIS], app[STORE].keys, app[STORE], app[METRICS],
                          app[MODELS].names, grace_s=settings.scheduler_grace_s,
                          refresh_s=settings.fleet_refresh_s, router=router)
     app[FLEET] = fleet
@@ -125,7 +126,7 @@ async def _batch_ctx(app: web.Application) -> AsyncIterator[None]:
     if not settings.batch_ingester:
         yield
         return
-    ingester = BatchIngester(app[REDIS], GatewayKeys(settings.key_prefix), app[MODELS], settings,
+    ingester = BatchIngester(app[REDIS], app[STORE].keys, app[MODELS], settings,
                              metrics=app[METRICS])
     stop = asyncio.Event()
     task = asyncio.create_task(ingester.run(stop), name="batch-ingester")

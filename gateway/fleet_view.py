@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from gateway.batch.jobs import JobStore
+from gateway.redis_shards import collect_shards
 from protocol.keys import CONSUMER_GROUP, REQUEST_KINDS, Keys
 from protocol.messages import DeadLetter, MessageDecodeError
 
@@ -80,24 +81,19 @@ def _scheduler(scheduler_id: str, f: dict[str, str], now: float) -> dict:
 
 
 async def _queues(client: aioredis.Redis, keys: Keys, models: set[str]) -> list[dict]:
-    """One row per model and kind; a tenant's stream (..:{kind}:t:{tenant}) and a replica's own
-    one (..:interactive:r:{id}) count in their kind."""
-    prefix = len(keys.request_stream_pattern) - 1
+    """One row per model and kind; every partition's stream, a tenant's (..:{kind}:t:{tenant})
+    and a replica's own one (..:interactive:r:{id}) count in their kind."""
     streams: dict[tuple[str, str], list[str]] = {}
     for key in [k.decode() async for k in client.scan_iter(match=keys.request_stream_pattern, count=500)]:
-        base, tenant_mark, _ = key.partition(":t:")
-        if not tenant_mark:
-            base, tenant_mark, _ = key.partition(":r:")
-        model, _, kind = base[prefix:].rpartition(":")
-        if model and kind in REQUEST_KINDS:
-            models.add(model)
-            if tenant_mark:
-                streams.setdefault((model, kind), []).append(key)
+        name = keys.parse_request_stream(key)
+        if name is not None:
+            models.add(name.model)
+            streams.setdefault((name.model, name.kind), []).append(key)
     queues = []
     for model in sorted(models):
         for kind in REQUEST_KINDS:
             row = {"model": model, "kind": kind, "length": 0, "pending": 0, "queued": 0, "consumers": 0}
-            for stream in [keys.request_stream(model, kind), *sorted(streams.get((model, kind), []))]:
+            for stream in sorted(streams.get((model, kind), [])):
                 pipe = client.pipeline(transaction=False)
                 pipe.xlen(stream)
                 pipe.xinfo_groups(stream)
@@ -207,4 +203,5 @@ async def collect_fleet_view(client: aioredis.Redis, keys: Keys) -> dict:
     }
     return {"time": now, "totals": totals, "schedulers": schedulers, "queues": queues,
             "dead_letters": await _dead_letters(client, keys), "batch_jobs": await _batch_jobs(client, keys),
-            "gateways": gateways, "throughput_history": _history(list(heartbeats.values()), now)}
+            "gateways": gateways, "throughput_history": _history(list(heartbeats.values()), now),
+            "redis": await collect_shards(client)}

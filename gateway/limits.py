@@ -20,38 +20,27 @@ import time
 
 import redis.asyncio as aioredis
 from limits import RateLimitItemPerMinute
-from limits.aio.storage import RedisStorage
+from limits.aio.storage import RedisClusterStorage, RedisStorage
 from limits.aio.strategies import SlidingWindowCounterRateLimiter
 
 from gateway.errors import BadRequest, RateLimited
 from gateway.tenants import Tenant
+from protocol import lua
 from protocol.keys import Keys
+from shared.redis_client import cluster_nodes, cluster_options, is_cluster_url
 
-# KEYS: the tenant's lease set.  ARGV: now, lapses at, cap, req ids...
-# Lapsed leases go first; then all of the call's requests get a lease, or none does.
-_ACQUIRE_SCRIPT = """
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
-local held = redis.call('ZCARD', KEYS[1])
-if held + #ARGV - 3 > tonumber(ARGV[3]) then return held end
-for i = 4, #ARGV do redis.call('ZADD', KEYS[1], ARGV[2], ARGV[i]) end
-redis.call('EXPIRE', KEYS[1], math.ceil(tonumber(ARGV[2]) - tonumber(ARGV[1])) + 1)
-return -1
-"""
+_ACQUIRE = lua.Script("acquire_leases")  # (its keys and arguments: protocol/lua/acquire_leases.lua)
 
 
 class TenantLimiter:
     def __init__(self, client: aioredis.Redis, keys: Keys, *, lease_s: float, pending_lease_s: float,
-                 retry_after_s: int) -> None:
+                 retry_after_s: int, redis_url: str | None = None) -> None:
         self.client = client
         self.keys = keys
         self.lease_s = lease_s
         self.pending_lease_s = pending_lease_s
         self.retry_after_s = retry_after_s
-        # The gateway's own connection pool: the same Redis, credentials and TLS.
-        storage = RedisStorage("async+redis://", implementation="redispy",
-                               connection_pool=client.connection_pool, key_prefix=f"{keys.prefix}limits")
-        self._windows = SlidingWindowCounterRateLimiter(storage)
-        self._acquire = client.register_script(_ACQUIRE_SCRIPT)
+        self._windows = SlidingWindowCounterRateLimiter(_window_storage(client, keys, redis_url))
 
     async def admit(self, tenant: Tenant, req_ids: list[str], num_tokens: int) -> None:
         """Take the tenant's quota for these requests (one per choice) and their `num_tokens`
@@ -73,8 +62,8 @@ class TenantLimiter:
         if cap is None:
             return
         now = time.time()
-        held = await self._acquire(keys=[self.keys.tenant_leases(tenant.name)],
-                                   args=[now, now + self.pending_lease_s, cap, *req_ids])
+        held = await _ACQUIRE.run_async(self.client, [self.keys.tenant_leases(tenant.name)],
+                                        [now, now + self.pending_lease_s, cap, *req_ids])
         if held >= 0:
             raise RateLimited(f"tenant {tenant.name!r} has {held} requests in flight; its limit "
                               f"max_concurrent_requests is {cap}", code="max_concurrent_requests",
@@ -110,3 +99,16 @@ class TenantLimiter:
     async def release(self, tenant_name: str, req_ids: list[str]) -> None:
         if req_ids:
             await self.client.zrem(self.keys.tenant_leases(tenant_name), *req_ids)
+
+
+def _window_storage(client: aioredis.Redis, keys: Keys, redis_url: str | None):
+    """The rate windows' storage: the gateway's own connection pool on one server (the same
+    Redis, credentials and TLS); on a cluster, `limits`' cluster storage on the same nodes."""
+    prefix = f"{keys.prefix}limits"
+    if redis_url is not None and is_cluster_url(redis_url):
+        nodes = ",".join(f"{host}:{port}" for host, port in cluster_nodes(redis_url))
+        return RedisClusterStorage(f"async+redis+cluster://{nodes}", implementation="redispy",
+                                   key_prefix=prefix,
+                                   **cluster_options(redis_url))
+    return RedisStorage("async+redis://", implementation="redispy", connection_pool=client.connection_pool,
+                        key_prefix=prefix)

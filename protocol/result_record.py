@@ -239,6 +239,7 @@ class ResultRecord:
     batch_n: int | None = None  # a batch item: how many choices its line has
     batch_line: str | None = None  # a batch item: its input line
     custom_id: str | None = None
+    stream: str | None = None  # a routed request's stream (None: its partition's, Keys.stream_for)
 
     @classmethod
     def parse(cls, req_id: str, raw: dict[bytes, bytes]):
@@ -263,7 +264,7 @@ class ResultRecord:
             first_token_at=_float(raw, F.FIRST_TOKEN_AT), finished_at=_float(raw, F.FINISHED_AT),
             deadline=_float(raw, F.DEADLINE), entry_id=_text(raw, F.ENTRY_ID), tenant=_text(raw, F.TENANT),
             batch_n=int(batch_n) if batch_n else None, batch_line=_text(raw, F.BATCH_LINE),
-            custom_id=_text(raw, F.CUSTOM_ID) or None,
+            custom_id=_text(raw, F.CUSTOM_ID) or None, stream=_text(raw, F.STREAM),
         )
 
     @property

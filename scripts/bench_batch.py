@@ -32,6 +32,7 @@ import redis
 
 from gateway.models import ServedModel
 from gateway.settings import ModelSpec
+from protocol.keys import Keys
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
 from shared.net import free_port
@@ -104,14 +105,14 @@ def run_job(client: redis.Redis, job_id: str, lines: list[dict]) -> float:
 
 def wait_job(client: redis.Redis, job_id: str, started: float) -> tuple[float, int, int]:
     ended = (b"completed", b"failed", b"cancelled", b"expired")
-    while client.hget(f"tf:batch:{job_id}", "status") not in ended:
+    while client.hget(Keys().batch_job(job_id), "status") not in ended:
         time.sleep(0.05)
     seconds = time.perf_counter() - started
-    status = client.hget(f"tf:batch:{job_id}", "status").decode()
+    status = client.hget(Keys().batch_job(job_id), "status").decode()
     if status != "completed":
         raise SystemExit(f"job {job_id} ended {status}")
     tokens, failed = 0, 0
-    for _, fields in client.xrange(f"tf:batch:{job_id}:out"):
+    for _, fields in client.xrange(Keys().batch_out(job_id)):
         line = json.loads(fields[b"line"])
         if line["response"] and line["response"]["status_code"] == 200:
             tokens += line["response"]["body"]["usage"]["completion_tokens"]

@@ -13,6 +13,7 @@ import redis
 from protocol.keys import CONSUMER_GROUP
 from protocol.result_record import EXPIRED_MESSAGE
 from scheduler.request import RequestStatus
+from shared.redis_client import connect, get_many
 
 
 class Maintenance:
@@ -115,7 +116,7 @@ class Maintenance:
         if not self.inflight:
             return
         req_ids = list(self.inflight)
-        flags = self.client.mget([self.keys.cancelled(r) for r in req_ids])
+        flags = get_many(self.client, [self.keys.cancelled(r) for r in req_ids])
         now = time.time()
         for req_id, flag in zip(req_ids, flags, strict=True):
             deadline = self.inflight[req_id].deadline
@@ -134,7 +135,7 @@ class Maintenance:
     def _listen_for_cancels(self, stop: threading.Event) -> None:
         while not stop.is_set():
             try:
-                client = redis.Redis.from_url(self.redis_url, socket_connect_timeout=5)
+                client = connect(self.redis_url, socket_connect_timeout=5)
                 pubsub = client.pubsub(ignore_subscribe_messages=True)
                 pubsub.subscribe(self.keys.cancel_channel)
                 while not stop.is_set():

@@ -31,6 +31,7 @@ from service.result_store import ResultStore, ResultUpdate
 from service.step_updates import step_update, unrun_update
 from shared.logging import get_logger
 from shared.pdeathsig import die_with_parent
+from shared.redis_client import connect
 
 MAX_BACKOFF_S = 5.0
 
@@ -45,7 +46,7 @@ def serve(inbox: Connection, outbox: Connection, redis_url: str, keys: Keys, own
           tokenizer) -> None:
     """The process's main function (multiprocessing target)."""
     die_with_parent()
-    client = redis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=5)
+    client = connect(redis_url, socket_timeout=10, socket_connect_timeout=5)
     Publisher(ResultStore(client, keys, owner, ttl_s), tokenizer, outbox, owner).run(inbox)
 
 

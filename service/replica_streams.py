@@ -18,6 +18,9 @@ The gateway's submit script queues into an own stream only while the owner's hea
 and no drain was asked for, in the same atomic step, so nothing lands in a stream nobody
 reads after its takeover. Entries taken are counted by where they came from: routed (own
 stream), stolen (a peer's), fallback (the shared and tenant streams).
+
+On a Redis Cluster nothing is routed (that check cannot share a slot with the request's keys:
+protocol/keys.py), so a scheduler lists no own stream and watches no peers there.
 """
 
 from __future__ import annotations
@@ -28,20 +31,14 @@ import redis
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from protocol import lua
 from protocol.abandoned import Entry, claim_abandoned
 from protocol.keys import CONSUMER_GROUP, Keys
+from shared.redis_client import is_cluster_client
 
 SOURCES = ("routed", "stolen", "fallback")
 
-# A dead peer's stream goes once nothing is left in it, unless its owner came back meanwhile.
-# KEYS: the peer's heartbeat, its stream, the model's set of routed ids. ARGV: the peer's id.
-_FORGET_SCRIPT = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-if redis.call('XLEN', KEYS[2]) > 0 then return 0 end
-redis.call('DEL', KEYS[2])
-redis.call('SREM', KEYS[3], ARGV[1])
-return 1
-"""
+_FORGET = lua.Script("forget_replica")  # (a dead peer's stream, once empty: protocol/lua/forget_replica.lua)
 
 
 class ReplicaStreams:
@@ -60,11 +57,12 @@ class ReplicaStreams:
         # The last read of the own stream filled its count: read it alone next time (strictly
         # before the shared streams); else it is read in the same round trip as the shared ones.
         self.own_had_more = False
-        self._forget = client.register_script(_FORGET_SCRIPT)
+        self.is_enabled = not is_cluster_client(client)  # (no routing on a cluster)
 
     def register(self) -> None:
         """Listed, so that peers watch the own stream (its group is made with the others)."""
-        self.client.sadd(self.keys.replica_streams(self.model), self.scheduler_id)
+        if self.is_enabled:
+            self.client.sadd(self.keys.replica_streams(self.model), self.scheduler_id)
 
     def peer_streams(self) -> list[str]:
         return list(self.peers.values())
@@ -87,6 +85,8 @@ class ReplicaStreams:
         """Entries (stream, id, fields) read from peers' streams, at most `room` of them: every
         unread one of a dead or draining peer, and, when `idle`, those a live peer left unread
         longer than `steal_after_s`."""
+        if not self.is_enabled:
+            return []
         ids = sorted(m.decode() for m in self.client.smembers(self.keys.replica_streams(self.model)))
         self.peers = {p: self.keys.replica_stream(self.model, p) for p in ids if p != self.scheduler_id}
         if room <= 0 or not self.peers:
@@ -109,8 +109,8 @@ class ReplicaStreams:
             found += got
             dead_since = self._dead_since.setdefault(peer, time.monotonic()) if draining is None else None
             if dead_since is not None and not got and time.monotonic() - dead_since >= self.forget_after_s:
-                self._forget(keys=[self.keys.scheduler(peer), stream, self.keys.replica_streams(self.model)],
-                             args=[peer])
+                forget = [self.keys.scheduler(peer), stream, self.keys.replica_streams(self.model)]
+                _FORGET.run(self.client, forget, [peer])
             if len(found) >= room:
                 return found
         if idle and live:

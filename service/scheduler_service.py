@@ -23,13 +23,14 @@ import time
 
 import redis
 
-from protocol.keys import CONSUMER_GROUP, Keys
+from protocol.keys import CONSUMER_GROUP, Keys, keys_for
 from protocol.messages import TERMINAL_STATES, DeadLetter, MessageDecodeError, RequestMessage
 from protocol.result_record import EXPIRED_MESSAGE, ErrorCode, RequestState, StoredProgress, running_fields
 from scheduler.detokenizer import NUM_PROMPT_CONTEXT_TOKENS as DETOKENIZER_CONTEXT
 from scheduler.engine import LLMEngine
 from scheduler.request import BATCH_PRIORITY
 from scheduler.scheduler import RequestOutput
+from service import stream_reads
 from service.claim_renewer import ClaimRenewer
 from service.delivery import Delivery
 from service.inflight import InFlight, ServiceSettings
@@ -42,6 +43,7 @@ from service.telemetry import SchedulerTelemetry
 from service.tenant_streams import TenantStreams
 from shared.errors import InvalidRequestError
 from shared.logging import get_logger
+from shared.redis_client import connect
 
 MAX_BACKOFF_S = 5.0
 # A busy scheduler that found its streams empty looks again after this long, not every step:
@@ -54,8 +56,8 @@ class SchedulerService(Maintenance):
                  keys: Keys | None = None) -> None:
         self.engine = engine
         self.settings = settings
-        self.keys = keys or Keys()
-        self.client = redis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=5)
+        self.keys = keys or keys_for(redis_url)
+        self.client = connect(redis_url, socket_timeout=10, socket_connect_timeout=5)
         self.redis_url = redis_url
         self.results = ResultStore(self.client, self.keys, settings.scheduler_id, settings.result_ttl_s)
         self.log = get_logger("tokenfleet.scheduler", scheduler_id=settings.scheduler_id)
@@ -222,15 +224,15 @@ class SchedulerService(Maintenance):
         # shared ones in the same round trip unless the last read of the own one filled its room.
         pipe = self.client.pipeline(transaction=False)
         pipe.smembers(self.keys.tenants(self.settings.model_name))
-        self._queue_read(pipe, [self.replica_streams.own], interactive_room, None)
+        num_own = self._queue_read(pipe, [self.replica_streams.own], interactive_room, None)
         shared_too = not self.replica_streams.own_had_more
         if shared_too:
             self._queue_read(pipe, self.tenant_streams.of("interactive"), interactive_room, None)
-        tenants, own, *shared = pipe.execute()
-        entries: list[tuple[str, str, dict]] = _entries(own)
+        tenants, *replies = pipe.execute()
+        entries: list[tuple[str, str, dict]] = stream_reads.entries(replies[:num_own])
         self.replica_streams.own_had_more = len(entries) >= interactive_room
         if shared_too:
-            entries += _entries(shared[0])
+            entries += stream_reads.entries(replies[num_own:])
         elif interactive_room > len(entries):
             room_left = interactive_room - len(entries)
             entries += self._read(self.tenant_streams.of("interactive"), room_left, None)
@@ -248,18 +250,14 @@ class SchedulerService(Maintenance):
             entries = self._read(self.streams, max(1, batch_room), self.settings.idle_block_ms)
         self._admit_entries([(stream, entry_id, fields, 1) for stream, entry_id, fields in entries])
 
-    def _queue_read(self, client, streams: list[str], room: int, block_ms: int | None) -> None:
-        """XREADGROUP of several streams: COUNT applies to each, so the room is shared out."""
-        count = max(1, -(-room // max(1, len(streams))))
-        client.xreadgroup(CONSUMER_GROUP, self.settings.scheduler_id, {s: ">" for s in streams},
-                          count=count, block=block_ms)
+    def _queue_read(self, pipe, streams: list[str], room: int, block_ms: int | None) -> int:
+        """XREADGROUP of several streams (one per partition on a cluster): COUNT applies to each,
+        so the room is shared out. Returns how many replies it adds (service/stream_reads.py)."""
+        return stream_reads.queue_reads(self.client, pipe, self.settings.scheduler_id, streams, room,
+                                        block_ms)
 
     def _read(self, streams: list[str], room: int, block_ms: int | None) -> list:
-        if not streams:
-            return []
-        pipe = self.client.pipeline(transaction=False)
-        self._queue_read(pipe, streams, room, block_ms)
-        return _entries(pipe.execute()[0])
+        return stream_reads.read(self.client, self.settings.scheduler_id, streams, room, block_ms)
 
     def _admit_entries(self, entries: list[tuple[str, str, dict | None, int]]) -> None:
         """Start the requests of stream entries (stream, entry id, fields, deliveries so far).
@@ -385,11 +383,6 @@ class SchedulerService(Maintenance):
             pipe.xack(stream, CONSUMER_GROUP, entry_id)
             pipe.xdel(stream, entry_id)
             pipe.execute()
-
-def _entries(response) -> list[tuple[str, str, dict]]:
-    """(stream, entry id, fields) of an XREADGROUP reply."""
-    return [(s.decode(), eid.decode(), fields) for s, items in response or [] for eid, fields in items]
-
 
 def _delivery(flight: InFlight, progress: StoredProgress, num_prompt_tokens: int) -> Delivery:
     """What the client of a request just claimed was sent before (by an earlier owner)."""

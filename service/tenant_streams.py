@@ -3,7 +3,8 @@
 A stream's consumer group hands out entries in order only, so one stream shared by every
 tenant would put a newcomer's request behind another tenant's whole backlog. The gateway
 queues each tenant's requests in a stream of their own (protocol.keys.request_stream) and
-adds the tenant to the model's tenant set; schedulers learn the set as they admit.
+adds the tenant to the model's tenant set; schedulers learn the set as they admit. Each of
+these streams is split by partition (protocol/keys.py): a scheduler reads every partition's.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ class TenantStreams:
         self.keys = keys
         self.model = model
         self._tenants: set[str] = set()
-        self._by_kind: dict[str, list[str]] = {kind: [keys.request_stream(model, kind)]
+        self._by_kind: dict[str, list[str]] = {kind: keys.request_streams(model, kind)
                                                for kind in REQUEST_KINDS}
 
     def of(self, kind: str) -> list[str]:
@@ -39,7 +40,7 @@ class TenantStreams:
                 continue  # known, or not a name the gateway would have written
             self._tenants.add(tenant)
             for kind in REQUEST_KINDS:
-                stream = self.keys.request_stream(self.model, kind, tenant)
-                self._by_kind[kind].append(stream)
-                added.append(stream)
+                streams = self.keys.request_streams(self.model, kind, tenant)
+                self._by_kind[kind] += streams
+                added += streams
         return added

@@ -12,8 +12,9 @@ from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
 
 from shared.errors import InvalidRequestError
+from shared.redis_client import cluster_nodes
 
-SCHEMES = ("redis", "rediss", "unix")
+SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")  # (shared/redis_client.py)
 
 
 def read_password_file(path: str | Path) -> str:
@@ -40,6 +41,9 @@ def with_password(url: str, password: str, username: str | None = None) -> str:
         query = "&".join(filter(None, [query, f"password={quote(password, safe='')}"]))
         return urlunsplit(parts._replace(query=query))
     user = username if username is not None else (parts.username or "")
+    if parts.scheme.endswith("+cluster"):  # host:port,host:port: urlsplit reads no host from it
+        nodes = parts.netloc.rpartition("@")[2]
+        return urlunsplit(parts._replace(netloc=f"{quote(user, safe='')}:{quote(password, safe='')}@{nodes}"))
     host = parts.hostname or "localhost"
     if ":" in host:
         host = f"[{host}]"  # an IPv6 address
@@ -54,8 +58,11 @@ def resolve_redis_url(url: str, password_file: str | None = None) -> str:
     A clear error names what is wrong (never the password)."""
     scheme = urlsplit(url).scheme
     if scheme not in SCHEMES:
-        raise InvalidRequestError(f"--redis-url must start with redis://, rediss:// (TLS) or unix://, "
-                                  f"got {scheme or 'no scheme'!r}", param="redis-url")
+        raise InvalidRequestError(f"--redis-url must start with redis://, rediss:// (TLS), unix:// or "
+                                  f"redis+cluster:// (a Redis Cluster), got {scheme or 'no scheme'!r}",
+                                  param="redis-url")
+    if scheme.endswith("+cluster"):
+        cluster_nodes(url)  # (a clear error for a node that is not host:port)
     if password_file:
         url = with_password(url, read_password_file(password_file))
     return url

@@ -45,6 +45,20 @@ def test_services_point_at_each_other() -> None:
     assert (gateway.host, gateway.port) == ("0.0.0.0", 8000)
 
 
+def test_the_cluster_profile_runs_the_fleet_on_a_six_node_redis_cluster() -> None:
+    nodes = [name for name in SERVICES if name.startswith("redis-node-")]
+    assert len(nodes) == 6
+    for name in [*nodes, "redis-cluster-init", "scheduler-cluster", "gateway-cluster"]:
+        assert SERVICES[name]["profiles"] == ["cluster"]  # `docker compose up` alone leaves them out
+    assert all("--cluster-enabled" in SERVICES[n]["command"] for n in nodes)
+    assert "--cluster-replicas 1" in SERVICES["redis-cluster-init"]["command"][0]
+    for name in ("scheduler-cluster", "gateway-cluster"):
+        args = build_parser().parse_args(SERVICES[name]["command"])
+        assert args.redis_url.startswith("redis+cluster://redis-node-1:7000,")
+        assert SERVICES[name]["depends_on"]["redis-cluster-init"]["condition"] == \
+            "service_completed_successfully"
+
+
 def test_dockerfile_installs_the_project_and_runs_tokenfleet() -> None:
     import tomllib
 

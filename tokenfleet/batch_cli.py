@@ -17,8 +17,9 @@ import redis.asyncio as aioredis
 from gateway.batch.entry import JobRefused, check_entry
 from gateway.batch.jobs import TERMINAL_JOB_STATES, Job, JobStore, new_job_id
 from gateway.batch.lines import endpoint_mismatch
-from protocol.keys import Keys
+from protocol.keys import keys_for
 from shared.errors import InvalidRequestError, TokenfleetError
+from shared.redis_client import connect_async
 from tokenfleet.up import recorded_redis_url
 
 BAR_WIDTH = 30
@@ -50,8 +51,8 @@ def check_submission(fields: dict[str, object]) -> None:
 
 class BatchCommands:
     def __init__(self, redis_url: str, key_prefix: str = "tf:") -> None:
-        self.client = aioredis.Redis.from_url(redis_url, socket_connect_timeout=5)
-        self.jobs = JobStore(self.client, Keys(key_prefix))
+        self.client = connect_async(redis_url, socket_connect_timeout=5)
+        self.jobs = JobStore(self.client, keys_for(redis_url, key_prefix))
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -170,13 +171,14 @@ def _run_ingester(args) -> int:
 
     async def go() -> int:
         models = await asyncio.to_thread(ModelRegistry.load, specs)
-        client = aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=5, socket_timeout=30)
+        client = connect_async(settings.redis_url, socket_connect_timeout=5, socket_timeout=30)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         try:
-            await BatchIngester(client, Keys(args.key_prefix), models, settings).run(stop)
+            keys = keys_for(settings.redis_url, args.key_prefix)
+            await BatchIngester(client, keys, models, settings).run(stop)
         finally:
             await client.aclose()
         return 0

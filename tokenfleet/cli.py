@@ -324,7 +324,7 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
     import uuid
     from pathlib import Path
 
-    from protocol.keys import Keys
+    from protocol.keys import keys_for
     from scheduler.engine import LLMEngine
     from service.scheduler_service import SchedulerService, ServiceSettings
     from shared.errors import InvalidRequestError
@@ -346,7 +346,8 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
     with LLMEngine(config) as engine:
         if resolve_device(config.device).type == "cuda":
             engine.warm_up()  # kernels compile before the first request, not during it
-        SchedulerService(engine, args.redis_url, settings, Keys(args.key_prefix)).run(stop)
+        keys = keys_for(args.redis_url, args.key_prefix)
+        SchedulerService(engine, args.redis_url, settings, keys).run(stop)
     return 0
 
 

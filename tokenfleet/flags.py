@@ -32,7 +32,7 @@ def flag_table(parser: argparse.ArgumentParser, rows: tuple[tuple[str, type, obj
 
 ROUTING_MODES = ("prefix", "none")  # the gateway's --routing (gateway/routing.py)
 REDIS_URL_HELP = ("redis://[user:password@]host:port/db, or rediss:// for TLS (TLS options in the query: "
-                  "?ssl_ca_certs=ca.pem)")
+                  "?ssl_ca_certs=ca.pem), or redis+cluster://host:port,host:port for a Redis Cluster")
 
 
 def redis_flags(parser: argparse.ArgumentParser, *, default: str | None = None,

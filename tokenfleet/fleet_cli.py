@@ -46,6 +46,9 @@ def add_up_parser(commands) -> None:
     _flag(up, "replicas", type=int, default=1, help="schedulers (each with its worker group)")
     _redis_flags(up, help="use this Redis instead of starting one (" + REDIS_URL_HELP + ")")
     _flag(up, "redis-port", type=int, help="port of the Redis started here (default: a free one)")
+    _flag(up, "redis-cluster", type=int, metavar="N",
+          help="start a local Redis Cluster of N primaries and N replicas instead (redis-server >= 7 "
+               "on the PATH; for trying one)")
     # Every engine flag, for each replica's scheduler (--ray-address: a Ray `up` joins instead of
     # starting one); the autoscaler reserves the placement groups itself.
     add_engine_flags(up, exclude=("placement-group",))
@@ -141,14 +144,14 @@ def cmd_autoscale(args: argparse.Namespace) -> int:
     argv_for = autoscale_argv_for(args, model, model_name)
     import torch
 
-    from protocol.keys import Keys
+    from protocol.keys import keys_for
 
     placement = placement_request(args.tp * args.pp, on_gpu=torch.cuda.is_available(),
                                   num_cpus_per_rank=args.num_cpus_per_rank, strategy=args.placement_strategy,
                                   timeout_s=options.placement_timeout_s) if needs_ray else None
     runner = AutoscaleRunner(args.redis_url, model_name, options, argv_for, tokenfleet_home() / "logs",
                              env=dict(os.environ), ray_address=args.ray_address, placement=placement,
-                             keys=Keys(args.key_prefix))
+                             keys=keys_for(args.redis_url, args.key_prefix))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -183,10 +186,14 @@ def fleet_options(args: argparse.Namespace):
         # `up` waits for a serving replica before it says the fleet is up.
         raise InvalidRequestError("up needs --min-replicas >= 1 (tokenfleet autoscale allows 0)",
                                   param="min-replicas")
+    if args.redis_cluster is not None and (args.redis_url or args.redis_cluster < 1):
+        raise InvalidRequestError("--redis-cluster N (N >= 1) starts a Redis Cluster here: give it or "
+                                  "--redis-url, not both", param="redis-cluster")
     return FleetOptions(
         autoscale=autoscale, model=model, model_name=args.model_name or Path(model).name, host=args.host,
         port=args.port,
         tp=args.tp, pp=args.pp, replicas=args.replicas, redis_url=args.redis_url, redis_port=args.redis_port,
+        redis_cluster=args.redis_cluster,
         ray_address=args.ray_address, executor=args.executor, scheduler_args=engine_argv(args),
         num_cpus_per_rank=args.num_cpus_per_rank, placement_strategy=args.placement_strategy,
         gateway_workers=args.gateway_workers or default_gateway_workers(),

@@ -9,19 +9,19 @@ import asyncio
 import json
 import time
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from gateway.fleet_view import collect_fleet_view
-from protocol.keys import Keys
+from protocol.keys import keys_for
 from shared.errors import TokenfleetError
+from shared.redis_client import connect_async
 from shared.redis_url import redacted
 
 
 async def _read(redis_url: str, prefix: str) -> dict:
-    client = aioredis.Redis.from_url(redis_url, socket_connect_timeout=5, socket_timeout=10)
+    client = connect_async(redis_url, socket_connect_timeout=5, socket_timeout=10)
     try:
-        return await collect_fleet_view(client, Keys(prefix))
+        return await collect_fleet_view(client, keys_for(redis_url, prefix))
     finally:
         await client.aclose()
 
@@ -93,4 +93,17 @@ def format_view(view: dict, redis_url: str) -> str:
     out += _table(["ID", "ADDRESS", "MODELS", "HEARTBEAT"], [
         [g["id"], f"{g['host']}:{g['port']}", ",".join(g["models"]), f"{g['heartbeat_age_s']:.1f}s ago"]
         for g in view["gateways"]], "no gateway heartbeat")
+    out += ["", "Redis:"]
+    out += _table(["PRIMARY", "SLOTS", "REPLICAS", "OPS/S", "CPU S", "MEMORY"], [
+        [r["primary"], "-" if r.get("slots") is None else r["slots"],
+         ", ".join(f"{x['address']} ({x['health']})" for x in r.get("replicas", [])) or "-",
+         r.get("instantaneous_ops_per_sec", "-"), r.get("cpu_s", "-"), _bytes(r.get("used_memory"))]
+        + ([f"error: {r['error']}"] if r.get("error") else []) for r in view.get("redis", [])],
+        "no Redis shard")
     return "\n".join(out)
+
+
+def _bytes(value) -> str:
+    if value is None:
+        return "-"
+    return f"{int(value) / 2**20:.1f} MiB"

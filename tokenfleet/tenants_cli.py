@@ -11,8 +11,9 @@ from dataclasses import fields
 import redis
 
 from gateway.tenants import TenantLimits, key_digest
-from protocol.keys import TENANT_PATTERN, Keys
+from protocol.keys import TENANT_PATTERN, Keys, keys_for
 from shared.errors import InvalidRequestError, TokenfleetError
+from shared.redis_client import connect
 from shared.redis_url import redacted
 
 LIMIT_NAMES = [f.name for f in fields(TenantLimits)]
@@ -21,8 +22,8 @@ LIMIT_NAMES = [f.name for f in fields(TenantLimits)]
 def run_tenants_command(args) -> int:
     if not re.match(TENANT_PATTERN, args.tenant):
         raise InvalidRequestError(f"tenant {args.tenant!r} must match {TENANT_PATTERN}", param="tenant")
-    keys = Keys(args.key_prefix)
-    client = redis.Redis.from_url(args.redis_url, socket_connect_timeout=5, socket_timeout=10)
+    keys = keys_for(args.redis_url, args.key_prefix)
+    client = connect(args.redis_url, socket_connect_timeout=5, socket_timeout=10)
     try:
         if args.tenants_command == "set":
             return _set(client, keys, args)

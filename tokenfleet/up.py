@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import sys
 import time
@@ -37,6 +38,7 @@ from shared.net import free_port
 from shared.redis_url import read_password_file
 from tokenfleet.autoscale.runner import AutoscaleOptions, AutoscaleRunner, placement_request
 from tokenfleet.engine_flags import scheduler_command
+from tokenfleet.redis_cluster import RedisCluster, cluster_server_binary
 from tokenfleet.redis_server import password_config, redis_server_binary
 from tokenfleet.supervise import NEVER_RESTART, Supervisor
 
@@ -69,6 +71,7 @@ class FleetOptions:
     replicas: int = 1
     redis_url: str | None = None  # None: start a Redis server here
     redis_port: int | None = None  # for the Redis we start; None: a free port
+    redis_cluster: int | None = None  # start a local Redis Cluster of this many primaries (+ replicas)
     ray_address: str | None = None  # None: start a local Ray head (when a group needs one)
     executor: str = "auto"  # see shared.config.uses_ray
     # Of each replica's group, for the placement groups the autoscaler reserves.
@@ -112,7 +115,9 @@ class Fleet:
         self.supervisor.add(name, argv, env or self.env, **kwargs)
 
     def start(self) -> None:
-        if self.redis_url is None:
+        if self.redis_url is None and self.options.redis_cluster:
+            self._start_redis_cluster(self.options.redis_cluster)
+        elif self.redis_url is None:
             self._start_redis()
         if uses_ray(self.options.executor, self.options.tp, self.options.pp) and self.ray_address is None:
             self._start_ray()
@@ -178,6 +183,19 @@ class Fleet:
         self._spawn("redis", [redis_server_binary(), *auth, "--port", str(port), "--bind", "127.0.0.1",
                               "--dir", str(data_dir), "--appendonly", "yes", "--save", ""])
         self.redis_url = f"redis://127.0.0.1:{port}/0"
+
+    def _start_redis_cluster(self, num_primaries: int) -> None:
+        """A local Redis Cluster for trying one (tokenfleet/redis_cluster.py): each node a child
+        restarted like the others (it rejoins with its data); a fresh cluster at each `up`."""
+        data_dir = self.home / "redis-cluster"
+        shutil.rmtree(data_dir, ignore_errors=True)
+        cluster = RedisCluster(data_dir, num_primaries)
+        binary = cluster_server_binary()
+        for port in cluster.ports:
+            self._spawn(f"redis-{port}", cluster.node_argv(port, binary))
+        cluster.create()
+        self.redis_url = cluster.url
+        self.log.info("redis_cluster_started", primaries=num_primaries, url=cluster.url)
 
     def _start_ray(self) -> None:
         port = free_port()

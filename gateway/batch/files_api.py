@@ -24,6 +24,7 @@ from gateway.batch.jobs import TERMINAL_JOB_STATES, Job
 from gateway.errors import BadRequest, NotFound
 from gateway.responses import Shape
 from gateway.tenants_access import Caller, caller, visible_ids
+from protocol import lua
 
 FILE_ID_PATTERN = r"^file-[A-Za-z0-9_-]{1,80}$"
 _RESULT_FILE = re.compile(r"^file-(.+)-(output|errors)$")
@@ -32,7 +33,7 @@ _META = (b"bytes", b"created_at", b"filename", b"purpose")  # a file's fields be
 MAX_LISTED = 1000  # uploads, and jobs whose results are listed
 # A finished job's result file never changes: its size is kept in the job's hash (if the hash
 # is still there) so that a list does not read every job's output again.
-_KEEP_SIZE = "if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end"
+_KEEP_SIZE = lua.Script("keep_size")
 
 
 class FileObject(Shape):
@@ -161,7 +162,7 @@ async def _result_content(request: web.Request, job: Job, kind: str) -> bytes:
     content = "".join(line + "\n" for line in lines).encode()
     if job.status in TERMINAL_JOB_STATES:  # final: keep its size for the list
         job_key = request.app[JOBS].keys.batch_job(job.id)
-        await request.app[REDIS].eval(_KEEP_SIZE, 1, job_key, _size_field(kind), len(content))
+        await _KEEP_SIZE.run_async(request.app[REDIS], [job_key], [_size_field(kind), len(content)])
     return content
 
 

@@ -45,13 +45,15 @@ from gateway.batch.lines import (
     refused_line,
     split_lines,
 )
+from gateway.batch.notices import read_notices
+from gateway.batch.record import TERMINAL_JOB_STATES
 from gateway.errors import GatewayError
 from gateway.metrics import GatewayMetrics
 from gateway.models import ModelRegistry
 from gateway.openai.format import ChoiceOutput, chat_completion, text_completion
 from gateway.openai.params import Plan, plan_chat, plan_completion
 from gateway.requests.records import ResultRecord
-from gateway.requests.store import GatewayKeys, RequestStore
+from gateway.requests.store import RequestStore
 from gateway.settings import GatewaySettings
 from gateway.tenant_registry import TenantRegistry
 from protocol.abandoned import claim_abandoned_async
@@ -76,7 +78,7 @@ class BatchIngester:
         # Whose limits a tenant's job feeds under (its max_batch_lines_in_flight).
         self.tenants = TenantRegistry(settings.tenants, client if settings.tenants_from_redis else None, keys)
         # The gateway's own cancel (flag + message), for the queued lines of a stopping job.
-        self.requests = RequestStore(client, GatewayKeys(keys.prefix), result_ttl_s=settings.result_ttl_s,
+        self.requests = RequestStore(client, keys, result_ttl_s=settings.result_ttl_s,
                                      cancel_ttl_s=settings.cancel_ttl_s,
                                      idempotency_ttl_s=settings.idempotency_ttl_s)
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -114,7 +116,7 @@ class BatchIngester:
             backoff = min(backoff * 2, 5.0)
 
     async def _ensure_groups(self) -> None:
-        for stream in (self.keys.batch_in, self.keys.batch_done):
+        for stream in (self.keys.batch_in, *self.keys.batch_done_streams):
             try:
                 await self.client.xgroup_create(stream, INGESTER_GROUP, id="0", mkstream=True)
             except ResponseError as exc:
@@ -146,11 +148,10 @@ class BatchIngester:
                     log.exception("batch_feed_failed", job_id=job_id, error=repr(exc))
 
     async def _collect_loop(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            response = await self.client.xreadgroup(INGESTER_GROUP, self.consumer,
-                                                    {self.keys.batch_done: ">"}, count=512, block=1000)
-            for _, entries in response or []:
-                await self.collect(entries)
+        while not stop.is_set():  # (each partition's notices on a cluster: gateway/batch/notices.py)
+            notices = await read_notices(self.client, self.consumer, self.keys.batch_done_streams)
+            for stream, entries in notices:
+                await self.collect(entries, stream)
 
     async def _maintenance_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -351,7 +352,7 @@ class BatchIngester:
 
     # -- collecting -----------------------------------------------------------------------
 
-    async def collect(self, notices: list) -> None:
+    async def collect(self, notices: list, stream: str | None = None) -> None:
         """Write the output of every line whose notices arrived (once all its choices ended)."""
         lines: dict[tuple[str, int], None] = {}
         for _, fields in notices:
@@ -369,9 +370,10 @@ class BatchIngester:
                 await self._finalize(job_id)
         if notices:
             entry_ids = [entry_id for entry_id, _ in notices]
-            pipe = self.client.pipeline(transaction=True)  # never deleted yet still pending
-            pipe.xack(self.keys.batch_done, INGESTER_GROUP, *entry_ids)
-            pipe.xdel(self.keys.batch_done, *entry_ids)
+            stream = stream or self.keys.batch_done
+            pipe = self.client.pipeline(transaction=False)  # (acknowledged first: never deleted yet pending)
+            pipe.xack(stream, INGESTER_GROUP, *entry_ids)
+            pipe.xdel(stream, *entry_ids)
             await pipe.execute()
         self._wake_feeder.set()
 
@@ -434,7 +436,7 @@ class BatchIngester:
         self.metrics.batch_jobs_active.set(len(active))
         for job_id in active:
             job = await self.jobs.get(job_id)
-            if job is None:
+            if job is None or job.status in TERMINAL_JOB_STATES:  # (gone, or its finalizer died)
                 await self.client.srem(self.keys.batch_active, job_id)
                 continue
             if job.status == "finalizing":  # its last writer died before finalizing it
@@ -461,12 +463,15 @@ class BatchIngester:
         for entry_id, fields in entries:
             log.info("batch_entry_taken_over", entry_id=entry_id.decode())
             await self.intake(entry_id.decode(), fields or {})
-        notices, gone_notices = await claim_abandoned_async(self.client, self.keys.batch_done, INGESTER_GROUP,
-                                                            self.consumer, self._lease_ms, count=512)
-        if gone or gone_notices:
-            log.warning("batch_pending_entries_gone", jobs=len(gone), notices=len(gone_notices))
-        if notices:
-            await self.collect(notices)
+        num_gone_notices = 0
+        for stream in self.keys.batch_done_streams:
+            notices, gone_notices = await claim_abandoned_async(self.client, stream, INGESTER_GROUP,
+                                                                self.consumer, self._lease_ms, count=512)
+            num_gone_notices += len(gone_notices)
+            if notices:
+                await self.collect(notices, stream)
+        if gone or num_gone_notices:
+            log.warning("batch_pending_entries_gone", jobs=len(gone), notices=num_gone_notices)
 
     async def _cancel_queued(self, job: Job) -> None:
         """Every queued line of a stopping job, cancelled end to end (the flag survives a

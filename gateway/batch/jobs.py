@@ -13,8 +13,11 @@ Status: validating -> in_progress -> finalizing -> completed; failed (intake ref
 job); cancelling -> cancelled; expired (past its completion window). Every line is
 accounted for in the counts: completed + failed == total when the job ends, whatever way.
 
-The scripts touch the records of the requests they queue (tf:res:{id}) without declaring
-them in KEYS: fine on one Redis server, which is what tokenfleet runs on.
+The scripts (protocol/lua/batch_*.lua) name every key they touch in KEYS, the records of the
+requests they queue too, and touch one slot each: a job's keys, its items (ids `<job>.<line>.
+<choice>`) and the request stream it feeds share the job's partition tag (protocol/keys.py).
+The fleet's shared keys (tf:batch:in, the jobs zset, the active set) are written by idempotent
+commands around the scripts, so a job works alike on one server and on a Redis Cluster.
 """
 
 from __future__ import annotations
@@ -30,156 +33,21 @@ import redis.asyncio as aioredis
 from gateway.batch.record import JOB_STATES as JOB_STATES  # (re-exported: where callers look for them)
 from gateway.batch.record import TERMINAL_JOB_STATES as TERMINAL_JOB_STATES
 from gateway.batch.record import Job
+from protocol import lua
 from protocol.keys import INGESTER_GROUP, JOB_ID_PATTERN, Keys
 
-# Shared by the scripts that write outputs: when every line is written, the job is finalizing.
-_FINISH_CHECK = """
-local h = redis.call('HMGET', KEYS[1], 'total', 'next_index', 'completed', 'failed', 'status')
-local total = tonumber(h[1] or '-1')
-if total >= 0 and tonumber(h[2] or '0') >= total
-   and tonumber(h[3] or '0') + tonumber(h[4] or '0') >= total
-   and (h[5] == 'in_progress' or h[5] == 'cancelling') then
-  redis.call('HSET', KEYS[1], 'status', 'finalizing', 'finalizing_at', ARGV[3])
-  return 2
-end
-"""
-
-# Queue the next lines of a job, or write them off as error lines.
-# KEYS: job, lines, request stream, out, written.
-# ARGV: expected next_index, number of lines consumed, now, record ttl, 'run' | 'end',
-#       then items: 'E', index, custom_id, output line  |  'R', record key, message, n, n field/value pairs.
-_FEED_SCRIPT = """
-local status = redis.call('HGET', KEYS[1], 'status')
-local ending = redis.call('HGET', KEYS[1], 'ending')
-if ARGV[5] == 'run' and (status ~= 'in_progress' or ending) then return -1 end
-if ARGV[5] == 'end' and not ending then return -1 end
-if tonumber(redis.call('HGET', KEYS[1], 'next_index') or '0') ~= tonumber(ARGV[1]) then return -2 end
-local failed = 0
-local i = 6
-while i <= #ARGV do
-  if ARGV[i] == 'E' then
-    if redis.call('SETBIT', KEYS[5], ARGV[i + 1], 1) == 0 then
-      redis.call('XADD', KEYS[4], '*', 'index', ARGV[i + 1], 'custom_id', ARGV[i + 2], 'ok', '0',
-                 'line', ARGV[i + 3])
-      failed = failed + 1
-    end
-    i = i + 4
-  else
-    local key, n = ARGV[i + 1], tonumber(ARGV[i + 3])
-    redis.call('HSET', key, unpack(ARGV, i + 4, i + 3 + 2 * n))
-    local entry = redis.call('XADD', KEYS[3], '*', 'm', ARGV[i + 2])
-    redis.call('HSET', key, 'entry_id', entry)
-    redis.call('EXPIRE', key, tonumber(ARGV[4]))
-    i = i + 4 + 2 * n
-  end
-end
-redis.call('LTRIM', KEYS[2], tonumber(ARGV[2]), -1)
-redis.call('HINCRBY', KEYS[1], 'next_index', tonumber(ARGV[2]))
-if failed > 0 then redis.call('HINCRBY', KEYS[1], 'failed', failed) end
-""" + _FINISH_CHECK + """
-return 1
-"""
-
-# Write one line's output, once. KEYS: job, out, written, then the line's request records
-# (deleted: the output holds what they held).  ARGV: index, custom_id, now, ok ('1'/'0'), line.
-_COLLECT_SCRIPT = """
-if redis.call('SETBIT', KEYS[3], ARGV[1], 1) == 1 then return 0 end
-redis.call('XADD', KEYS[2], '*', 'index', ARGV[1], 'custom_id', ARGV[2], 'ok', ARGV[4], 'line', ARGV[5])
-redis.call('HINCRBY', KEYS[1], ARGV[4] == '1' and 'completed' or 'failed', 1)
-for k = 4, #KEYS do redis.call('DEL', KEYS[k]) end
-""" + _FINISH_CHECK + """
-return 1
-"""
-
-# An intake's lines go to the job's staging list, fenced by the intake's token: an intake that
-# another ingester took over (its claim lapsed) finds its token replaced and stops, so two intakes
-# never interleave their lines. KEYS: job, staging.  ARGV: token, '1' to start the list over,
-# then the packed lines. Returns -1 when the intake is no longer this token's.
-_STAGE_SCRIPT = """
-if redis.call('HGET', KEYS[1], 'intake_token') ~= ARGV[1] then return -1 end
-if ARGV[2] == '1' then redis.call('DEL', KEYS[2]) end
-if #ARGV > 2 then return redis.call('RPUSH', KEYS[2], unpack(ARGV, 3)) end
-return 0
-"""
-
-# Intake is done: the staged lines become the job's, the job starts, the entry leaves tf:batch:in.
-# KEYS: job, staging, lines, tf:batch:in, active set.
-# ARGV: entry id, total, now, job id, expires_at, intake token ('' when committed already).
-_COMMIT_SCRIPT = """
-if redis.call('HGET', KEYS[1], 'committed') then
-  redis.call('XACK', KEYS[4], '""" + INGESTER_GROUP + """', ARGV[1])
-  redis.call('XDEL', KEYS[4], ARGV[1])
-  return 0
-end
-if redis.call('HGET', KEYS[1], 'intake_token') ~= ARGV[6] then return -1 end
-if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('RENAME', KEYS[2], KEYS[3]) end
-local status = redis.call('HGET', KEYS[1], 'status')
-if status == 'validating' then status = 'in_progress' end
-redis.call('HSET', KEYS[1], 'committed', 1, 'status', status, 'total', ARGV[2], 'next_index', 0,
-           'completed', 0, 'failed', 0, 'in_progress_at', ARGV[3], 'expires_at', ARGV[5])
-redis.call('SADD', KEYS[5], ARGV[4])
-redis.call('XACK', KEYS[4], '""" + INGESTER_GROUP + """', ARGV[1])
-redis.call('XDEL', KEYS[4], ARGV[1])
-return 1
-"""
-
-# A job that intake refused. KEYS: job, tf:batch:in.  ARGV: entry id, now, errors json.
-_REFUSE_SCRIPT = """
-redis.call('HSET', KEYS[1], 'status', 'failed', 'failed_at', ARGV[2], 'errors', ARGV[3], 'committed', 1,
-           'total', 0, 'completed', 0, 'failed', 0)
-redis.call('XACK', KEYS[2], '""" + INGESTER_GROUP + """', ARGV[1])
-redis.call('XDEL', KEYS[2], ARGV[1])
-return 1
-"""
-
-# An entry's intake starts: the job's record in validating unless it exists, in one step (so no
-# reader ever sees half a record). KEYS: job, jobs zset, entry -> job.  ARGV: job id, now, entry id,
-# intake token, then the entry's described field/value pairs. Returns 0 when the job existed.
-_BEGIN_SCRIPT = """
-if redis.call('HSETNX', KEYS[1], 'id', ARGV[1]) == 0 then return 0 end
-redis.call('HSET', KEYS[1], 'status', 'validating', 'created_at', ARGV[2], 'entry_id', ARGV[3],
-           'intake_token', ARGV[4], unpack(ARGV, 5))
-redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
-redis.call('SET', KEYS[3], ARGV[1])
-return 1
-"""
-
-# A job submitted through the gateway or the CLI: its entry in tf:batch:in and its record in
-# validating, atomically, so it can be read back at once.  KEYS: tf:batch:in, job, jobs zset.
-# ARGV: job id, now, then the entry's field/value pairs. Returns false when the id is taken.
-_CREATE_SCRIPT = """
-if redis.call('EXISTS', KEYS[2]) == 1 then return false end
-local entry = redis.call('XADD', KEYS[1], '*', 'job_id', ARGV[1], unpack(ARGV, 3))
-redis.call('HSET', KEYS[2], 'id', ARGV[1], 'status', 'validating', 'created_at', ARGV[2], 'entry_id', entry)
-for i = 3, #ARGV, 2 do
-  if ARGV[i] ~= 'lines' then redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
-end
-redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1])
-return entry
-"""
-
-# Stop a job: ARGV[1] is 'cancelled' (a client asked) or 'expired'; ARGV[2] now.  KEYS: job.
-_STOP_SCRIPT = """
-local status = redis.call('HGET', KEYS[1], 'status')
-if redis.call('HGET', KEYS[1], 'ending') then return 0 end
-if status ~= 'validating' and status ~= 'in_progress' then return 0 end
-redis.call('HSET', KEYS[1], 'ending', ARGV[1])
-if ARGV[1] == 'cancelled' then
-  redis.call('HSET', KEYS[1], 'status', 'cancelling', 'cancelling_at', ARGV[2])
-end
-return 1
-"""
-
-# The last step: the end state, and the job's working keys go.  KEYS: job, lines, written, active.
-# ARGV: job id, now.
-_FINALIZE_SCRIPT = """
-if redis.call('HGET', KEYS[1], 'status') ~= 'finalizing' then return 0 end
-local final = redis.call('HGET', KEYS[1], 'ending') or 'completed'
-redis.call('HSET', KEYS[1], 'status', final, final .. '_at', ARGV[2])
-redis.call('DEL', KEYS[2], KEYS[3])
-redis.call('SREM', KEYS[4], ARGV[1])
-return 1
-"""
+# The scripts that move a job (protocol/lua/batch_*.lua, their KEYS and ARGV named in each one's
+# header); those that write outputs end with the check that moves a finished job to finalizing.
+_FINISH_CHECK = lua.load("batch_finish_check")
+_FEED = lua.Script("batch_feed", FINISH_CHECK=_FINISH_CHECK)
+_COLLECT = lua.Script("batch_collect", FINISH_CHECK=_FINISH_CHECK)
+_STAGE = lua.Script("batch_stage")
+_COMMIT = lua.Script("batch_commit")
+_REFUSE = lua.Script("batch_refuse")
+_BEGIN = lua.Script("batch_begin")
+_CREATE = lua.Script("batch_create")
+_STOP = lua.Script("batch_stop")
+_FINALIZE = lua.Script("batch_finalize")
 
 
 class IntakeLost(Exception):
@@ -207,15 +75,6 @@ class JobStore:
         self.client = client
         self.keys = keys
         self.record_ttl_s = record_ttl_s
-        self._feed = client.register_script(_FEED_SCRIPT)
-        self._collect = client.register_script(_COLLECT_SCRIPT)
-        self._stage = client.register_script(_STAGE_SCRIPT)
-        self._commit = client.register_script(_COMMIT_SCRIPT)
-        self._refuse = client.register_script(_REFUSE_SCRIPT)
-        self._stop = client.register_script(_STOP_SCRIPT)
-        self._finalize = client.register_script(_FINALIZE_SCRIPT)
-        self._create = client.register_script(_CREATE_SCRIPT)
-        self._begin = client.register_script(_BEGIN_SCRIPT)
 
     # -- reading ----------------------------------------------------------------------
 
@@ -235,10 +94,9 @@ class JobStore:
             return [], has_more
         # Keys built from the raw member, so that a member that is not text still finds its record
         # (and shows as corrupt) instead of failing the listing.
-        key_prefix = self.keys.batch_job("").encode()
         pipe = self.client.pipeline(transaction=False)
         for raw_id in ids:
-            pipe.hgetall(key_prefix + raw_id)
+            pipe.hgetall(self.keys.batch_job_raw(raw_id))
         jobs = []
         for raw_id, raw in zip(ids, await pipe.execute(), strict=True):
             job = Job.parse(raw_id.decode(errors="replace"), raw)
@@ -265,29 +123,46 @@ class JobStore:
 
     async def create(self, job_id: str, entry_fields: dict[str, object]) -> str:
         """Submit a job (what a plain Redis client does with one XADD), readable at once; returns
-        its entry id. ValueError when job_id is not a usable id or another job has it."""
+        its entry id. ValueError when job_id is not a usable id or another job has it. The entry
+        goes first, then the record (in the job's slot; an intake that read the entry meanwhile
+        made it already, from the same entry), then the listing: a crash in between leaves an
+        entry that intake turns into the job all the same."""
         if not re.match(JOB_ID_PATTERN, job_id):
             raise ValueError(f"job id {job_id[:80]!r} must match {JOB_ID_PATTERN}")
-        args: list[object] = [job_id, time.time()]
+        key = self.keys.batch_job(job_id)
+        if await self.client.exists(key):
+            raise ValueError(f"job id {job_id!r} is taken by another job")
+        now = time.time()
+        entry = (await self.client.xadd(self.keys.batch_in, {"job_id": job_id, **entry_fields})).decode()
+        args: list[object] = [job_id, now, entry]
         for name, value in entry_fields.items():
             args += [name, value]
-        keys = [self.keys.batch_in, self.keys.batch_job(job_id), self.keys.batch_jobs]
-        entry = await self._create(keys=keys, args=args)
-        if entry is None:
+        if not int(await _CREATE.run_async(self.client, [key], args)):
+            await self.client.xdel(self.keys.batch_in, entry)  # (another submit took the id meanwhile)
             raise ValueError(f"job id {job_id!r} is taken by another job")
-        return entry.decode() if isinstance(entry, bytes) else str(entry)
+        await self.client.zadd(self.keys.batch_jobs, {job_id: now}, nx=True)
+        return entry
 
     async def begin(self, job_id: str, entry_id: str, fields: dict[str, object],
                     token: str = "") -> Job | None:
         """Create the job in `validating` unless it exists; the existing job otherwise. Either
-        way the intake is now `token`'s: an earlier intake of the same entry stages no more."""
+        way the intake is now `token`'s: an earlier intake of the same entry stages no more.
+        The job is listed, and its entry mapped to it, whenever the job is this entry's (again
+        after a crash: both are idempotent)."""
         key = self.keys.batch_job(job_id)
-        args: list[object] = [job_id, time.time(), entry_id, token]
+        now = time.time()
+        args: list[object] = [job_id, now, entry_id, token]
         for name, value in fields.items():
             args += [name, value]
-        if await self._begin(keys=[key, self.keys.batch_jobs, self.keys.batch_entry(entry_id)], args=args):
+        made = int(await _BEGIN.run_async(self.client, [key], args))
+        job = None if made else await self.get(job_id)
+        if made or (job is not None and job.fields.get("entry_id") == entry_id):
+            pipe = self.client.pipeline(transaction=False)
+            pipe.zadd(self.keys.batch_jobs, {job_id: now}, nx=True)
+            pipe.set(self.keys.batch_entry(entry_id), job_id)
+            await pipe.execute()
+        if made:
             return None
-        job = await self.get(job_id)
         if job is not None and not job.fields.get("committed") and job.fields.get("entry_id") == entry_id:
             await self.client.hset(key, "intake_token", token)
         return job
@@ -298,24 +173,36 @@ class JobStore:
         starts = range(0, len(packed_items), chunk) or [0]
         for start in starts:  # the first call starts the list over: a retried intake redoes it all
             items = packed_items[start:start + chunk]
-            if int(await self._stage(keys=keys, args=[token, "1" if start == 0 else "0", *items])) < 0:
+            args = [token, "1" if start == 0 else "0", *items]
+            if int(await _STAGE.run_async(self.client, keys, args)) < 0:
                 raise IntakeLost(job_id)
 
     async def commit(self, job_id: str, entry_id: str, total: int, expires_at: float,
                      token: str = "") -> bool:
         """True when this call committed the job; False when it was committed before (the entry is
-        acknowledged either way). IntakeLost when another intake holds the job now."""
-        keys = [self.keys.batch_job(job_id), self.keys.batch_staging(job_id), self.keys.batch_lines(job_id),
-                self.keys.batch_in, self.keys.batch_active]
-        result = int(await self._commit(keys=keys, args=[entry_id, total, time.time(), job_id, expires_at,
-                                                         token]))
+        acknowledged either way). IntakeLost when another intake holds the job now. A running job
+        is listed as active after the commit, then its entry acknowledged: a crash in between
+        leaves the entry pending, and its next intake does both again."""
+        keys = [self.keys.batch_job(job_id), self.keys.batch_staging(job_id), self.keys.batch_lines(job_id)]
+        result = int(await _COMMIT.run_async(self.client, keys, [total, time.time(), expires_at, token]))
         if result < 0:
             raise IntakeLost(job_id)
-        return bool(result)
+        if result in (0, 1):
+            await self.client.sadd(self.keys.batch_active, job_id)
+        await self._acknowledge_intake(entry_id)
+        return result == 1
 
     async def refuse(self, job_id: str, entry_id: str, errors: list[dict]) -> None:
-        await self._refuse(keys=[self.keys.batch_job(job_id), self.keys.batch_in],
-                           args=[entry_id, time.time(), json.dumps(errors)])
+        await _REFUSE.run_async(self.client, [self.keys.batch_job(job_id)], [time.time(), json.dumps(errors)])
+        await self._acknowledge_intake(entry_id)
+
+    async def _acknowledge_intake(self, entry_id: str) -> None:
+        """The entry leaves tf:batch:in (acknowledged first: one found between the two is no
+        longer pending, and never delivered again)."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.xack(self.keys.batch_in, INGESTER_GROUP, entry_id)
+        pipe.xdel(self.keys.batch_in, entry_id)
+        await pipe.execute()
 
     # -- running ----------------------------------------------------------------------
 
@@ -326,32 +213,35 @@ class JobStore:
         """Queue/write off the next num_lines lines (items: the script's flat item list):
         1 done, 2 done and the job's last line is written, -1 the job is not in that state,
         -2 another ingester moved first."""
-        keys = [self.keys.batch_job(job.id), self.keys.batch_lines(job.id),
-                self.keys.request_stream(model, "batch", job.tenant), self.keys.batch_out(job.id),
-                self.keys.batch_written(job.id)]
+        stream = self.keys.request_stream(model, "batch", job.tenant, self.keys.partition(job.id))
+        keys = [self.keys.batch_job(job.id), self.keys.batch_lines(job.id), stream,
+                self.keys.batch_out(job.id), self.keys.batch_written(job.id)]
         if job.tenant is not None and mode == "run":  # the schedulers read the tenant's stream from now on
             await self.client.sadd(self.keys.tenants(model), job.tenant)
-        args = [job.next_index, num_lines, time.time(), self.record_ttl_s, mode, *items]
-        return int(await self._feed(keys=keys, args=args))
+        keys += _record_keys(items)
+        args = [job.next_index, num_lines, time.time(), self.record_ttl_s, mode, *_without_record_keys(items)]
+        return int(await _FEED.run_async(self.client, keys, args))
 
     async def collect(self, job_id: str, index: int, custom_id: str | None, ok: bool, line: str,
                       record_keys: list[str]) -> int:
         """1 written, 0 written before, 2 written and it was the job's last line."""
         keys = [self.keys.batch_job(job_id), self.keys.batch_out(job_id), self.keys.batch_written(job_id),
                 *record_keys]
-        return int(await self._collect(keys=keys, args=[index, custom_id or "", time.time(),
-                                                        "1" if ok else "0", line]))
+        args = [index, custom_id or "", time.time(), "1" if ok else "0", line]
+        return int(await _COLLECT.run_async(self.client, keys, args))
 
     async def written_bits(self, job_id: str) -> bytes:
         return await self.client.get(self.keys.batch_written(job_id)) or b""
 
     async def stop(self, job_id: str, ending: str) -> bool:
-        return bool(await self._stop(keys=[self.keys.batch_job(job_id)], args=[ending, time.time()]))
+        return bool(await _STOP.run_async(self.client, [self.keys.batch_job(job_id)], [ending, time.time()]))
 
     async def finalize(self, job_id: str) -> bool:
-        keys = [self.keys.batch_job(job_id), self.keys.batch_lines(job_id), self.keys.batch_written(job_id),
-                self.keys.batch_active]
-        return bool(await self._finalize(keys=keys, args=[job_id, time.time()]))
+        keys = [self.keys.batch_job(job_id), self.keys.batch_lines(job_id), self.keys.batch_written(job_id)]
+        if not int(await _FINALIZE.run_async(self.client, keys, [time.time()])):
+            return False
+        await self.client.srem(self.keys.batch_active, job_id)  # (or the maintenance does, if we die)
+        return True
 
     async def active(self) -> list[str]:
         return sorted(m.decode() for m in await self.client.smembers(self.keys.batch_active))
@@ -367,6 +257,28 @@ class JobStore:
             if owner is not None and owner.decode() == tenant:
                 total += int(next_index or 0) - int(completed or 0) - int(failed or 0)
         return total
+
+
+def _record_keys(items: list[object]) -> list[object]:
+    """The record key of each 'R' item (the ingester's flat list: 'E', index, custom_id, line |
+    'R', record key, message, n, n field/value pairs), for batch_feed.lua's KEYS."""
+    return [key for kind, key, *_ in _items(items) if kind == "R"]
+
+
+def _without_record_keys(items: list[object]) -> list[object]:
+    """The items as batch_feed.lua's ARGV reads them: an 'R' item without its record key."""
+    out: list[object] = []
+    for item in _items(items):
+        out += item if item[0] == "E" else [item[0], *item[2:]]
+    return out
+
+
+def _items(items: list[object]):
+    i = 0
+    while i < len(items):
+        size = 4 if items[i] == "E" else 4 + 2 * int(items[i + 3])
+        yield items[i:i + size]
+        i += size
 
 
 def unwritten(bits: bytes, count: int) -> list[int]:

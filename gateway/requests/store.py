@@ -1,13 +1,20 @@
 """The gateway's Redis writes and reads: queue a request, cancel it, read its record,
 remember an Idempotency-Key, measure a model's queue.
 
-Queueing is one Lua call per request (all pipelined into one round trip): the `tf:res:{id}`
-record is created in state "queued" *before* the stream entry exists, so a poll never
-finds nothing, and the record learns its entry id, so a cancel before any scheduler took
-the request removes it from the queue. An Idempotency-Key is taken by the same call: a key
+Queueing is one Lua call per request (protocol/lua/submit.lua; all pipelined into one round
+trip): the `tf:res:{P}:{id}` record is created in state "queued" *before* the stream entry
+exists, so a poll never finds nothing, and the record learns its entry id, so a cancel before
+any scheduler took the request removes it from the queue. An Idempotency-Key is taken by the
+same call (the request's id is drawn in the key's partition, so both are on one slot): a key
 that maps to an id always has that id's record and entry, whatever dies when (a key taken by
 a command of its own, and Redis or the gateway dying before the script, left the key naming a
 request that was never queued: the client's retry got that id back, and a 404 for it).
+
+A tenant's request also adds the tenant to the model's tenant set (before the call: schedulers
+then find its stream) and makes its lease last its full term (after: `ZADD XX` only renews a
+lease the gateway took, gateway/limits.py, and that a fast terminal write has not ended yet).
+On a cluster those keys live on other shards, so they are commands of their own in the same
+pipeline; and a submit counts as accepted only once a replica has it (`WAIT 1`, per shard).
 """
 
 from __future__ import annotations
@@ -18,10 +25,12 @@ import time
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 
 from gateway.requests.records import ResultRecord
 from gateway.routing import PrefixRouter
+from protocol import lua
 from protocol.keys import CONSUMER_GROUP, Keys
 from protocol.messages import ErrorEvent, RequestMessage
 from protocol.result_record import (
@@ -32,48 +41,7 @@ from protocol.result_record import (
     parse_timing_row,
     queued_fields,
 )
-
-# KEYS: result hash, request stream, the model's tenant set, the tenant's lease set, the
-# Idempotency-Key's key. ARGV: ttl, message, tenant ('' = none), lease lapses at ('' = no lease),
-# req id, the key's value ('' = no key), the key's ttl, then field/value pairs. A tenant's
-# request goes to the tenant's stream, and the tenant into the set the schedulers read; its
-# lease (taken before, gateway/limits.py) now lasts its full term. An Idempotency-Key another
-# request holds queues nothing: {0, what the key maps to}; else {1, entry id}.
-# A request routed to a replica (gateway/routing.py) has 3 more KEYS: the replica's heartbeat,
-# its drain key, its own stream. It goes there only while the heartbeat lives and no drain was
-# asked for, checked here, atomically, so nothing lands in a stream its peers took over already;
-# else to the shared stream. The record keeps a routed request's stream (for a cancel's XDEL).
-_SUBMIT_SCRIPT = """
-if ARGV[6] ~= '' and not redis.call('SET', KEYS[5], ARGV[6], 'NX', 'EX', tonumber(ARGV[7])) then
-  return {0, redis.call('GET', KEYS[5])}
-end
-local stream = KEYS[2]
-if #KEYS == 8 and redis.call('EXISTS', KEYS[6]) == 1 and redis.call('EXISTS', KEYS[7]) == 0 then
-  stream = KEYS[8]
-end
-redis.call('HSET', KEYS[1], unpack(ARGV, 8))
-local entry = redis.call('XADD', stream, '*', 'm', ARGV[2])
-redis.call('HSET', KEYS[1], 'entry_id', entry)
-if stream ~= KEYS[2] then redis.call('HSET', KEYS[1], 'stream', stream) end
-redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
-if ARGV[3] ~= '' then redis.call('SADD', KEYS[3], ARGV[3]) end
-if ARGV[4] ~= '' then redis.call('ZADD', KEYS[4], 'XX', ARGV[4], ARGV[5]) end
-return {1, entry}
-"""
-
-# A request nobody has claimed yet ends here, in the gateway (cancel, or a passed deadline):
-# the same record and event a scheduler would write, and the entry leaves the queue.
-# A scheduler that already read the entry finds the terminal state on claim and just acks.
-# KEYS: result hash, request stream.  ARGV: state, finished_at, error json, channel, event.
-_FINISH_UNCLAIMED_SCRIPT = """
-if redis.call('HEXISTS', KEYS[1], 'owner') == 1 then return 0 end
-if redis.call('HGET', KEYS[1], 'state') ~= 'queued' then return 0 end
-redis.call('HSET', KEYS[1], 'state', ARGV[1], 'finished_at', ARGV[2], 'error', ARGV[3], 'seq', 1)
-redis.call('PUBLISH', ARGV[4], ARGV[5])
-local entry = redis.call('HGET', KEYS[1], 'entry_id')
-if entry then redis.call('XDEL', redis.call('HGET', KEYS[1], 'stream') or KEYS[2], entry) end
-return 1
-"""
+from shared.redis_client import REPLICA_WAIT_MS, is_cluster_client, unreplicated_async
 
 QUEUE_KIND = "interactive"  # what the gateway writes; the batch ingester writes "batch"
 
@@ -102,8 +70,9 @@ class RequestStore:
         self.result_ttl_s = result_ttl_s
         self.cancel_ttl_s = cancel_ttl_s
         self.idempotency_ttl_s = idempotency_ttl_s
-        self._submit = client.register_script(_SUBMIT_SCRIPT)
-        self._finish_unclaimed = client.register_script(_FINISH_UNCLAIMED_SCRIPT)
+        self.is_cluster = is_cluster_client(client)
+        self._submit = lua.Script("submit")
+        self._finish_unclaimed = lua.Script("finish_unclaimed", sharded=self.is_cluster)
         self._depth_reads: dict[str, asyncio.Future] = {}  # model -> the queue-depth read on its way
         self.router: PrefixRouter | None = None  # set: requests may go to a replica's own stream
 
@@ -112,31 +81,40 @@ class RequestStore:
     async def submit(self, submissions: list[Submission]) -> list[dict | None]:
         """Queue each, unless its Idempotency-Key maps to another request already: then nothing
         of it is written, and its answer is what the key maps to ({"id", "fingerprint"}); None
-        for each one queued. One round trip for all: EVALSHA of each (a pipeline running
-        registered scripts would ask SCRIPT EXISTS first, a second round trip per call); the
-        script is loaded when Redis lacks it, and only the calls it refused are sent again (a
-        refused EVALSHA did nothing)."""
-        answers: list[dict | None] = [None] * len(submissions)
-        calls = {i: self._submit_args(sub) for i, sub in enumerate(submissions)}
-        while calls:
+        for each one queued. One round trip for all (on a cluster, one per shard, and the
+        replicas' confirmation)."""
+        calls = [self._submit_call(sub) for sub in submissions]
+        tenanted = [sub for sub in submissions if sub.message.tenant is not None]
+        if tenanted:  # (before: a scheduler that sees the entry finds the tenant's stream)
             pipe = self.client.pipeline(transaction=False)
-            for keys, args in calls.values():
-                pipe.evalsha(self._submit.sha, len(keys), *keys, *args)
-            results = await pipe.execute(raise_on_error=False)
-            failed = {}
-            for (i, call), result in zip(calls.items(), results, strict=True):
-                if isinstance(result, NoScriptError):
-                    failed[i] = call
-                elif isinstance(result, Exception):
-                    raise result
-                elif not result[0]:
-                    answers[i] = json.loads(result[1])
-            if failed:
-                await self.client.script_load(_SUBMIT_SCRIPT)
-            calls = failed
+            for sub in tenanted:
+                pipe.sadd(self.keys.tenants(sub.message.model), sub.message.tenant)
+            await pipe.execute()
+        results = await self._submit.run_many_async(self.client, calls)
+        answers: list[dict | None] = [None if result[0] else json.loads(result[1]) for result in results]
+        leases = [sub for sub, answer in zip(submissions, answers, strict=True)
+                  if answer is None and sub.lease_until is not None]
+        if leases or self.is_cluster:
+            pipe = self.client.pipeline(transaction=False)
+            for sub in leases:
+                pipe.zadd(self.keys.tenant_leases(sub.message.tenant), {sub.req_id: sub.lease_until}, xx=True)
+            await pipe.execute()
+        if self.is_cluster:
+            await self._wait_for_replicas([call[0][0] for call in calls])
         return answers
 
-    def _submit_args(self, sub: Submission) -> tuple[list[str], list[object]]:
+    async def _wait_for_replicas(self, record_keys: list[str]) -> None:
+        """Accepted only once on a replica: WAIT 1 on each shard the submit wrote to. A shard
+        whose replica does not confirm in time fails the submit (503: the client retries, with
+        its Idempotency-Key if it gave one), rather than accept what a failover could lose."""
+        nodes = {node.name: node for node in map(self.client.get_node_from_key, record_keys)}
+        late = await unreplicated_async(self.client, list(nodes.values()))
+        if late:
+            raise RedisConnectionError(f"no replica of the Redis shard(s) {', '.join(late)} confirmed the "
+                                       f"request within {REPLICA_WAIT_MS} ms")
+
+    def _submit_call(self, sub: Submission) -> tuple[list[str], list[object]]:
+        """protocol/lua/submit.lua's KEYS and ARGV for one request (named in its header)."""
         message = sub.message
         tenant = message.tenant  # (the terminal write ends its lease by it)
         fields = queued_fields(model=message.model, api=sub.api, queued_at=message.arrival_time,
@@ -145,17 +123,15 @@ class RequestStore:
                                parallel_tool_calls=sub.parallel_tool_calls, tenant=tenant)
         idempotency = "" if sub.idempotency_key is None else json.dumps(
             {"id": sub.req_id, "fingerprint": sub.fingerprint})
-        args: list[object] = [self.result_ttl_s, message.encode(), tenant or "",
-                              "" if sub.lease_until is None else sub.lease_until, sub.req_id,
-                              idempotency, self.idempotency_ttl_s]
+        # (no Idempotency-Key: a key of the request's own slot that the script leaves alone)
+        idempotency_key = sub.idempotency_key or self.keys.idempotency(sub.req_id)
+        stream = self.keys.stream_for(sub.req_id, message.model, QUEUE_KIND, tenant)
+        keys = [self.keys.result(sub.req_id), stream, idempotency_key]
+        args: list[object] = [self.result_ttl_s, message.encode(), idempotency, self.idempotency_ttl_s]
         for name, value in fields.items():
             args += [name, value]
-        stream = self.keys.request_stream(message.model, QUEUE_KIND, tenant)
-        idempotency_key = sub.idempotency_key or self.keys.idempotency("-")  # (untouched without a value)
-        keys = [self.keys.result(sub.req_id), stream, self.keys.tenants(message.model),
-                self.keys.tenant_leases(tenant or "-"), idempotency_key]
         route = self.router.route(message.model, message.prompt_token_ids) if self.router else None
-        if route is not None and route.scheduler_id is not None:
+        if route is not None and route.scheduler_id is not None and not self.is_cluster:
             replica = route.scheduler_id
             keys += [self.keys.scheduler(replica), self.keys.drain(replica),
                      self.keys.replica_stream(message.model, replica)]
@@ -180,13 +156,15 @@ class RequestStore:
             done.exception()  # retrieved here too: every caller may have left before it ended
 
     async def _read_queue_depth(self, model: str) -> int:
-        """Over the model's plain stream, every tenant's and every replica's own one."""
+        """Over the model's plain stream, every tenant's and every replica's own one (each
+        partition's)."""
         pipe = self.client.pipeline(transaction=False)
         pipe.smembers(self.keys.tenants(model))
         pipe.smembers(self.keys.replica_streams(model))
         tenants, replicas = await pipe.execute()
-        streams = [self.keys.request_stream(model, QUEUE_KIND)]
-        streams += [self.keys.request_stream(model, QUEUE_KIND, t.decode()) for t in sorted(tenants)]
+        streams = self.keys.request_streams(model, QUEUE_KIND)
+        for tenant in sorted(tenants):
+            streams += self.keys.request_streams(model, QUEUE_KIND, tenant.decode())
         streams += [self.keys.replica_stream(model, r.decode()) for r in sorted(replicas)]
         pipe = self.client.pipeline(transaction=False)
         for stream in streams:
@@ -219,11 +197,10 @@ class RequestStore:
             return False
         error = error_json(state, message)
         event = ErrorEvent(record.req_id, 1, state, message).encode()
-        stream = self.keys.request_stream(record.model, QUEUE_KIND, record.tenant)
-        done = await self._finish_unclaimed(
-            keys=[self.keys.result(record.req_id), stream],
-            args=[state, time.time(), error, self.keys.events(record.req_id), event],
-        )
+        stream = record.stream or self.keys.stream_for(record.req_id, record.model, QUEUE_KIND, record.tenant)
+        done = await self._finish_unclaimed.run_async(
+            self.client, [self.keys.result(record.req_id), stream],
+            [state, time.time(), error, self.keys.events(record.req_id), event])
         if done and record.tenant is not None:  # ended here, not by a scheduler: so is its lease
             await self.client.zrem(self.keys.tenant_leases(record.tenant), record.req_id)
         return bool(done)

@@ -14,7 +14,15 @@ import redis
 from protocol.keys import CONSUMER_GROUP, INGESTER_GROUP, Keys
 from testkit.chaos.clients import Outcome
 
-KEYS = Keys()
+_KEYS = [Keys()]  # the fleet's keys (use_keys: a cluster's, with its partitions)
+
+
+def use_keys(keys: Keys) -> None:
+    _KEYS[0] = keys
+
+
+def fleet_keys() -> Keys:
+    return _KEYS[0]
 
 
 @dataclass
@@ -69,11 +77,11 @@ def check_request(out: Outcome, view: dict, want_text: str, want_ids: list[int])
 
 def check_batch(client: redis.Redis, job_id: str, custom_ids: list[str], want_texts: list[str]) -> list[str]:
     problems = []
-    job = {k.decode(): v.decode() for k, v in client.hgetall(KEYS.batch_job(job_id)).items()}
+    job = {k.decode(): v.decode() for k, v in client.hgetall(fleet_keys().batch_job(job_id)).items()}
     if job.get("status") != "completed":
         problems.append(f"batch job {job_id} is {job.get('status')}: {job}")
     written = collections.Counter()
-    for _, fields in client.xrange(KEYS.batch_out(job_id)):
+    for _, fields in client.xrange(fleet_keys().batch_out(job_id)):
         line = json.loads(fields[b"line"])
         written[line["custom_id"]] += 1
         index = int(fields[b"index"])
@@ -87,10 +95,18 @@ def check_batch(client: redis.Redis, job_id: str, custom_ids: list[str], want_te
     return problems
 
 
+def _consumer_streams(model: str) -> list[tuple[str, str]]:
+    """(stream, group) of every stream a consumer group reads: each partition's."""
+    keys = fleet_keys()
+    streams = [(s, CONSUMER_GROUP) for kind in ("interactive", "batch")
+               for s in keys.request_streams(model, kind)]
+    streams.append((keys.batch_in, INGESTER_GROUP))
+    return streams + [(s, INGESTER_GROUP) for s in keys.batch_done_streams]
+
+
 def pending_entries(client: redis.Redis, model: str) -> dict[str, int]:
     """Entries delivered to a consumer and not acknowledged, per stream and group."""
-    streams = [(KEYS.request_stream(model, kind), CONSUMER_GROUP) for kind in ("interactive", "batch")]
-    streams += [(KEYS.batch_in, INGESTER_GROUP), (KEYS.batch_done, INGESTER_GROUP)]
+    streams = _consumer_streams(model)
     left = {}
     for stream, group in streams:
         try:
@@ -106,8 +122,7 @@ def pending_details(client: redis.Redis, model: str, limit: int = 5) -> list[str
     """For a report: who holds the oldest pending entries, how long, and whether each still
     exists in its stream (an entry deleted while pending can jam a takeover)."""
     details = []
-    streams = [(KEYS.request_stream(model, kind), CONSUMER_GROUP) for kind in ("interactive", "batch")]
-    streams += [(KEYS.batch_in, INGESTER_GROUP), (KEYS.batch_done, INGESTER_GROUP)]
+    streams = _consumer_streams(model)
     for stream, group in streams:
         try:
             pending = client.xpending_range(stream, group, "-", "+", limit)
@@ -148,7 +163,7 @@ def wait_batch(store: redis.Redis, job_id: str, custom_ids: list[str], want_text
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            status = store.hget(KEYS.batch_job(job_id), "status")
+            status = store.hget(fleet_keys().batch_job(job_id), "status")
             if status in (b"completed", b"failed", b"cancelled", b"expired"):
                 break
         except redis.ConnectionError:

@@ -12,7 +12,8 @@ then every promise of the fleet is checked.
    Last-Event-ID reconnects, submit-and-poll, cancels, clients that disconnect, and batch jobs.
 4. Faults, every --fault-interval-s on average: kill -9 of a scheduler, a gateway worker, the
    gateway's parent, the batch ingester, a rank worker (--tp 2, a Ray group), or Redis (which
-   `up` restarts from its append-only file).
+   `up` restarts from its append-only file; with --redis-cluster N, a primary of the cluster,
+   whose replica is promoted while `up` restarts the node as a replica).
 5. Checks, after the load drained: every accepted request ended exactly once, completed ones
    with the reference's greedy output; no event stream with a gap or a repeat; each batch line
    written once, with the reference's output; nothing left pending in any consumer group; no
@@ -30,6 +31,7 @@ import collections
 import json
 import os
 import random
+import re
 import signal
 import sys
 import tempfile
@@ -41,16 +43,19 @@ import aiohttp
 import psutil
 import redis
 
+from protocol.keys import keys_for
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
 from shared.net import free_port
+from shared.redis_client import connect
 from shared.sampling import SamplingParams
 from testkit.chaos.checks import (
-    KEYS,
     Report,
     check_request,
     check_rss,
+    fleet_keys,
     pending_details,
+    use_keys,
     wait_batch,
     wait_no_pending,
 )
@@ -75,7 +80,7 @@ def _role(proc: psutil.Process) -> str | None:
     except psutil.Error:
         return None
     if "redis-server" in cmd:
-        return "redis"
+        return "redis-primary" if "[cluster]" in cmd and _is_primary(proc) else "redis"
     if "RankWorker" in cmd:
         return "rank"
     if "tokenfleet.cli scheduler" in cmd:
@@ -91,6 +96,18 @@ def _role(proc: psutil.Process) -> str | None:
         except psutil.Error:
             return None
     return None
+
+
+def _is_primary(proc: psutil.Process) -> bool:
+    """Whether a Redis Cluster node (`redis-server host:port [cluster]`) is a primary now."""
+    try:
+        address = re.search(r"(\d+\.\d+\.\d+\.\d+):(\d+)", " ".join(proc.cmdline()))
+        if address is None:
+            return False
+        role = redis.Redis(address[1], int(address[2]), socket_timeout=2).execute_command("ROLE")[0]
+        return role in (b"master", "master")
+    except (psutil.Error, redis.RedisError):
+        return False
 
 
 def fleet_processes(up_pid: int) -> dict[int, tuple[str, psutil.Process]]:
@@ -203,7 +220,7 @@ def submit_batch(client: redis.Redis, job_id: str, model: str, prompts: list[lis
                                           "temperature": 0, "ignore_eos": True}}))
     while True:  # Redis may be down (or come back) right now
         try:
-            client.xadd(KEYS.batch_in, {"job_id": job_id, "lines": "\n".join(lines)})
+            client.xadd(fleet_keys().batch_in, {"job_id": job_id, "lines": "\n".join(lines)})
             return custom_ids
         except redis.ConnectionError:
             time.sleep(0.5)
@@ -251,6 +268,7 @@ def start_fleet(args: argparse.Namespace, model: Path, home: Path, children: Chi
         "--dtype", "float32", "--num-kv-blocks", "512", "--max-num-seqs", "16", "--tp", str(args.tp),
         "--replicas", str(args.replicas), "--gateway-workers", str(args.gateway_workers),
         "--batch-ingesters", "1",
+        *(["--redis-cluster", str(args.redis_cluster)] if args.redis_cluster else []),
     ])
     return f"http://127.0.0.1:{port}"
 
@@ -301,11 +319,15 @@ async def chaos(args: argparse.Namespace, children: Children, workdir: Path) -> 
     roles_now = collections.Counter(role for role, _ in fleet_processes(up_pid).values())
     log(f"fleet up at {url}: {dict(roles_now)}")
     report = Report()
-    roles = ["scheduler", "gateway-worker", "gateway", "ingester", "redis"]
+    # On a cluster the Redis victims are primaries (each replica is promoted; the killed node is
+    # restarted by `up` and rejoins as a replica); on one server, the one Redis.
+    roles = ["scheduler", "gateway-worker", "gateway", "ingester",
+             "redis-primary" if args.redis_cluster else "redis"]
     roles += ["rank"] if args.tp > 1 else []
     faults = Faults(up_pid, roles, random.Random(args.seed + 1))
     redis_url = (await recorded_fleet(workdir / "home", children))["redis_url"]
-    store = redis.Redis.from_url(redis_url)
+    store = connect(redis_url)
+    use_keys(keys_for(redis_url))
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=60)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         client = Client(session, url, model.name, prompts, max_tokens)
@@ -334,7 +356,7 @@ async def chaos(args: argparse.Namespace, children: Children, workdir: Path) -> 
         report.violation(f"entries left pending: {left}")
         for line in pending_details(store, model.name):
             report.add("  pending " + line)
-    dead = store.xlen(KEYS.dead)
+    dead = store.xlen(fleet_keys().dead)
     if dead:
         report.violation(f"{dead} dead-lettered entries")
     summarize(report, outcomes, views, problems, faults)
@@ -411,6 +433,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--drain-s", type=float, default=300.0,
                         help="how long an accepted request may take to end")
     parser.add_argument("--max-rss-growth-mb", type=float, default=100.0)
+    parser.add_argument("--redis-cluster", type=int, metavar="N",
+                        help="run the fleet on a local Redis Cluster of N primaries (+ N replicas), "
+                             "killing primaries among the faults")
     parser.add_argument("--keep", metavar="DIR",
                         help="work in DIR (a new folder) and keep it: the fleet's logs, its Redis files")
     args = parser.parse_args()
@@ -434,7 +459,8 @@ def main() -> int:
             children.stop()
     print(f"\nchaos report ({args.minutes:g} min of faults, {time.monotonic() - started:.0f} s in all, "
           f"seed {args.seed}, TP={args.tp}, {args.replicas} replica(s), "
-          f"{args.gateway_workers} gateway workers)")
+          f"{args.gateway_workers} gateway workers"
+          f"{f', a Redis Cluster of {args.redis_cluster} primaries' if args.redis_cluster else ''})")
     for line in report.lines:
         print(line)
     print(f"violations: {len(report.violations)}" + "".join(f"\n  - {v}" for v in report.violations[:50]))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import redis
 
+from protocol.keys import Keys
 from tests.fleet_helpers import TINY_CHAT, start_scheduler
 
 
@@ -80,7 +81,7 @@ def wait_for_job(client: redis.Redis, job_id: str, *,
     """The job's hash once its status is one of `statuses`, read with a plain Redis client."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        job = {k.decode(): v.decode() for k, v in client.hgetall(f"tf:batch:{job_id}").items()}
+        job = {k.decode(): v.decode() for k, v in client.hgetall(Keys().batch_job(job_id)).items()}
         if job.get("status") in statuses:
             return job
         time.sleep(0.2)
@@ -89,13 +90,13 @@ def wait_for_job(client: redis.Redis, job_id: str, *,
 
 def read_outputs(client: redis.Redis, job_id: str) -> list[dict]:
     """Every output entry of a job, as {custom_id, ok, line (parsed)}, with a plain client."""
-    entries = client.xrange(f"tf:batch:{job_id}:out")
+    entries = client.xrange(Keys().batch_out(job_id))
     return [{"custom_id": f[b"custom_id"].decode(), "ok": f[b"ok"] == b"1", "index": int(f[b"index"]),
              "line": json.loads(f[b"line"])} for _, f in entries]
 
 
 def num_written(client: redis.Redis, job_id: str) -> int:
-    return client.xlen(f"tf:batch:{job_id}:out")
+    return client.xlen(Keys().batch_out(job_id))
 
 
 def wait_written(client: redis.Redis, job_id: str, at_least: int, timeout_s: float = 120.0) -> None:

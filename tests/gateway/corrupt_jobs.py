@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import redis
 
+from protocol.keys import Keys
+
 GOOD_ID = "good-1"
 GOOD: dict[str, str | bytes] = {
     "id": GOOD_ID, "status": "completed", "created_at": "1700000000.5", "in_progress_at": "1700000001",
@@ -29,6 +31,7 @@ CORRUPT: dict[str, tuple[dict, str]] = {
     "garbage-metadata": ({"metadata": b"\xff\xfe{"}, "metadata"),
     "garbage-model": ({"model": b"\xc3\x28"}, "model"),
 }
+KEYS = Keys()
 GARBAGE_ID = b"bad\xffid"  # a member of tf:batch:jobs that is not text, with a record of its own
 
 
@@ -36,12 +39,12 @@ def write_records(client: redis.Redis) -> None:
     """The good record among the corrupt ones in tf:batch:jobs (newest first: all of them in one page)."""
     for rank, (job_id, (changes, _)) in enumerate(CORRUPT.items()):
         fields = {**GOOD, "id": job_id, **changes}
-        client.hset(f"tf:batch:{job_id}", mapping={k: v for k, v in fields.items() if v is not None})
+        client.hset(KEYS.batch_job(job_id), mapping={k: v for k, v in fields.items() if v is not None})
         client.zadd("tf:batch:jobs", {job_id: 1000 + rank})
         if rank == len(CORRUPT) // 2:
-            client.hset(f"tf:batch:{GOOD_ID}", mapping=GOOD)
+            client.hset(KEYS.batch_job(GOOD_ID), mapping=GOOD)
             client.zadd("tf:batch:jobs", {GOOD_ID: 1000 + rank + 0.5})
-    client.hset(b"tf:batch:" + GARBAGE_ID, mapping={**GOOD, "id": GARBAGE_ID})
+    client.hset(KEYS.batch_job_raw(GARBAGE_ID), mapping={**GOOD, "id": GARBAGE_ID})
     client.zadd("tf:batch:jobs", {GARBAGE_ID: 999})
 
 

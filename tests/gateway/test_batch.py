@@ -19,6 +19,7 @@ import redis
 
 from gateway.app import create_app
 from gateway.settings import GatewaySettings, ModelSpec
+from protocol.keys import Keys
 from tests.gateway.batch_fleet import (
     TINY_CHAT,
     job_lines,
@@ -116,7 +117,8 @@ async def test_a_1000_line_job_from_a_plain_redis_client_comes_back_exactly_once
     assert f'tokenfleet_batch_lines_total{{status="completed"}} {float(1000 - len(broken))}' in metrics
     assert 'tokenfleet_batch_jobs_total{status="completed"} 1.0' in metrics
     # The job's working keys are gone; nothing is left queued.
-    assert not plain.exists("tf:batch:plain-1:lines", "tf:batch:plain-1:written", "tf:res:plain-1.1.0")
+    assert not plain.exists(Keys().batch_lines("plain-1"), Keys().batch_written("plain-1"),
+                            Keys().result("plain-1.1.0"))
     assert not plain.sismember("tf:batch:active", "plain-1")
 
 
@@ -182,7 +184,7 @@ async def test_cancelling_a_running_job_accounts_for_every_line_once(scheduler, 
     codes = {o["line"]["error"]["code"] for o in outputs if not o["ok"]}
     assert codes == {"batch_cancelled"}
     assert 50 <= int(job["completed"]) < 1000
-    assert not plain.exists("tf:batch:cancel-1:lines")
+    assert not plain.exists(Keys().batch_lines("cancel-1"))
     again = await gateway.post("/v1/batches/cancel-1/cancel")  # cancelling twice is harmless
     assert again.status == 200 and (await again.json())["status"] == "cancelled"
 
@@ -303,8 +305,8 @@ async def test_a_scheduler_killed_mid_job_and_the_job_completes_exactly_once(red
         lines, broken = job_lines(KILL_JOB_LINES, max_tokens=KILL_JOB_TOKENS)
         client.xadd("tf:batch:in", {"job_id": "crash-1", "lines": "\n".join(lines)})
         await asyncio.to_thread(wait_written, client, "crash-1", KILL_JOB_LINES // 4, 240)
-        taken = client.xpending_range("tf:req:tiny-chat:batch", "schedulers", "-", "+", KILL_JOB_LINES,
-                                      consumername="s0")
+        taken = client.xpending_range(Keys().request_stream("tiny-chat", "batch"), "schedulers", "-", "+",
+                                      KILL_JOB_LINES, consumername="s0")
         assert taken, "the scheduler to be killed holds no work"
         _kill(schedulers[0])
         job = await asyncio.to_thread(wait_for_job, client, "crash-1", timeout_s=240)
@@ -353,7 +355,6 @@ async def test_an_intake_longer_than_the_lease_is_not_done_twice(redis_server, t
     from gateway.batch.ingester import BatchIngester
     from gateway.batch.lines import LineItem
     from gateway.models import ModelRegistry
-    from protocol.keys import Keys
 
     settings = GatewaySettings(redis_url=redis_server.url, models=[ModelSpec.from_path(str(tiny_chat))],
                                batch_lease_s=0.3, batch_max_inflight=1)
@@ -366,13 +367,13 @@ async def test_an_intake_longer_than_the_lease_is_not_done_twice(redis_server, t
         lines, _ = job_lines(NUM_BIG, bad=False)
         await client.xadd("tf:batch:in", {"job_id": "big", "lines": "\n".join(lines)})
         deadline = time.monotonic() + 120
-        while await client.hget("tf:batch:big", "status") != b"in_progress":
-            assert time.monotonic() < deadline, await client.hgetall("tf:batch:big")
+        while await client.hget(Keys().batch_job("big"), "status") != b"in_progress":
+            assert time.monotonic() < deadline, await client.hgetall(Keys().batch_job("big"))
             await asyncio.sleep(0.1)
-        job = {k.decode(): v.decode() for k, v in (await client.hgetall("tf:batch:big")).items()}
+        job = {k.decode(): v.decode() for k, v in (await client.hgetall(Keys().batch_job("big"))).items()}
         # The intake really outlasted the lease (else this test would show nothing).
         assert float(job["in_progress_at"]) - float(job["created_at"]) > 3 * settings.batch_lease_s
-        staged = [LineItem.unpack(raw).index for raw in await client.lrange("tf:batch:big:lines", 0, -1)]
+        staged = [LineItem.unpack(raw).index for raw in await client.lrange(Keys().batch_lines("big"), 0, -1)]
         assert int(job["total"]) == NUM_BIG
         assert staged == list(range(int(job["next_index"]), NUM_BIG)), "a line staged twice or missing"
         assert await client.xlen("tf:batch:in") == 0

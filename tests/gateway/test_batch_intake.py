@@ -27,7 +27,7 @@ async def test_an_intake_taken_over_stages_and_commits_nothing_more(redis_server
             await jobs.commit("job1", "1-0", 3, 0.0, "first")
         await jobs.stage("job1", [b"x", b"y", b"z"], "second", chunk=2)  # starts the list over
         assert await jobs.commit("job1", "1-0", 3, 0.0, "second")
-        assert await client.lrange("tf:batch:job1:lines", 0, -1) == [b"x", b"y", b"z"]
+        assert await client.lrange(Keys().batch_lines("job1"), 0, -1) == [b"x", b"y", b"z"]
         assert not await jobs.commit("job1", "1-0", 3, 0.0, "first")  # committed: acknowledges only
     finally:
         await client.aclose()

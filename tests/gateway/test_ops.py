@@ -139,7 +139,7 @@ async def test_requests_total_counts_every_end(make_client, redis_server, tokeni
             keys = redis_server.client().keys("tf:res:*")
             keys = [k for k in keys if redis_server.client().hget(k, "state") == b"running"]
             await asyncio.sleep(0.02)
-        req_id = keys[0].decode().removeprefix("tf:res:")
+        req_id = keys[0].decode().rpartition(":")[2]
         assert (await client.delete(f"/v1/requests/{req_id}")).status == 200
         await (await call).text()
         await _wait_for_count(client, "cancelled", 1)

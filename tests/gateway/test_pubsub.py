@@ -36,7 +36,7 @@ async def test_events_reach_every_listener_and_a_reconnect_resyncs_them(redis_se
         await _until(lambda: router.is_connected)
         first = await router.subscribe("r1", lambda tag, data: got.append((tag, data)), "a")
         await router.subscribe("r1", lambda tag, data: got.append((tag, data)), "b")
-        await admin.publish("tf:ev:r1", b"one")
+        await admin.publish(Keys().events("r1"), b"one")
         await _until(lambda: len(got) == 2)
         assert sorted(got) == [("a", b"one"), ("b", b"one")]
 
@@ -45,13 +45,13 @@ async def test_events_reach_every_listener_and_a_reconnect_resyncs_them(redis_se
         await _until(lambda: len(got) == 2)  # back, subscribed again: each listener re-reads the record
         assert sorted(got) == [("a", RESYNC), ("b", RESYNC)]
         got.clear()
-        await admin.publish("tf:ev:r1", b"two")
+        await admin.publish(Keys().events("r1"), b"two")
         await _until(lambda: len(got) == 2)
         assert {data for _, data in got} == {b"two"}
 
         got.clear()
         router.unsubscribe(first)
-        await admin.publish("tf:ev:r1", b"three")
+        await admin.publish(Keys().events("r1"), b"three")
         await _until(lambda: got == [("b", b"three")])
         assert router.num_channels == 1
     finally:

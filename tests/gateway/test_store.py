@@ -9,7 +9,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.requests.store import GatewayKeys, RequestStore, Submission
-from protocol.keys import CONSUMER_GROUP
+from protocol.keys import CONSUMER_GROUP, Keys
 from protocol.messages import RequestMessage
 from shared.sampling import SamplingParams
 
@@ -20,7 +20,7 @@ async def test_concurrent_queue_depth_reads_share_one_and_see_the_queue(redis_se
     client = aioredis.Redis.from_url(redis_server.url)
     store = RequestStore(client, GatewayKeys(), result_ttl_s=60, cancel_ttl_s=60, idempotency_ttl_s=60)
     try:
-        stream = "tf:req:m:interactive"
+        stream = Keys().request_stream("m", "interactive")
         await client.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
         for i in range(5):
             await client.xadd(stream, {"m": str(i)})

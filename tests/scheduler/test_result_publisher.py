@@ -19,7 +19,8 @@ from service.result_publisher import PublisherDied, ResultPublisher
 from service.result_store import ResultUpdate
 from shared.tokenizer import load_tokenizer
 
-STREAM = "tf:req:m:interactive"
+KEYS = Keys()
+STREAM = KEYS.request_stream("m", "interactive")
 
 
 def _publisher(redis_server, tokenizer=None, owner: str = "s1") -> ResultPublisher:
@@ -37,11 +38,11 @@ def test_steps_are_written_in_order_with_gap_free_seqs(redis_server) -> None:
     publisher = _publisher(redis_server)
     publisher.start(Delivery("r1", STREAM, "1-0", 3), None)
     pubsub = client.pubsub()
-    pubsub.subscribe("tf:ev:r1")
+    pubsub.subscribe(KEYS.events("r1"))
     for token in range(1, 201):
         publisher.submit_step([_out("r1", token, finished=token == 200)], now=0.0)
     assert publisher.drain(timeout_s=30)
-    record = client.hgetall("tf:res:r1")
+    record = client.hgetall(KEYS.result("r1"))
     assert unpack_list_chunks(record[b"token_ids"]) == list(range(1, 201))
     assert record[b"seq"] == b"200" and record[b"state"] == b"completed"
     assert publisher.take_ended() == ["r1"]
@@ -68,7 +69,7 @@ def test_text_is_made_in_the_publishers_process_from_where_an_earlier_owner_stop
     for token in words[2:]:
         publisher.submit_step([_out("r1", token)], now=0.0)
     assert publisher.drain(timeout_s=30)
-    assert client.hget("tf:res:r1", "text").decode() == tokenizer.decode(words[2:])
+    assert client.hget(KEYS.result("r1"), "text").decode() == tokenizer.decode(words[2:])
     assert publisher._process.pid != os.getpid()
     publisher.close()
 
@@ -87,24 +88,25 @@ def test_a_write_during_a_redis_outage_lands_once_when_redis_is_back(redis_serve
     redis_server.start()  # same port, its append-only file kept the first write
     assert publisher.drain(timeout_s=30)
     assert publisher.error is None
-    assert unpack_list_chunks(client.hget("tf:res:r1", "token_ids")) == [11, 12]
-    assert client.hget("tf:res:r1", "model") == b"m"
+    assert unpack_list_chunks(client.hget(KEYS.result("r1"), "token_ids")) == [11, 12]
+    assert client.hget(KEYS.result("r1"), "model") == b"m"
     publisher.close()
 
 
 def test_requests_a_successor_owns_are_reported_and_not_written(redis_server) -> None:
     client = redis_server.client()
     publisher = _publisher(redis_server)
-    client.hset("tf:res:taken", mapping={"owner": "s2", "seq": 4})
-    client.hset("tf:res:mine", mapping={"owner": "s1"})
+    client.hset(KEYS.result("taken"), mapping={"owner": "s2", "seq": 4})
+    client.hset(KEYS.result("mine"), mapping={"owner": "s1"})
     publisher.start(Delivery("mine", STREAM, "1-0", 3), None)
     publisher.start(Delivery("taken", STREAM, "2-0", 3, seq=4), None)
     publisher.submit_step([_out("mine", 1), _out("taken", 5)], now=0.0)
     assert publisher.drain(timeout_s=30)
     assert publisher.take_lost() == ["taken"]
     assert publisher.take_lost() == []  # each reported once
-    assert client.hget("tf:res:taken", "seq") == b"4" and not client.hexists("tf:res:taken", "token_ids")
-    assert client.hget("tf:res:mine", "seq") == b"1"
+    taken = KEYS.result("taken")
+    assert client.hget(taken, "seq") == b"4" and not client.hexists(taken, "token_ids")
+    assert client.hget(KEYS.result("mine"), "seq") == b"1"
     publisher.close()
 
 
@@ -115,7 +117,7 @@ def test_a_request_that_never_ran_ends_with_an_error_event_after_its_earlier_seq
                              offsets=[[1, 1], [2, 2]]), None)
     publisher.finish_unrun("r1", "expired", "expired", "it waited past its deadline")
     assert publisher.drain(timeout_s=30)
-    record = client.hgetall("tf:res:r1")
+    record = client.hgetall(KEYS.result("r1"))
     assert record[b"state"] == b"expired" and record[b"seq"] == b"3"
     assert publisher.take_ended() == ["r1"]
     publisher.close()

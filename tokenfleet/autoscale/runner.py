@@ -8,10 +8,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import redis
-
-from protocol.keys import Keys
+from protocol.keys import Keys, keys_for
 from shared.logging import get_logger
+from shared.redis_client import connect
 from tokenfleet.autoscale.controller import AutoscaleController
 from tokenfleet.autoscale.launcher import PlacementRequest, ProcessReplicaLauncher, RayPlacement
 from tokenfleet.autoscale.policy import ScalingPolicy
@@ -43,8 +42,9 @@ class AutoscaleRunner:
         if placement is not None:
             ray_placement = RayPlacement(ray_address, placement, env)
         launcher = ProcessReplicaLauncher(argv_for, log_dir, env, ray_placement)
-        client = redis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=5)
-        self.controller = AutoscaleController(client, keys or Keys(), model_name, options.policy, launcher,
+        client = connect(redis_url, socket_timeout=10, socket_connect_timeout=5)
+        self.controller = AutoscaleController(client, keys or keys_for(redis_url), model_name, options.policy,
+                                              launcher,
                                               interval_s=options.interval_s,
                                               drain_timeout_s=options.drain_timeout_s)
         self._stop = threading.Event()

@@ -22,8 +22,8 @@ def read_signals(client: redis.Redis, keys: Keys, model: str, *, now: float | No
     # Each tenant's requests queue in a stream of their own (service/tenant_streams.py).
     members = client.smembers(keys.tenants(model))
     tenants = sorted(t.decode() if isinstance(t, bytes) else t for t in members)
-    streams = [keys.request_stream(model, kind, tenant)
-               for kind in REQUEST_KINDS for tenant in [None, *tenants]]
+    streams = [stream for kind in REQUEST_KINDS for tenant in [None, *tenants]
+               for stream in keys.request_streams(model, kind, tenant)]
     # Requests routed to one replica queue in its own stream (gateway/routing.py).
     replicas = sorted(r.decode() for r in client.smembers(keys.replica_streams(model)))
     streams += [keys.replica_stream(model, r) for r in replicas]

@@ -1,0 +1,133 @@
+"""The fleet's Redis work on 1 shard and on 3: the successor of the Redis pattern benchmark
+(docs/scaling.md, section 5). Run by hand (not a test):
+
+    .venv/bin/python scripts/bench_redis_shards.py [--shards 1,3] [--drivers 4] [--seconds 10]
+    .venv/bin/python scripts/bench_redis_shards.py --smoke      # a few seconds, to see it works
+
+Each configuration is a fresh local Redis Cluster (tokenfleet/redis_cluster.py: N primaries,
+N replicas, Debian's redis-server 7) driven by `--drivers` processes, each a scheduler's Redis
+side at saturation: a batch of `--batch` requests whose every step is the real result write
+(service/result_store.py: one write_results.lua call per partition, SPUBLISH of each token
+event, WAIT for the replicas) with one token per request, claims of new requests as old ones
+end. No model runs: the drivers only make Redis work, as fast as Redis takes it. Printed: the
+tokens (request steps) per second over all drivers, and each node's CPU (user + sys seconds
+from INFO, over the measured window) as a share of one core. A 2-core machine limits the
+absolute figure; the ratio and the CPU spread across shards are what matter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import tempfile
+import time
+from pathlib import Path
+
+import _repo  # noqa: F401 - first: it puts the repository on sys.path
+import redis
+
+from protocol.keys import keys_for
+from protocol.messages import TokenEvent, pack_list_chunk
+from protocol.result_record import step_appends, step_fields
+from service.result_store import ResultStore, ResultUpdate
+from shared.redis_client import connect
+from testkit.runs import print_command
+from tokenfleet.redis_cluster import RedisCluster
+
+REQUEST_LIFE_STEPS = 64  # a request ends (and a new one is claimed) after this many tokens
+
+
+def drive(url: str, driver: int, batch: int, seconds: float, counts) -> None:
+    """One scheduler's Redis work at saturation: `batch` requests, one token each per step."""
+    client = connect(url, socket_timeout=30)
+    keys = keys_for(url)
+    store = ResultStore(client, keys, f"driver-{driver}", ttl_s=300)
+    serial = 0
+
+    def new_request() -> list:
+        nonlocal serial
+        serial += 1
+        return [f"d{driver}-{serial:08d}", 0]  # req id, seq
+
+    live = [new_request() for _ in range(batch)]
+    store.claim_many([r for r, _ in live], [keys.cancelled(r) for r, _ in live])
+    deadline = time.monotonic() + seconds
+    steps = 0
+    while time.monotonic() < deadline:
+        updates = []
+        for request in live:
+            request[1] += 1
+            req_id, seq = request
+            event = TokenEvent(req_id, seq, [1000 + seq], " tok", None).encode()
+            appends = step_appends(pack_list_chunk([[seq, 4 * seq]]),
+                                   token_ids_chunk=pack_list_chunk([1000 + seq]), text=" tok")
+            stream = keys.stream_for(req_id, "bench", "interactive")  # (its entry's: its partition's)
+            updates.append(ResultUpdate(req_id, stream, step_fields(seq), event=event, appends=appends))
+        store.write(updates)
+        steps += len(updates)
+        ended = [i for i, (_, seq) in enumerate(live) if seq >= REQUEST_LIFE_STEPS]
+        if ended:
+            for i in ended:
+                live[i] = new_request()
+            fresh = [live[i][0] for i in ended]
+            store.claim_many(fresh, [keys.cancelled(r) for r in fresh])
+    counts[driver] = steps
+
+
+def cpu_seconds(cluster: RedisCluster) -> dict[int, float]:
+    out = {}
+    for port in cluster.ports:
+        info = redis.Redis(cluster.host, port, socket_timeout=5).info("cpu")
+        out[port] = float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+    return out
+
+
+def run(num_shards: int, drivers: int, batch: int, seconds: float) -> dict:
+    with tempfile.TemporaryDirectory() as folder:
+        cluster = RedisCluster(Path(folder), num_shards)
+        cluster.start()
+        try:
+            primaries = set(cluster.primaries())
+            counts = multiprocessing.Manager().dict()
+            procs = [multiprocessing.Process(target=drive, args=(cluster.url, d, batch, seconds, counts))
+                     for d in range(drivers)]
+            before, started = cpu_seconds(cluster), time.monotonic()
+            for proc in procs:
+                proc.start()
+            for proc in procs:
+                proc.join()
+            elapsed = time.monotonic() - started
+            after = cpu_seconds(cluster)
+        finally:
+            cluster.stop()
+    busy = {port: (after[port] - before[port]) / elapsed for port in cluster.ports}
+    return {"shards": num_shards, "tokens_per_s": sum(counts.values()) / elapsed,
+            "primary_cpu": sorted((busy[p] for p in primaries), reverse=True),
+            "replica_cpu": sorted((busy[p] for p in cluster.ports if p not in primaries), reverse=True)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shards", default="1,3", help="comma-separated shard counts")
+    parser.add_argument("--drivers", type=int, default=4, help="scheduler-like driver processes")
+    parser.add_argument("--batch", type=int, default=64, help="requests per driver step")
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--smoke", action="store_true", help="a short run, to see that it works")
+    args = parser.parse_args()
+    if args.smoke:
+        args.drivers, args.batch, args.seconds = 2, 16, 2.0
+    print_command()
+    rows = [run(int(n), args.drivers, args.batch, args.seconds) for n in args.shards.split(",")]
+    base = rows[0]["tokens_per_s"]
+    print(f"\n{args.drivers} drivers x batch {args.batch}, {args.seconds:.0f} s each\n")
+    print("| shards | tokens/s | vs first | CPU of each primary (cores) | CPU of each replica (cores) |")
+    print("| ---: | ---: | ---: | --- | --- |")
+    for row in rows:
+        primaries = " / ".join(f"{c:.2f}" for c in row["primary_cpu"])
+        replicas = " / ".join(f"{c:.2f}" for c in row["replica_cpu"])
+        print(f"| {row['shards']} | {row['tokens_per_s']:,.0f} | {row['tokens_per_s'] / base:.2f}x | "
+              f"{primaries} | {replicas} |")
+
+
+if __name__ == "__main__":
+    main()
