@@ -72,8 +72,9 @@ def test_a_fill_over_several_threads_writes_the_bits_one_thread_writes(smollm2):
 
 def test_fill_threads_grow_with_the_rows_and_stay_within_half_the_cores():
     assert fill_threads(64, cores=16) == 1  # a small batch: one thread (waking others costs more)
-    assert fill_threads(256, cores=16) == 4
-    assert fill_threads(4096, cores=16) == 8  # MAX_FILL_THREADS
+    assert fill_threads(256, cores=16) == 1  # (measured on the H200's host: threads hardly pay)
+    assert fill_threads(512, cores=16) == 2
+    assert fill_threads(4096, cores=16) == 2  # MAX_FILL_THREADS
     assert fill_threads(512, cores=2) == 1  # this CPU: the other core is the scheduler's
     assert fill_threads(1, cores=1) == 1
 
