@@ -37,7 +37,7 @@ from gateway.requests.store import RequestStore
 from gateway.routes import ROUTES
 from gateway.routing import PrefixRouter
 from gateway.settings import GatewaySettings
-from gateway.tasks import TaskSet
+from gateway.tasks import TaskSet, running_until_stopped
 from gateway.tenant_registry import TenantRegistry
 from gateway.tokenize_pool import TokenizePool
 from protocol.keys import keys_for
@@ -93,12 +93,8 @@ async def _router_ctx(app: web.Application) -> AsyncIterator[None]:
 async def _queue_times_ctx(app: web.Application) -> AsyncIterator[None]:
     queue_times = QueueTimes(app[STORE], app[METRICS])
     app[QUEUE_TIMES] = queue_times
-    stop = asyncio.Event()
-    task = asyncio.create_task(queue_times.run(stop), name="queue-times")
-    yield
-    stop.set()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+    async with running_until_stopped(queue_times.run, "queue-times"):
+        yield
     await queue_times.flush()  # what the last calls left
 
 
@@ -112,12 +108,8 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
                          app[MODELS].names, grace_s=settings.scheduler_grace_s,
                          refresh_s=settings.fleet_refresh_s, router=router)
     app[FLEET] = fleet
-    stop = asyncio.Event()
-    task = asyncio.create_task(fleet.run(stop), name="fleet-refresh")
-    yield
-    stop.set()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+    async with running_until_stopped(fleet.run, "fleet-refresh"):
+        yield
 
 
 async def _batch_ctx(app: web.Application) -> AsyncIterator[None]:

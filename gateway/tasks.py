@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 
 from redis.exceptions import RedisError
 
@@ -54,3 +54,17 @@ async def every(interval_s: float, stop: asyncio.Event, work: Callable[[], Await
             log.warning(failure_event, error=str(exc))
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), interval_s)
+
+
+@contextlib.asynccontextmanager
+async def running_until_stopped(run: Callable[[asyncio.Event], Awaitable[None]],
+                                name: str) -> AsyncIterator[None]:
+    """`run(stop)` as a task for the length of the block; then stop is set and the task ended."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(run(stop), name=name)
+    try:
+        yield
+    finally:
+        stop.set()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

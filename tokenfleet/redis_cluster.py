@@ -18,6 +18,8 @@ from pathlib import Path
 
 import redis
 
+from tokenfleet.redis_server import wait_for_redis
+
 NODE_TIMEOUT_MS = 2000
 BUS_PORT_OFFSET = 10000  # a node's cluster bus listens 10,000 above its port (so: ports <= 55535)
 
@@ -79,7 +81,7 @@ class RedisCluster:
         """Once every node answers: make them one cluster (slots spread evenly over the first
         half; each of the second half replicates one of them), and wait until it serves."""
         for port in self.ports:
-            _wait_ping(self.host, port)
+            wait_for_redis(f"redis://{self.host}:{port}/0")
         if self.num_primaries >= 3:
             subprocess.run(["redis-cli", "--cluster", "create", *(f"{self.host}:{p}" for p in self.ports),
                             "--cluster-replicas", "1", "--cluster-yes"],
@@ -197,16 +199,3 @@ def _is_free(port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-def _wait_ping(host: str, port: int, timeout_s: float = 10.0) -> None:
-    client = redis.Redis(host, port, socket_timeout=1)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            client.ping()
-            return
-        except redis.ConnectionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.02)

@@ -80,7 +80,32 @@ def release(owner: object, graphs: dict[int, torch.cuda.CUDAGraph], buffers: lis
         setattr(owner, name, None)
 
 
-class DecodeGraphs:
+class GraphSet:
+    """What the decode and the mixed-step graphs share: `sizes` captured largest first into one
+    memory pool by `_forward(size)`, whose result goes into one output buffer for every size."""
+
+    sizes: list[int]
+    device: torch.device
+    out: torch.Tensor | None
+    graphs: dict[int, torch.cuda.CUDAGraph]
+
+    def _forward(self, size: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _keep(self, value: torch.Tensor, size: int) -> torch.Tensor:
+        """`value` ([size, width]) in the output buffer, sized for the largest graph at first use."""
+        if self.out is None:
+            self.out = torch.empty((self.sizes[-1], value.shape[-1]), dtype=value.dtype, device=value.device)
+        self.out[:size].copy_(value)
+        return self.out[:size]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first, all in one memory pool (only one runs at a time)."""
+        self.graphs = capture_graphs(self.sizes, self._forward, self.device)
+
+
+class DecodeGraphs(GraphSet):
     def __init__(
         self, model: nn.Module, kv_caches: torch.Tensor, *, block_size: int, max_model_len: int,
         scratch_block: int, max_batch_size: int, device: torch.device, dtype: torch.dtype | None = None,
@@ -143,16 +168,7 @@ class DecodeGraphs:
         hidden_in = None if self.hidden_in is None else self.hidden_in[:size]
         hidden = self.model(self.token_ids[:size], self.positions[:size], self.kv_caches, self._meta(size),
                             hidden_in)
-        out = self.model.compute_logits(hidden) if self.makes_logits else hidden
-        if self.out is None:
-            self.out = torch.empty((self.sizes[-1], out.shape[-1]), dtype=out.dtype, device=out.device)
-        self.out[:size].copy_(out)
-        return self.out[:size]
-
-    @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every size, largest first, all in one memory pool (only one runs at a time)."""
-        self.graphs = capture_graphs(self.sizes, self._forward, self.device)
+        return self._keep(self.model.compute_logits(hidden) if self.makes_logits else hidden, size)
 
     @torch.inference_mode()
     def run(self, works: list[SequenceWork], hidden_in: torch.Tensor | None = None,

@@ -30,7 +30,7 @@ from torch import nn
 
 from shared.step import SequenceWork
 from workers.attention_metadata import AttentionMetadata, PrefillChunk
-from workers.cuda_graphs import capture_graphs, release
+from workers.cuda_graphs import GraphSet, release
 from workers.layers import triton_attention
 from workers.pipeline import SINGLE_STAGE
 from workers.step_inputs import flat_ids, pad_block_tables, upload
@@ -51,7 +51,7 @@ def token_buckets(max_tokens: int) -> list[int]:
     return sizes + [max_tokens]
 
 
-class MixedGraphs:
+class MixedGraphs(GraphSet):
     def __init__(
         self, model: nn.Module, kv_caches: torch.Tensor, *, block_size: int, max_model_len: int,
         scratch_block: int, max_tokens: int, num_decode_slots: int, hidden_size: int,
@@ -118,15 +118,7 @@ class MixedGraphs:
         meta = self._meta(size) if self._host_meta is None else self._host_meta
         hidden_in = None if self.hidden_in is None else self.hidden_in[:size]
         hidden = self.model(self.token_ids[:size], self.positions[:size], self.kv_caches, meta, hidden_in)
-        if self.out is None:
-            self.out = torch.empty((self.sizes[-1], hidden.shape[-1]), dtype=hidden.dtype,
-                                   device=hidden.device)
-        self.out[:size].copy_(hidden)
-        return self.out[:size]
-
-    @torch.inference_mode()
-    def capture(self) -> None:
-        self.graphs = capture_graphs(self.sizes, self._forward, self.device)
+        return self._keep(hidden, size)
 
     @torch.inference_mode()
     def run(self, works: list[SequenceWork], hidden_in: torch.Tensor | None = None,

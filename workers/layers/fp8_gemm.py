@@ -22,12 +22,7 @@ import functools
 import torch
 
 from workers.layers.fp8 import QuantizedActivation
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs
-    triton = None
+from workers.layers.triton_import import is_available, tl, triton  # noqa: F401 - is_available is this module's API too
 
 # Steps of up to this many tokens take the w8a16 kernel, larger ones scaled_mm. Provisional:
 # the H200 profile has rowwise _scaled_mm no faster than bf16 up to M = 16 and a

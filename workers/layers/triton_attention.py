@@ -23,11 +23,7 @@ import functools
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the PyTorch path is used instead
-    triton = None
+from workers.layers.triton_import import is_available, tl, triton  # noqa: F401 - is_available is this module's API too
 
 # Keys per inner iteration (pages of 16: 8 or 4 pages). Measured on an H200 (profile_gpu.py
 # --kernels): 128 reads K/V fastest in decode batches, 64 is faster in mixed steps.
@@ -40,10 +36,6 @@ NUM_WARPS = 4
 MIXED_NUM_WARPS = 4
 SPLIT_MIXED = True  # mixed steps: decodes and prefill chunks as two launches
 NUM_STAGES = 2  # software pipelining of the K/V tile loads
-
-
-def is_available(q: torch.Tensor) -> bool:
-    return triton is not None and q.is_cuda
 
 
 if triton is not None:

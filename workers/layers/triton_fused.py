@@ -16,16 +16,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs
-    triton = None
-
-
-def is_available(x: torch.Tensor) -> bool:
-    return triton is not None and x.is_cuda
-
+from workers.layers.triton_import import is_available, tl, triton  # noqa: F401 - is_available is this module's API too
 
 if triton is not None:
 
