@@ -88,13 +88,17 @@ def _num_warps(block: int) -> int:
 
 def per_token_quant(x: torch.Tensor) -> QuantizedActivation:
     """x: [num_tokens, width] (last dim contiguous) -> its e4m3 rows and their float32 scales."""
-    num_tokens, width = x.shape
+    return _quantized_rows(_per_token_quant_kernel, x, x.shape[1])
+
+
+def _quantized_rows(kernel, x: torch.Tensor, width: int) -> QuantizedActivation:
+    """One program per row of x, each writing `width` e4m3 values and their scale."""
+    num_tokens = x.shape[0]
     data, scale = _outputs(num_tokens, width, x.device)
     if num_tokens:
         block = triton.next_power_of_2(width)
-        _per_token_quant_kernel[(num_tokens,)](x, data, scale, x.stride(0), N=width, BLOCK=block,
-                                               FP8_MAX_=FP8_MAX, MIN_SCALE_=MIN_SCALE,
-                                               num_warps=_num_warps(block))
+        kernel[(num_tokens,)](x, data, scale, x.stride(0), N=width, BLOCK=block, FP8_MAX_=FP8_MAX,
+                              MIN_SCALE_=MIN_SCALE, num_warps=_num_warps(block))
     return QuantizedActivation(data, scale, x.dtype)
 
 
@@ -117,12 +121,4 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def silu_and_mul_quant(x: torch.Tensor) -> QuantizedActivation:
     """x: [num_tokens, 2 * inter] (gate then up) -> quant(silu(gate) * up): [num_tokens, inter]"""
-    num_tokens, width = x.shape
-    inter = width // 2
-    data, scale = _outputs(num_tokens, inter, x.device)
-    if num_tokens:
-        block = triton.next_power_of_2(inter)
-        _silu_and_mul_quant_kernel[(num_tokens,)](x, data, scale, x.stride(0), N=inter, BLOCK=block,
-                                                  FP8_MAX_=FP8_MAX, MIN_SCALE_=MIN_SCALE,
-                                                  num_warps=_num_warps(block))
-    return QuantizedActivation(data, scale, x.dtype)
+    return _quantized_rows(_silu_and_mul_quant_kernel, x, x.shape[1] // 2)
