@@ -21,11 +21,11 @@ from workers.layers.triton_import import is_available, tl, triton  # noqa: F401 
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res, eps,
-                         N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < N
+    def rms_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, cols, mask, stride_x, stride_res, eps,
+                     N: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+        """One row of weight * rms_norm(x [+ residual]) in float32, each step rounded to x's dtype
+        as PyTorch rounds it; x + residual stored at res_out_ptr when HAS_RESIDUAL. (The RMSNorm
+        kernel below and the FP8 one of triton_quant.py, which quantizes the row instead.)"""
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
         dtype = x.dtype
         x = x.to(tl.float32)
@@ -37,7 +37,17 @@ if triton is not None:
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
         normed = (x * rstd).to(dtype).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * N + cols, (w * normed).to(dtype), mask=mask)
+        return w * normed
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res, eps,
+                         N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < N
+        y = rms_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, cols, mask, stride_x, stride_res, eps, N,
+                         HAS_RESIDUAL)
+        tl.store(out_ptr + row * N + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _rotate(x1, x2, cos, sin):

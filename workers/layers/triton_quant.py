@@ -20,6 +20,7 @@ from workers.layers.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, QuantizedActivatio
 from workers.layers.triton_import import is_available, tl, triton  # noqa: F401 - is_available is this module's API too
 
 if triton is not None:
+    from workers.layers.triton_fused import rms_norm_row
 
     @triton.jit
     def _quantize_row(y, out_ptr, scale_ptr, row, cols, mask, N: tl.constexpr, FP8_MAX_: tl.constexpr,
@@ -44,22 +45,13 @@ if triton is not None:
     def _rms_norm_quant_kernel(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, res_out_ptr, stride_x, stride_res,
                                eps, N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                                FP8_MAX_: tl.constexpr, MIN_SCALE_: tl.constexpr):
-        # triton_fused._rms_norm_kernel's arithmetic, then the row quantized instead of stored.
+        # triton_fused's RMSNorm row, then quantized instead of stored.
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < N
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-        dtype = x.dtype
-        x = x.to(tl.float32)
-        if HAS_RESIDUAL:
-            res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
-            x = (x + res).to(dtype)
-            tl.store(res_out_ptr + row * N + cols, x, mask=mask)
-            x = x.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
-        normed = (x * rstd).to(dtype).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        y = (w * normed).to(dtype).to(tl.float32)
+        y = rms_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, cols, mask, stride_x, stride_res, eps, N,
+                         HAS_RESIDUAL)
+        y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
         _quantize_row(y, out_ptr, scale_ptr, row, cols, mask, N, FP8_MAX_, MIN_SCALE_)
 
     @triton.jit
