@@ -175,6 +175,9 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         try:
             while len(self._in_flight) < self.max_in_flight:
+                if (self.async_scheduling and self._in_flight
+                        and self.scheduler.has_requests_needing_their_token()):
+                    break  # no step ahead while one would leave such a request out of it
                 started = time.perf_counter()
                 output = self.scheduler.schedule()
                 if not output.batch.works:  # only aborts (or preemption) to report

@@ -221,6 +221,12 @@ class Scheduler:
                 plan.add(request, num_new_tokens)
                 self._note_computing(request, num_new_tokens, plan)
 
+    def has_requests_needing_their_token(self) -> bool:
+        """Whether a running request cannot be scheduled ahead (a grammar: its mask needs its
+        token; penalties: their counts do). The engine then plans the next step only once this
+        one's tokens are back, so such a request runs in every step, not every other one."""
+        return any(r.sampling.grammar is not None or r.sampling.has_penalties for r in self._running)
+
     def _can_schedule_ahead(self, request: Request) -> bool:
         """Whether a request in the step in flight can be in the next one too (async scheduling)."""
         if not self.config.async_scheduling or request.sampling.grammar is not None:

@@ -126,3 +126,20 @@ def test_the_cuda_paths_row_layout_masks_the_right_rows_in_the_triton_interprete
     """The GPU path's layout (the constrained rows' bits placed at their rows, the kernel told
     which rows) through xgrammar's Triton kernel, run by Triton's CPU interpreter."""
     run_interpreted(_INTERPRETED_ROWS_CHECK)
+
+
+def test_under_async_scheduling_a_constrained_request_is_in_every_step(tiny_chat):
+    """A constrained request cannot be planned ahead (its mask needs its last token), so while
+    one runs the engine plans each step once the previous one is back: it gets a token every
+    step, not every other step."""
+    config = EngineConfig(model=str(tiny_chat), dtype="float32", num_kv_blocks=64, max_num_seqs=8,
+                          async_scheduling=True)
+    with LLMEngine(config) as engine:
+        sampling = [SamplingParams(max_tokens=24, temperature=0.0, grammar=PET_GRAMMAR),
+                    SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)]
+        constrained, free = engine.generate(PROMPTS[:2], sampling, chat=True)
+        num_steps = engine.num_steps
+    Pet.model_validate_json(constrained.text)
+    assert len(free.token_ids) == 24
+    # One step per token of the longer one (the prefill's step makes the first): not 2 per token.
+    assert num_steps <= max(len(constrained.token_ids), len(free.token_ids)) + 1, num_steps
