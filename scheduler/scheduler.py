@@ -25,7 +25,8 @@ has finished, been aborted or been preempted meanwhile is dropped, never returne
 (its blocks are freed with the request's; the device runs the steps in order, so nothing
 handed out again is written by the late step after its new owner). A request the step ahead
 cannot serve waits for its token as under a pipeline: a grammar (its mask needs the token),
-penalties (their counts need it), or a pending token that is already its last.
+penalties (their counts need it), or a pending token that is already its last; while one with
+a grammar or penalties runs, the engine plans no step ahead (has_requests_needing_their_token).
 """
 
 from __future__ import annotations
