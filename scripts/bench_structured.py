@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import random
 import time
@@ -39,8 +38,8 @@ from scheduler.grammar import Grammars, available_cores
 from shared.config import EngineConfig
 from shared.logging import configure_logging
 from shared.sampling import SamplingParams
-from testkit.checkpoints import SMOLLM2_VOCAB_SIZE, copy_tokenizer, tiny_llama_with_smollm2_tokenizer
-from testkit.random_models import LLAMA3_8B, checkpoint_folder, random_llama
+from testkit.checkpoints import SMOLLM2_VOCAB_SIZE, tiny_llama_with_smollm2_tokenizer
+from testkit.random_models import checkpoint_folder, write_llama3_8b_with_smollm2_tokenizer
 from testkit.runs import print_command
 
 # An answer that cannot end within the run: its "body" string must run to thousands of characters.
@@ -221,12 +220,7 @@ def prepare_model(args: argparse.Namespace) -> tuple[str, str]:
     if args.device == "cpu":
         return str(fetch_default_model()), "SmolLM2-135M-Instruct"
     folder = checkpoint_folder(17 << 30)
-    model = random_llama({**LLAMA3_8B, "vocab_size": SMOLLM2_VOCAB_SIZE}, torch.device(args.device))
-    model.save_pretrained(folder)
-    del model
-    gc.collect()
-    torch.cuda.empty_cache()
-    copy_tokenizer(fetch_default_model(), Path(folder))
+    write_llama3_8b_with_smollm2_tokenizer(folder, torch.device(args.device))
     return str(folder), f"Llama-3-8B shape, vocab {SMOLLM2_VOCAB_SIZE:,}, random weights"
 
 
