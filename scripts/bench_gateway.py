@@ -51,19 +51,16 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import aiohttp
-import psutil
 
 from shared.logging import configure_logging
-from shared.net import free_port
 from testkit.checkpoints import tiny_llama_with_smollm2_tokenizer
-from testkit.processes import Children, wait_ready
+from testkit.processes import Children, RssSampler, start_gateway, start_scheduler
 from testkit.redis_queue import Event, EventListener
 from testkit.runs import percentile, print_command, raise_fd_limit
 from testkit.sse import DONE, data_lines
@@ -73,55 +70,6 @@ MODEL_NAME = "tiny"
 PROMPT_TOKENS_BOUND = 64  # the chat-templated prompts below stay under this many tokens
 GOAL_KIB_PER_STREAM = 100.0
 GOAL_ADDED_MS = 2.0
-
-
-# -- memory ----------------------------------------------------------------------------------------
-
-class RssSampler(threading.Thread):
-    """The gateway's RSS every interval_s, and the kernel's high-water mark (VmHWM) after a reset."""
-
-    def __init__(self, pid: int, interval_s: float = 0.01) -> None:
-        super().__init__(daemon=True)
-        self.proc = psutil.Process(pid)
-        self.pid = pid
-        self.interval_s = interval_s
-        self.peak = 0
-        self.hwm_reset = False
-        self._halt = threading.Event()
-
-    def reset_hwm(self) -> None:
-        try:
-            Path(f"/proc/{self.pid}/clear_refs").write_text("5")
-            self.hwm_reset = True
-        except OSError:
-            self.hwm_reset = False
-
-    def hwm(self) -> int | None:
-        try:
-            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return None
-
-    def rss(self) -> int:
-        return self.proc.memory_info().rss
-
-    def run(self) -> None:
-        while not self._halt.is_set():
-            try:
-                self.peak = max(self.peak, self.rss())
-            except psutil.Error:
-                return  # the gateway is gone (the run was interrupted)
-            self._halt.wait(self.interval_s)
-
-    def finish(self) -> int:
-        self._halt.set()
-        self.join()
-        peak = max(self.peak, self.rss())
-        hwm = self.hwm() if self.hwm_reset else None
-        return max(peak, hwm or 0)
 
 
 # -- clients ---------------------------------------------------------------------------------------
@@ -293,23 +241,17 @@ def _run_with_redis(args: argparse.Namespace, tmp: Path, children: Children, mod
                     redis_server: RedisServer) -> None:
     blocks_per_seq = math.ceil((PROMPT_TOKENS_BOUND + args.max_tokens) / 16) + 1
     num_kv_blocks = args.streams * blocks_per_seq + 64
-    cli = [sys.executable, "-m", "tokenfleet.cli"]
-    sched_argv = [*cli, "scheduler", "--redis-url", redis_server.url, "--model", str(model),
-                  "--model-name", MODEL_NAME, "--dtype", "float32",
-                  "--max-num-seqs", str(max(args.streams, 8)), "--max-num-batched-tokens", "4096",
-                  "--num-kv-blocks", str(num_kv_blocks)]
+    sched_flags = ["--model-name", MODEL_NAME, "--dtype", "float32",
+                   "--max-num-seqs", str(max(args.streams, 8)), "--max-num-batched-tokens", "4096",
+                   "--num-kv-blocks", str(num_kv_blocks)]
     if args.scheduler_threads:
-        sched_argv += ["--num-threads", str(args.scheduler_threads)]
-    children.spawn("scheduler", sched_argv)
-    port = args.port or free_port()
-    profile = []
+        sched_flags += ["--num-threads", str(args.scheduler_threads)]
+    start_scheduler(children, redis_server.url, model, *sched_flags)
+    profile = ()
     if args.profile_gateway:
-        profile = ["-m", "cProfile", "-o", str(Path(args.profile_gateway).resolve())]
-    gateway = children.spawn("gateway", [
-        sys.executable, *profile, "-m", "tokenfleet.cli", "gateway", "--redis-url", redis_server.url,
-        "--port", str(port), "--model", str(model), "--model-name", MODEL_NAME, "--max-queue", "0"])
-    base = f"http://127.0.0.1:{port}"
-    wait_ready(base, children)
+        profile = ("-m", "cProfile", "-o", str(Path(args.profile_gateway).resolve()))
+    base, gateway_pid = start_gateway(children, redis_server.url, model, "--model-name", MODEL_NAME,
+                                      "--max-queue", "0", port=args.port or None, python_flags=profile)
     url = f"{base}/v1/chat/completions"
 
     # Warm-up: the first requests pay for imports, the chat template's compilation, pools.
@@ -323,7 +265,7 @@ def _run_with_redis(args: argparse.Namespace, tmp: Path, children: Children, mod
     time.sleep(1.0)
 
     with EventListener(redis_server.port, tmp / "listener.pickle") as listener:
-        sampler = RssSampler(gateway.pid)
+        sampler = RssSampler(gateway_pid)
         before = statistics.median(sampler.rss() for _ in range(5))
         cpu_before = sampler.proc.cpu_times()
         sampler.reset_hwm()
