@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,9 +34,8 @@ from gateway.settings import ModelSpec
 from protocol.keys import Keys
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
-from shared.net import free_port
 from shared.sampling import SamplingParams
-from testkit.processes import Children, wait_ready
+from testkit.processes import Children, start_gateway, start_scheduler
 from testkit.runs import print_command
 from testkit.sse import DONE, data_lines
 from tokenfleet.redis_server import RedisServer
@@ -150,17 +148,11 @@ def main() -> None:
         server = RedisServer(Path(tmp) / "redis")
         server.start()
         children = Children(Path(tmp))
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
         try:
-            cli = [sys.executable, "-m", "tokenfleet.cli"]
-            children.spawn("scheduler", [*cli, "scheduler", "--redis-url", server.url, "--model", model,
-                                         "--dtype", args.dtype, "--num-kv-blocks", "2048",
-                                         "--max-num-seqs", str(args.max_num_seqs),
-                                         "--max-num-batched-tokens", str(args.max_num_batched_tokens)])
-            children.spawn("gateway", [*cli, "gateway", "--redis-url", server.url, "--model", model,
-                                       "--port", str(port)])
-            wait_ready(url, children)
+            start_scheduler(children, server.url, model, "--dtype", args.dtype, "--num-kv-blocks", "2048",
+                            "--max-num-seqs", str(args.max_num_seqs),
+                            "--max-num-batched-tokens", str(args.max_num_batched_tokens))
+            url, _ = start_gateway(children, server.url, model)
             client = server.client()
             asyncio.run(ttfts(url, 2, 0.1))  # warm-up
             idle = asyncio.run(ttfts(url, args.interactive, 0.3))

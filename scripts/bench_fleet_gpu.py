@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import os
 import shutil
@@ -66,20 +65,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import _repo  # noqa: F401 - first: it puts the repository on sys.path
-import aiohttp
 import redis
 import torch
 
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
 from shared.logging import configure_logging
-from shared.net import free_port
-from testkit.checkpoints import SMOLLM2_VOCAB_SIZE, copy_tokenizer, tiny_llama_with_smollm2_tokenizer
+from testkit.checkpoints import SMOLLM2_VOCAB_SIZE, tiny_llama_with_smollm2_tokenizer
+from testkit.completion_streams import run_streams
 from testkit.engine_runs import run_engine_workload, warm_up
-from testkit.processes import Children, CpuMeter, start_redis, wait_ready
-from testkit.random_models import LLAMA3_8B, checkpoint_folder, random_llama
+from testkit.processes import Children, CpuMeter, start_gateway, start_redis, start_scheduler
+from testkit.random_models import checkpoint_folder, write_llama3_8b_with_smollm2_tokenizer
 from testkit.redis_queue import (
-    KEYS,
     EventListener,
     completion_tokens,
     read_results,
@@ -87,7 +84,6 @@ from testkit.redis_queue import (
     wait_drained,
 )
 from testkit.runs import Interrupted, log, percentile, print_command, raise_fd_limit, stop_on_sigterm
-from testkit.sse import DONE, data_lines
 from testkit.workloads import Workload, greedy, sharegpt_workload, warmup_prompts
 
 MODEL_NAME = "bench"
@@ -143,17 +139,8 @@ def prepare_model(args: argparse.Namespace, folder: Path) -> str:
         # A window of 2048 holds the warm-up prompts.
         tiny_llama_with_smollm2_tokenizer(folder, tokenizer, max_position_embeddings=2048)
         return "tiny random llama (2 layers, hidden 64), float32"
-    if tokenizer is None:
-        from workers.default_model import fetch_default_model
-
-        tokenizer = fetch_default_model()
-    model = random_llama({**LLAMA3_8B, "vocab_size": SMOLLM2_VOCAB_SIZE}, torch.device(args.device))
-    num_params = sum(p.numel() for p in model.parameters())
-    model.save_pretrained(folder)
-    del model
-    gc.collect()
-    torch.cuda.empty_cache()  # the scheduler process needs the memory
-    copy_tokenizer(tokenizer, folder)
+    # The scheduler process loads it: the GPU's memory is handed back once it is written.
+    num_params = write_llama3_8b_with_smollm2_tokenizer(folder, torch.device(args.device), tokenizer)
     return f"Llama-3-8B shape, vocab {SMOLLM2_VOCAB_SIZE:,} ({num_params / 1e9:.2f} B params), bf16"
 
 
@@ -185,36 +172,22 @@ def run_engine_path(args: argparse.Namespace, folder: Path, workload: Workload) 
 # -- the fleet: Redis, the scheduler, the gateway ----------------------------------------------
 
 
-def start_scheduler(args: argparse.Namespace, children: Children, redis_url: str, folder: Path) -> None:
-    scheduler_id = f"bench-{os.getpid()}"
-    argv = [sys.executable, "-m", "tokenfleet.cli", "scheduler", "--redis-url", redis_url,
-            "--model", str(folder), "--model-name", MODEL_NAME, "--scheduler-id", scheduler_id,
-            "--device", args.device, "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
-            "--cuda-graph-max-batch-size", str(args.max_num_seqs),
-            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--tp", str(args.tp), "--pp", str(args.pp)]
+def start_fleet_scheduler(args: argparse.Namespace, children: Children, redis_url: str, folder: Path) -> None:
+    flags = ["--model-name", MODEL_NAME, "--device", args.device, "--dtype", args.dtype,
+             "--max-num-seqs", str(args.max_num_seqs), "--cuda-graph-max-batch-size", str(args.max_num_seqs),
+             "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--tp", str(args.tp),
+             "--pp", str(args.pp)]
     if args.executor:
-        argv += ["--executor", args.executor]
-    children.spawn("scheduler", argv)
-    client = redis.Redis.from_url(redis_url)
-    deadline = time.monotonic() + SCHEDULER_READY_S
-    while not client.exists(KEYS.scheduler(scheduler_id)):  # its first heartbeat: loaded and looping
-        children.check()
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the scheduler was not up within {SCHEDULER_READY_S:.0f} s")
-        time.sleep(0.2)
+        flags += ["--executor", args.executor]
+    start_scheduler(children, redis_url, folder, *flags, scheduler_id=f"bench-{os.getpid()}",
+                    ready_s=SCHEDULER_READY_S)
 
 
-def start_gateway(args: argparse.Namespace, children: Children, redis_url: str, folder: Path) -> str:
-    port = free_port()
-    argv = [sys.executable, "-m", "tokenfleet.cli", "gateway", "--redis-url", redis_url, "--port", str(port),
-            "--model", str(folder), "--model-name", MODEL_NAME, "--max-queue", "0"]  # all at once: no 429s
+def start_fleet_gateway(args: argparse.Namespace, children: Children, redis_url: str, folder: Path) -> str:
+    flags = ["--model-name", MODEL_NAME, "--max-queue", "0"]  # all at once: no 429s
     if args.gateway_workers:
-        argv += ["--workers", str(args.gateway_workers)]
-    children.spawn("gateway", argv)
-    url = f"http://127.0.0.1:{port}"
-    wait_ready(url, children)
-    return url
+        flags += ["--workers", str(args.gateway_workers)]
+    return start_gateway(children, redis_url, folder, *flags)[0]
 
 
 # -- (b) queue -------------------------------------------------------------------------------------
@@ -263,74 +236,16 @@ def run_queue_path(args: argparse.Namespace, children: Children, redis_url: str,
 # -- (c) HTTP ----------------------------------------------------------------------------------------
 
 
-@dataclass
-class Stream:
-    start: float = 0.0
-    chunk_times: list[float] = field(default_factory=list)  # arrivals of chunks with text
-    end: float = 0.0
-    completion_tokens: int | None = None
-    finish_reason: str | None = None
-    error: str | None = None
-
-
-async def run_stream(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int,
-                     gate: asyncio.Semaphore) -> Stream:
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    stream = Stream()
-    async with gate:
-        stream.start = time.monotonic()
-        try:
-            async with session.post(f"{url}/v1/completions", json=body) as response:
-                if response.status != 200:
-                    stream.error = f"HTTP {response.status}: {(await response.text())[:200]}"
-                    return stream
-                async for now, data in data_lines(response.content):
-                    read_event(stream, data, now)
-        except Exception as exc:  # noqa: BLE001 - a failed stream is counted, not the end of the run
-            stream.error = f"{type(exc).__name__}: {exc}"
-    if stream.error is None and not (stream.end and stream.chunk_times):
-        stream.error = "no text, or no data: [DONE]"
-    elif stream.error is None and (stream.finish_reason, stream.completion_tokens) != ("length", max_tokens):
-        stream.error = (f"finish_reason {stream.finish_reason!r}, {stream.completion_tokens} of "
-                        f"{max_tokens} tokens")
-    return stream
-
-
-def read_event(stream: Stream, payload: str, now: float) -> None:
-    if payload == DONE:
-        stream.end = now
-        return
-    chunk = json.loads(payload)
-    if chunk.get("usage"):
-        stream.completion_tokens = chunk["usage"]["completion_tokens"]
-    for choice in chunk["choices"]:
-        if choice.get("text"):
-            stream.chunk_times.append(now)
-        stream.finish_reason = choice.get("finish_reason") or stream.finish_reason
-
-
-async def run_streams(url: str, prompts: list[list[int]], max_tokens: list[int], concurrency: int,
-                      timeout_s: float) -> tuple[list[Stream], float]:
-    gate = asyncio.Semaphore(concurrency)
-    connector = aiohttp.TCPConnector(limit=0)
-    timeout = aiohttp.ClientTimeout(total=None, connect=60, sock_read=timeout_s)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        start = time.monotonic()
-        streams = await asyncio.gather(*(run_stream(session, url, p, m, gate)
-                                         for p, m in zip(prompts, max_tokens, strict=True)))
-    return streams, start
-
-
 def run_http_path(args: argparse.Namespace, gateway_url: str, workload: Workload,
                   meter: CpuMeter) -> PathResult:
     result = PathResult("(c) SSE clients -> gateway -> Redis -> scheduler")
     warmup = warmup_prompts(SMOLLM2_VOCAB_SIZE)
-    streams, _ = asyncio.run(run_streams(gateway_url, warmup, [8] * len(warmup), len(warmup), args.timeout_s))
+    streams, _ = asyncio.run(run_streams(gateway_url, MODEL_NAME, warmup, [8] * len(warmup), len(warmup),
+                                         args.timeout_s))
     if any(s.error for s in streams):
         raise RuntimeError(f"warm-up failed: {[s.error for s in streams if s.error][:3]}")
     meter.start()
-    streams, start = asyncio.run(run_streams(gateway_url, workload.prompts, workload.max_tokens,
+    streams, start = asyncio.run(run_streams(gateway_url, MODEL_NAME, workload.prompts, workload.max_tokens,
                                              args.concurrency, args.timeout_s))
     result.cpu_s = meter.stop()
     result.errors = [s.error for s in streams if s.error]
@@ -350,13 +265,13 @@ def run_fleet_paths(args: argparse.Namespace, folder: Path, workload: Workload,
     children = Children(tmp)
     try:
         redis_url, redis_port = start_redis(children, tmp / "redis", appendfsync=args.appendfsync)
-        start_scheduler(args, children, redis_url, folder)
+        start_fleet_scheduler(args, children, redis_url, folder)
         log("scheduler up")
         pids = {"scheduler": children.pid("scheduler"), "redis-server": children.pid("redis-server"),
                 "this process": os.getpid()}
         gateway_url = None
         if not args.skip_http:
-            gateway_url = start_gateway(args, children, redis_url, folder)
+            gateway_url = start_fleet_gateway(args, children, redis_url, folder)
             pids["gateway"] = children.pid("gateway")
         meter = CpuMeter(pids)
         if not args.skip_queue:

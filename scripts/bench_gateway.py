@@ -44,29 +44,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import _repo  # noqa: F401 - first: it puts the repository on sys.path
-import aiohttp
-import psutil
 
 from shared.logging import configure_logging
-from shared.net import free_port
+from testkit.added_latency import latencies
+from testkit.chat_streams import Counter, check_stream, run_clients
 from testkit.checkpoints import tiny_llama_with_smollm2_tokenizer
-from testkit.processes import Children, wait_ready
-from testkit.redis_queue import Event, EventListener
+from testkit.processes import Children, RssSampler, start_gateway, start_scheduler
+from testkit.redis_queue import EventListener
 from testkit.runs import percentile, print_command, raise_fd_limit
-from testkit.sse import DONE, data_lines
 from tokenfleet.redis_server import RedisServer
 
 MODEL_NAME = "tiny"
@@ -75,190 +70,7 @@ GOAL_KIB_PER_STREAM = 100.0
 GOAL_ADDED_MS = 2.0
 
 
-# -- memory ----------------------------------------------------------------------------------------
-
-class RssSampler(threading.Thread):
-    """The gateway's RSS every interval_s, and the kernel's high-water mark (VmHWM) after a reset."""
-
-    def __init__(self, pid: int, interval_s: float = 0.01) -> None:
-        super().__init__(daemon=True)
-        self.proc = psutil.Process(pid)
-        self.pid = pid
-        self.interval_s = interval_s
-        self.peak = 0
-        self.hwm_reset = False
-        self._halt = threading.Event()
-
-    def reset_hwm(self) -> None:
-        try:
-            Path(f"/proc/{self.pid}/clear_refs").write_text("5")
-            self.hwm_reset = True
-        except OSError:
-            self.hwm_reset = False
-
-    def hwm(self) -> int | None:
-        try:
-            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return None
-
-    def rss(self) -> int:
-        return self.proc.memory_info().rss
-
-    def run(self) -> None:
-        while not self._halt.is_set():
-            try:
-                self.peak = max(self.peak, self.rss())
-            except psutil.Error:
-                return  # the gateway is gone (the run was interrupted)
-            self._halt.wait(self.interval_s)
-
-    def finish(self) -> int:
-        self._halt.set()
-        self.join()
-        peak = max(self.peak, self.rss())
-        hwm = self.hwm() if self.hwm_reset else None
-        return max(peak, hwm or 0)
-
-
-# -- clients ---------------------------------------------------------------------------------------
-
-@dataclass
-class Stream:
-    index: int
-    lines: list[tuple[float, bytes]] = field(default_factory=list)
-    status: int | None = None
-    error: str | None = None
-    req_id: str | None = None
-    chunks: list[tuple[float, str]] = field(default_factory=list)  # (arrival, content) with text
-
-
-@dataclass
-class Counter:
-    open: int = 0
-    max_open: int = 0
-
-
-def body(index: int, max_tokens: int) -> dict:
-    return {"model": MODEL_NAME, "stream": True, "stream_options": {"include_usage": True},
-            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "messages": [{"role": "user", "content": f"Stream {index}: tell me a long story."}]}
-
-
-async def run_stream(session: aiohttp.ClientSession, url: str, stream: Stream, max_tokens: int,
-                     delay_s: float, counter: Counter) -> None:
-    await asyncio.sleep(delay_s)
-    try:
-        async with session.post(url, json=body(stream.index, max_tokens)) as response:
-            stream.status = response.status
-            if response.status != 200:
-                stream.error = f"HTTP {response.status}: {(await response.text())[:200]}"
-                return
-            counter.open += 1
-            counter.max_open = max(counter.max_open, counter.open)
-            try:
-                async for now, data in data_lines(response.content):
-                    stream.lines.append((now, data))
-            finally:
-                counter.open -= 1
-    except Exception as exc:  # noqa: BLE001 - every failure is counted, none stops the run
-        stream.error = f"{type(exc).__name__}: {exc}"
-
-
-async def run_clients(url: str, num_streams: int, max_tokens: int, ramp_s: float,
-                      counter: Counter) -> tuple[list[Stream], float]:
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
-    timeout = aiohttp.ClientTimeout(total=None, connect=60, sock_read=120)
-    streams = [Stream(i) for i in range(num_streams)]
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        start = time.monotonic()
-        await asyncio.gather(*(run_stream(session, url, s, max_tokens, ramp_s * s.index / num_streams,
-                                          counter) for s in streams))
-        return streams, time.monotonic() - start
-
-
-def check_stream(stream: Stream, max_tokens: int) -> None:
-    """Parse the stream's data lines into stream.chunks; set stream.error on anything wrong."""
-    if stream.error is not None:
-        return
-    done = False
-    finish_reason = None
-    completion_tokens = None
-    for t, payload in stream.lines:
-        if done:
-            stream.error = "data after [DONE]"
-            return
-        if payload == DONE:
-            done = True
-            continue
-        try:
-            chunk = json.loads(payload)
-            assert chunk["object"] == "chat.completion.chunk" and chunk["id"].startswith("chatcmpl-")
-            req_id = chunk["id"].removeprefix("chatcmpl-")
-            assert stream.req_id in (None, req_id)
-            stream.req_id = req_id
-            if chunk.get("usage") is not None:
-                completion_tokens = chunk["usage"]["completion_tokens"]
-            choices = chunk["choices"]
-            if not choices:
-                continue
-            assert len(choices) == 1 and choices[0]["index"] == 0
-            content = choices[0]["delta"].get("content")
-            assert content is None or isinstance(content, str)
-            if content:
-                stream.chunks.append((t, content))
-            finish_reason = choices[0]["finish_reason"] or finish_reason
-        except (ValueError, KeyError, TypeError, AssertionError, AttributeError):
-            stream.error = f"malformed chunk: {payload[:200]!r}"
-            return
-    if not done:
-        stream.error = "no data: [DONE]"
-    elif finish_reason != "length":
-        stream.error = f"finish_reason {finish_reason!r}"
-    elif completion_tokens != max_tokens:
-        stream.error = f"usage.completion_tokens {completion_tokens} != {max_tokens}"
-
-
-# -- analysis --------------------------------------------------------------------------------------
-
-def latencies(streams: list[Stream],
-              events: dict[str, list[Event]]) -> tuple[list, list, list, list, int, int]:
-    """(client ITL gaps, step intervals at the listener, added ITL per token, delivery lags,
-    matched, unmatched). The added ITL of a token: the gap between it and the stream's previous
-    token at the client, minus the gap between the same two events at the listener."""
-    client_gaps, step_gaps, added, added_itl = [], [], [], []
-    matched = unmatched = 0
-    for stream in streams:
-        if stream.error is not None or stream.req_id is None:
-            continue
-        client_gaps += [b[0] - a[0] for a, b in zip(stream.chunks, stream.chunks[1:], strict=False)]
-        evs = sorted(events.get(stream.req_id, []), key=lambda e: e.seq)
-        step_gaps += [b.t - a.t for a, b in zip(evs, evs[1:], strict=False)]
-        at_length: dict[int, float] = {}  # text length so far -> arrival of the event that reached it
-        length = 0
-        for ev in evs:
-            if ev.text:
-                length += len(ev.text)
-                at_length[length] = ev.t
-        length = 0
-        previous = None  # (client arrival, listener arrival) of the stream's previous token
-        for t, content in stream.chunks:
-            length += len(content)
-            t_event = at_length.get(length)
-            if t_event is None:
-                unmatched += 1
-                previous = None
-            else:
-                matched += 1
-                added.append(t - t_event)
-                if previous is not None:
-                    added_itl.append((t - previous[0]) - (t_event - previous[1]))
-                previous = (t, t_event)
-    return client_gaps, step_gaps, added_itl, added, matched, unmatched
-
+# -- the table ------------------------------------------------------------------------------------
 
 def ms(value: float) -> str:
     return "n/a" if math.isnan(value) else f"{value * 1e3:.2f}"
@@ -293,28 +105,22 @@ def _run_with_redis(args: argparse.Namespace, tmp: Path, children: Children, mod
                     redis_server: RedisServer) -> None:
     blocks_per_seq = math.ceil((PROMPT_TOKENS_BOUND + args.max_tokens) / 16) + 1
     num_kv_blocks = args.streams * blocks_per_seq + 64
-    cli = [sys.executable, "-m", "tokenfleet.cli"]
-    sched_argv = [*cli, "scheduler", "--redis-url", redis_server.url, "--model", str(model),
-                  "--model-name", MODEL_NAME, "--dtype", "float32",
-                  "--max-num-seqs", str(max(args.streams, 8)), "--max-num-batched-tokens", "4096",
-                  "--num-kv-blocks", str(num_kv_blocks)]
+    sched_flags = ["--model-name", MODEL_NAME, "--dtype", "float32",
+                   "--max-num-seqs", str(max(args.streams, 8)), "--max-num-batched-tokens", "4096",
+                   "--num-kv-blocks", str(num_kv_blocks)]
     if args.scheduler_threads:
-        sched_argv += ["--num-threads", str(args.scheduler_threads)]
-    children.spawn("scheduler", sched_argv)
-    port = args.port or free_port()
-    profile = []
+        sched_flags += ["--num-threads", str(args.scheduler_threads)]
+    start_scheduler(children, redis_server.url, model, *sched_flags)
+    profile = ()
     if args.profile_gateway:
-        profile = ["-m", "cProfile", "-o", str(Path(args.profile_gateway).resolve())]
-    gateway = children.spawn("gateway", [
-        sys.executable, *profile, "-m", "tokenfleet.cli", "gateway", "--redis-url", redis_server.url,
-        "--port", str(port), "--model", str(model), "--model-name", MODEL_NAME, "--max-queue", "0"])
-    base = f"http://127.0.0.1:{port}"
-    wait_ready(base, children)
+        profile = ("-m", "cProfile", "-o", str(Path(args.profile_gateway).resolve()))
+    base, gateway_pid = start_gateway(children, redis_server.url, model, "--model-name", MODEL_NAME,
+                                      "--max-queue", "0", port=args.port or None, python_flags=profile)
     url = f"{base}/v1/chat/completions"
 
     # Warm-up: the first requests pay for imports, the chat template's compilation, pools.
     counter = Counter()
-    warm, _ = asyncio.run(run_clients(url, args.warmup_streams, 8, 0.0, counter))
+    warm, _ = asyncio.run(run_clients(url, MODEL_NAME, args.warmup_streams, 8, 0.0, counter))
     for s in warm:
         check_stream(s, 8)
     if any(s.error for s in warm):
@@ -323,13 +129,14 @@ def _run_with_redis(args: argparse.Namespace, tmp: Path, children: Children, mod
     time.sleep(1.0)
 
     with EventListener(redis_server.port, tmp / "listener.pickle") as listener:
-        sampler = RssSampler(gateway.pid)
+        sampler = RssSampler(gateway_pid)
         before = statistics.median(sampler.rss() for _ in range(5))
         cpu_before = sampler.proc.cpu_times()
         sampler.reset_hwm()
         sampler.start()
         counter = Counter()
-        streams, wall_s = asyncio.run(run_clients(url, args.streams, args.max_tokens, args.ramp_s, counter))
+        streams, wall_s = asyncio.run(run_clients(url, MODEL_NAME, args.streams, args.max_tokens, args.ramp_s,
+                                                  counter))
         peak = sampler.finish()
         cpu_after = sampler.proc.cpu_times()
         children.check()

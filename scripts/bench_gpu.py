@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import random
 import shutil
 import time
 import traceback
@@ -46,6 +45,7 @@ from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
 from shared.logging import configure_logging
 from testkit.engine_runs import engine_decode_latency, run_engine_workload, warm_up
+from testkit.hf_baseline import HfRun, hf_decode_latency, run_hf_continuous, run_hf_static
 from testkit.random_models import LLAMA3_8B, TINY_LLAMA, checkpoint_folder, module_bytes, random_llama
 from testkit.roofline import (
     ModelShape,
@@ -55,7 +55,6 @@ from testkit.roofline import (
     dense_flops,
     matmul_rate,
     roofline,
-    sync,
 )
 from testkit.runs import T0, Interrupted, log, print_command, stop_on_sigterm
 from testkit.workloads import Workload, sharegpt_workload
@@ -112,105 +111,8 @@ def engine_row(engine: LLMEngine, workload: Workload, seconds_limit: float, devi
 # -- (b), (c) transformers -----------------------------------------------------------------
 
 
-def hf_generate(model, prompts: list[list[int]], num_new: int, device: torch.device) -> None:
-    """One static, left-padded batch making exactly num_new tokens per row."""
-    width = max(map(len, prompts))
-    input_ids = torch.zeros((len(prompts), width), dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, ids in enumerate(prompts):
-        input_ids[row, width - len(ids):] = torch.tensor(ids)
-        attention_mask[row, width - len(ids):] = 1
-    with torch.inference_mode():
-        out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                             do_sample=False, max_new_tokens=num_new, min_new_tokens=num_new,
-                             eos_token_id=None, pad_token_id=0)
-    if out.shape[1] - width != num_new:
-        raise RuntimeError(f"transformers made {out.shape[1] - width} tokens, not {num_new}")
-
-
-def run_hf_static(model, workload: Workload, batch_size: int, seconds_limit: float,
-                  device: torch.device) -> Row:
-    hf_generate(model, [workload.prompts[0][:16]], 4, device)  # warm-up
-    batches = [range(i, min(i + batch_size, len(workload.prompts)))
-               for i in range(0, len(workload.prompts), batch_size)]
-    elapsed, done, last, num_batches = 0.0, [], 0.0, 0
-    for indices in batches:
-        if done and elapsed + last > seconds_limit:  # this batch would end past the limit
-            break
-        sync(device)
-        start = time.perf_counter()
-        hf_generate(model, [workload.prompts[i] for i in indices],
-                    max(workload.max_tokens[i] for i in indices), device)
-        sync(device)
-        last = time.perf_counter() - start
-        elapsed += last
-        done.extend(indices)
-        num_batches += 1
-    num_output = sum(workload.max_tokens[i] for i in done)
-    num_total = num_output + sum(len(workload.prompts[i]) for i in done)
-    notes = (f"{num_batches} of {len(batches)} batches of {batch_size} "
-             f"({len(done)} requests) within the {seconds_limit:.0f} s bound; useful tokens only")
-    return Row("(b) transformers generate, static batches", num_output / elapsed, num_total / elapsed,
-               elapsed, notes=notes)
-
-
-def hf_decode_latency(model, vocab_size: int, device: torch.device, num_prompt: int = 128,
-                      num_output: int = 32) -> float:
-    rng = random.Random(1)
-    prompt = [rng.randrange(vocab_size) for _ in range(num_prompt)]
-    hf_generate(model, [prompt], 4, device)  # warm-up
-    sync(device)
-    start = time.perf_counter()
-    hf_generate(model, [prompt], num_output, device)
-    sync(device)
-    return (time.perf_counter() - start) / num_output
-
-
-def run_hf_continuous(model, workload: Workload, seconds_limit: float, device: torch.device) -> Row:
-    """transformers' continuous batching: every request at once, results until done or the limit."""
-    import inspect
-
-    from transformers import GenerationConfig
-
-    generation_config = GenerationConfig(do_sample=False, max_new_tokens=max(workload.max_tokens),
-                                         pad_token_id=0)
-    generation_config.eos_token_id = -1  # EOS off (set after construction: no validation of -1)
-    cm_params = inspect.signature(model.continuous_batching_context_manager).parameters
-    cm_kwargs = {"generation_config": generation_config, "block": True, "timeout": 30}
-    if "warmup" in cm_params:
-        cm_kwargs["warmup"] = True
-    with model.continuous_batching_context_manager(**cm_kwargs) as manager:
-        add_params = inspect.signature(manager.add_request).parameters
-        eos = {"eos_token_id": -1} if "eos_token_id" in add_params else {}
-        sync(device)
-        start = time.perf_counter()
-        wanted = {}
-        for i, (prompt, num_new) in enumerate(zip(workload.prompts, workload.max_tokens, strict=True)):
-            req_id = manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=num_new, **eos)
-            wanted[req_id or f"r{i}"] = i
-        num_output = num_prompt = finished = 0
-        last = start
-        while finished < len(wanted) and time.perf_counter() - start < seconds_limit:
-            result = manager.get_result(timeout=1)
-            if result is None:
-                if not manager.is_running():
-                    raise RuntimeError("the continuous-batching loop died")
-                continue
-            if result.is_finished() and result.request_id in wanted:
-                i = wanted[result.request_id]
-                num_output += min(len(result.generated_tokens), workload.max_tokens[i])
-                num_prompt += len(workload.prompts[i])
-                finished += 1
-                last = time.perf_counter()
-        if finished < len(wanted) and "hard_stop" in inspect.signature(manager.stop).parameters:
-            manager.stop(block=True, timeout=30, hard_stop=True)
-    elapsed = last - start
-    if not finished:
-        raise RuntimeError(f"no request finished within {seconds_limit:.0f} s")
-    notes = (f"{finished} of {len(wanted)} requests (the workload's first {len(wanted)}) finished "
-             f"in {elapsed:.0f} s (bound {seconds_limit:.0f} s); rate over finished requests")
-    return Row("(c) transformers continuous batching", num_output / elapsed,
-               (num_output + num_prompt) / elapsed, elapsed, notes=notes)
+def hf_row(name: str, run: HfRun) -> Row:
+    return Row(name, run.output_rate, run.total_rate, run.seconds, notes=run.notes)
 
 
 # -- main ---------------------------------------------------------------------------------------
@@ -369,7 +271,8 @@ def run_transformers(args, model, workload: Workload, device: torch.device, roof
     rows = []
     if not args.skip_hf_static:
         try:
-            row = run_hf_static(model, workload, args.hf_batch_size, args.hf_static_seconds, device)
+            row = hf_row("(b) transformers generate, static batches",
+                         run_hf_static(model, workload, args.hf_batch_size, args.hf_static_seconds, device))
             row.of_roofline = f"{row.output_rate / roof_rate:.1%}"
             rows.append(row)
             log(f"transformers static: {row.output_rate:,.0f} output tok/s")
@@ -386,7 +289,8 @@ def run_transformers(args, model, workload: Workload, device: torch.device, roof
             rows.append(failed_row("(b) transformers batch-1 decode", exc))
     if not args.skip_hf_cb:
         try:
-            row = run_hf_continuous(model, workload.head(args.hf_cb_requests), args.hf_cb_seconds, device)
+            run = run_hf_continuous(model, workload.head(args.hf_cb_requests), args.hf_cb_seconds, device)
+            row = hf_row("(c) transformers continuous batching", run)
             row.of_roofline = f"{row.output_rate / roof_rate:.1%}"
             rows.append(row)
             log(f"transformers continuous batching: {row.output_rate:,.0f} output tok/s")

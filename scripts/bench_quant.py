@@ -24,7 +24,7 @@ its batch-1 decode latency. Reported against bf16, measured in the same run:
 - int8 on CUDA: the refusal (no kernel there yet dequantizes in registers);
 - the FP8 KV cache (bf16 weights): a long-context workload (64 requests, 8,192-token prompts, 512
   outputs) with a bf16 and an FP8 cache: output tok/s (goal >= 1.25x) and KV blocks (>= 1.9x).
-`--linears` prints the per-linear table of scripts/quant_linears.py instead.
+`--linears` prints the per-linear table of testkit/quant_linears.py instead.
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engine-seconds", type=float, default=240.0)
     parser.add_argument("--accuracy-model", type=Path, help="a real checkpoint for perplexity (e.g. SmolLM2)")
     parser.add_argument("--dtype", default="bfloat16", help="serving dtype (float32 for CPU accuracy runs)")
-    parser.add_argument("--linears", action="store_true", help="only the per-linear table (quant_linears.py)")
+    parser.add_argument("--linears", action="store_true",
+                        help="only the per-linear table (testkit/quant_linears.py)")
     parser.add_argument("--no-kv", action="store_true", help="skip the FP8 KV cache's long-context workload")
     parser.add_argument("--kv-only", action="store_true", help="only the FP8 KV cache's long-context run")
     parser.add_argument("--accuracy-only", action="store_true",
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     print_command()
     configure_logging("WARNING")
     if args.linears:
-        from quant_linears import linear_table
+        from testkit.quant_linears import linear_table
 
         print("\n".join(linear_table(torch.device(args.device), smoke=args.smoke)))
         return

@@ -14,19 +14,17 @@ warm before timing. Goal: queue throughput >= 0.9 of in-process.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import _repo  # noqa: F401 - first: it puts the repository on sys.path
-import redis
 
 from protocol.messages import unpack_list_chunks
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
-from testkit.processes import Children
-from testkit.redis_queue import KEYS, read_results, submit_requests, wait_drained
+from testkit.processes import Children, start_scheduler
+from testkit.redis_queue import read_results, submit_requests, wait_drained
 from testkit.runs import print_command
 from testkit.workloads import greedy, uniform_workload
 from tokenfleet.redis_server import RedisServer
@@ -34,18 +32,6 @@ from workers.default_model import fetch_default_model
 
 MODEL_NAME = "smol"
 SCHEDULER_ID = "bench"
-
-
-def start_scheduler(children: Children, redis_url: str, model: str, dtype: str) -> None:
-    """The scheduler as deployed: its own process, its loop on the main thread."""
-    children.spawn("scheduler", [
-        sys.executable, "-m", "tokenfleet.cli", "scheduler", "--redis-url", redis_url, "--model", model,
-        "--model-name", MODEL_NAME, "--scheduler-id", SCHEDULER_ID, "--dtype", dtype,
-        "--num-kv-blocks", "2048"])
-    client = redis.Redis.from_url(redis_url)
-    while not client.exists(KEYS.scheduler(SCHEDULER_ID)):  # its first heartbeat: loaded and looping
-        children.check()
-        time.sleep(0.2)
 
 
 def main() -> None:
@@ -70,7 +56,9 @@ def main() -> None:
         server.start()
         children = Children(Path(tmp))
         try:
-            start_scheduler(children, server.url, model, args.dtype)
+            # As deployed: its own process, its loop on the main thread; timed once it is looping.
+            start_scheduler(children, server.url, model, "--model-name", MODEL_NAME, "--dtype", args.dtype,
+                            "--num-kv-blocks", "2048", scheduler_id=SCHEDULER_ID)
             client = server.client()
             submit_requests(client, MODEL_NAME, workload.prompts[:2], [greedy(2)] * 2)  # warm-up
             wait_drained(client, MODEL_NAME, 300, children=children, poll_s=0.25)

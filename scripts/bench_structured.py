@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import random
 import time
@@ -33,14 +32,15 @@ from pathlib import Path
 import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import torch
 
-import workers.model_runner as model_runner_module
 from scheduler.engine import LLMEngine
 from scheduler.grammar import Grammars, available_cores
 from shared.config import EngineConfig
 from shared.logging import configure_logging
 from shared.sampling import SamplingParams
-from testkit.checkpoints import SMOLLM2_VOCAB_SIZE, copy_tokenizer, tiny_llama_with_smollm2_tokenizer
-from testkit.random_models import LLAMA3_8B, checkpoint_folder, random_llama
+from testkit.checkpoints import SMOLLM2_VOCAB_SIZE, tiny_llama_with_smollm2_tokenizer
+from testkit.grammar_probes import Probes, probed
+from testkit.random_models import checkpoint_folder, write_llama3_8b_with_smollm2_tokenizer
+from testkit.roofline import sync
 from testkit.runs import print_command
 
 # An answer that cannot end within the run: its "body" string must run to thousands of characters.
@@ -60,18 +60,6 @@ FILL_THREADS = (1, 2, 4, 8, 16)
 
 
 @dataclass
-class Probes:
-    """Seconds spent in each grammar part over the timed steps, and how often the fill was hidden."""
-
-    pick: float = 0.0  # schedule(): choosing the constrained rows (Grammars.mask_filler)
-    fill: float = 0.0
-    apply: float = 0.0
-    accept: float = 0.0
-    num_fills: int = 0
-    num_hidden: int = 0  # fills that ended while the device still ran the forward
-
-
-@dataclass
 class Pass:
     name: str
     step_s: list[float] = field(default_factory=list)  # timed decode steps
@@ -79,58 +67,6 @@ class Pass:
     @property
     def mean_ms(self) -> float:
         return sum(self.step_s) / len(self.step_s) * 1e3
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@contextlib.contextmanager
-def probed(engine: LLMEngine, device: torch.device, probes: Probes, timing: list[bool]):
-    """Time the grammar's parts (counted while timing[0] is true). The apply is synchronised on
-    CUDA, so that its copies and kernel are what is timed; the fill is not (it overlaps)."""
-    grammars, runner = engine.scheduler.grammars, engine.executor.runner
-    forward_done: list[torch.cuda.Event | None] = [None]
-
-    def timed(fn, name: str, synchronise: bool = False, after=None):
-        def wrapper(*args, **kwargs):
-            if synchronise:
-                sync(device)
-            start = time.perf_counter()
-            result = fn(*args, **kwargs)
-            if synchronise:
-                sync(device)
-            if timing[0]:
-                setattr(probes, name, getattr(probes, name) + time.perf_counter() - start)
-                if after is not None:
-                    after()
-            return result
-        return wrapper
-
-    def forward(*args, **kwargs):
-        result = runner_forward(*args, **kwargs)
-        if device.type == "cuda":
-            forward_done[0] = torch.cuda.Event()
-            forward_done[0].record()
-        return result
-
-    def count_hidden() -> None:
-        probes.num_fills += 1
-        probes.num_hidden += forward_done[0] is not None and not forward_done[0].query()
-
-    runner_forward = runner.forward
-    runner.forward = forward
-    grammars._fill = timed(grammars._fill, "fill", after=count_hidden)
-    grammars.mask_filler = timed(grammars.mask_filler, "pick")
-    grammars.accept = timed(grammars.accept, "accept")
-    apply = model_runner_module.apply_token_mask
-    model_runner_module.apply_token_mask = timed(apply, "apply", synchronise=True)
-    try:
-        yield
-    finally:
-        del runner.forward, grammars._fill, grammars.mask_filler, grammars.accept
-        model_runner_module.apply_token_mask = apply
 
 
 def decode_pass(engine: LLMEngine, name: str, prompts: list[list[int]], grammars: list[str | None],
@@ -221,12 +157,7 @@ def prepare_model(args: argparse.Namespace) -> tuple[str, str]:
     if args.device == "cpu":
         return str(fetch_default_model()), "SmolLM2-135M-Instruct"
     folder = checkpoint_folder(17 << 30)
-    model = random_llama({**LLAMA3_8B, "vocab_size": SMOLLM2_VOCAB_SIZE}, torch.device(args.device))
-    model.save_pretrained(folder)
-    del model
-    gc.collect()
-    torch.cuda.empty_cache()
-    copy_tokenizer(fetch_default_model(), Path(folder))
+    write_llama3_8b_with_smollm2_tokenizer(folder, torch.device(args.device))
     return str(folder), f"Llama-3-8B shape, vocab {SMOLLM2_VOCAB_SIZE:,}, random weights"
 
 

@@ -1,24 +1,29 @@
 """A benchmark's child processes (Redis, schedulers, gateways, `tokenfleet up`) on the fleet's
-own supervisor, and what is measured of them: readiness, CPU time; a redis-server with a chosen
-fsync policy."""
+own supervisor, and what is measured of them: readiness, CPU time, peak memory; a redis-server
+with a chosen fsync policy; a scheduler and a gateway started as deployed."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
+import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import psutil
+import redis
 
+from protocol.keys import Keys
 from shared.net import free_port
 from tokenfleet.supervise import NEVER_RESTART, Supervisor, tail_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 STOP_TIMEOUT_S = 15.0
+CLI = [sys.executable, "-m", "tokenfleet.cli"]
 
 
 class Children:
@@ -122,3 +127,81 @@ class CpuMeter:
         return {name: seconds - self.before[name] for name, seconds in self._read().items()}
 
 
+def start_scheduler(children: Children, redis_url: str, model: str | Path, *flags: str,
+                    scheduler_id: str | None = None, ready_s: float = 600.0) -> None:
+    """`tokenfleet scheduler` as deployed (its own process, its loop on the main thread) for
+    model, with flags; given scheduler_id, returns once its first heartbeat is in Redis (loaded
+    and looping: a large checkpoint and its CUDA graphs may take minutes)."""
+    argv = [*CLI, "scheduler", "--redis-url", redis_url, "--model", str(model), *flags]
+    if scheduler_id is not None:
+        argv += ["--scheduler-id", scheduler_id]
+    children.spawn("scheduler", argv)
+    if scheduler_id is None:
+        return
+    client = redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + ready_s
+    while not client.exists(Keys().scheduler(scheduler_id)):
+        children.check()
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the scheduler was not up within {ready_s:.0f} s")
+        time.sleep(0.2)
+
+
+def start_gateway(children: Children, redis_url: str, model: str | Path, *flags: str,
+                  port: int | None = None, python_flags: tuple[str, ...] = ()) -> tuple[str, int]:
+    """`tokenfleet gateway` for model, with flags (python_flags go to its interpreter: cProfile,
+    say); returns (its base URL, its pid) once it is ready."""
+    port = port or free_port()
+    pid = children.spawn("gateway", [sys.executable, *python_flags, *CLI[1:], "gateway", "--redis-url",
+                                     redis_url, "--port", str(port), "--model", str(model), *flags])
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url, children)
+    return url, pid
+
+
+class RssSampler(threading.Thread):
+    """A process's RSS every interval_s, and the kernel's high-water mark (VmHWM) after a reset."""
+
+    def __init__(self, pid: int, interval_s: float = 0.01) -> None:
+        super().__init__(daemon=True)
+        self.proc = psutil.Process(pid)
+        self.pid = pid
+        self.interval_s = interval_s
+        self.peak = 0
+        self.hwm_reset = False
+        self._halt = threading.Event()
+
+    def reset_hwm(self) -> None:
+        try:
+            Path(f"/proc/{self.pid}/clear_refs").write_text("5")
+            self.hwm_reset = True
+        except OSError:
+            self.hwm_reset = False
+
+    def hwm(self) -> int | None:
+        try:
+            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return None
+
+    def rss(self) -> int:
+        return self.proc.memory_info().rss
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            try:
+                self.peak = max(self.peak, self.rss())
+            except psutil.Error:
+                return  # the process is gone (the run was interrupted)
+            self._halt.wait(self.interval_s)
+
+    def finish(self) -> int:
+        """Stop sampling; the peak RSS seen (or the high-water mark, when larger)."""
+        self._halt.set()
+        self.join()
+        peak = max(self.peak, self.rss())
+        hwm = self.hwm() if self.hwm_reset else None
+        return max(peak, hwm or 0)

@@ -60,3 +60,29 @@ def module_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+
+
+def write_llama3_8b_with_smollm2_tokenizer(folder: Path, device: torch.device,
+                                           tokenizer: Path | None = None) -> int:
+    """Write the GPU benchmarks' model into folder: Llama-3-8B's shape with SmolLM2's vocabulary,
+    random bf16 weights built on the device, saved as safetensors, with SmolLM2's tokenizer files
+    (from the folder `tokenizer`, default: the one `tokenfleet model fetch` makes). Returns its
+    number of parameters. The device memory is handed back: the engine that loads it needs it."""
+    import gc
+
+    import torch
+
+    from testkit.checkpoints import SMOLLM2_VOCAB_SIZE, copy_tokenizer
+
+    if tokenizer is None:
+        from workers.default_model import fetch_default_model
+
+        tokenizer = fetch_default_model()
+    model = random_llama({**LLAMA3_8B, "vocab_size": SMOLLM2_VOCAB_SIZE}, device)
+    num_params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(folder)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    copy_tokenizer(tokenizer, folder)
+    return num_params

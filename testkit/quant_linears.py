@@ -1,8 +1,8 @@
 """One linear at a time: every FP8 product candidate against bf16 at Llama-3-8B's four shapes
-(`bench_quant.py --linears`). On CUDA each figure is a CUDA-graph replay of REPS calls (GPU time
-only, as the steps run), in us per call; the last columns are the layer as it serves (graph and
-eager, quant included) and the weight-bytes floor at the device's copy rate. What the table
-picks goes into workers/layers/fp8_gemm.py (SMALL_M_MAX and the w8a16 config).
+(the table of `scripts/bench_quant.py --linears`). On CUDA each figure is a CUDA-graph replay of
+REPS calls (GPU time only, as the steps run), in us per call; the last columns are the layer as
+it serves (graph and eager, quant included) and the weight-bytes floor at the device's copy rate.
+What the table picks goes into workers/layers/fp8_gemm.py (SMALL_M_MAX and the w8a16 config).
 """
 
 from __future__ import annotations

@@ -1,0 +1,78 @@
+"""Streaming /v1/completions clients, as the GPU benchmarks' load: prompts as token ids, greedy,
+EOS ignored, every chunk with text timestamped as it arrives (aiohttp, in the calling process).
+A stream that does not end with exactly its max_tokens (finish_reason "length") is an error."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from testkit.sse import DONE, data_lines
+
+
+@dataclass
+class Stream:
+    """One client's view of its streamed completion (times are time.monotonic())."""
+
+    start: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)  # arrivals of chunks with text
+    end: float = 0.0
+    completion_tokens: int | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+async def run_stream(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int,
+                     gate: asyncio.Semaphore) -> Stream:
+    """One streamed completion of exactly max_tokens (EOS ignored); its error, if it ended otherwise."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    stream = Stream()
+    async with gate:
+        stream.start = time.monotonic()
+        try:
+            async with session.post(f"{url}/v1/completions", json=body) as response:
+                if response.status != 200:
+                    stream.error = f"HTTP {response.status}: {(await response.text())[:200]}"
+                    return stream
+                async for now, data in data_lines(response.content):
+                    read_event(stream, data, now)
+        except Exception as exc:  # noqa: BLE001 - a failed stream is counted, not the end of the run
+            stream.error = f"{type(exc).__name__}: {exc}"
+    if stream.error is None and not (stream.end and stream.chunk_times):
+        stream.error = "no text, or no data: [DONE]"
+    elif stream.error is None and (stream.finish_reason, stream.completion_tokens) != ("length", max_tokens):
+        stream.error = (f"finish_reason {stream.finish_reason!r}, {stream.completion_tokens} of "
+                        f"{max_tokens} tokens")
+    return stream
+
+
+def read_event(stream: Stream, payload: str, now: float) -> None:
+    """One event's data, arrived at `now`, into the stream."""
+    if payload == DONE:
+        stream.end = now
+        return
+    chunk = json.loads(payload)
+    if chunk.get("usage"):
+        stream.completion_tokens = chunk["usage"]["completion_tokens"]
+    for choice in chunk["choices"]:
+        if choice.get("text"):
+            stream.chunk_times.append(now)
+        stream.finish_reason = choice.get("finish_reason") or stream.finish_reason
+
+
+async def run_streams(url: str, model: str, prompts: list[list[int]], max_tokens: list[int], concurrency: int,
+                      timeout_s: float) -> tuple[list[Stream], float]:
+    """Every prompt streamed, concurrency at a time; (the streams, time.monotonic() at the start)."""
+    gate = asyncio.Semaphore(concurrency)
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None, connect=60, sock_read=timeout_s)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        start = time.monotonic()
+        streams = await asyncio.gather(*(run_stream(session, url, model, p, m, gate)
+                                         for p, m in zip(prompts, max_tokens, strict=True)))
+    return streams, start
