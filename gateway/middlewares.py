@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import os
 import re
 import uuid
 
@@ -10,6 +11,7 @@ import structlog
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 from pydantic import ValidationError
+from redis.exceptions import ClusterError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -57,6 +59,14 @@ def _route_name(request: web.Request) -> str:
     return resource.canonical if resource is not None else "unmatched"
 
 
+def _raised_inside_redis_client(exc: BaseException) -> bool:
+    """Whether the innermost frame of exc's traceback is in the redis package's code."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and f"{os.sep}redis{os.sep}" in tb.tb_frame.f_code.co_filename
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     """Every error becomes {"error": {...}} with its status; counts responses by route and status."""
@@ -70,12 +80,20 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         response = error_response(validation_error(exc))
     except TokenfleetError as exc:
         response = error_response(exc)
-    except (RedisConnectionError, RedisTimeoutError) as exc:
+    except (RedisConnectionError, RedisTimeoutError, ClusterError) as exc:
         log.warning("redis_unreachable", error=str(exc))
         response = error_response(Unavailable("the queue (Redis) is unreachable; retry later",
                                               code="redis_unavailable", headers={"Retry-After": "1"}))
     except ClientGone:
         response = web.Response(status=499)  # nobody reads it; the requests were cancelled
+    except AttributeError as exc:
+        if not _raised_inside_redis_client(exc):
+            raise
+        # redis-py's asyncio client, mid-failover, can use a connection another task just
+        # closed (its writer None): the shard is away, as for a ConnectionError.
+        log.warning("redis_unreachable", error=repr(exc))
+        response = error_response(Unavailable("the queue (Redis) is unreachable; retry later",
+                                              code="redis_unavailable", headers={"Retry-After": "1"}))
     except Exception:  # noqa: BLE001 - the one place that turns a bug into a clean 500
         log.exception("unhandled_error", path=request.path)
         response = error_response(TokenfleetError("internal error; see the gateway's log"))
