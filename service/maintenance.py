@@ -123,8 +123,8 @@ class Maintenance:
             if flag is not None:
                 self._abort(req_id)
             elif deadline is not None and now > deadline:
-                # (The engine's request, not the flight, says whether it made tokens: the flight
-                # learns of them on the writer thread.)
+                # (The engine's request says whether it made tokens: what was sent is the
+                # publisher's, in another process.)
                 request = self.engine.scheduler.get_request(req_id)
                 if request is not None and request.status is RequestStatus.WAITING \
                         and not request.output_token_ids:

@@ -247,8 +247,8 @@ def test_a_scheduler_whose_consumer_group_vanished_makes_it_again(tiny_checkpoin
         engine.close()
 
 
-def test_text_made_on_the_writer_thread_matches_the_engines_text(smollm2, redis_server):
-    """The service decodes tokens on its writer thread (stop strings stay in the engine): the
+def test_text_made_by_the_publisher_matches_the_engines_text(smollm2, redis_server):
+    """The publisher process decodes tokens (stop strings stay in the engine): the
     streamed text must be what the in-process engine makes, for requests that end on EOS, on a
     stop token id, on length, and on a stop string."""
     config = dict(model=str(smollm2), dtype="float32", num_kv_blocks=256, max_num_seqs=8)
