@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hmac
-import os
 import re
 import uuid
 
@@ -11,9 +10,6 @@ import structlog
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 from pydantic import ValidationError
-from redis.exceptions import ClusterError
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.appkeys import METRICS, SETTINGS, TENANTS
 from gateway.errors import (
@@ -27,6 +23,7 @@ from gateway.requests.serving import ClientGone
 from gateway.tenants_access import require_admin
 from shared.errors import TokenfleetError
 from shared.logging import get_logger
+from shared.redis_client import redis_away
 
 log = get_logger("tokenfleet.gateway")
 _CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
@@ -59,14 +56,6 @@ def _route_name(request: web.Request) -> str:
     return resource.canonical if resource is not None else "unmatched"
 
 
-def _raised_inside_redis_client(exc: BaseException) -> bool:
-    """Whether the innermost frame of exc's traceback is in the redis package's code."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is not None and f"{os.sep}redis{os.sep}" in tb.tb_frame.f_code.co_filename
-
-
 @web.middleware
 async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     """Every error becomes {"error": {...}} with its status; counts responses by route and status."""
@@ -80,23 +69,16 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         response = error_response(validation_error(exc))
     except TokenfleetError as exc:
         response = error_response(exc)
-    except (RedisConnectionError, RedisTimeoutError, ClusterError) as exc:
-        log.warning("redis_unreachable", error=str(exc))
-        response = error_response(Unavailable("the queue (Redis) is unreachable; retry later",
-                                              code="redis_unavailable", headers={"Retry-After": "1"}))
     except ClientGone:
         response = web.Response(status=499)  # nobody reads it; the requests were cancelled
-    except AttributeError as exc:
-        if not _raised_inside_redis_client(exc):
-            raise
-        # redis-py's asyncio client, mid-failover, can use a connection another task just
-        # closed (its writer None): the shard is away, as for a ConnectionError.
-        log.warning("redis_unreachable", error=repr(exc))
-        response = error_response(Unavailable("the queue (Redis) is unreachable; retry later",
-                                              code="redis_unavailable", headers={"Retry-After": "1"}))
-    except Exception:  # noqa: BLE001 - the one place that turns a bug into a clean 500
-        log.exception("unhandled_error", path=request.path)
-        response = error_response(TokenfleetError("internal error; see the gateway's log"))
+    except Exception as exc:  # noqa: BLE001 - the one place that turns a bug into a clean 500
+        if redis_away(exc):  # (unreachable, failing over: shared/redis_client.py)
+            log.warning("redis_unreachable", error=repr(exc))
+            response = error_response(Unavailable("the queue (Redis) is unreachable; retry later",
+                                                  code="redis_unavailable", headers={"Retry-After": "1"}))
+        else:
+            log.exception("unhandled_error", path=request.path)
+            response = error_response(TokenfleetError("internal error; see the gateway's log"))
     request.app[METRICS].http_requests.labels(request.method, _route_name(request), response.status).inc()
     return response
 

@@ -18,6 +18,7 @@ import redis
 
 from protocol.keys import CONSUMER_GROUP
 from shared.logging import get_logger
+from shared.redis_client import redis_away
 
 
 class ClaimRenewer:
@@ -55,5 +56,7 @@ class ClaimRenewer:
                 continue  # hung: let the lease run out
             try:
                 self.renew()
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except Exception as exc:
+                if not redis_away(exc):
+                    raise
                 self.log.warning("claim_renewal_failed", error=str(exc))

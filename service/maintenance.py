@@ -8,12 +8,10 @@ from __future__ import annotations
 import threading
 import time
 
-import redis
-
 from protocol.keys import CONSUMER_GROUP
 from protocol.result_record import EXPIRED_MESSAGE
 from scheduler.request import RequestStatus
-from shared.redis_client import connect, get_many
+from shared.redis_client import connect, get_many, redis_away
 
 
 class Maintenance:
@@ -143,7 +141,9 @@ class Maintenance:
                     if message is not None:
                         with self._cancel_lock:
                             self._cancel_ids.add(message["data"].decode())
-            except (redis.ConnectionError, redis.TimeoutError):
+            except Exception as exc:
+                if not redis_away(exc):
+                    raise
                 stop.wait(0.5)  # reconnect; _check_cancel_keys_and_deadlines covers the gap
 
     def _apply_cancellations(self) -> None:

@@ -22,8 +22,6 @@ import threading
 import time
 from multiprocessing.connection import Connection
 
-import redis
-
 from protocol.keys import Keys
 from scheduler.detokenizer import IncrementalDetokenizer
 from service.delivery import Delivery, StepOutput
@@ -31,7 +29,7 @@ from service.result_store import ResultStore, ResultUpdate
 from service.step_updates import step_update, unrun_update
 from shared.logging import get_logger
 from shared.pdeathsig import die_with_parent
-from shared.redis_client import connect
+from shared.redis_client import connect, redis_away
 
 MAX_BACKOFF_S = 5.0
 
@@ -105,7 +103,9 @@ class Publisher:
             try:
                 owned = self.store.write_packed(packed)
                 break
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except Exception as exc:
+                if not redis_away(exc):
+                    raise
                 self.log.warning("result_write_failed", error=str(exc), retry_in_s=backoff)
                 self._report(0, [], [], f"{type(exc).__name__}: {exc}")
                 time.sleep(backoff)

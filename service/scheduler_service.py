@@ -43,7 +43,7 @@ from service.telemetry import SchedulerTelemetry
 from service.tenant_streams import TenantStreams
 from shared.errors import InvalidRequestError
 from shared.logging import get_logger
-from shared.redis_client import connect
+from shared.redis_client import connect, redis_away
 
 MAX_BACKOFF_S = 5.0
 # A busy scheduler that found its streams empty looks again after this long, not every step:
@@ -109,18 +109,19 @@ class SchedulerService(Maintenance):
                 if self.is_draining and self._drain_done():
                     break
                 backoff = 0.1
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                self._flush()  # the writer keeps them, in order, until Redis is back
+            except Exception as exc:
+                if not redis_away(exc):
+                    if isinstance(exc, redis.ResponseError) and "NOGROUP" in str(exc):
+                        # A stream lost its consumer group (FLUSHALL, a Redis restarted without
+                        # its data): make the groups again instead of dying.
+                        self.log.warning("consumer_group_missing", error=str(exc))
+                        self._groups_ready = False
+                        continue
+                    raise
+                self._flush()  # the publisher keeps them, in order, until Redis is back
                 self.log.warning("redis_unreachable", error=str(exc), retry_in_s=backoff)
                 stop.wait(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
-            except redis.ResponseError as exc:
-                if "NOGROUP" not in str(exc):
-                    raise
-                # A stream lost its consumer group (FLUSHALL, a Redis restarted without its data):
-                # make the groups again instead of dying.
-                self.log.warning("consumer_group_missing", error=str(exc))
-                self._groups_ready = False
         self._flush()
         self.writer.close()
         stop.set()  # (the listener's and renewer's signal, also when the loop ended by draining)

@@ -15,6 +15,7 @@ per shard, so slots can move: protocol/keys.py), publishes tokens with sharded p
 from __future__ import annotations
 
 import asyncio
+import os
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import redis
@@ -165,3 +166,19 @@ async def unreplicated_async(client, nodes: list, timeout_ms: int = REPLICA_WAIT
 
     flags = await asyncio.gather(*(late(node) for node in nodes))
     return [node.name for node, is_late in zip(nodes, flags, strict=True) if is_late]
+
+
+def redis_away(exc: BaseException) -> bool:
+    """Whether exc says Redis is away for now, so the call is tried again later rather than
+    treated as a bug: unreachable or timed out, a cluster failing over (ClusterDownError,
+    TryAgain, MOVED in the middle of a promotion: ClusterError), or redis-py itself slipping on a
+    connection another thread or task just closed during a failover (an AttributeError raised
+    inside the redis package: its writer None)."""
+    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterError)):
+        return True
+    if not isinstance(exc, AttributeError):
+        return False
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and f"{os.sep}redis{os.sep}" in tb.tb_frame.f_code.co_filename
