@@ -29,7 +29,7 @@ from service.result_store import ResultStore, ResultUpdate
 from service.step_updates import step_update, unrun_update
 from shared.logging import get_logger
 from shared.pdeathsig import die_with_parent
-from shared.redis_client import connect, redis_away
+from shared.redis_client import connect, redis_away, refresh_cluster_view
 
 MAX_BACKOFF_S = 5.0
 
@@ -107,6 +107,7 @@ class Publisher:
                 if not redis_away(exc):
                     raise
                 self.log.warning("result_write_failed", error=str(exc), retry_in_s=backoff)
+                refresh_cluster_view(self.store.client)
                 self._report(0, [], [], f"{type(exc).__name__}: {exc}")
                 time.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF_S)

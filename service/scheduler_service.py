@@ -43,7 +43,7 @@ from service.telemetry import SchedulerTelemetry
 from service.tenant_streams import TenantStreams
 from shared.errors import InvalidRequestError
 from shared.logging import get_logger
-from shared.redis_client import connect, redis_away
+from shared.redis_client import connect, redis_away, refresh_cluster_view
 
 MAX_BACKOFF_S = 5.0
 # A busy scheduler that found its streams empty looks again after this long, not every step:
@@ -119,6 +119,7 @@ class SchedulerService(Maintenance):
                         continue
                     raise
                 self._flush()  # the publisher keeps them, in order, until Redis is back
+                refresh_cluster_view(self.client)
                 self.log.warning("redis_unreachable", error=str(exc), retry_in_s=backoff)
                 stop.wait(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF_S)

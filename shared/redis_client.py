@@ -182,3 +182,18 @@ def redis_away(exc: BaseException) -> bool:
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     return tb is not None and f"{os.sep}redis{os.sep}" in tb.tb_frame.f_code.co_filename
+
+
+def refresh_cluster_view(client) -> None:
+    """Have a (sync) cluster client read the slots again after a failed call. A pipeline's
+    ConnectionError does not make redis-py do it: after a primary died and its replica took
+    over, the scheduler and its publisher kept sending to the dead address. No-op on one server
+    and while no node answers (the next failure tries again)."""
+    manager = getattr(client, "nodes_manager", None)
+    if manager is None or asyncio.iscoroutinefunction(manager.initialize):
+        return
+    try:
+        manager.initialize()
+    except Exception as exc:  # noqa: BLE001 - any failure here is the same "not yet"
+        if not redis_away(exc) and not isinstance(exc, redis.RedisError):
+            raise
