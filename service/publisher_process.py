@@ -9,6 +9,13 @@ into one call, still in order). A write that cannot reach Redis is retried, with
 before anything after it. After each write it reports back: how many messages are done, which
 requests ended (terminal state written, entry acknowledged) and which a successor owns now.
 
+First tokens go first: a request's time to first token is what a user waits on, and one
+call's events reach their subscribers only once the whole call has run (Redis flushes pub/sub
+after the script). So the updates that carry a request's first token (with its start before
+them) are built and written in a call of their own, before the rest of what came (at 48
+req/s on the H200 a step's call covers ~150 requests). A request's updates keep their order:
+one with anything left for the second call before its first token stays there whole.
+
 A reader thread moves the pipe into a queue as fast as it comes, so that the engine's sends
 never wait on a Redis write. The process dies with its parent (a successor resumes from what
 was written).
@@ -64,11 +71,61 @@ class Publisher:
             while not messages.empty():
                 batch.append(messages.get())
             stopping = None in batch
-            batch = batch[:batch.index(None)] if stopping else batch
-            updates = [update for message in batch for update in self._updates_of(message)]
-            self._write(updates, len(batch))
+            self.handle(batch[:batch.index(None)] if stopping else batch)
             if stopping:
                 return
+
+    def handle(self, batch: list[tuple]) -> None:
+        """Write what a batch of messages says: the first tokens' call, then the rest's."""
+        first, rest = self._split_first_tokens(batch)
+        if first and rest:
+            self._write([u for message in first for u in self._updates_of(message)], 0)
+            first = []
+        self._write([u for message in (*first, *rest) for u in self._updates_of(message)], len(batch))
+
+    def _split_first_tokens(self, batch: list[tuple]) -> tuple[list[tuple], list[tuple]]:
+        """(what leads to a first token, everything else), each in order: a START, and the step
+        output that brings its request's first token, go to the first, unless something of
+        that request is already in the second (STEP messages are split by output)."""
+        first: list[tuple] = []
+        rest: list[tuple] = []
+        starting: set[str] = set()  # started in this batch, no token yet
+        later: set[str] = set()  # requests with something in `rest`: the rest of theirs follows
+        for message in batch:
+            kind = message[0]
+            if kind == START:
+                delivery = message[1]
+                is_new = delivery.first_token_at is None and not delivery.is_batch
+                (starting.add if is_new else later.add)(delivery.req_id)
+                (first if is_new else rest).append(message)
+            elif kind == STEP:
+                _, outputs, now = message
+                leading, trailing = [], []
+                for raw in outputs:
+                    req_id = raw[0]
+                    if req_id not in later and self._brings_first_token(req_id, raw, starting):
+                        leading.append(raw)
+                        starting.discard(req_id)
+                        later.add(req_id)  # (its next outputs: the second call)
+                    else:
+                        trailing.append(raw)
+                        later.add(req_id)
+                if leading:
+                    first.append((STEP, leading, now))
+                if trailing:
+                    rest.append((STEP, trailing, now))
+            else:  # UPDATES, UNRUN
+                later.update([message[1]] if kind == UNRUN else [update.req_id for update in message[1]])
+                rest.append(message)
+        return first, rest
+
+    def _brings_first_token(self, req_id: str, raw: tuple, starting: set[str]) -> bool:
+        if not raw[1]:  # no new token ids
+            return False
+        if req_id in starting:
+            return True
+        delivery = self.deliveries.get(req_id)
+        return delivery is not None and delivery.first_token_at is None and not delivery.is_batch
 
     def _updates_of(self, message: tuple) -> list[ResultUpdate]:
         kind = message[0]

@@ -132,3 +132,38 @@ def test_a_dead_publisher_stops_the_scheduler_instead_of_losing_its_writes_silen
             publisher.start(Delivery("r1", STREAM, "1-0", 3), None)
             publisher.take_ended()
     publisher.close()
+
+
+def test_a_first_token_is_published_before_the_rest_of_its_step(redis_server) -> None:
+    """A step's events reach their subscribers only when its whole write has run; the request
+    whose first token it is must not wait for the step's other requests."""
+    from multiprocessing import Pipe
+
+    from service.delivery import StepOutput
+    from service.publisher_process import START, STEP, Publisher
+    from service.result_store import ResultStore
+
+    client = redis_server.client()
+    client.xgroup_create(STREAM, "schedulers", id="0", mkstream=True)
+    _, outbox = Pipe()
+    publisher = Publisher(ResultStore(client, KEYS, "s1", 60), None, outbox, "s1")
+    old = [f"old{i}" for i in range(20)]
+    publisher.handle([(START, Delivery(r, STREAM, f"{i + 1}-0", 3), None) for i, r in enumerate(old)])
+    publisher.handle([(STEP, [StepOutput.of(_out(r, 7)) for r in old], 0.0)])  # their first tokens
+    pubsub = client.pubsub()
+    pubsub.psubscribe(KEYS.events("*"))
+    assert pubsub.get_message(timeout=1.0)["type"] == "psubscribe"
+    step = [StepOutput.of(_out(r, 8)) for r in old] + [StepOutput.of(_out("new", 5))]
+    publisher.handle([(STEP, [StepOutput.of(_out(r, 9)) for r in old[:5]], 0.0),
+                      (START, Delivery("new", STREAM, "99-0", 3), None), (STEP, step, 1.0),
+                      (STEP, [StepOutput.of(_out("new", 6)), StepOutput.of(_out(old[0], 10))], 2.0)])
+    events = []
+    while len(events) < 5 + 21 + 2 and (message := pubsub.get_message(timeout=2.0)) is not None:
+        if message["type"] == "pmessage":
+            events.append(decode_event(message["data"]))
+    assert (events[0].req_id, events[0].seq) == ("new", 1)
+    for req_id in [*old, "new"]:  # each request's own events still in order, gap-free
+        seqs = [e.seq for e in events if e.req_id == req_id]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+    assert [e.token_ids for e in events if e.req_id == "new"] == [[5], [6]]
+    assert unpack_list_chunks(client.hget(KEYS.result(old[0]), "token_ids")) == [7, 9, 8, 10]
