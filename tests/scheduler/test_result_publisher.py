@@ -23,9 +23,9 @@ KEYS = Keys()
 STREAM = KEYS.request_stream("m", "interactive")
 
 
-def _publisher(redis_server, tokenizer=None, owner: str = "s1") -> ResultPublisher:
+def _publisher(redis_server, tokenizer=None, owner: str = "s1", num_processes: int = 2) -> ResultPublisher:
     redis_server.client().xgroup_create(STREAM, "schedulers", id="0", mkstream=True)
-    return ResultPublisher(redis_server.url, Keys(), owner, 60, tokenizer)
+    return ResultPublisher(redis_server.url, Keys(), owner, 60, tokenizer, num_processes=num_processes)
 
 
 def _out(req_id: str, *token_ids: int, finished: bool = False) -> RequestOutput:
@@ -70,7 +70,7 @@ def test_text_is_made_in_the_publishers_process_from_where_an_earlier_owner_stop
         publisher.submit_step([_out("r1", token)], now=0.0)
     assert publisher.drain(timeout_s=30)
     assert client.hget(KEYS.result("r1"), "text").decode() == tokenizer.decode(words[2:])
-    assert publisher._process.pid != os.getpid()
+    assert all(p.process.pid != os.getpid() for p in publisher._processes)
     publisher.close()
 
 
@@ -125,12 +125,33 @@ def test_a_request_that_never_ran_ends_with_an_error_event_after_its_earlier_seq
 
 def test_a_dead_publisher_stops_the_scheduler_instead_of_losing_its_writes_silently(redis_server) -> None:
     publisher = _publisher(redis_server)
-    os.kill(publisher._process.pid, signal.SIGKILL)
-    publisher._process.join(timeout=10)
+    dead = publisher._process_of("r1").process
+    os.kill(dead.pid, signal.SIGKILL)
+    dead.join(timeout=10)
     with pytest.raises(PublisherDied):
         for _ in range(100):  # (the pipe may take a few sends to notice)
             publisher.start(Delivery("r1", STREAM, "1-0", 3), None)
             publisher.take_ended()
+    publisher.close()
+
+
+@pytest.mark.parametrize("num_processes", [1, 3])
+def test_requests_dealt_over_processes_each_keep_their_order(redis_server, num_processes: int) -> None:
+    client = redis_server.client()
+    publisher = _publisher(redis_server, num_processes=num_processes)
+    req_ids = [f"r{i}" for i in range(12)]
+    assert len({id(publisher._process_of(r)) for r in req_ids}) == num_processes  # (all take some)
+    for i, req_id in enumerate(req_ids):
+        publisher.start(Delivery(req_id, STREAM, f"{i + 1}-0", 3), None)
+    for token in range(1, 41):
+        publisher.submit_step([_out(r, token, finished=token == 40) for r in req_ids], now=0.0)
+        publisher.submit([ResultUpdate(req_ids[token % 12], STREAM, {"model": f"m{token}"})])
+    assert publisher.drain(timeout_s=30) and publisher.num_pending == 0
+    for req_id in req_ids:
+        record = client.hgetall(KEYS.result(req_id))
+        assert unpack_list_chunks(record[b"token_ids"]) == list(range(1, 41))
+        assert record[b"seq"] == b"40" and record[b"state"] == b"completed"
+    assert sorted(publisher.take_ended()) == sorted(req_ids)
     publisher.close()
 
 
