@@ -137,7 +137,9 @@ if triton is not None:
         rk = tl.arange(0, BLOCK_K)
         n_ok = rn < N
         w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
-        acc = tl.zeros([BLOCK_N], tl.float32)
+        # Products summed per lane over the K tiles, reduced across lanes once at the end: no
+        # shuffles inside the loop, whose only work is then the loads and the FMAs.
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         first, last = _k_range(K, pid_k, BLOCK_K, SPLIT_K)
         for tile in range(first, last):
             kk = tile * BLOCK_K + rk
@@ -148,8 +150,8 @@ if triton is not None:
                 k_ok = kk < K
                 x = tl.load(x_ptr + kk, mask=k_ok, other=0.0)
                 w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-        acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)
+            acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        acc = tl.sum(acc2, axis=1) * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)
         _store_result(acc, out_ptr, ws_ptr, rn, n_ok, pid_k, 1, N, SPLIT_K)
 
     @triton.jit
