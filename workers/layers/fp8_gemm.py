@@ -27,7 +27,7 @@ from workers.layers.triton_import import is_available, tl, triton  # noqa: F401 
 
 
 class W8A16Config(NamedTuple):
-    """One launch shape of the small-M kernel. gemv: the M = 1 form (num_stages unused)."""
+    """One launch shape of the small-M kernel. gemv: the M = 1 form (tl.sum, not tl.dot)."""
 
     block_n: int
     block_k: int
@@ -37,8 +37,9 @@ class W8A16Config(NamedTuple):
     gemv: bool = False
 
     def label(self) -> str:
-        form = "gemv" if self.gemv else f"dot s{self.num_stages}"
-        return f"{form} n{self.block_n} k{self.block_k} w{self.num_warps} split{self.split_k}"
+        form = "gemv" if self.gemv else "dot"
+        return (f"{form} n{self.block_n} k{self.block_k} w{self.num_warps} s{self.num_stages} "
+                f"split{self.split_k}")
 
 
 def block_m_for(m: int) -> int:
@@ -47,9 +48,9 @@ def block_m_for(m: int) -> int:
 
 # The configs timed at start, per token count. Small BLOCK_N gives N >= 4096 enough programs
 # (4096 / 16 = 256 on 132 SMs) without split-K; split-K stays for the configs that need wide tiles.
-GEMV_CONFIGS = tuple(W8A16Config(n, k, w, 1, s, gemv=True) for n, k, w, s in (
-    (8, 512, 4, 1), (16, 512, 4, 1), (32, 256, 4, 1), (16, 1024, 8, 1), (32, 512, 8, 1), (16, 512, 4, 2),
-    (64, 256, 8, 2)))
+GEMV_CONFIGS = tuple(W8A16Config(n, k, w, st, sp, gemv=True) for n, k, w, st, sp in (
+    (8, 512, 4, 3, 1), (16, 512, 4, 3, 1), (32, 256, 4, 3, 1), (16, 1024, 8, 2, 1), (32, 512, 8, 2, 1),
+    (16, 512, 4, 1, 1), (16, 512, 4, 3, 2), (64, 256, 8, 2, 2)))
 DOT_CONFIGS_M16 = tuple(W8A16Config(*c) for c in (
     (16, 256, 4, 4), (32, 256, 4, 4), (32, 128, 4, 5), (64, 128, 4, 4), (16, 512, 4, 3), (64, 256, 8, 3),
     (64, 128, 4, 4, 2), (128, 128, 8, 3, 2)))
@@ -186,7 +187,8 @@ def w8a16(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if config.gemv and m == 1:
         _w8a16_gemv_kernel[(grid_n, split)](
             x, weight, scale, out, ws, n, k, weight.stride(0), BLOCK_N=config.block_n,
-            BLOCK_K=config.block_k, SPLIT_K=split, EVEN_K=even_k, num_warps=config.num_warps)
+            BLOCK_K=config.block_k, SPLIT_K=split, EVEN_K=even_k, num_warps=config.num_warps,
+            num_stages=config.num_stages)
     else:
         block_m = block_m_for(m)
         _w8a16_kernel[(grid_n, triton.cdiv(m, block_m), split)](
