@@ -25,6 +25,15 @@ import torch
 from workers.layers.fp8 import QuantizedActivation
 from workers.layers.triton_import import is_available, tl, triton  # noqa: F401 - is_available is this module's API too
 
+# torch._scaled_mm on CUDA wants both matrix dimensions it reads from the weight in multiples
+# of 16; smaller or odd layers (tiny test models) multiply a dequantized weight instead.
+SCALED_MM_ALIGNMENT = 16
+
+
+def is_aligned(weight: torch.Tensor) -> bool:
+    """Whether scaled_mm (and so the measured choice) serves this [N, K] weight."""
+    return not (weight.shape[0] % SCALED_MM_ALIGNMENT or weight.shape[1] % SCALED_MM_ALIGNMENT)
+
 
 class W8A16Config(NamedTuple):
     """One launch shape of the small-M kernel. gemv: the M = 1 form (tl.sum, not tl.dot)."""

@@ -32,6 +32,7 @@ import torch
 
 from shared.logging import get_logger
 from workers.layers import fp8_gemm, triton_quant
+from workers.layers.fp8 import FP8_DTYPE
 from workers.layers.fp8_gemm import W8A16Config
 
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -74,8 +75,8 @@ def _index(device: torch.device) -> int:
 
 def register(weight: torch.Tensor, scale: torch.Tensor) -> None:
     """An FP8 layer's weight [N, K] and scale [N], timed with the others of its shape."""
-    if weight.device.type != "cuda":
-        return
+    if weight.device.type != "cuda" or not fp8_gemm.is_aligned(weight):
+        return  # unaligned layers multiply a dequantized weight: nothing to choose
     key = (_index(weight.device), *weight.shape)
     _weights.setdefault(key, []).append((weakref.ref(weight), weakref.ref(scale)))
 
@@ -98,7 +99,8 @@ def choice_for(weight: torch.Tensor, num_tokens: int, dtype: torch.dtype) -> Cho
     """The measured product for this shape at num_tokens; None: scaled_mm (above the buckets,
     or no Triton). Measures the whole table first if this shape or bucket was never timed."""
     bucket = m_bucket(num_tokens)
-    if bucket is None or fp8_gemm.triton is None or weight.device.type != "cuda":
+    if (bucket is None or fp8_gemm.triton is None or weight.device.type != "cuda"
+            or not fp8_gemm.is_aligned(weight)):
         return None
     shape = (_index(weight.device), weight.shape[0], weight.shape[1])
     found = _choices.get((*shape, bucket))
@@ -127,7 +129,7 @@ def tune(model: torch.nn.Module, device: torch.device, dtype: torch.dtype = torc
     for module in model.modules():
         scale = getattr(module, "weight_scale", None)
         weight = getattr(module, "weight", None)
-        if scale is not None and weight is not None and weight.dtype == torch.float8_e4m3fn:
+        if scale is not None and weight is not None and weight.dtype == FP8_DTYPE:
             shape = (_index(weight.device), *weight.shape)
             if not any(w is weight for w, _ in _registered(shape)):
                 register(weight, scale)

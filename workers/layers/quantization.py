@@ -32,9 +32,6 @@ from workers.layers import fp8_gemm, fp8_tuning, triton_quant
 from workers.layers.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, QuantizedActivation, quantize_activation
 
 INT8_MAX = 127
-# torch._scaled_mm on CUDA wants both matrix dimensions it reads from the weight in multiples
-# of 16; smaller or odd layers (tiny test models) multiply a dequantized weight instead.
-SCALED_MM_ALIGNMENT = 16
 
 
 class WeightQuantization:
@@ -77,17 +74,13 @@ class Fp8Quantization(WeightQuantization):
         quantized = (weight / scale.unsqueeze(1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         return quantized, scale
 
-    @staticmethod
-    def _aligned(weight: torch.Tensor) -> bool:
-        return not (weight.shape[0] % SCALED_MM_ALIGNMENT or weight.shape[1] % SCALED_MM_ALIGNMENT)
-
     def register(self, weight: torch.Tensor, scale: torch.Tensor) -> None:
         fp8_tuning.register(weight, scale)  # timed with the others of its shape at start
 
     def takes_fp8_input(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         # x: [num_tokens, in]. Only where the product is scaled_mm: the small-M kernel reads bf16.
         # `linear` asks the same measured table, so the two always agree.
-        return (triton_quant.is_available(x) and self._aligned(weight)
+        return (triton_quant.is_available(x) and fp8_gemm.is_aligned(weight)
                 and not fp8_tuning.uses_w8a16(weight, x.shape[0], x.dtype))
 
     def linear(self, x: torch.Tensor | QuantizedActivation, weight: torch.Tensor,
@@ -95,7 +88,7 @@ class Fp8Quantization(WeightQuantization):
         out_features, in_features = weight.shape
         if isinstance(x, QuantizedActivation):  # quantized by the kernel before (takes_fp8_input)
             return fp8_gemm.scaled_mm(x, weight, scale)
-        if not self._aligned(weight):
+        if not fp8_gemm.is_aligned(weight):
             return F.linear(x, self.dequantize(weight, scale, x.dtype))
         rows = x.reshape(-1, in_features)
         if not triton_quant.is_available(rows):
