@@ -177,15 +177,28 @@ def tune_shape(weights: list[tuple[torch.Tensor, torch.Tensor]], m: int, device:
         def call(config=config) -> None:
             for w, s in weights:
                 fp8_gemm.w8a16(x, w, s, config)
-        timed[config] = time_us(call, device) / len(weights)
+        timed[config] = _timed_or_inf(call, device, config.label()) / len(weights)
 
     def scaled() -> None:
         for w, s in weights:
             fp8_gemm.scaled_mm(triton_quant.per_token_quant(x), w, s)
-    scaled_us = time_us(scaled, device) / len(weights)
+    scaled_us = _timed_or_inf(scaled, device, "scaled_mm") / len(weights)
     best = min(timed, key=timed.__getitem__)
     path = "w8a16" if timed[best] < scaled_us else "scaled_mm"
+    if timed[best] == scaled_us == float("inf"):
+        raise RuntimeError(f"no FP8 product runs for x [{m}, {k}] @ {tuple(weights[0][0].shape)}")
     return Choice(path, best, timed[best], scaled_us)
+
+
+def _timed_or_inf(fn: Callable[[], None], device: torch.device, label: str) -> float:
+    """time_us(fn); inf for a candidate this GPU cannot run (a tile config past its shared memory
+    or registers: Triton's OutOfResources), which is then never chosen."""
+    try:
+        return time_us(fn, device)
+    except Exception as exc:  # noqa: BLE001 - any failure rules the candidate out, and is logged
+        log.warning("fp8 candidate failed, not chosen", candidate=label,
+                    error=f"{type(exc).__name__}: {exc}"[:300])
+        return float("inf")
 
 
 def _interpreted(device: torch.device) -> bool:
