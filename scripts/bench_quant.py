@@ -80,8 +80,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def engine_config(folder: Path, args, quantization: str | None, **overrides) -> EngineConfig:
     overrides.setdefault("max_model_len", 2048 if args.smoke else 8192)
     overrides.setdefault("max_num_seqs", 64 if args.smoke else 512)
-    return EngineConfig(model=str(folder), device=args.device, dtype=args.dtype, quantization=quantization,
-                        **overrides)
+    # for_device: the device's defaults for the rest (async scheduling on CUDA), as `tokenfleet
+    # scheduler` builds them: the batch-1 latency is the one of the path users take.
+    return EngineConfig.for_device(torch.device(args.device).type, model=str(folder), device=args.device,
+                                   dtype=args.dtype, quantization=quantization, **overrides)
 
 
 def greedy_outputs_and_logits(engine: LLMEngine,

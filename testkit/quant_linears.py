@@ -1,127 +1,146 @@
-"""One linear at a time: every FP8 product candidate against bf16 at Llama-3-8B's four shapes
-(the table of `scripts/bench_quant.py --linears`). On CUDA each figure is a CUDA-graph replay of
-REPS calls (GPU time only, as the steps run), in us per call; the last columns are the layer as
-it serves (graph and eager, quant included) and the weight-bytes floor at the device's copy rate.
-What the table picks goes into workers/layers/fp8_gemm.py (SMALL_M_MAX and the w8a16 config).
+"""One linear at a time: the FP8 products against bf16 at Llama-3-8B's four shapes (the table of
+`scripts/bench_quant.py --linears`).
+
+On CUDA each figure is a CUDA-graph replay (GPU time only, as the steps run) of one call per
+weight copy, in us per call: the copies span twice the L2 cache, so the weights stream from HBM
+as in a decode step over 32 layers (an H200's L2 holds a whole qkv weight in e4m3). Columns:
+bf16 `F.linear`; the FP8 layer as it serves (the product fp8_tuning.py measured and chose, the
+activation quant included, unfused); the w8a16 kernel at its fastest config; quant + `_scaled_mm`;
+the weight-bytes floor at the device's measured copy rate and how close the served layer gets to
+it; the served layer eager (launch costs included). Under --smoke on a CPU (set TRITON_INTERPRET=1
+for the Triton columns) the shapes are divided by 16 and the figures check the code only.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from workers.layers import fp8_gemm, triton_quant
-from workers.layers.fp8 import quantize_activation
+from workers.layers import fp8_gemm, fp8_tuning, triton_quant
 from workers.layers.quantization import METHODS
 
 # name -> (out_features, in_features) of Llama-3-8B at TP=1
 SHAPES = {"qkv 4096->6144": (6144, 4096), "o 4096->4096": (4096, 4096),
           "gate_up 4096->28672": (28672, 4096), "down 14336->4096": (4096, 14336)}
 TOKEN_COUNTS = (1, 16, 64, 256, 2048)
-REPS = 20  # calls per graph
-# (block_n, block_k, num_warps, num_stages) tried for the w8a16 kernel, besides the default.
-W8A16_CONFIGS = ((32, 256, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (16, 512, 4, 4))
-W8A16_MAX_M = 256  # beyond this the weight-only kernel is a plain (slow) Triton GEMM
-COPY_BYTES_PER_S = 4.2e12  # H200 device-to-device, NOTES.md; the floor column reads weights once
+EAGER_CALLS = 100
+CPU_COPY_BYTES_PER_S = 4.27e12  # the H200's measured rate, for the smoke run's floor column
 
 
-def time_us(fn: Callable[[], object], device: torch.device, *, graph: bool) -> float:
-    """us per call: a replayed graph of REPS calls (best of 5 replays), or eager calls."""
-    for _ in range(3):
-        fn()
+def copy_rate(device: torch.device) -> float:
+    """Device-to-device bytes per second (read + write) of a 512 MiB copy: the floor's rate."""
     if device.type != "cuda":
-        start = time.perf_counter()
-        for _ in range(REPS):
-            fn()
-        return (time.perf_counter() - start) / REPS * 1e6
-    torch.cuda.synchronize()
-    if not graph:
-        start = time.perf_counter()
-        for _ in range(REPS * 5):
-            fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - start) / (REPS * 5) * 1e6
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):  # warm the side stream as capture requires
+        return CPU_COPY_BYTES_PER_S
+    src = torch.empty(512 << 20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds = fp8_tuning.time_us(lambda: dst.copy_(src), device) / 1e6
+    return 2 * src.numel() / seconds
+
+
+def eager_us(fn: Callable[[], object], device: torch.device) -> float:
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(EAGER_CALLS):
         fn()
-    torch.cuda.synchronize()
-    cuda_graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(cuda_graph):
-        for _ in range(REPS):
-            fn()
-    best = float("inf")
-    for _ in range(5):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        cuda_graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, begin.elapsed_time(end) * 1e3 / REPS)
-    del cuda_graph
-    return best
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) / EAGER_CALLS * 1e6
 
 
-def candidates(x: torch.Tensor, weight: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
-               ) -> dict[str, Callable[[], object]]:
-    """name -> a call; the CUDA-only ones (Triton kernels, fast accumulation) only on CUDA."""
+def _copies(nbytes: int, device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    return max(1, -(-fp8_tuning.L2_COPIES * l2 // nbytes))
+
+
+def _each(fn: Callable[[object], object], weights: list) -> Callable[[], None]:
+    """One call of fn per weight copy: what a graph replays, as a step calls every layer."""
+    def calls() -> None:
+        for w in weights:
+            fn(w)
+    return calls
+
+
+def linear_rows(name: str, out_features: int, in_features: int, token_counts: tuple[int, ...],
+                device: torch.device, rate: float, gen: torch.Generator) -> list[dict[str, object]]:
     fp8 = METHODS["fp8"]
-    xq = quantize_activation(x)
-    ones = torch.ones((), dtype=torch.float32, device=x.device)
-    found: dict[str, Callable[[], object]] = {
-        "bf16 F.linear": lambda: F.linear(x, weight),
-        "quant, torch ops (before)": lambda: quantize_activation(x),
-        "_scaled_mm rowwise": lambda: fp8_gemm.scaled_mm(xq, w8, scale, use_fast_accum=False),
-    }
-    if x.is_cuda:
-        m = x.shape[0]
-        found["quant, Triton kernel"] = lambda: triton_quant.per_token_quant(x)
-        found["_scaled_mm rowwise fast"] = lambda: fp8_gemm.scaled_mm(xq, w8, scale)
-        found["_scaled_mm tensorwise fast"] = lambda: torch._scaled_mm(
-            xq.data, w8.t(), scale_a=ones, scale_b=ones, out_dtype=x.dtype, use_fast_accum=True)
-        if m <= W8A16_MAX_M:
-            found["w8a16 default"] = lambda: fp8_gemm.w8a16(x, w8, scale)
-            for bn, bk, warps, stages in W8A16_CONFIGS:
-                found[f"w8a16 n{bn} k{bk} w{warps} s{stages}"] = (
-                    lambda bn=bn, bk=bk, warps=warps, stages=stages: fp8_gemm.w8a16(
-                        x, w8, scale, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages))
-            found["w8a16 default, no split-K"] = lambda: fp8_gemm.w8a16(x, w8, scale, split_k=1)
-    found["fp8 layer as served"] = lambda: fp8.linear(x, w8, scale)
-    return found
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.02).to(device, torch.bfloat16)
+    w8, scale = fp8.quantize_rows(weight)
+    bf16_weights = [weight] + [weight.clone() for _ in range(_copies(weight.numel() * 2, device) - 1)]
+    fp8_weights = [(w8, scale)] + [(w8.clone(), scale.clone())
+                                   for _ in range(_copies(w8.numel(), device) - 1)]
+    for w, s in fp8_weights:
+        fp8_tuning.register(w, s)  # the served layer's choice is measured over these copies
+    rows = []
+    for m in token_counts:
+        x = torch.randn(m, in_features, generator=gen).to(device, torch.bfloat16)
+        rows.append({"shape": name, "M": m, **_timings(x, bf16_weights, fp8_weights, device)})
+        rows[-1]["floor"] = w8.numel() / rate * 1e6
+        rows[-1]["% of floor"] = 100 * rows[-1]["floor"] / rows[-1]["fp8 served"]
+    return rows
+
+
+def _timings(x: torch.Tensor, bf16_weights: list[torch.Tensor],
+             fp8_weights: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> dict[str, object]:
+    """One row's figures for activations x [M, K] (us per call)."""
+    fp8 = METHODS["fp8"]
+    m = x.shape[0]
+    w8, scale = fp8_weights[0]
+    row: dict[str, object] = {}
+    bf16 = _each(lambda w: F.linear(x, w), bf16_weights)
+    row["bf16"] = fp8_tuning.time_us(bf16, device) / len(bf16_weights)
+    served = _each(lambda ws: fp8.linear(x, ws[0], ws[1]), fp8_weights)
+    row["fp8 served"] = fp8_tuning.time_us(served, device) / len(fp8_weights)
+    choice = fp8_tuning.choice_for(w8, m, x.dtype)
+    row["chosen"] = choice.path if choice else ("scaled_mm" if device.type == "cuda" else "torch (CPU)")
+    triton_runs = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    if triton_runs and m <= fp8_tuning.MAX_TUNED_M:
+        tuned = choice or fp8_tuning.tune_shape(fp8_weights, m, device, x.dtype)
+        row["w8a16"] = f"{tuned.w8a16_us:.1f} ({tuned.config.label()})"
+        row["quant + scaled_mm"] = tuned.scaled_mm_us
+    elif triton_runs:
+        quant_mm = _each(lambda ws: fp8_gemm.scaled_mm(triton_quant.per_token_quant(x), ws[0], ws[1]),
+                         fp8_weights)
+        row["quant + scaled_mm"] = fp8_tuning.time_us(quant_mm, device) / len(fp8_weights)
+    row["fp8 eager"] = eager_us(lambda: fp8.linear(x, w8, scale), device)
+    return row
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.2f}" if value < 10 else f"{value:.1f}"
+    return str(value)
+
+
+COLUMNS = ("shape", "M", "bf16", "fp8 served", "vs bf16", "chosen", "w8a16", "quant + scaled_mm", "floor",
+           "% of floor", "fp8 eager")
 
 
 def linear_table(device: torch.device, *, smoke: bool) -> list[str]:
-    """The markdown table: one row per (shape, M), one column per candidate (us per call)."""
-    fp8 = METHODS["fp8"]
+    """The markdown table: one row per (shape, M), us per call."""
     gen = torch.Generator(device="cpu").manual_seed(0)
-    rows: list[dict[str, float]] = []
-    labels: list[tuple[str, int]] = []
+    rate = copy_rate(device)
     shrink = 16 if smoke else 1  # the smoke run checks the code, on small shapes
     token_counts = (1, 16, 64) if smoke else TOKEN_COUNTS
+    rows = []
     for name, (out_features, in_features) in SHAPES.items():
-        out_features, in_features = out_features // shrink, in_features // shrink
-        weight = (torch.randn(out_features, in_features, generator=gen) * 0.02).to(device, torch.bfloat16)
-        w8, scale = fp8.quantize_rows(weight)
-        for m in token_counts:
-            x = torch.randn(m, in_features, generator=gen).to(device, torch.bfloat16)
-            calls = candidates(x, weight, w8, scale)
-            times = {label: time_us(fn, device, graph=True) for label, fn in calls.items()}
-            times["fp8 layer, eager"] = time_us(calls["fp8 layer as served"], device, graph=False)
-            times["weight floor (fp8 bytes)"] = w8.numel() / COPY_BYTES_PER_S * 1e6
-            rows.append(times)
-            labels.append((name, m))
-    columns = list(dict.fromkeys(c for r in rows for c in r))
-    lines = [f"per-linear us per call ({'CUDA-graph replays' if device.type == 'cuda' else 'CPU, eager'}"
-             f"{', SMOKE: every shape / 16' if smoke else ''}; "
-             f"layer picks w8a16 up to M = {fp8_gemm.SMALL_M_MAX}, then _scaled_mm with fast accumulation)",
-             "| shape | M | " + " | ".join(columns) + " | fastest fp8 product |",
-             "|---|---:|" + "---:|" * len(columns) + "---|"]
-    # Tensor-wise scales would drop the per-channel weight scales: timed for reference, never picked.
-    products = [c for c in columns if c.startswith(("_scaled_mm", "w8a16")) and "tensorwise" not in c]
-    for (name, m), times in zip(labels, rows, strict=True):
-        cells = " | ".join(f"{times[c]:.1f}" if c in times else "-" for c in columns)
-        fastest = min((c for c in products if c in times), key=lambda c: times[c], default="-")
-        lines.append(f"| {name} | {m} | {cells} | {fastest} |")
+        rows += linear_rows(name, out_features // shrink, in_features // shrink, token_counts, device, rate,
+                            gen)
+    for row in rows:
+        row["vs bf16"] = f"{float(row['fp8 served']) / float(row['bf16']):.2f}x"
+    kind = "CUDA-graph replays, weights streamed from HBM" if device.type == "cuda" else "CPU"
+    lines = [f"per-linear us per call ({kind}{', SMOKE: every shape / 16' if smoke else ''}; floor: fp8 "
+             f"weight bytes at the measured copy rate {rate / 1e12:.2f} TB/s; 'fp8 served' = the chosen "
+             "product, activation quant included)",
+             "| " + " | ".join(COLUMNS) + " |", "|---|" + "---:|" * (len(COLUMNS) - 1)]
+    for row in rows:
+        cells = [row.get(c, "-") for c in COLUMNS]
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return lines

@@ -42,6 +42,7 @@ class LinearBase(nn.Module):
         if self.quant:
             self.weight_scale = nn.Parameter(torch.empty(out_features, dtype=torch.float32),
                                              requires_grad=False)
+            self.quant.register(self.weight, self.weight_scale)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def _store(self, param: nn.Parameter, rows: slice, loaded: torch.Tensor, name: str) -> None:

@@ -8,8 +8,9 @@ quantized; the embedding and the LM head stay in the serving dtype, as in vLLM.
 - `fp8`: weights in float8 e4m3, activations scaled per token on the fly (dynamic), the product
   through `torch._scaled_mm` (Hopper's FP8 tensor cores; PyTorch's CPU build has it too). On
   CUDA the activation quant is one Triton kernel, fused into the RMSNorm or SiLU-mul before the
-  linear when the caller asks `takes_fp8_input`, and steps of few tokens take a weight-only
-  Triton kernel instead (workers/layers/fp8_gemm.py says which runs when, and why).
+  linear when the caller asks `takes_fp8_input`, and steps of few tokens may take a weight-only
+  Triton kernel instead: which, per shape and token count, is measured on the GPU at start
+  (workers/layers/fp8_tuning.py; the kernels are in fp8_gemm.py).
 - `int8`: weight-only; activations stay in the serving dtype and `torch._weight_int8pack_mm`
   multiplies them by the int8 weight and its scales. CPU only: refused on CUDA (see below).
 
@@ -27,13 +28,10 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from workers.layers import fp8_gemm, triton_quant
+from workers.layers import fp8_gemm, fp8_tuning, triton_quant
 from workers.layers.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, QuantizedActivation, quantize_activation
 
 INT8_MAX = 127
-# torch._scaled_mm on CUDA wants both matrix dimensions it reads from the weight in multiples
-# of 16; smaller or odd layers (tiny test models) multiply a dequantized weight instead.
-SCALED_MM_ALIGNMENT = 16
 
 
 class WeightQuantization:
@@ -57,6 +55,9 @@ class WeightQuantization:
         """Why this method does not run on `device` (a sentence for the user); None: it runs."""
         return None
 
+    def register(self, weight: torch.Tensor, scale: torch.Tensor) -> None:
+        """A layer built with this method holds `weight` and its `scale` (its parameters)."""
+
     def takes_fp8_input(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether `linear` wants x [num_tokens, in] already quantized (a QuantizedActivation from
         the kernel before it, which then fuses the quant) rather than in the serving dtype."""
@@ -73,28 +74,28 @@ class Fp8Quantization(WeightQuantization):
         quantized = (weight / scale.unsqueeze(1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         return quantized, scale
 
-    @staticmethod
-    def _aligned(weight: torch.Tensor) -> bool:
-        return not (weight.shape[0] % SCALED_MM_ALIGNMENT or weight.shape[1] % SCALED_MM_ALIGNMENT)
+    def register(self, weight: torch.Tensor, scale: torch.Tensor) -> None:
+        fp8_tuning.register(weight, scale)  # timed with the others of its shape at start
 
     def takes_fp8_input(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         # x: [num_tokens, in]. Only where the product is scaled_mm: the small-M kernel reads bf16.
-        return (triton_quant.is_available(x) and self._aligned(weight)
-                and not fp8_gemm.uses_w8a16(x.shape[0], x.device))
+        # `linear` asks the same measured table, so the two always agree.
+        return (triton_quant.is_available(x) and fp8_gemm.is_aligned(weight)
+                and not fp8_tuning.uses_w8a16(weight, x.shape[0], x.dtype))
 
     def linear(self, x: torch.Tensor | QuantizedActivation, weight: torch.Tensor,
                scale: torch.Tensor) -> torch.Tensor:
         out_features, in_features = weight.shape
         if isinstance(x, QuantizedActivation):  # quantized by the kernel before (takes_fp8_input)
             return fp8_gemm.scaled_mm(x, weight, scale)
-        if not self._aligned(weight):
+        if not fp8_gemm.is_aligned(weight):
             return F.linear(x, self.dequantize(weight, scale, x.dtype))
         rows = x.reshape(-1, in_features)
         if not triton_quant.is_available(rows):
             # Dynamic per-token scales: each row of activations spans FP8's whole range.
             out = fp8_gemm.scaled_mm(quantize_activation(rows), weight, scale, use_fast_accum=False)
-        elif fp8_gemm.uses_w8a16(rows.shape[0], rows.device):
-            out = fp8_gemm.w8a16(rows.contiguous(), weight, scale)
+        elif (choice := fp8_tuning.choice_for(weight, rows.shape[0], rows.dtype)) and choice.path == "w8a16":
+            out = fp8_gemm.w8a16(rows.contiguous(), weight, scale, choice.config)
         else:
             out = fp8_gemm.scaled_mm(triton_quant.per_token_quant(rows.contiguous()), weight, scale)
         return out.reshape(*x.shape[:-1], out_features)
