@@ -98,9 +98,9 @@ def test_async_engine_on_the_decode_graph_path_gives_the_eager_tokens(tiny_check
     replays = []
     run = DecodeGraphs.run
 
-    def counting_run(self, works, hidden_in=None, fill_tokens=None):
+    def counting_run(self, works, *args):
         replays.append(any(w.is_token_pending for w in works))
-        return run(self, works, hidden_in, fill_tokens)
+        return run(self, works, *args)
 
     monkeypatch.setattr(DecodeGraphs, "run", counting_run)
     tokens, _ = _engine_tokens({**config, "cuda_graph_max_batch_size": 4, "cuda_graph_max_tokens": 0,
@@ -121,9 +121,9 @@ def test_async_engine_on_the_mixed_graph_path_gives_the_eager_tokens(tiny_checkp
     replays = []
     run = MixedGraphs.run
 
-    def counting_run(self, works, hidden_in=None, fill_tokens=None):
+    def counting_run(self, works, *args):
         replays.append(any(w.is_token_pending for w in works))
-        return run(self, works, hidden_in, fill_tokens)
+        return run(self, works, *args)
 
     monkeypatch.setattr(MixedGraphs, "run", counting_run)
     tokens, _ = _engine_tokens({**config, "cuda_graph_max_tokens": 32, "async_scheduling": True}, prompts)
