@@ -60,6 +60,7 @@ class DeviceBlockTables:
         self._last_step: dict[str, int] = {}  # req_id -> the plan() call that last used its row
         self._free_rows = list(range(max_rows - 1, -1, -1))  # popped from the end: row 0 first
         self._num_plans = 0
+        self.num_evictions = 0  # rows taken back unannounced (0 while the frees arrive)
 
     @property
     def num_rows_in_use(self) -> int:
@@ -140,6 +141,7 @@ class DeviceBlockTables:
         candidates = [r for r in self._row_of if r not in in_step]
         if not candidates:
             raise RuntimeError(f"a step of {len(works)} sequences outgrows {self.max_rows} block-table rows")
+        self.num_evictions += 1
         self.release([min(candidates, key=self._last_step.__getitem__)])
 
 

@@ -125,3 +125,30 @@ def test_block_ids_past_the_tables_columns_are_left_out() -> None:
     tables = DeviceBlockTables(1, 2, PAD, CPU)
     rows, num_diff = _step(tables, [_work("a", [1, 2, 3])])
     assert num_diff == 2 and tables.gather(torch.from_numpy(rows)).tolist() == [[1, 2]]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_in_the_engine_rows_come_back_as_requests_finish_or_are_preempted(tiny_checkpoints, monkeypatch,
+                                                                          async_scheduling) -> None:
+    """The scheduler's frees reach the runner (StepBatch.freed_req_ids): with many more requests
+    than rows, finishes and preemptions (a cache too small for all of them) give rows back, and
+    no row ever has to be taken back unannounced."""
+    from scheduler.engine import LLMEngine
+    from scheduler.scheduler import Scheduler
+    from shared.config import EngineConfig
+
+    preempted = []
+    preempt = Scheduler._preempt
+    monkeypatch.setattr(Scheduler, "_preempt", lambda self, request, plan: (preempted.append(request.req_id),
+                                                                            preempt(self, request, plan)))
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(4, 24))] for _ in range(12)]
+    config = EngineConfig(model=str(tiny_checkpoints["llama"]), dtype="float32", device="cpu", block_size=4,
+                          num_kv_blocks=16, max_num_seqs=3, async_scheduling=async_scheduling)
+    with LLMEngine(config) as engine:
+        results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+        tables = engine.executor.runner.block_tables
+        assert [len(r.token_ids) for r in results] == [12] * len(prompts)
+        assert preempted, "no request was preempted: the cache is not small enough for this test"
+        assert tables.num_evictions == 0
+        assert tables.num_rows_in_use <= config.max_num_seqs
