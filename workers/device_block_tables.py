@@ -83,22 +83,24 @@ class DeviceBlockTables:
         the diff before any later step's."""
         self.release(freed_req_ids)
         self._num_plans += 1
-        mb = self.max_blocks
-        rows = np.empty(len(works), dtype=np.int64)
+        mb, step = self.max_blocks, self._num_plans
+        row_of, blocks_of, last_step = self._row_of, self._blocks_of, self._last_step
+        rows: list[int] = []
         index: list[int] = []
         blocks: list[int] = []
-        for i, work in enumerate(works):
+        for work in works:  # the hot loop of a step's inputs: dict look-ups and a list compare
             req_id = work.req_id
-            row = self._row_of.get(req_id)
+            row = row_of.get(req_id)
             if row is None:
                 row = self._assign(req_id, works)
-            rows[i] = row
-            self._last_step[req_id] = self._num_plans
-            # Columns past max_blocks would cover positions past max_model_len, which no step has.
-            new = work.block_ids if len(work.block_ids) <= mb else work.block_ids[:mb]
-            known = self._blocks_of[req_id]
+            rows.append(row)
+            last_step[req_id] = step
+            new = work.block_ids
+            known = blocks_of[req_id]
             if new == known:
                 continue
+            if len(new) > mb:  # columns past max_blocks would cover positions past max_model_len
+                new = new[:mb]
             start = _common_prefix(known, new)
             base = row * mb
             index.extend(range(base + start, base + len(new)))
@@ -106,8 +108,9 @@ class DeviceBlockTables:
             if start == len(known):
                 known.extend(new[start:])
             else:
-                self._blocks_of[req_id] = list(new)
-        return TablePlan(rows, np.array(index, dtype=np.int64), np.array(blocks, dtype=np.int64))
+                blocks_of[req_id] = list(new)
+        return TablePlan(np.array(rows, dtype=np.int64), np.array(index, dtype=np.int64),
+                         np.array(blocks, dtype=np.int64))
 
     def apply(self, diff_index: torch.Tensor, diff_blocks: torch.Tensor) -> None:
         """Write a plan's diff into the table (on the device, in stream order)."""

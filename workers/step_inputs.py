@@ -71,7 +71,7 @@ def build_step_inputs(batch: StepBatch, block_size: int, device: torch.device,
     ordered = [works[i] for i in order]
     num_decodes = sum(is_decode)
     tables = tables or one_off_tables(ordered, block_size, device)
-    staging = staging or HostStaging(device)
+    staging = staging or HostStaging(device, num_buffers=1)  # one step: one buffer
     mb = tables.max_blocks
 
     token_ids, lens, row_starts = flat_ids([w.token_ids for w in ordered])
