@@ -174,8 +174,9 @@ class Scheduler:
             self._schedule_waiting(plan)
         scheduled = [self._requests[req_id] for req_id in plan.num_scheduled_tokens]
         works = [self._make_work(request, plan.num_scheduled_tokens[request.req_id]) for request in scheduled]
-        batch = StepBatch(step_id=self._next_step_id, works=works, freed_req_ids=self._freed_req_ids)
-        self._freed_req_ids = []
+        batch = StepBatch(step_id=self._next_step_id, works=works)
+        if works:  # a batch without works never reaches the runners: its frees wait for the next
+            batch.freed_req_ids, self._freed_req_ids = self._freed_req_ids, []
         if self.grammars is not None:  # the runner fills it once the forward runs (shared/step.py)
             batch.mask_filler = self.grammars.mask_filler(works)
         self._next_step_id += 1

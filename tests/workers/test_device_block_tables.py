@@ -152,3 +152,22 @@ def test_in_the_engine_rows_come_back_as_requests_finish_or_are_preempted(tiny_c
         assert preempted, "no request was preempted: the cache is not small enough for this test"
         assert tables.num_evictions == 0
         assert tables.num_rows_in_use <= config.max_num_seqs
+
+
+def test_a_free_in_a_step_with_nothing_to_run_waits_for_the_next_batch() -> None:
+    """An abort while nothing else runs makes a batch without works, which no runner sees: the
+    free comes with the next batch that has works."""
+    from shared.step import SampledToken, StepResult
+    from tests.scheduler.test_scheduler import make_request, make_scheduler
+
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a"))
+    output = scheduler.schedule()
+    assert output.batch.freed_req_ids == []
+    scheduler.update_from_output(output, StepResult(output.batch.step_id, [SampledToken("a", 11)]))
+    scheduler.abort_request("a")
+    idle = scheduler.schedule()
+    assert idle.batch.works == []
+    scheduler.update_from_output(idle, StepResult(idle.batch.step_id, []))
+    scheduler.add_request(make_request("b"))
+    assert scheduler.schedule().batch.freed_req_ids == ["a"]
