@@ -79,6 +79,7 @@ class Scheduler:
         # the number of steps computing each: a newcomer waits for them as for the current step's.
         self._computing_in_flight: Counter[bytes] = Counter()
         self._aborted: list[Request] = []  # aborted since the last update_from_output
+        self._freed_req_ids: list[str] = []  # blocks freed since the last batch: the next one says so
         self._next_step_id = 0
         # When set, only requests with stop strings are detokenized here (their text decides when
         # they stop); the caller turns the others' tokens into text off the step's critical path.
@@ -116,7 +117,7 @@ class Scheduler:
             self._running.remove(request)
         else:
             self._waiting.remove(request)
-        self.block_manager.free(request)
+        self._free_blocks(request)
         request.finish(RequestStatus.FINISHED_ABORTED)
         self._aborted.append(request)
 
@@ -174,6 +175,8 @@ class Scheduler:
         scheduled = [self._requests[req_id] for req_id in plan.num_scheduled_tokens]
         works = [self._make_work(request, plan.num_scheduled_tokens[request.req_id]) for request in scheduled]
         batch = StepBatch(step_id=self._next_step_id, works=works)
+        if works:  # a batch without works never reaches the runners: its frees wait for the next
+            batch.freed_req_ids, self._freed_req_ids = self._freed_req_ids, []
         if self.grammars is not None:  # the runner fills it once the forward runs (shared/step.py)
             batch.mask_filler = self.grammars.mask_filler(works)
         self._next_step_id += 1
@@ -339,10 +342,15 @@ class Scheduler:
         self.block_manager.reset_prefix_cache()  # the K/V behind it died with the group
         return plan.preempted_req_ids
 
+    def _free_blocks(self, request: Request) -> None:
+        """Its blocks back to the pool; the next batch tells the runners (their block-table rows)."""
+        self.block_manager.free(request)
+        self._freed_req_ids.append(request.req_id)
+
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         """Free the request's blocks and queue it to recompute everything; keep its output."""
         self._running.remove(request)
-        self.block_manager.free(request)
+        self._free_blocks(request)
         request.num_computed_tokens = 0
         request.num_in_flight_tokens = request.num_pending_tokens = 0  # their results are dropped
         request.status = RequestStatus.PREEMPTED
@@ -453,7 +461,7 @@ class Scheduler:
         request.output_text += text_delta
         if request.is_finished:
             self._running.remove(request)
-            self.block_manager.free(request)
+            self._free_blocks(request)
             self._forget(request.req_id)
         return RequestOutput(
             request.req_id, new_token_ids, text_delta, finished=request.is_finished,

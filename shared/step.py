@@ -61,6 +61,9 @@ class StepBatch:
     # forward and before it samples, so the host fills the bitmask while the device computes.
     # In process only: a batch is pickled with token_mask resolved (RayWorkerGroup.submit).
     mask_filler: Callable[[], TokenBitmask | None] | None = field(default=None, repr=False, compare=False)
+    # Requests that left the batch for good since the last batch (finished, aborted, preempted):
+    # the runners give back their block-table rows (workers/device_block_tables.py).
+    freed_req_ids: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -82,7 +85,7 @@ class StepBatch:
         works = [(w.req_id, w.token_ids, w.start_pos, w.block_ids, w.is_sampled,
                   tuple(vars(w.sampling).values()), w.num_output_tokens,
                   w.prompt_token_ids, w.output_token_ids, w.is_token_pending) for w in self.works]
-        return _batch_from_wire, (self.step_id, works, self.token_mask)
+        return _batch_from_wire, (self.step_id, works, self.token_mask, self.freed_req_ids)
 
 
 @dataclass
@@ -104,13 +107,14 @@ class StepResult:
         return _result_from_wire, (self.step_id, sampled)
 
 
-def _batch_from_wire(step_id: int, works: list[tuple], token_mask: TokenBitmask | None) -> StepBatch:
+def _batch_from_wire(step_id: int, works: list[tuple], token_mask: TokenBitmask | None,
+                     freed_req_ids: list[str]) -> StepBatch:
     return StepBatch(step_id, [
         SequenceWork(req_id, token_ids, start_pos, block_ids, is_sampled, SamplingParams(*sampling),
                      num_output_tokens, prompt_token_ids, output_token_ids, is_token_pending)
         for (req_id, token_ids, start_pos, block_ids, is_sampled, sampling, num_output_tokens,
              prompt_token_ids, output_token_ids, is_token_pending) in works
-    ], token_mask)
+    ], token_mask, freed_req_ids=freed_req_ids)
 
 
 def _result_from_wire(step_id: int, sampled: list[tuple]) -> StepResult:

@@ -17,7 +17,7 @@ class PrefillChunk:
     token_start: int  # first row of this chunk in the step's flattened tokens
     num_tokens: int
     start_pos: int  # tokens of this sequence already in the KV cache
-    block_table: torch.Tensor  # [num_blocks_of_seq] long, on the device
+    block_table: torch.Tensor  # [ceil((start_pos + num_tokens) / block_size)] long: the blocks it reads
 
 
 @dataclass

@@ -3,8 +3,10 @@ batch size, replayed with no kernel-launch or Python overhead.
 
 A decode-only step of n sequences runs the graph of the smallest captured size >= n. The
 graphs read fixed device buffers (token ids, positions, slot mapping, context lengths, and
-block tables padded to max_model_len / block_size columns), which each step fills with one
-pinned, non-blocking copy. Rows n..size-1 are padding that must do no harm: they write their
+block tables of max_model_len / block_size columns), which each step fills from one upload through
+the runner's pinned staging ring: the block tables and the slot mapping are gathered on the device
+from the runner's persistent tables (workers/device_block_tables.py), which the upload only
+updates with what changed. Rows n..size-1 are padding that must do no harm: they write their
 K/V into a scratch block that the scheduler never hands out (the runner allocates one block
 more than it reports) and attend over that block alone (context length 1). The Triton attention
 kernel takes its loop bound from the context lengths only, so the fixed table width costs
@@ -22,7 +24,7 @@ eager from the batch alone, so their collectives always line up.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -31,9 +33,11 @@ from torch import nn
 from shared.config import EngineConfig
 from shared.step import SequenceWork
 from workers.attention_metadata import AttentionMetadata
+from workers.device_block_tables import DeviceBlockTables
+from workers.host_staging import HostStaging
 from workers.layers import triton_attention
 from workers.pipeline import SINGLE_STAGE
-from workers.step_inputs import flat_ids, pad_block_tables, upload
+from workers.step_inputs import num_blocks_of
 
 
 def use_cuda_graphs(config: EngineConfig, device: torch.device) -> bool:
@@ -109,8 +113,10 @@ class DecodeGraphs(GraphSet):
     def __init__(
         self, model: nn.Module, kv_caches: torch.Tensor, *, block_size: int, max_model_len: int,
         scratch_block: int, max_batch_size: int, device: torch.device, dtype: torch.dtype | None = None,
+        tables: DeviceBlockTables | None = None, staging: HostStaging | None = None,
     ) -> None:
-        """dtype: the activations' (None: the KV cache's, which differs under an fp8 KV cache)."""
+        """dtype: the activations' (None: the KV cache's, which differs under an fp8 KV cache);
+        tables, staging: the runner's (None: the graphs' own)."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -119,6 +125,10 @@ class DecodeGraphs(GraphSet):
         self.max_blocks = -(-max_model_len // block_size)  # block-table columns
         self.device = device
         size = self.sizes[-1]
+        self.tables = tables or DeviceBlockTables(size, self.max_blocks, scratch_block, device)
+        if self.tables.max_blocks != self.max_blocks:
+            raise ValueError(f"tables of {self.tables.max_blocks} columns; the graphs read {self.max_blocks}")
+        self.staging = staging or HostStaging(device)
         # Static inputs; every row starts as padding (token 0 at position 0 in the scratch block).
         self.token_ids = torch.zeros(size, dtype=torch.long, device=device)
         self.positions = torch.zeros(size, dtype=torch.long, device=device)
@@ -172,13 +182,15 @@ class DecodeGraphs(GraphSet):
 
     @torch.inference_mode()
     def run(self, works: list[SequenceWork], hidden_in: torch.Tensor | None = None,
-            fill_tokens: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+            fill_tokens: Callable[[torch.Tensor], None] | None = None,
+            freed_req_ids: Sequence[str] = ()) -> torch.Tensor:
         """Logits [len(works), vocab] of a decode-only batch (check can_run first); on a stage
         before the last, its activation [len(works), hidden]. `hidden_in`: the previous stage's.
-        `fill_tokens` writes the pending input tokens into the token-id buffer (on the device)."""
+        `fill_tokens` writes the pending input tokens into the token-id buffer (on the device).
+        `freed_req_ids`: the batch's (their block-table rows go back)."""
         num_seqs = len(works)
         size = self.padded_size(num_seqs)
-        self._load_inputs(works, size)
+        self._load_inputs(works, size, freed_req_ids)
         if fill_tokens is not None:
             fill_tokens(self.token_ids)
         if hidden_in is not None:
@@ -193,36 +205,36 @@ class DecodeGraphs(GraphSet):
         """Destroy every graph and drop the buffers, the model and the KV cache. The graphs'
         private memory pool goes back to the caching allocator once the last graph sharing it
         is reset (then `torch.cuda.empty_cache()` can return it to the driver). Idempotent."""
-        release(self, self.graphs, ["context_lens"])
+        release(self, self.graphs, ["context_lens", "tables", "staging"])
 
 
-    def _load_inputs(self, works: list[SequenceWork], size: int) -> None:
-        """Fill rows [0, size) of the static buffers; rows past len(works) become padding."""
+    def _load_inputs(self, works: list[SequenceWork], size: int, freed_req_ids: Sequence[str] = ()) -> None:
+        """Fill rows [0, size) of the static buffers; rows past len(works) become padding: token 0
+        at position 0, over the pad row of the tables (the scratch block)."""
         num_seqs = len(works)
-        bs = self.block_size
+        bs, mb = self.block_size, self.max_blocks
         token_ids = np.zeros(size, dtype=np.int64)
         positions = np.zeros(size, dtype=np.int64)
-        slots = np.full(size, self.scratch_block * bs, dtype=np.int64)
-        context_lens = np.ones(size, dtype=np.int64)
         token_ids[:num_seqs] = [w.token_ids[0] for w in works]
         positions[:num_seqs] = [w.start_pos for w in works]
-        context_lens[:num_seqs] = positions[:num_seqs] + 1
-        blocks, num_blocks, block_starts = flat_ids([w.block_ids for w in works])
-        needed = -(-context_lens[:num_seqs] // bs)
-        if (num_blocks < needed).any():
-            bad = works[int(np.flatnonzero(num_blocks < needed)[0])]
+        context_lens = positions + 1
+        num_blocks = num_blocks_of(works, mb)
+        uncovered = np.flatnonzero(num_blocks <= positions[:num_seqs] // bs)
+        if len(uncovered):
+            bad = works[int(uncovered[0])]
             raise ValueError(f"{bad.req_id}: its block table does not cover position {bad.start_pos}")
-        slots[:num_seqs] = blocks[block_starts + positions[:num_seqs] // bs] * bs + positions[:num_seqs] % bs
-        # Only the columns this step reads are copied; stale columns past them are never read.
-        width = int(needed.max())
-        tables = np.full((size, width), self.scratch_block, dtype=np.int64)
-        tables[:num_seqs] = pad_block_tables(blocks, block_starts, needed, width, pad=self.scratch_block)
+        plan = self.tables.plan(works, freed_req_ids)
+        rows = np.full(size, self.tables.pad_row, dtype=np.int64)
+        rows[:num_seqs] = plan.rows
+        table_index = rows * mb + positions // bs  # padding: the pad row's first entry
 
-        staged = upload(np.concatenate([token_ids, positions, slots, context_lens, tables.reshape(-1)]),
-                        self.device)
-        d_tokens, d_positions, d_slots, d_lens, d_tables = torch.split(staged, [size] * 4 + [size * width])
+        parts = [token_ids, positions, context_lens, positions % bs, table_index, rows, plan.diff_index,
+                 plan.diff_blocks]
+        fields = torch.split(self.staging.upload(np.concatenate(parts)), [len(p) for p in parts])
+        d_tokens, d_positions, d_lens, d_offsets, d_table_index, d_rows, d_diff_index, d_diff_blocks = fields
         self.token_ids[:size].copy_(d_tokens)
         self.positions[:size].copy_(d_positions)
-        self.slot_mapping[:size].copy_(d_slots)
         self.context_lens[:size].copy_(d_lens)
-        self.block_tables[:size, :width].copy_(d_tables.view(size, width))
+        self.tables.apply(d_diff_index, d_diff_blocks)
+        self.tables.slots(d_table_index, d_offsets, bs, out=self.slot_mapping[:size])
+        torch.index_select(self.tables.table, 0, d_rows, out=self.block_tables[:size])

@@ -22,7 +22,7 @@ over several programs. All ranks of a group choose from the batch alone, as ther
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -31,9 +31,11 @@ from torch import nn
 from shared.step import SequenceWork
 from workers.attention_metadata import AttentionMetadata, PrefillChunk
 from workers.cuda_graphs import GraphSet, release
+from workers.device_block_tables import DeviceBlockTables
+from workers.host_staging import HostStaging
 from workers.layers import triton_attention
 from workers.pipeline import SINGLE_STAGE
-from workers.step_inputs import flat_ids, pad_block_tables, upload
+from workers.step_inputs import check_covered, flat_ids, num_blocks_of
 
 MAX_PREFILL_SLOTS = 32  # prefill chunks one graph step takes; a step with more runs eagerly
 
@@ -56,8 +58,10 @@ class MixedGraphs(GraphSet):
         self, model: nn.Module, kv_caches: torch.Tensor, *, block_size: int, max_model_len: int,
         scratch_block: int, max_tokens: int, num_decode_slots: int, hidden_size: int,
         device: torch.device, num_prefill_slots: int = MAX_PREFILL_SLOTS, dtype: torch.dtype | None = None,
+        tables: DeviceBlockTables | None = None, staging: HostStaging | None = None,
     ) -> None:
-        """dtype: the activations' (None: the KV cache's, which differs under an fp8 KV cache)."""
+        """dtype: the activations' (None: the KV cache's, which differs under an fp8 KV cache);
+        tables, staging: the runner's (None: the graphs' own)."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -78,6 +82,10 @@ class MixedGraphs(GraphSet):
         self.query_start_loc = torch.zeros(num_slots + 1, dtype=torch.long, device=device)
         self.block_tables = torch.full((num_slots, max_blocks), scratch_block, dtype=torch.long,
                                        device=device)
+        self.tables = tables or DeviceBlockTables(num_slots, max_blocks, scratch_block, device)
+        if self.tables.max_blocks != max_blocks:
+            raise ValueError(f"tables of {self.tables.max_blocks} columns; the graphs read {max_blocks}")
+        self.staging = staging or HostStaging(device)
         stage = getattr(model, "stage", SINGLE_STAGE)
         self.hidden_in = None if stage.is_first else torch.zeros(
             size, hidden_size, dtype=dtype or kv_caches.dtype, device=device)
@@ -122,14 +130,16 @@ class MixedGraphs(GraphSet):
 
     @torch.inference_mode()
     def run(self, works: list[SequenceWork], hidden_in: torch.Tensor | None = None,
-            fill_tokens: Callable[[torch.Tensor], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            fill_tokens: Callable[[torch.Tensor], None] | None = None,
+            freed_req_ids: Sequence[str] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """(the body's output for the step's rows [num_tokens, hidden], decodes first then the
         chunks in batch order; the row of each sampled work's last token, in batch order).
         Check can_run first. `hidden_in`: the previous pipeline stage's activation, same rows.
-        `fill_tokens` writes the pending input tokens into the token-id buffer (on the device)."""
+        `fill_tokens` writes the pending input tokens into the token-id buffer (on the device).
+        `freed_req_ids`: the batch's (their block-table rows go back)."""
         num_tokens = sum(len(w.token_ids) for w in works)
         size = self.bucket(num_tokens)
-        sample_rows = self._load_inputs(works, size)
+        sample_rows = self._load_inputs(works, size, freed_req_ids)
         if fill_tokens is not None:
             fill_tokens(self.token_ids)
         if hidden_in is not None:
@@ -142,14 +152,15 @@ class MixedGraphs(GraphSet):
 
     def close(self) -> None:
         """Destroy every graph and drop the buffers, the model and the KV cache. Idempotent."""
-        release(self, self.graphs, ["seq_lens", "_host_meta"])
+        release(self, self.graphs, ["seq_lens", "_host_meta", "tables", "staging"])
 
     # -- inputs -------------------------------------------------------------------------
 
-    def _load_inputs(self, works: list[SequenceWork], size: int) -> torch.Tensor:
+    def _load_inputs(self, works: list[SequenceWork], size: int,
+                     freed_req_ids: Sequence[str] = ()) -> torch.Tensor:
         """Fill the static buffers for this step (rows [0, size), every slot); returns the
         sample rows on the device."""
-        bs = self.block_size
+        bs, mb = self.block_size, self.tables.max_blocks
         is_decode = [len(w.token_ids) == 1 for w in works]
         order = [i for i, d in enumerate(is_decode) if d] + [i for i, d in enumerate(is_decode) if not d]
         ordered = [works[i] for i in order]
@@ -160,19 +171,16 @@ class MixedGraphs(GraphSet):
         num_tokens = len(ids)
         starts = np.fromiter((w.start_pos for w in ordered), dtype=np.int64, count=len(ordered))
         positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - row_starts, lens)
-        blocks, num_blocks, block_starts = flat_ids([w.block_ids for w in ordered])
-        block_index = positions // bs
-        uncovered = np.flatnonzero(block_index >= np.repeat(num_blocks, lens))
-        if len(uncovered):
-            bad = ordered[int(np.searchsorted(row_starts, uncovered[0], side="right")) - 1]
-            raise ValueError(f"{bad.req_id}: its block table does not cover the positions of this step")
+        check_covered(ordered, positions // bs, num_blocks_of(ordered, mb), row_starts, lens)
+        plan = self.tables.plan(ordered, freed_req_ids)
 
+        # Padding rows: token 0 at position 0, over the pad row's first entry (the scratch block).
         token_ids = np.zeros(size, dtype=np.int64)
         token_pos = np.zeros(size, dtype=np.int64)
-        slots = np.full(size, self.scratch_block * bs, dtype=np.int64)
+        table_index = np.full(size, self.tables.pad_row * mb, dtype=np.int64)
         token_ids[:num_tokens] = ids
         token_pos[:num_tokens] = positions
-        slots[:num_tokens] = blocks[np.repeat(block_starts, lens) + block_index] * bs + positions % bs
+        table_index[:num_tokens] = np.repeat(plan.rows * mb, lens) + positions // bs
 
         # Sequence slots: decodes in [0, num_decodes), prefills from num_decode_slots on.
         d_slots, num_slots = self.num_decode_slots, self.num_decode_slots + self.num_prefill_slots
@@ -185,26 +193,27 @@ class MixedGraphs(GraphSet):
         query_start[d_slots + 1: d_slots + 1 + num_prefills] = ends[num_decodes:]
         seq_lens = np.ones(num_slots, dtype=np.int64)
         seq_lens[slot_of] = starts + lens
-        needed = -(-(starts + lens) // bs)
-        width = int(needed.max())
-        tables = np.full((num_slots, width), self.scratch_block, dtype=np.int64)
-        tables[slot_of] = pad_block_tables(blocks, block_starts, needed, width, pad=self.scratch_block)
+        slot_rows = np.full(num_slots, self.tables.pad_row, dtype=np.int64)  # empty slots: the pad row
+        slot_rows[slot_of] = plan.rows
 
         last_rows = np.empty(len(works), dtype=np.int64)
         last_rows[order] = ends - 1  # indexed by the work's place in the batch
         sample_rows = last_rows[[i for i, w in enumerate(works) if w.is_sampled]]
 
-        parts = [token_ids, token_pos, slots, seq_lens, query_start, tables.reshape(-1), sample_rows]
-        fields = torch.split(upload(np.concatenate(parts), self.device), [len(p) for p in parts])
-        d_ids, d_pos, d_slots_map, d_lens, d_qs, d_tables, d_sample_rows = fields
+        parts = [token_ids, token_pos, token_pos % bs, table_index, seq_lens, query_start, slot_rows,
+                 sample_rows, plan.diff_index, plan.diff_blocks]
+        fields = torch.split(self.staging.upload(np.concatenate(parts)), [len(p) for p in parts])
+        (d_ids, d_pos, d_offsets, d_table_index, d_lens, d_qs, d_slot_rows, d_sample_rows, d_diff_index,
+         d_diff_blocks) = fields
         self.token_ids[:size].copy_(d_ids)
         self.positions[:size].copy_(d_pos)
-        self.slot_mapping[:size].copy_(d_slots_map)
         self.seq_lens.copy_(d_lens)
         self.query_start_loc.copy_(d_qs)
-        # Only the columns this step reads are copied; stale columns past them are never read.
-        self.block_tables[:, :width].copy_(d_tables.view(num_slots, width))
+        self.tables.apply(d_diff_index, d_diff_blocks)
+        self.tables.slots(d_table_index, d_offsets, bs, out=self.slot_mapping[:size])
+        torch.index_select(self.tables.table, 0, d_slot_rows, out=self.block_tables)
         if not triton_attention.is_available(self.token_ids):
+            needed = -(-(starts + lens) // bs)
             self._host_meta = self._portable_meta(size, ordered, num_decodes, row_starts, lens, starts,
                                                   needed)
         return d_sample_rows

@@ -10,7 +10,9 @@ mixed steps one of their token count (`workers/mixed_graphs.py`); larger steps r
 A step is `launch`ed (inputs, forward, mask, sampling: nothing waits for the device) and then
 `finish`ed (the sampled ids read on the host). Under async scheduling the in-process executor
 launches step n+1 before it finishes step n: the runner keeps each step's sampled ids on the
-device for the next step's pending inputs (`workers/pending_tokens.py`).
+device for the next step's pending inputs (`workers/pending_tokens.py`). Every path's inputs go up
+through one pinned staging ring (`workers/host_staging.py`), and read their block tables from one
+persistent device table that each step updates by diffs (`workers/device_block_tables.py`).
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ from shared.model_config import ModelConfig, load_model_config
 from shared.step import SequenceWork, StepBatch, StepResult
 from workers.cuda_graphs import DecodeGraphs, use_cuda_graphs
 from workers.device import resolve_device, resolve_dtype
+from workers.device_block_tables import DeviceBlockTables
 from workers.device_sample import HostSample
 from workers.grammar_mask import apply_token_mask
+from workers.host_staging import HostStaging
 from workers.layers.kv_fp8 import kv_cache_dtype
 from workers.layers.quantization import METHODS, building_with, method_named
 from workers.mixed_graphs import MixedGraphs
@@ -117,13 +121,15 @@ class ModelRunner:
         self.weight_bytes = resident_weight_bytes(self.model)
         self.num_kv_blocks = self._decide_num_kv_blocks()  # what the scheduler may hand out
         self.kv_caches = self._allocate_kv_cache()  # holds one more: the scratch block
+        self.staging = HostStaging(self.device)
+        self.block_tables = self._new_block_tables()
         self.decode_graphs = self._capture_decode_graphs()
         self.mixed_graphs = self._capture_mixed_graphs()
         self.sampler = Sampler(seed=config.seed) if self.is_driver else None
         # Async scheduling (one pipeline stage): each step's sampled ids stay on the device for
         # the next step's pending inputs, on every rank of the stage.
         keeps_ids = config.async_scheduling and stage.size == 1
-        self.pending_tokens = PendingTokens(self.device) if keeps_ids else None
+        self.pending_tokens = PendingTokens(self.device, self.staging) if keeps_ids else None
         self.is_closed = False
 
     def _new_model(self, device: torch.device) -> torch.nn.Module:
@@ -222,6 +228,13 @@ class ModelRunner:
             return 0
         return self.kv_caches.numel() * self.kv_caches.element_size()
 
+    def _new_block_tables(self) -> DeviceBlockTables:
+        # Spare rows: under async scheduling a request's leaving is announced a step or two late,
+        # while newcomers already take rows (and the tables take back the oldest unused if need be).
+        max_rows = self.config.max_num_seqs + min(self.config.max_num_seqs, 64)
+        return DeviceBlockTables(max_rows, -(-self.max_model_len // self.block_size),
+                                 pad_block=self.num_kv_blocks, device=self.device)  # the scratch block
+
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
         if not use_cuda_graphs(self.config, self.device) or self.tp.timer is not None:
             return None
@@ -229,7 +242,7 @@ class ModelRunner:
             self.model, self.kv_caches, block_size=self.block_size, max_model_len=self.max_model_len,
             scratch_block=self.num_kv_blocks,
             max_batch_size=min(self.config.cuda_graph_max_batch_size, self.config.max_num_seqs),
-            device=self.device, dtype=self.dtype,
+            device=self.device, dtype=self.dtype, tables=self.block_tables, staging=self.staging,
         )
         return self._captured(graphs, "cuda_graphs")
 
@@ -247,7 +260,7 @@ class ModelRunner:
             self.model, self.kv_caches, block_size=self.block_size, max_model_len=self.max_model_len,
             scratch_block=self.num_kv_blocks, max_tokens=max_tokens,
             num_decode_slots=self.config.max_num_seqs, hidden_size=self.model_config.hidden_size,
-            device=self.device, dtype=self.dtype,
+            device=self.device, dtype=self.dtype, tables=self.block_tables, staging=self.staging,
         )
         return self._captured(graphs, "mixed_graphs")
 
@@ -288,13 +301,14 @@ class ModelRunner:
             raise RuntimeError("a pending input token, but this runner does not keep sampled ids "
                                "(async_scheduling is off, or pipeline stages)")
         if use_graphs and self.decode_graphs is not None and self.decode_graphs.can_run(batch.works):
-            out = self.decode_graphs.run(batch.works, hidden_in, fill_tokens)
+            out = self.decode_graphs.run(batch.works, hidden_in, fill_tokens, batch.freed_req_ids)
             if not self.stage.is_last:
                 self.stage.send(out)
                 return None, []
             return out, batch.works  # every decode row samples
         if use_graphs and self.mixed_graphs is not None and self.mixed_graphs.can_run(batch.works):
-            hidden, sample_rows = self.mixed_graphs.run(batch.works, hidden_in, fill_tokens)
+            hidden, sample_rows = self.mixed_graphs.run(batch.works, hidden_in, fill_tokens,
+                                                        batch.freed_req_ids)
             if not self.stage.is_last:
                 self.stage.send(hidden)
                 return None, []
@@ -302,7 +316,7 @@ class ModelRunner:
             if not sampled_works:
                 return None, []
             return self.model.compute_logits(hidden[sample_rows]), sampled_works
-        inputs = build_step_inputs(batch, self.block_size, self.device)
+        inputs = build_step_inputs(batch, self.block_size, self.device, self.block_tables, self.staging)
         if fill_tokens is not None:
             fill_tokens(inputs.token_ids)
         hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, inputs.meta, hidden_in)
@@ -371,6 +385,7 @@ class ModelRunner:
                 graphs.close()  # before the KV cache and weights its graphs point into
         self.decode_graphs = self.mixed_graphs = None
         self.sampler = None
+        self.block_tables = self.staging = self.pending_tokens = None
         if self.kv_caches is not None:
             with torch.no_grad():
                 self.kv_caches.set_()  # an empty storage: the cache's memory is free now

@@ -20,13 +20,15 @@ import torch
 import torch.distributed as dist
 
 from shared.step import SequenceWork
+from workers.host_staging import HostStaging
 from workers.parallel import TensorParallel
-from workers.step_inputs import upload
 
 
 class PendingTokens:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, staging: HostStaging | None = None) -> None:
+        """staging: the runner's upload ring (None: one of its own)."""
         self.device = device
+        self.staging = staging or HostStaging(device)
         self._token_ids: torch.Tensor | None = None  # [num_sampled] long: the last step's samples
         self._row_of: dict[str, int] = {}  # req_id -> its row in _token_ids
 
@@ -48,8 +50,10 @@ class PendingTokens:
             raise RuntimeError(f"{missing[0]}: its input is the previous step's token, which this rank "
                                "did not sample (was the group restarted?)")
         src = [self._row_of[decodes[row].req_id] for row in dst]
-        index = upload(np.array(dst + src, dtype=np.int64), self.device)
-        token_ids[index[: len(dst)]] = self._token_ids[index[len(dst):]]
+        index = self.staging.upload(np.array(dst + src, dtype=np.int64))
+        # index_select / index_copy_ rather than advanced indexing: kernels only, with no
+        # host-side look at the indices (the step ahead is launched while this one runs).
+        token_ids.index_copy_(0, index[: len(dst)], self._token_ids.index_select(0, index[len(dst):]))
 
 
 def share(tp: TensorParallel, token_ids: torch.Tensor | None, num_rows: int,

@@ -197,7 +197,9 @@ def test_vectorized_step_inputs_match_the_per_token_reference() -> None:
                 needed = -(-(w.start_pos + 1) // block_size)
                 assert row[:needed] == w.block_ids[:needed]
         prefills = [w for w in works if len(w.token_ids) > 1]
-        assert [c.block_table.tolist() for c in inputs.meta.prefills] == [w.block_ids for w in prefills]
+        # Each chunk's table: the blocks its context needs (a view of its row of the step's table).
+        assert [c.block_table.tolist() for c in inputs.meta.prefills] == [
+            w.block_ids[: -(-(w.start_pos + len(w.token_ids)) // block_size)] for w in prefills]
         # What the CUDA kernel reads: every sequence, decodes first.
         ordered = decodes + prefills
         meta = inputs.meta

@@ -98,9 +98,9 @@ def test_async_engine_on_the_decode_graph_path_gives_the_eager_tokens(tiny_check
     replays = []
     run = DecodeGraphs.run
 
-    def counting_run(self, works, hidden_in=None, fill_tokens=None):
+    def counting_run(self, works, *args):
         replays.append(any(w.is_token_pending for w in works))
-        return run(self, works, hidden_in, fill_tokens)
+        return run(self, works, *args)
 
     monkeypatch.setattr(DecodeGraphs, "run", counting_run)
     tokens, _ = _engine_tokens({**config, "cuda_graph_max_batch_size": 4, "cuda_graph_max_tokens": 0,
@@ -121,9 +121,9 @@ def test_async_engine_on_the_mixed_graph_path_gives_the_eager_tokens(tiny_checkp
     replays = []
     run = MixedGraphs.run
 
-    def counting_run(self, works, hidden_in=None, fill_tokens=None):
+    def counting_run(self, works, *args):
         replays.append(any(w.is_token_pending for w in works))
-        return run(self, works, hidden_in, fill_tokens)
+        return run(self, works, *args)
 
     monkeypatch.setattr(MixedGraphs, "run", counting_run)
     tokens, _ = _engine_tokens({**config, "cuda_graph_max_tokens": 32, "async_scheduling": True}, prompts)
@@ -142,14 +142,82 @@ def test_launching_a_step_with_pending_inputs_does_not_synchronise(tiny_checkpoi
     runner.finish(runner.launch(StepBatch(0, prefill)))  # warm-up (compiles, pinned buffers)
     runner.finish(runner.launch(StepBatch(1, [_work("a", [0], 5, [0, 1], pending=True),
                                               _work("b", [0], 3, [2], pending=True)])))
+    # "b" reaches position 4 here: its second block comes with this step.
     first = runner.launch(StepBatch(2, [_work("a", [0], 6, [0, 1], pending=True),
-                                        _work("b", [0], 4, [2], pending=True),
+                                        _work("b", [0], 4, [2, 4], pending=True),
                                         _work("c", [1, 2, 3], 0, [3])]))
     torch.cuda.set_sync_debug_mode("error")
     try:
         ahead = runner.launch(StepBatch(3, [_work("a", [0], 7, [0, 1], pending=True),
-                                            _work("b", [0], 5, [2], pending=True),
+                                            _work("b", [0], 5, [2, 4], pending=True),
                                             _work("c", [0], 3, [3], pending=True)]))
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert len(runner.finish(first).sampled) == 3 and len(runner.finish(ahead).sampled) == 3
+
+
+def _launch_path_steps() -> list[list[SequenceWork]]:
+    """Steps ahead, each launched before the last is finished: a mixed step, decodes, a mixed
+    step with a newcomer, decodes, then a step too big for a graph. Pending tokens throughout."""
+    def ahead(req_id, pos, blocks):
+        return _work(req_id, [0], pos, blocks, pending=True)
+
+    return [
+        [_work("a", [5, 6, 7, 8, 9], 0, [0, 1]), _work("b", [11, 12, 13], 0, [2])],
+        [ahead("a", 5, [0, 1]), ahead("b", 3, [2])],
+        [ahead("a", 6, [0, 1]), ahead("b", 4, [2, 4]), _work("c", [1, 2, 3], 0, [3])],
+        [ahead("a", 7, [0, 1]), ahead("b", 5, [2, 4]), ahead("c", 3, [3])],
+        [ahead("a", 8, [0, 1, 5]), ahead("b", 6, [2, 4]), ahead("c", 4, [3, 6]),
+         _work("d", list(range(20, 40)), 0, [7, 8, 9, 10, 11])],
+    ]
+
+
+def test_launching_steps_ahead_reads_nothing_of_the_device_on_any_path(tiny_checkpoints, monkeypatch) -> None:
+    """The CPU twin of the CUDA test below, over the decode-graph, mixed-graph and eager paths
+    (graphs not captured: their code runs eagerly over their static buffers): no launch reads a
+    tensor's values on the host (tests/workers/host_reads.py), and the tokens are the sync ones."""
+    from tests.workers.host_reads import no_host_reads
+
+    folder = tiny_checkpoints["llama"]
+    steps = _launch_path_steps()
+    sync = _runner(folder)
+    expected, last = [], {}
+    for step_id, works in enumerate(steps):
+        known = [SequenceWork(w.req_id, [last[w.req_id]] if w.is_token_pending else w.token_ids, w.start_pos,
+                              w.block_ids, True, GREEDY) for w in works]
+        sampled = sync.execute(StepBatch(step_id, known)).sampled
+        expected.append([t.token_id for t in sampled])
+        last.update((t.req_id, t.token_id) for t in sampled)
+
+    monkeypatch.setattr("workers.model_runner.use_cuda_graphs", lambda config, device: True)
+    monkeypatch.setattr(DecodeGraphs, "capture", lambda self: None)
+    monkeypatch.setattr(MixedGraphs, "capture", lambda self: None)
+    paths = []
+    for cls, name in ((DecodeGraphs, "decode graph"), (MixedGraphs, "mixed graph")):
+        def run(self, *args, _run=cls.run, _name=name):
+            paths.append(_name)
+            return _run(self, *args)
+        monkeypatch.setattr(cls, "run", run)
+    runner = _runner(folder, async_scheduling=True, max_num_seqs=8, cuda_graph_max_batch_size=8,
+                     cuda_graph_max_tokens=16)
+    launched = [runner.launch(StepBatch(0, steps[0]))]
+    tokens = []
+    for step_id, works in enumerate(steps[1:], start=1):
+        with no_host_reads():
+            launched.append(runner.launch(StepBatch(step_id, works)))
+        tokens.append([t.token_id for t in runner.finish(launched[-2]).sampled])
+    tokens.append([t.token_id for t in runner.finish(launched[-1]).sampled])
+    assert paths == ["mixed graph", "decode graph", "mixed graph", "decode graph"]  # then eager
+    assert tokens == expected
+
+
+def test_the_host_read_guard_catches_a_read() -> None:
+    from tests.workers.host_reads import HostReadError, no_host_reads
+
+    ids = torch.tensor([1, 2, 3])
+    with no_host_reads():
+        ids.index_select(0, torch.tensor([2, 0]))  # kernels only: allowed
+        reads = (lambda: ids.tolist(), lambda: int(ids[0]), lambda: ids[ids > 1], lambda: bool(ids.any()))
+        for read in reads:
+            with pytest.raises(HostReadError):
+                read()
