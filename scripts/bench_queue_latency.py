@@ -40,6 +40,7 @@ def main() -> None:
     parser.add_argument("--system-words", type=int, default=800)
     parser.add_argument("--interval-ms", type=float, default=10.0, help="answer to next POST")
     parser.add_argument("--smoke", action="store_true", help="40 requests")
+    parser.add_argument("--profile-gateway", metavar="FILE", help="run the gateway under cProfile")
     args = parser.parse_args()
     num = 40 if args.smoke else args.requests
     print_command()
@@ -52,7 +53,9 @@ def main() -> None:
             keys = Keys()
             fake_heartbeat(redis.Redis.from_url(server.url), keys, MODEL)
             bodies = chat_bodies(MODEL, num + 10, system_words=args.system_words)
-            url, _ = start_gateway(children, server.url, folder, "--model-name", MODEL)
+            profile = ("-m", "cProfile", "-o", str(Path(args.profile_gateway).resolve())) \
+                if args.profile_gateway else ()
+            url, _ = start_gateway(children, server.url, folder, "--model-name", MODEL, python_flags=profile)
             stream = keys.request_stream(MODEL, "interactive")
             with EntryListener(server.port, stream, Path(tmp) / "entries.pickle") as listener:
                 asyncio.run(post_chats(url, bodies[:10], args.interval_ms / 1e3))  # warm-up
