@@ -20,6 +20,7 @@ import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import redis
 
 from gateway.settings import GatewaySettings, ModelSpec
+from gateway.tenants import Tenant, TenantLimits
 from protocol.keys import Keys
 from testkit.checkpoints import tiny_llama_with_smollm2_tokenizer
 from testkit.processes import Children, start_gateway
@@ -63,7 +64,10 @@ def main() -> None:
             entries = listener.entries()
             children.stop()
             settings = GatewaySettings(redis_url=server.url, models=[ModelSpec(str(folder), MODEL)])
-            steps = asyncio.run(step_times(settings, bodies[:10] + bodies[10:]))
+            steps = asyncio.run(step_times(settings, bodies))
+            limits = TenantLimits(requests_per_minute=10**6, tokens_per_minute=10**9,
+                                  max_concurrent_requests=10**4)
+            tenanted = asyncio.run(step_times(settings, bodies, Tenant("bench", limits)))
         finally:
             children.stop()
             server.stop()
@@ -75,6 +79,8 @@ def main() -> None:
     print(row("POST -> XADD (gateway process, end to end)", [entries[r] - posted[r] for r in posted]))
     for name, values in steps.items():
         print(row(f"{name} (in process)", values[10:]))
+    for name, values in tenanted.items():  # every limit of a tenant: requests, tokens, concurrency
+        print(row(f"{name} (in process, a tenant's)", values[10:]))
 
 
 if __name__ == "__main__":

@@ -108,14 +108,15 @@ async def post_chats(url: str, bodies: list[bytes], interval_s: float) -> dict[s
     return posted
 
 
-async def step_times(settings, bodies: list[bytes]) -> dict[str, list[float]]:
+async def step_times(settings, bodies: list[bytes], tenant=None) -> dict[str, list[float]]:
     """Each step of chat_completions before the XADD, timed alone (seconds) in a gateway app of
-    this process, for each body; the requests are cancelled right after."""
+    this process, for each body, as the caller `tenant` (a gateway.tenants.Tenant) if given;
+    the requests are cancelled right after."""
     from aiohttp import web
     from aiohttp.test_utils import make_mocked_request
 
     from gateway.app import create_app
-    from gateway.appkeys import MODELS, SETTINGS, STORE, TOKENIZE
+    from gateway.appkeys import LIMITER, MODELS, SETTINGS, STORE, TOKENIZE
     from gateway.openai.params import plan_chat
     from gateway.openai.schemas import ChatCompletionRequest
     from gateway.requests.serving import admit, admit_tenant, following, new_req_id, submissions
@@ -133,6 +134,8 @@ async def step_times(settings, bodies: list[bytes]) -> dict[str, list[float]]:
     try:
         for raw in bodies:
             request = make_mocked_request("POST", "/v1/chat/completions", app=app)
+            if tenant is not None:
+                request["tenant"] = tenant
             t = time.perf_counter()
             body = ChatCompletionRequest.model_validate_json(raw)
             t = lap("validate body", t)
@@ -143,11 +146,14 @@ async def step_times(settings, bodies: list[bytes]) -> dict[str, list[float]]:
             req_ids = [new_req_id()]
             tenant = await admit_tenant(request, plan, req_ids)
             t = lap("admit", t)
+            lease_until = app[LIMITER].lease_for_queue(tenant) if tenant is not None else None
             async with following(request, model, req_ids):
                 t = lap("following (SUBSCRIBE)", t)
-                queued = submissions(plan, req_ids, tenant=tenant)
+                queued = submissions(plan, req_ids, tenant=tenant, lease_until=lease_until)
                 await app[STORE].submit(queued)
                 lap("submit", t)
+            if tenant is not None:
+                await app[LIMITER].release(tenant.name, req_ids)
             times["total"].append(sum(times[name][-1] for name in STEPS))
             await asyncio.sleep(0.005)  # the cancel goes out
     finally:
