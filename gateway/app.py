@@ -13,6 +13,7 @@ from gateway.appkeys import (
     LIMITER,
     METRICS,
     MODELS,
+    QUEUE_DEPTHS,
     QUEUE_TIMES,
     REDIS,
     ROUTER,
@@ -31,6 +32,7 @@ from gateway.middlewares import auth_middleware, error_middleware, request_id_mi
 from gateway.models import ModelRegistry
 from gateway.openapi import openapi_document
 from gateway.presence import presence_ctx
+from gateway.queue_depth import QueueDepths
 from gateway.queue_times import QueueTimes
 from gateway.requests.pubsub import event_router
 from gateway.requests.store import RequestStore
@@ -108,8 +110,10 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
                          app[MODELS].names, grace_s=settings.scheduler_grace_s,
                          refresh_s=settings.fleet_refresh_s, router=router)
     app[FLEET] = fleet
+    app[QUEUE_DEPTHS] = QueueDepths(app[STORE])
     async with running_until_stopped(fleet.run, "fleet-refresh"):
         yield
+    await app[QUEUE_DEPTHS].close()
 
 
 async def _batch_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -10,6 +10,7 @@ from gateway.fleet import FleetTracker
 from gateway.limits import TenantLimiter
 from gateway.metrics import GatewayMetrics
 from gateway.models import ModelRegistry
+from gateway.queue_depth import QueueDepths
 from gateway.queue_times import QueueTimes
 from gateway.requests.pubsub import EventRouter
 from gateway.requests.store import RequestStore
@@ -26,6 +27,7 @@ REDIS = web.AppKey("redis", aioredis.Redis)
 STORE = web.AppKey("store", RequestStore)
 ROUTER = web.AppKey("router", EventRouter)
 FLEET = web.AppKey("fleet", FleetTracker)
+QUEUE_DEPTHS = web.AppKey("queue_depths", QueueDepths)  # admission against max_queue
 TASKS = web.AppKey("tasks", TaskSet)
 JOBS = web.AppKey("jobs", JobStore)
 QUEUE_TIMES = web.AppKey("queue_times", QueueTimes)

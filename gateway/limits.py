@@ -15,6 +15,7 @@ Over a limit: 429 with Retry-After, and the limit's name as the error's code.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 
@@ -30,6 +31,7 @@ from protocol.keys import Keys
 from shared.redis_client import cluster_nodes, cluster_options, is_cluster_url
 
 _ACQUIRE = lua.Script("acquire_leases")  # (its keys and arguments: protocol/lua/acquire_leases.lua)
+Window = tuple[str, RateLimitItemPerMinute, int]  # (the limit's name, its window, what this call costs)
 
 
 class TenantLimiter:
@@ -44,17 +46,32 @@ class TenantLimiter:
 
     async def admit(self, tenant: Tenant, req_ids: list[str], num_tokens: int) -> None:
         """Take the tenant's quota for these requests (one per choice) and their `num_tokens`
-        (prompts + max_tokens), or raise 429 naming the limit that is reached."""
+        (prompts + max_tokens), or raise 429 naming the limit that is reached. Two round trips
+        whatever the limits: the leases with the windows' tests, then the windows' charges."""
         limits = tenant.limits
         if limits.tokens_per_minute is not None and num_tokens > limits.tokens_per_minute:
             raise BadRequest(f"this call needs {num_tokens} tokens (prompt + max_tokens), more than tenant "
                              f"{tenant.name!r} may use in a minute ({limits.tokens_per_minute})",
                              param="max_tokens", code="tokens_per_minute")
-        await self._take_leases(tenant, req_ids)
+        wanted = (("requests_per_minute", limits.requests_per_minute, len(req_ids)),
+                  ("tokens_per_minute", limits.tokens_per_minute, num_tokens))
+        windows = [(name, RateLimitItemPerMinute(amount), cost) for name, amount, cost in wanted
+                   if amount is not None]
+        taking = asyncio.ensure_future(self._take_leases(tenant, req_ids))
         try:
-            await self._take_rates(tenant, len(req_ids), num_tokens)
+            refused = None
+            try:
+                await self._test_windows(tenant, windows)
+            except RateLimited as exc:
+                refused = exc
+            await taking  # (its refusal is the one told, as when the leases came first)
+            if refused is not None:
+                raise refused
+            await self._charge_windows(tenant, windows)
         except BaseException:
-            await self.release(tenant.name, req_ids)
+            await asyncio.wait([taking])  # (never cancelled: it may have taken them already)
+            if not taking.cancelled() and taking.exception() is None:
+                await asyncio.shield(self.release(tenant.name, req_ids))
             raise
 
     async def _take_leases(self, tenant: Tenant, req_ids: list[str]) -> None:
@@ -69,19 +86,22 @@ class TenantLimiter:
                               f"max_concurrent_requests is {cap}", code="max_concurrent_requests",
                               headers={"Retry-After": str(self.retry_after_s)})
 
-    async def _take_rates(self, tenant: Tenant, num_requests: int, num_tokens: int) -> None:
-        limits = tenant.limits
-        wanted = (("requests_per_minute", limits.requests_per_minute, num_requests),
-                  ("tokens_per_minute", limits.tokens_per_minute, num_tokens))
-        windows = [(name, RateLimitItemPerMinute(amount), cost) for name, amount, cost in wanted
-                   if amount is not None]
+    async def _test_windows(self, tenant: Tenant, windows: list[Window]) -> None:
         # Every window is tested before any is charged: a call refused for its tokens does not use
         # up a request. (Two gateways may both pass the test; the charge itself is checked again.)
-        for name, item, cost in windows:
-            if not await self._windows.test(item, tenant.name, name, cost=cost):
+        passed = await asyncio.gather(*(self._windows.test(item, tenant.name, name, cost=cost)
+                                        for name, item, cost in windows))
+        for (name, item, _), ok in zip(windows, passed, strict=True):
+            if not ok:
                 await self._refuse(tenant, name, item)
-        for name, item, cost in windows:
-            if not await self._windows.hit(item, tenant.name, name, cost=cost):
+
+    async def _charge_windows(self, tenant: Tenant, windows: list[Window]) -> None:
+        """Every window charged at once. (A charge refused in a race with another gateway leaves
+        the others charged, as one refused after the others were did.)"""
+        charged = await asyncio.gather(*(self._windows.hit(item, tenant.name, name, cost=cost)
+                                         for name, item, cost in windows))
+        for (name, item, _), ok in zip(windows, charged, strict=True):
+            if not ok:
                 await self._refuse(tenant, name, item)
 
     async def _refuse(self, tenant: Tenant, name: str, item: RateLimitItemPerMinute) -> None:

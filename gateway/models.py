@@ -13,6 +13,7 @@ from typing import Any
 
 from gateway.errors import BadRequest, ModelNotFound
 from gateway.settings import ModelSpec
+from gateway.token_pieces import PieceEncoder
 from shared.errors import ModelLoadError
 from shared.model_config import load_model_config
 from shared.tokenizer import encode_ids, load_tokenizer
@@ -36,6 +37,13 @@ class ServedModel:
     vocab_size: int
     created: int = field(default_factory=lambda: int(time.time()))
     _token_texts: dict[int, str] = field(default_factory=dict)  # token id -> its text (logprobs)
+    # A chat template's text, encoded from its pieces' cached ids (None: this tokenizer's
+    # encodings are not its pieces', gateway/token_pieces.py): a shared system prompt once.
+    _pieces: PieceEncoder | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self._pieces is None:
+            self._pieces = PieceEncoder.for_tokenizer(self.tokenizer)
 
     @classmethod
     def load(cls, spec: ModelSpec) -> ServedModel:
@@ -77,7 +85,10 @@ class ServedModel:
                                                       tokenize=False)
         except Exception as exc:  # noqa: BLE001 - a template may raise anything (jinja raise_exception)
             raise BadRequest(f"the chat template refused the messages: {exc}", param="messages") from None
-        ids = encode_ids(self.tokenizer, text, add_special_tokens=False)
+        if self._pieces is not None:
+            ids = self._pieces.encode(text)
+        else:
+            ids = encode_ids(self.tokenizer, text, add_special_tokens=False)
         if not ids:
             raise BadRequest("the messages make an empty prompt", param="messages")
         return text, ids

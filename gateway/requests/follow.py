@@ -94,11 +94,20 @@ class Watch:
         return [f.req_id for f in self.followers if not f.done]
 
     async def open(self) -> None:
-        """Subscribe to every request's events; returns once Redis has confirmed them all."""
+        """Subscribe to every request's events, all at once (n choices: one round trip, not n);
+        returns once Redis has confirmed them all."""
+        if len(self.followers) == 1:
+            self._listeners.append(await self.router.subscribe(self.followers[0].req_id, self._deliver, 0))
+            return
+        tasks = [asyncio.ensure_future(self.router.subscribe(follower.req_id, self._deliver, index))
+                 for index, follower in enumerate(self.followers)]
         try:
-            for index, follower in enumerate(self.followers):
-                self._listeners.append(await self.router.subscribe(follower.req_id, self._deliver, index))
-        except BaseException:
+            self._listeners = list(await asyncio.gather(*tasks))
+        except BaseException:  # one failed, or the caller left: none stays subscribed
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks)
+            self._listeners = [t.result() for t in tasks if not t.cancelled() and t.exception() is None]
             self.close()
             raise
 

@@ -12,7 +12,7 @@ from typing import TypeVar
 from aiohttp import web
 from pydantic import TypeAdapter
 
-from gateway.appkeys import FLEET, LIMITER, METRICS, ROUTER, SETTINGS, STORE, TASKS
+from gateway.appkeys import FLEET, LIMITER, METRICS, QUEUE_DEPTHS, ROUTER, SETTINGS, STORE, TASKS
 from gateway.errors import BadRequest, RateLimited
 from gateway.models import ServedModel
 from gateway.openai.params import Plan
@@ -44,12 +44,13 @@ async def read_body(request: web.Request, schema: type[T] | TypeAdapter) -> tupl
 
 
 async def admit(request: web.Request, model: str, num_requests: int) -> None:
-    """503 when no scheduler serves the model, 429 when its queue is full."""
+    """503 when no scheduler serves the model, 429 when its queue is full (against this
+    process's estimate of the depth, read anew before a refusal: gateway/queue_depth.py)."""
     settings = request.app[SETTINGS]
     await request.app[FLEET].require(model)
     if settings.max_queue > 0:
-        depth = await request.app[STORE].queue_depth(model)
-        if depth + num_requests > settings.max_queue:
+        depth = await request.app[QUEUE_DEPTHS].refusing_depth(model, num_requests, settings.max_queue)
+        if depth is not None:
             raise RateLimited(
                 f"the queue of model {model!r} is full ({depth} waiting, limit {settings.max_queue}); "
                 "retry later", code="queue_full", headers={"Retry-After": str(settings.retry_after_s)})

@@ -13,8 +13,10 @@ request that was never queued: the client's retry got that id back, and a 404 fo
 A tenant's request also adds the tenant to the model's tenant set (before the call: schedulers
 then find its stream) and makes its lease last its full term (after: `ZADD XX` only renews a
 lease the gateway took, gateway/limits.py, and that a fast terminal write has not ended yet).
-On a cluster those keys live on other shards, so they are commands of their own in the same
-pipeline; and a submit counts as accepted only once a replica has it (`WAIT 1`, per shard).
+On one server all of it is one pipeline, which Redis runs in order (one round trip, not three);
+on a cluster those keys live on other shards, so they are pipelines of their own, before and
+after the scripts; and a submit counts as accepted only once a replica has it (`WAIT 1`, per
+shard).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 
 from gateway.requests.records import ResultRecord
 from gateway.routing import PrefixRouter
@@ -81,10 +83,12 @@ class RequestStore:
     async def submit(self, submissions: list[Submission]) -> list[dict | None]:
         """Queue each, unless its Idempotency-Key maps to another request already: then nothing
         of it is written, and its answer is what the key maps to ({"id", "fingerprint"}); None
-        for each one queued. One round trip for all (on a cluster, one per shard, and the
-        replicas' confirmation)."""
+        for each one queued. One round trip for all (on a cluster, one per shard, the tenant
+        keys' and the replicas' confirmation)."""
         calls = [self._submit_call(sub) for sub in submissions]
         tenanted = [sub for sub in submissions if sub.message.tenant is not None]
+        if tenanted and not self.is_cluster:
+            return await self._submit_on_one_server(submissions, calls, tenanted)
         if tenanted:  # (before: a scheduler that sees the entry finds the tenant's stream)
             pipe = self.client.pipeline(transaction=False)
             for sub in tenanted:
@@ -102,6 +106,33 @@ class RequestStore:
         if self.is_cluster:
             await self._wait_for_replicas([call[0][0] for call in calls])
         return answers
+
+    async def _submit_on_one_server(self, submissions: list[Submission], calls: list,
+                                    tenanted: list[Submission]) -> list[dict | None]:
+        """Tenants' requests on one server: the tenant set, the scripts and the leases in one
+        pipeline, which Redis runs in order (the set before the entries, the leases after).
+        A lease is renewed for a request whose Idempotency-Key queued nothing too: its caller
+        ends that lease at once (gateway/requests/api.py)."""
+        pipe = self.client.pipeline(transaction=False)
+        for sub in tenanted:
+            pipe.sadd(self.keys.tenants(sub.message.model), sub.message.tenant)
+        for keys, args in calls:
+            pipe.execute_command("EVALSHA", self._submit.sha, len(keys), *keys, *args)
+        for sub in submissions:
+            if sub.lease_until is not None:
+                pipe.zadd(self.keys.tenant_leases(sub.message.tenant), {sub.req_id: sub.lease_until}, xx=True)
+        replies = await pipe.execute(raise_on_error=False)
+        results = replies[len(tenanted):len(tenanted) + len(calls)]
+        for reply in replies:
+            if isinstance(reply, Exception) and not isinstance(reply, NoScriptError):
+                raise reply
+        unloaded = [i for i, result in enumerate(results) if isinstance(result, NoScriptError)]
+        if unloaded:  # (Redis lost its scripts: a restart) the set and the leases are written already
+            for i, result in zip(unloaded, await self._submit.run_many_async(self.client,
+                                                                             [calls[i] for i in unloaded]),
+                                 strict=True):
+                results[i] = result
+        return [None if result[0] else json.loads(result[1]) for result in results]
 
     async def _wait_for_replicas(self, record_keys: list[str]) -> None:
         """Accepted only once on a replica: WAIT 1 on each shard the submit wrote to. A shard

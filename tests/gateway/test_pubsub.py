@@ -74,3 +74,40 @@ async def test_subscribing_while_redis_is_down_fails_at_once(redis_server) -> No
         await router.subscribe("r1", lambda tag, data: None)  # confirmed by the new connection
     finally:
         await router.close()
+
+
+class _Counting:
+    """The real router, counting the subscriptions on their way at once."""
+
+    def __init__(self, router: EventRouter) -> None:
+        self.router = router
+        self.in_flight = self.most_in_flight = 0
+
+    async def subscribe(self, *args):
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            return await self.router.subscribe(*args)
+        finally:
+            self.in_flight -= 1
+
+    def unsubscribe(self, listener) -> None:
+        self.router.unsubscribe(listener)
+
+
+async def test_a_watch_of_several_choices_subscribes_them_all_at_once(redis_server) -> None:
+    from gateway.requests.follow import Watch
+
+    router = EventRouter(redis_server.url, Keys())
+    await router.start()
+    try:
+        await _until(lambda: router.is_connected)
+        counting = _Counting(router)
+        watch = Watch(None, counting, ["c1", "c2", "c3"], decode=str, poll_s=1.0)
+        await watch.open()
+        assert counting.most_in_flight == 3  # one round trip for all
+        assert router.num_channels == 3
+        watch.close()
+        await _until(lambda: router.num_channels == 0)
+    finally:
+        await router.close()
