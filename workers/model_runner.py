@@ -34,6 +34,7 @@ from workers.device_block_tables import DeviceBlockTables
 from workers.device_sample import HostSample
 from workers.grammar_mask import apply_token_mask
 from workers.host_staging import HostStaging
+from workers.layers import fp8_tuning
 from workers.layers.kv_fp8 import kv_cache_dtype
 from workers.layers.quantization import METHODS, building_with, method_named
 from workers.mixed_graphs import MixedGraphs
@@ -123,6 +124,9 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache()  # holds one more: the scratch block
         self.staging = HostStaging(self.device)
         self.block_tables = self._new_block_tables()
+        # FP8 products are chosen by timing them: now, not in the first served step when graphs
+        # are off (with graphs the capture's warm-up would do it). Nothing without FP8 layers.
+        fp8_tuning.tune(self.model, self.device, self.dtype)
         self.decode_graphs = self._capture_decode_graphs()
         self.mixed_graphs = self._capture_mixed_graphs()
         self.sampler = Sampler(seed=config.seed) if self.is_driver else None
