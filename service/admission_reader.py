@@ -21,7 +21,8 @@ every stream.
 Entries held (read, not taken) are still this scheduler's: the claim renewer renews them (the
 reader tells it, service/claim_renewer.py), and a scheduler that stops or dies before taking
 them leaves them pending for a successor. A drain stops the reader (`stop_reading` waits out a
-read in flight, so nothing is read once the drain is announced); what it held is started.
+read in flight, so nothing is read once the drain is announced); what it read before is started
+(a read stuck past the wait leaves its entries pending, never started here: `left_unstarted`).
 
 Errors (Redis away, a lost consumer group, a cluster failing over): the reader backs off and
 reads again; each error is also handed to the engine thread (`take_error`), whose loop handles
@@ -101,6 +102,7 @@ class AdmissionReader:
         self.left_unstarted: list[ReadEntry] = []  # read after stop_reading: pending, never started here
         self._is_reading = False
         self._is_stopped = False  # draining: no more reads
+        self._is_sealed = False  # stop_reading returned: a read that lands now is left unstarted
         self._error: BaseException | None = None
         self.is_running = False  # a thread reads (else the engine thread reads, at each tick)
         self._thread: threading.Thread | None = None
@@ -157,6 +159,7 @@ class AdmissionReader:
             self._is_stopped = True
             self._cond.notify_all()
             self._cond.wait_for(lambda: not self._is_reading, timeout=timeout_s)
+            self._is_sealed = True  # (a read stuck past the timeout: its entries are not started)
 
     def read_now(self, block_ms: int | None) -> int:
         """A service ticked by hand, with no reader thread: read on the calling thread (kind by
@@ -210,8 +213,8 @@ class AdmissionReader:
         with self._cond:
             self._reserved = (0, 0)
             self._is_reading = False
-            if self._is_stopped:
-                self.left_unstarted += found  # (read as the drain began: left for a successor)
+            if self._is_sealed:
+                self.left_unstarted += found  # (landed after the drain was announced: a successor's)
             elif found:
                 self._held += found
                 self._tell_held()
