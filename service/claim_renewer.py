@@ -6,7 +6,9 @@ looked dead while it worked: its entries went to another replica, came back, and
 as poison (`--max-deliveries`), or were admitted again into an engine that still held them.
 So the claims are renewed every heartbeat on this thread, whatever the engine thread is doing,
 as long as it is alive: a tick older than `max_tick_s` means a hung scheduler, whose entries
-are then left to expire and be taken over.
+are then left to expire and be taken over. The entries come from two sources: the engine
+thread's (what it runs, or finished and has not yet written), told when they change, and the
+admission reader's (read, not yet started: service/admission_reader.py).
 """
 
 from __future__ import annotations
@@ -28,23 +30,34 @@ class ClaimRenewer:
         self.interval_s = interval_s
         self.max_tick_s = max_tick_s
         self._lock = threading.Lock()
-        self._entry_ids: dict[str, list[str]] = {}  # stream -> ids of the entries we own there
-        self._updated_at = time.monotonic()  # when the engine thread last said what it owns
+        # source ("engine": what it runs or finishes; "reader": what the admission reader holds)
+        # -> stream -> ids of the entries we own there
+        self._entry_ids: dict[str, dict[str, list[str]]] = {}
+        self._updated_at = time.monotonic()  # when the engine thread last said it is alive
         self.log = get_logger("tokenfleet.claim_renewer", scheduler_id=consumer)
 
-    def update(self, entries: list[tuple[str, str]]) -> None:
-        """(stream, entry id) of every entry the service owns now (the engine thread, each tick)."""
+    def update(self, entries: list[tuple[str, str]], *, source: str = "engine") -> None:
+        """(stream, entry id) of every entry of `source` the service owns now: the engine thread's
+        when they changed (it is alive too), the admission reader's held ones."""
         by_stream: dict[str, list[str]] = {}
         for stream, entry_id in entries:
             by_stream.setdefault(stream, []).append(entry_id)
         with self._lock:
-            self._entry_ids = by_stream
-            self._updated_at = time.monotonic()
+            self._entry_ids[source] = by_stream
+            if source == "engine":
+                self._updated_at = time.monotonic()
+
+    def touch(self) -> None:
+        """The engine thread is alive, owning what it said last (each tick: cheaper than update)."""
+        self._updated_at = time.monotonic()  # (one float store: no lock needed)
 
     def renew(self) -> None:
         """Reset the idle time of every entry we own, so nobody takes it over."""
         with self._lock:
-            entry_ids = dict(self._entry_ids)
+            entry_ids: dict[str, list[str]] = {}
+            for by_stream in self._entry_ids.values():
+                for stream, ids in by_stream.items():
+                    entry_ids[stream] = entry_ids.get(stream, []) + ids
         for stream, ids in entry_ids.items():
             self.client.xclaim(stream, CONSUMER_GROUP, self.consumer, 0, ids, justid=True)
 

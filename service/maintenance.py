@@ -39,6 +39,9 @@ class Maintenance:
             self.drain_deadline = float(value)
         except ValueError:
             self.drain_deadline = float("inf")  # any other value: drain with no deadline
+        # Nothing is read once the heartbeat says draining (a read in flight is waited out); what
+        # the reader read before is started with the rest.
+        self.reader.stop_reading(timeout_s=self.settings.idle_block_ms / 1000 + 1.0)
         self.log.info("drain_started", num_inflight=len(self.inflight), deadline=self.drain_deadline)
 
     def _drain_done(self) -> bool:
@@ -51,7 +54,8 @@ class Maintenance:
         self._drop_lost_requests()
         self.client.delete(self.keys.scheduler(self.settings.scheduler_id),
                            self.keys.drain(self.settings.scheduler_id))
-        left = sorted([*self.inflight, *self._finishing])
+        # (entries the reader read as the drain began are pending too: never started here)
+        left = sorted([*self.inflight, *self._finishing, *(e.entry_id for e in self.reader.left_unstarted)])
         if not left:  # (a consumer's pending entries go with it: only one that owns none leaves)
             self.renewer.update([])  # (an XCLAIM would make the consumer again)
             for stream in self.streams:

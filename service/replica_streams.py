@@ -54,9 +54,6 @@ class ReplicaStreams:
         self.own = keys.replica_stream(model, scheduler_id)
         self.peers: dict[str, str] = {}  # peer id -> its stream, as last read from tf:routed:{model}
         self.counts = dict.fromkeys(SOURCES, 0)
-        # The last read of the own stream filled its count: read it alone next time (strictly
-        # before the shared streams); else it is read in the same round trip as the shared ones.
-        self.own_had_more = False
         self.is_enabled = not is_cluster_client(client)  # (no routing on a cluster)
 
     def register(self) -> None:

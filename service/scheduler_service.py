@@ -2,10 +2,11 @@
 
 One tick:
     maintenance (heartbeat, renew claims, take over entries of dead schedulers,
-    cancel/expire)  ->  admit new entries, only as many as the engine can take
-    (pull-based: replicas share load without a router)  ->  one engine step  ->  hand every
-    change to the result writer, whose thread publishes and mirrors them in one round trip
-    while the next step runs, from a process of its own (service/result_publisher.py).
+    cancel/expire)  ->  admit the entries the admission reader's thread read meanwhile, only as
+    many as the engine can take (pull-based: replicas share load without a router;
+    service/admission_reader.py)  ->  one engine step  ->  hand every change to the result
+    writer, whose thread publishes and mirrors them in one round trip while the next step runs,
+    from a process of its own (service/result_publisher.py).
 A request's stream entry is acknowledged only together with its terminal state, so a
 scheduler that dies leaves its entries pending for a successor, which resumes each from
 the tokens stored in tf:res:{id}: the client sees neither a gap nor a duplicate.
@@ -31,9 +32,10 @@ from scheduler.engine import LLMEngine
 from scheduler.request import BATCH_PRIORITY
 from scheduler.scheduler import RequestOutput
 from service import stream_reads
+from service.admission_reader import AdmissionReader, ReadEntry, decode_entry
 from service.claim_renewer import ClaimRenewer
 from service.delivery import Delivery
-from service.inflight import InFlight, ServiceSettings
+from service.inflight import Flights, InFlight, ServiceSettings
 from service.maintenance import Maintenance
 from service.prefix_summary import PrefixSummary
 from service.replica_streams import ReplicaStreams, RoutingMetrics
@@ -46,8 +48,8 @@ from shared.logging import get_logger
 from shared.redis_client import connect, redis_away, refresh_cluster_view
 
 MAX_BACKOFF_S = 5.0
-# A busy scheduler that found its streams empty looks again after this long, not every step:
-# each look is a Redis round trip on the engine thread (up to 10% of a small batch's step).
+# A service ticked by hand (no reader thread: tests) that found its streams empty while busy
+# looks again after this long, not every step: each look is a round trip on the ticking thread.
 ADMISSION_POLL_S = 0.005
 
 
@@ -63,10 +65,11 @@ class SchedulerService(Maintenance):
         self.log = get_logger("tokenfleet.scheduler", scheduler_id=settings.scheduler_id)
         # kind -> its streams: the model's plain one, then one per tenant (service/tenant_streams.py)
         self.tenant_streams = TenantStreams(self.keys, settings.model_name)
-        self.inflight: dict[str, InFlight] = {}  # req_id -> request this scheduler owns
+        self.inflight = Flights()  # req_id -> request this scheduler owns
         # req_id -> request the engine finished whose terminal write has not landed yet: its
         # entry is still ours (renewed, never admitted again) until the writer says it landed.
-        self._finishing: dict[str, InFlight] = {}
+        self._finishing = Flights()
+        self._told_renewer = (-1, -1)  # the (inflight, finishing) versions the renewer was told
         # Builds and writes each step's records and events in a process of its own.
         self.writer = ResultPublisher(redis_url, self.keys, settings.scheduler_id, settings.result_ttl_s,
                                       engine.tokenizer)
@@ -89,6 +92,13 @@ class SchedulerService(Maintenance):
         self.telemetry.metrics.registry.register(
             RoutingMetrics(self.replica_streams, [settings.model_name, settings.scheduler_id]))
         self.prefix_summary = PrefixSummary(engine.scheduler)
+        # Reads and decodes the streams on a thread of its own while `run` loops (on a connection
+        # of its own: a blocking read holds it), for `_admit` to take.
+        self.reader = AdmissionReader(
+            connect(redis_url, socket_timeout=10 + settings.idle_block_ms / 1000, socket_connect_timeout=5),
+            self.keys, settings.model_name, settings.scheduler_id, self.replica_streams.own,
+            block_ms=settings.idle_block_ms,
+            on_held=lambda entries: self.renewer.update(entries, source="reader"))
 
     @property
     def is_draining(self) -> bool:
@@ -101,6 +111,7 @@ class SchedulerService(Maintenance):
         listener.start()
         renewer = threading.Thread(target=self.renewer.run, args=(stop,), name="claim-renewer", daemon=True)
         renewer.start()
+        self.reader.start(stop)
         backoff = 0.1
         self.log.info("scheduler_started", model=self.settings.model_name, streams=self.streams)
         while not stop.is_set():
@@ -128,11 +139,14 @@ class SchedulerService(Maintenance):
         stop.set()  # (the listener's and renewer's signal, also when the loop ended by draining)
         listener.join(timeout=5)
         renewer.join(timeout=5)
+        self.reader.join(timeout_s=5)  # (what it read and nobody started stays pending for a successor)
 
     def tick(self) -> None:
         self.writer.poll()
         if self.writer.error is not None:
             raise self.writer.error  # Redis is away: pause (the writer retries what it holds)
+        if (error := self.reader.take_error()) is not None:
+            raise error  # (the reader retries by itself; this loop pauses or makes the groups again)
         if not self._groups_ready:
             self._ensure_groups()
         self._drop_lost_requests()
@@ -141,11 +155,11 @@ class SchedulerService(Maintenance):
             self._next_maintenance = time.monotonic() + self.settings.heartbeat_s
         self.telemetry.tick()
         self._apply_cancellations()
-        if not self.is_draining:
-            self._admit(block=not self.engine.has_unfinished_requests())
+        self._admit(block=not self.engine.has_unfinished_requests())
         if self.engine.has_unfinished_requests():
-            self.renewer.update(self._owned_entries())  # (what it renews while this step runs)
+            self._tell_renewer()  # (what it renews while this step runs)
             self._hand_over_step(self.engine.step())
+            self.reader.set_room(*self._capacity())  # (slots the step freed: read while this tick ends)
         elif self.is_draining:
             time.sleep(0.01)  # waiting for the publisher's last writes, not reading the streams
         self._flush()
@@ -156,12 +170,7 @@ class SchedulerService(Maintenance):
         return [self.replica_streams.own, *self.tenant_streams.all()]
 
     def _ensure_groups(self, streams: list[str] | None = None) -> None:
-        for stream in self.streams if streams is None else streams:
-            try:
-                self.client.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
-            except redis.ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
+        stream_reads.create_groups(self.client, self.streams if streams is None else streams)
         if streams is None:
             self.replica_streams.register()  # (after its group exists: peers may read it from now on)
         self._groups_ready = True
@@ -191,6 +200,15 @@ class SchedulerService(Maintenance):
             if self.writer.error is not None:
                 raise self.writer.error
 
+    def _tell_renewer(self) -> None:
+        """The entries it owns, to the claim renewer: rebuilt only when they changed."""
+        versions = (self.inflight.version, self._finishing.version)
+        if versions == self._told_renewer:
+            self.renewer.touch()
+            return
+        self._told_renewer = versions
+        self.renewer.update(self._owned_entries())
+
     def _drop_lost_requests(self) -> None:
         for req_id in self.writer.take_ended():
             self._finishing.pop(req_id, None)
@@ -209,89 +227,61 @@ class SchedulerService(Maintenance):
         interactive request may also take a slot a batch item holds (the engine preempts it)."""
         scheduler = self.engine.scheduler
         in_engine = scheduler.num_running_requests + scheduler.num_waiting_requests
-        num_batch = sum(1 for flight in self.inflight.values() if flight.is_batch)
         max_num_seqs = self.engine.config.max_num_seqs
-        return max_num_seqs - (in_engine - num_batch), max_num_seqs - in_engine
+        return max_num_seqs - (in_engine - self.inflight.num_batch), max_num_seqs - in_engine
 
     def _admit(self, *, block: bool) -> None:
-        """Read as many entries as the engine has room for. Each tenant has its own stream, and
-        every stream of a kind is read at once (the room shared out, at least one each), so a
-        tenant's backlog never stands in front of another tenant's next request; the engine's
-        waiting queue then lets tenants take turns (scheduler/fair_share.py)."""
-        interactive_room, batch_room = self._capacity()
-        if interactive_room <= 0 or (not block and time.monotonic() < self._next_admission_poll):
+        """Start what the admission reader read since the last tick: no Redis round trip unless
+        something came (then one, the claim). An idle engine waits for an arrival. While
+        draining, only what it read before the drain began is started."""
+        if not self.is_draining:
+            self.reader.set_room(*self._capacity())
+            if not self.reader.is_running:
+                self._read_here(block)
+        wait_s = self.settings.idle_block_ms / 1000 if block and not self.is_draining else 0.0
+        self._admit_read(self.reader.take(wait_s))
+
+    def _read_here(self, block: bool) -> None:
+        """A service ticked by hand, with no reader thread (tests): read on this thread now,
+        blocking while idle, and looking again only every ADMISSION_POLL_S while busy."""
+        if not block and time.monotonic() < self._next_admission_poll:
             return
-        # The model's tenants are looked up in the same round trip as the first read. The own
-        # stream (requests routed here for the prefixes this cache holds) is read first; the
-        # shared ones in the same round trip unless the last read of the own one filled its room.
-        pipe = self.client.pipeline(transaction=False)
-        pipe.smembers(self.keys.tenants(self.settings.model_name))
-        num_own = self._queue_read(pipe, [self.replica_streams.own], interactive_room, None)
-        shared_too = not self.replica_streams.own_had_more
-        if shared_too:
-            self._queue_read(pipe, self.tenant_streams.of("interactive"), interactive_room, None)
-        tenants, *replies = pipe.execute()
-        entries: list[tuple[str, str, dict]] = stream_reads.entries(replies[:num_own])
-        self.replica_streams.own_had_more = len(entries) >= interactive_room
-        if shared_too:
-            entries += stream_reads.entries(replies[num_own:])
-        elif interactive_room > len(entries):
-            room_left = interactive_room - len(entries)
-            entries += self._read(self.tenant_streams.of("interactive"), room_left, None)
-        new_streams = self.tenant_streams.learn(tenants)
-        if new_streams:
-            self._ensure_groups(new_streams)
-            entries += self._read([s for s in new_streams if s in self.tenant_streams.of("interactive")],
-                                  interactive_room, None)
-        batch_room -= len(entries)
-        if batch_room > 0:
-            entries += self._read(self.tenant_streams.of("batch"), batch_room, None)
-        if not entries and not block:
+        if not self.reader.read_now(self.settings.idle_block_ms if block else None) and not block:
             self._next_admission_poll = time.monotonic() + ADMISSION_POLL_S
-        if not entries and block:
-            entries = self._read(self.streams, max(1, batch_room), self.settings.idle_block_ms)
-        self._admit_entries([(stream, entry_id, fields, 1) for stream, entry_id, fields in entries])
-
-    def _queue_read(self, pipe, streams: list[str], room: int, block_ms: int | None) -> int:
-        """XREADGROUP of several streams (one per partition on a cluster): COUNT applies to each,
-        so the room is shared out. Returns how many replies it adds (service/stream_reads.py)."""
-        return stream_reads.queue_reads(self.client, pipe, self.settings.scheduler_id, streams, room,
-                                        block_ms)
-
-    def _read(self, streams: list[str], room: int, block_ms: int | None) -> list:
-        return stream_reads.read(self.client, self.settings.scheduler_id, streams, room, block_ms)
 
     def _admit_entries(self, entries: list[tuple[str, str, dict | None, int]]) -> None:
-        """Start the requests of stream entries (stream, entry id, fields, deliveries so far).
-        Their records are claimed, and their cancel flags read, in one round trip for all."""
-        admitted: list[tuple[str, str, int, bytes, RequestMessage]] = []
+        """Start the requests of stream entries (stream, entry id, fields, deliveries so far)
+        read on this thread (takeover, a peer's stream)."""
+        self._admit_read([decode_entry(stream, entry_id, fields, num_deliveries)
+                          for stream, entry_id, fields, num_deliveries in entries])
+
+    def _admit_read(self, entries: list[ReadEntry]) -> None:
+        """Start the requests of entries read and decoded. Their records are claimed, and their
+        cancel flags read, in one round trip for all."""
+        admitted: list[tuple[ReadEntry, RequestMessage]] = []
         seen: set[str] = set()  # a request read twice in one batch starts once
-        for stream, entry_id, fields, num_deliveries in entries:
-            payload = (fields or {}).get(b"m")
-            message = self._check_entry(stream, entry_id, payload, num_deliveries)
+        for entry in entries:
+            message = self._check_entry(entry)
             if message is not None and message.req_id not in seen:
                 seen.add(message.req_id)
-                admitted.append((stream, entry_id, num_deliveries, payload, message))
+                admitted.append((entry, message))
         if not admitted:
             return
-        req_ids = [message.req_id for *_, message in admitted]
+        req_ids = [message.req_id for _, message in admitted]
         progress, cancelled = self.results.claim_many(req_ids, [self.keys.cancelled(r) for r in req_ids])
-        for (stream, entry_id, num_deliveries, payload, message), stored, is_cancelled in zip(
-                admitted, progress, cancelled, strict=True):
-            self.replica_streams.count(stream)
-            self._start(stream, entry_id, num_deliveries, payload, message, stored, is_cancelled)
+        for (entry, message), stored, is_cancelled in zip(admitted, progress, cancelled, strict=True):
+            self.replica_streams.count(entry.stream)
+            self._start(entry.stream, entry.entry_id, entry.num_deliveries, entry.payload, message, stored,
+                        is_cancelled)
 
-    def _check_entry(self, stream: str, entry_id: str, payload: bytes | None,
-                     num_deliveries: int) -> RequestMessage | None:
+    def _check_entry(self, entry: ReadEntry) -> RequestMessage | None:
         """The entry's request, or None: undecodable (set aside in tf:dead), or a request this
         engine holds already. (Whether it was delivered too often is judged once its record is
         read: a leftover entry of a request that has ended is only acknowledged.)"""
-        try:
-            if payload is None:
-                raise MessageDecodeError("the entry has no 'm' field")
-            message = RequestMessage.decode(payload)
-        except MessageDecodeError as exc:
-            self._dead_letter(stream, entry_id, f"undecodable: {exc}", num_deliveries, payload)
+        stream, entry_id, num_deliveries, message = (entry.stream, entry.entry_id, entry.num_deliveries,
+                                                     entry.message)
+        if message is None:
+            self._dead_letter(stream, entry_id, f"undecodable: {entry.error}", num_deliveries, entry.payload)
             return None
         # Ours already (claimed back from ourselves, or a duplicate entry), or lost to another
         # scheduler this tick with its abort not yet reported: either way the engine holds it, so

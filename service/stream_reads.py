@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import time
 
+import redis
+
 from protocol.keys import CONSUMER_GROUP, Keys
 from shared.redis_client import is_cluster_client
 
@@ -53,3 +55,13 @@ def read(client, consumer: str, streams: list[str], room: int, block_ms: int | N
         if found or not block_ms or not is_cluster_client(client) or time.monotonic() >= deadline:
             return found
         time.sleep(CLUSTER_POLL_S)
+
+
+def create_groups(client, streams: list[str]) -> None:
+    """The schedulers' consumer group on each stream (made with the stream where it is missing)."""
+    for stream in streams:
+        try:
+            client.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
