@@ -16,6 +16,7 @@ class ServiceSettings:
     idle_block_ms: int = 100  # how long an idle scheduler waits on the streams
     log_stats_interval_s: float = 5.0  # the throughput log line, this often while busy (0: never)
     steal_after_s: float = 2.0  # an idle scheduler takes a live peer's routed entries unread this long
+    num_publishers: int = 2  # result publisher processes (service/result_publisher.py)
     # Claims are renewed on a thread of their own, also during a long step; a tick that has not
     # ended after this long is a hung scheduler, whose claims are left to lapse.
     max_tick_s: float = 300.0

@@ -72,7 +72,7 @@ class SchedulerService(Maintenance):
         self._told_renewer = (-1, -1)  # the (inflight, finishing) versions the renewer was told
         # Builds and writes each step's records and events in a process of its own.
         self.writer = ResultPublisher(redis_url, self.keys, settings.scheduler_id, settings.result_ttl_s,
-                                      engine.tokenizer)
+                                      engine.tokenizer, num_processes=settings.num_publishers)
         self.renewer = ClaimRenewer(self.client, settings.scheduler_id, settings.heartbeat_s,
                                     settings.max_tick_s)
         # Text is made by the publisher, except where stop strings need it in the engine.

@@ -46,6 +46,8 @@ SERVICE_FLAGS = (
      "log prompt/generation tok/s, running, waiting and KV use this often while busy (0: never)"),
     ("steal-after-s", float, 2.0,
      "when idle, take requests routed to a busy peer that waited unread this long"),
+    ("publisher-processes", int, 2,
+     "processes that detokenize and write the results to Redis (each request in one of them)"),
 )
 
 
@@ -332,13 +334,16 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
 
     if args.heartbeat_s <= 0:
         raise InvalidRequestError(f"--heartbeat-s must be > 0, got {args.heartbeat_s}", param="heartbeat-s")
+    if args.publisher_processes < 1:
+        raise InvalidRequestError(f"--publisher-processes must be >= 1, got {args.publisher_processes}",
+                                  param="publisher-processes")
     config = engine_config(args)
     settings = ServiceSettings(
         model_name=args.model_name or Path(config.model).name,
         scheduler_id=args.scheduler_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
         lease_s=args.lease_s, max_deliveries=args.max_deliveries, result_ttl_s=args.result_ttl_s,
         heartbeat_s=args.heartbeat_s, log_stats_interval_s=args.log_stats_interval_s,
-        steal_after_s=args.steal_after_s,
+        steal_after_s=args.steal_after_s, num_publishers=args.publisher_processes,
     )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

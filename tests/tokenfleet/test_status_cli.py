@@ -43,3 +43,8 @@ def test_status_lists_a_corrupt_batch_record_as_failed_and_the_rest_as_they_are(
         assert f"{job_id}: the job's record is corrupt: its field {bad_field!r}" in out, out
     assert main(["status", "--redis-url", redis_server.url, "--json"]) == 0
     check_rows(json.loads(capsys.readouterr().out)["batch_jobs"])
+
+
+def test_scheduler_refuses_no_publisher_process(capsys) -> None:
+    assert main(["scheduler", "--publisher-processes", "0"]) == 1
+    assert "--publisher-processes must be >= 1" in capsys.readouterr().err
