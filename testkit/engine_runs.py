@@ -92,9 +92,9 @@ def run_engine_workload(engine: LLMEngine, workload: Workload, seconds_limit: fl
     if graphs is not None:
         graph_run = graphs.run
 
-        def counted_run(works, hidden_in=None, fill_tokens=None):
+        def counted_run(*args, **kwargs):  # (whatever DecodeGraphs.run takes)
             counts["graph_steps"] += 1
-            return graph_run(works, hidden_in, fill_tokens)
+            return graph_run(*args, **kwargs)
 
         graphs.run = counted_run
     prompt_len: dict[str, int] = {}
