@@ -32,7 +32,11 @@ def frame(data: object, *, event_id: int | None = None, event: str | None = None
 
 
 def comment(text: str) -> bytes:
-    return f": {text}\n\n".encode()
+    """A comment line, without the blank line that would end an event. The openai SDK's decoder
+    keeps the last `id:` across events (as the spec says) and so dispatches a blank line after
+    one as an event with empty data, which it then fails to parse as JSON (a keep-alive in a
+    stream whose chunks carry ids broke the client); a comment line alone dispatches nothing."""
+    return f": {text}\n".encode()
 
 
 class Template:

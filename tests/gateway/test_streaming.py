@@ -204,10 +204,18 @@ async def test_a_quiet_stream_gets_keepalives_and_still_ends_complete(make_clien
     with FakeScheduler(redis_server.url, MODEL, tokenizer, token_delay_s=0.35):
         client = await make_client(poll_s=0.1, keepalive_s=0.2)
         response = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 3, "stream": True})
-        text = await response.text()
-    assert ": keep-alive\n\n" in text
+        raw = await response.read()
+    text = raw.decode()
+    assert ": keep-alive\n" in text.split("id: 1\n", 1)[1]  # (a keep-alive after an event with an id)
     content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks_of(text))
     assert content == tokenizer.decode(tokenizer("The quick brown", add_special_tokens=False).input_ids[:3])
+    # The official SDK's decoder sees only the chunks (a keep-alive after an `id:` line made it
+    # dispatch an empty event, which its stream then failed to parse: JSONDecodeError).
+    from openai._streaming import SSEDecoder
+
+    events = list(SSEDecoder().iter_bytes(iter([raw])))
+    assert events and all(e.data for e in events), [e for e in events if not e.data]
+    assert [json.loads(e.data) for e in events[:-1]] and events[-1].data == "[DONE]"
 
 
 async def test_a_chat_stream_carries_event_ids_and_its_request_id_to_resume_from(make_client, fake_scheduler):
