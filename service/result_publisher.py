@@ -73,9 +73,10 @@ class ResultPublisher:
         self._closed = False
 
     def _process_of(self, req_id: str) -> _Process:
-        if len(self._processes) == 1:
-            return self._processes[0]
-        return self._processes[zlib.crc32(req_id.encode()) % len(self._processes)]
+        return self._processes[self._index_of(req_id)]
+
+    def _index_of(self, req_id: str) -> int:
+        return zlib.crc32(req_id.encode()) % len(self._processes) if len(self._processes) > 1 else 0
 
     # -- what the engine thread sends ----------------------------------------------------
 
@@ -101,10 +102,10 @@ class ResultPublisher:
         """Items dealt to the process of each one's request, in order (none: nothing)."""
         if len(self._processes) == 1:
             return [(self._processes[0], items)] if items else []
-        dealt: dict[int, list] = {}
+        dealt: dict[int, list] = {}  # process index -> its items
         for item in items:
-            dealt.setdefault(id(self._process_of(req_id_of(item))), []).append(item)
-        return [(p, dealt[id(p)]) for p in self._processes if id(p) in dealt]
+            dealt.setdefault(self._index_of(req_id_of(item)), []).append(item)
+        return [(self._processes[i], mine) for i, mine in sorted(dealt.items())]
 
     def _send(self, process: _Process, message: tuple) -> None:
         try:
