@@ -30,9 +30,10 @@ from testkit.workloads import greedy, sharegpt_workload
 
 
 def attention_step(query_lens: list[int], cached: list[int], *, num_heads: int = 32, num_kv_heads: int = 8,
-                   head_dim: int = 128, page_size: int = 16) -> dict:
-    """One layer's paged-attention inputs on the GPU, bf16, Llama-3-8B heads by default: sequence s
-    has cached[s] tokens before the step and query_lens[s] in it, its pages scattered at random."""
+                   head_dim: int = 128, page_size: int = 16, kv_dtype: torch.dtype = torch.bfloat16) -> dict:
+    """One layer's paged-attention inputs on the GPU, Llama-3-8B heads by default: sequence s
+    has cached[s] tokens before the step and query_lens[s] in it, its pages scattered at random;
+    q in bf16, the K/V cache in kv_dtype (bf16, or float8_e4m3fn for an FP8 cache)."""
     gen = torch.Generator().manual_seed(0)
     seq_lens = [c + n for c, n in zip(cached, query_lens, strict=True)]
     pages_per_seq = [-(-n // page_size) for n in seq_lens]
@@ -43,13 +44,18 @@ def attention_step(query_lens: list[int], cached: list[int], *, num_heads: int =
         tables[s, :n] = order[used:used + n]
         used += n
     cache_shape = (len(order), page_size, num_kv_heads, head_dim)
+    cuda_gen = torch.Generator(device="cuda").manual_seed(0)  # long contexts: GBs of cache
     step = dict(q=torch.randn(sum(query_lens), num_heads, head_dim, generator=gen),
-                k_cache=torch.randn(cache_shape, generator=gen),
-                v_cache=torch.randn(cache_shape, generator=gen),
+                k_cache=torch.randn(cache_shape, generator=cuda_gen, device="cuda"),
+                v_cache=torch.randn(cache_shape, generator=cuda_gen, device="cuda"),
                 block_tables=tables, seq_lens=torch.tensor(seq_lens),
                 query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()]))
-    return {name: t.to(device="cuda", dtype=torch.bfloat16 if t.is_floating_point() else t.dtype)
-            for name, t in step.items()}
+    def dtype(name: str, t: torch.Tensor) -> torch.dtype:
+        if not t.is_floating_point():
+            return t.dtype
+        return kv_dtype if name in ("k_cache", "v_cache") else torch.bfloat16
+
+    return {name: t.to(device="cuda", dtype=dtype(name, t)) for name, t in step.items()}
 
 
 def bench_kernels() -> None:
@@ -62,7 +68,10 @@ def bench_kernels() -> None:
     decode_steps = {
         "decode b=256, ctx 16..1500": ([1] * 256, [rng.randint(16, 1500) for _ in range(256)]),
         "decode b=64, ctx 16..1500": ([1] * 64, [rng.randint(16, 1500) for _ in range(64)]),
+        # bench_quant.py's long-context workload: 8k-token prompts, 512 outputs
+        "decode b=64, ctx 8192..8704": ([1] * 64, [rng.randint(8192, 8704) for _ in range(64)]),
     }
+    long_context = "decode b=64, ctx 8192..8704"
     mixed_steps = {
         "mixed 100 dec + 30 prefills": ([1] * 100 + [rng.randint(16, 500) for _ in range(30)],
                                         [rng.randint(16, 1000) for _ in range(100)] + [0] * 30),
@@ -72,30 +81,42 @@ def bench_kernels() -> None:
     }
     # module setting -> value; each config is applied over the defaults
     decode_configs = [{}, {"DECODE_BLOCK_N": 64}, {"NUM_STAGES": 3}, {"NUM_WARPS": 8}]
+    # The long-context step, also with an FP8 cache and with forced split-K ("segments").
+    long_configs = [*decode_configs, {"NUM_STAGES": 4}, {"NUM_WARPS": 8, "NUM_STAGES": 3},
+                    {"segments": 2}, {"segments": 4}, {"segments": 4, "NUM_STAGES": 3},
+                    {"segments": 8, "DECODE_BLOCK_N": 64}]
     mixed_configs = [{}, {"SPLIT_MIXED": False}, {"MIXED_BLOCK_N": 32}, {"MIXED_BLOCK_M": 128},
                      {"MIXED_BLOCK_M": 128, "MIXED_NUM_WARPS": 8},
                      {"MIXED_BLOCK_M": 128, "MIXED_BLOCK_N": 32}, {"NUM_STAGES": 3}]
     settings = ("DECODE_BLOCK_N", "MIXED_BLOCK_N", "MIXED_BLOCK_M", "NUM_WARPS", "MIXED_NUM_WARPS",
                 "NUM_STAGES", "SPLIT_MIXED")
     defaults = {name: getattr(ta, name) for name in settings}
-    print("| step | config | us | K/V GB/s |\n| --- | --- | ---: | ---: |")
-    for steps, configs in ((decode_steps, decode_configs), (mixed_steps, mixed_configs)):
-        for name, (query_lens, cached) in steps.items():
-            step = attention_step(query_lens, cached)
-            kv_bytes = sum(c + n for c, n in zip(cached, query_lens, strict=True)) * 8 * 128 * 2 * 2
-            num_decodes = next((i for i, n in enumerate(query_lens) if n > 1), len(query_lens))
-            args = (step["q"], step["k_cache"], step["v_cache"], step["block_tables"], step["seq_lens"],
-                    step["query_start_loc"], max(query_lens), 128**-0.5, num_decodes)
-            for config in configs:
-                for setting, value in {**defaults, **config}.items():
-                    setattr(ta, setting, value)
-                row = f"| {name} | {config or 'default'} |"
-                try:
-                    ms = triton.testing.do_bench(lambda args=args: ta.paged_attention(*args), warmup=50,
-                                                 rep=200, return_mode="median")
-                    print(f"{row} {ms * 1e3:.1f} | {kv_bytes / ms / 1e6:,.0f} |", flush=True)
-                except Exception as exc:  # noqa: BLE001 - a config that does not compile is a row too
-                    print(f"{row} failed: {type(exc).__name__}: {str(exc)[:80]} | |", flush=True)
+    print("| step | K/V | config | us | K/V GB/s |\n| --- | --- | --- | ---: | ---: |")
+    cases = [(name, case, torch.bfloat16, decode_configs if steps is decode_steps else mixed_configs)
+             for steps in (decode_steps, mixed_steps) for name, case in steps.items() if name != long_context]
+    cases += [(long_context, decode_steps[long_context], kv, long_configs)
+              for kv in (torch.bfloat16, torch.float8_e4m3fn)]
+    for name, (query_lens, cached), kv_dtype, configs in cases:
+        step = attention_step(query_lens, cached, kv_dtype=kv_dtype)
+        kv_bytes = (sum(c + n for c, n in zip(cached, query_lens, strict=True)) * 8 * 128 * 2
+                    * step["k_cache"].element_size())
+        num_decodes = next((i for i, n in enumerate(query_lens) if n > 1), len(query_lens))
+        args = (step["q"], step["k_cache"], step["v_cache"], step["block_tables"], step["seq_lens"],
+                step["query_start_loc"], max(query_lens), 128**-0.5, num_decodes)
+        for config in configs:
+            config = dict(config)
+            segments = config.pop("segments", None)
+            for setting, value in {**defaults, **config}.items():
+                setattr(ta, setting, value)
+            row = f"| {name} | {str(kv_dtype).removeprefix('torch.')} | " \
+                  f"{config or 'default'}{f' segments={segments}' if segments else ''} |"
+            try:
+                ms = triton.testing.do_bench(
+                    lambda args=args, segments=segments: ta.paged_attention(*args, num_segments=segments),
+                    warmup=50, rep=200, return_mode="median")
+                print(f"{row} {ms * 1e3:.1f} | {kv_bytes / ms / 1e6:,.0f} |", flush=True)
+            except Exception as exc:  # noqa: BLE001 - a config that does not compile is a row too
+                print(f"{row} failed: {type(exc).__name__}: {str(exc)[:80]} | |", flush=True)
     for setting, value in defaults.items():
         setattr(ta, setting, value)
 
