@@ -74,7 +74,7 @@ from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
 from shared.logging import configure_logging
 from testkit.checkpoints import SMOLLM2_VOCAB_SIZE, tiny_llama_with_smollm2_tokenizer
-from testkit.completion_streams import run_streams
+from testkit.completion_streams import run_streams, run_streams_in_processes
 from testkit.engine_runs import run_engine_workload, warm_up
 from testkit.processes import Children, CpuMeter, start_gateway, start_redis, start_scheduler
 from testkit.random_models import checkpoint_folder, write_llama3_8b_with_smollm2_tokenizer
@@ -102,6 +102,7 @@ class PathResult:
     cpu_s: dict[str, float] = field(default_factory=dict)  # process -> CPU seconds while timed
     errors: list[str] = field(default_factory=list)
     failed: str | None = None  # why the path gave no figure
+    arrivals: str = ""  # when the requests were queued and started, from their tf:res records
 
     @property
     def output_rate(self) -> float | None:
@@ -118,7 +119,8 @@ class PathResult:
                 "itl_s": spread(self.itl_s), "cpu_s": self.cpu_s,
                 "cpu_us_per_token": {name: 1e6 * s / max(self.num_output_tokens, 1)
                                      for name, s in self.cpu_s.items()},
-                "num_errors": len(self.errors), "errors": self.errors[:10], "failed": self.failed}
+                "num_errors": len(self.errors), "errors": self.errors[:10], "failed": self.failed,
+                "arrivals": self.arrivals}
 
 
 def failed_path(name: str, exc: BaseException) -> PathResult:
@@ -147,11 +149,11 @@ def warmup_burst(workload: Workload, path: str) -> list[list[int]]:
     return shifted(workload.prompts, {"engine": 7, "queue": 7, "http": 19}[path])
 
 
-def http_prompts(workload: Workload) -> list[list[int]]:
+def http_prompts(workload: Workload, client_processes: int) -> list[list[int]]:
     """(c) shares its scheduler with (b), whose prefix cache holds (b)'s prompts once it has run:
-    (c) times prompts of the same lengths with other ids, or it would measure cache hits (an HTTP
-    path faster than the engine: TTFT p50 366 against the queue path's 1,232 ms on the H200)."""
-    return shifted(workload.prompts, 13)
+    each (c) run times prompts of the same lengths with other ids, or it would measure cache hits
+    (an HTTP path faster than the engine: TTFT p50 366 against the queue path's 1,232 ms on the H200)."""
+    return shifted(workload.prompts, 13 + 4 * (client_processes - 1))
 
 
 # -- the model ---------------------------------------------------------------------------------
@@ -228,6 +230,22 @@ def check_records(client: redis.Redis, req_ids: list[str], max_tokens: list[int]
     return errors
 
 
+def arrivals_note(client: redis.Redis, req_ids: list[str], max_tokens: list[int], start_wall: float) -> str:
+    """When a path's requests reached the queue and the engine, after the path's start (wall
+    clock, as the records' times): a burst's time ends with its longest requests, so a longest
+    request started late makes the whole path late."""
+    records = read_results(client, req_ids)
+
+    def after(field_name: bytes, which: list[str]) -> float | None:
+        times = [float(records[r][field_name]) for r in which if field_name in records[r]]
+        return 1e3 * (max(times) - start_wall) if times else None
+
+    longest = [r for r, m in zip(req_ids, max_tokens, strict=True) if m == max(max_tokens)]
+    parts = {"last queued": after(b"queued_at", req_ids), "last started": after(b"started_at", req_ids),
+             f"last {max(max_tokens)}-token request started": after(b"started_at", longest)}
+    return "; ".join(f"{name} +{ms:,.0f} ms" for name, ms in parts.items() if ms is not None)
+
+
 def run_queue_path(args: argparse.Namespace, children: Children, redis_url: str, redis_port: int,
                    workload: Workload, meter: CpuMeter, tmp: Path) -> PathResult:
     result = PathResult("(b) Redis stream -> scheduler")
@@ -240,6 +258,7 @@ def run_queue_path(args: argparse.Namespace, children: Children, redis_url: str,
     wait_drained(client, MODEL_NAME, args.timeout_s, children=children)
     with EventListener(redis_port, tmp / "listener.pickle") as listener:
         meter.start()
+        start_wall = time.time()
         req_ids, start = submit_requests(client, MODEL_NAME, workload.prompts,
                                          [greedy(m) for m in workload.max_tokens])
         wait_drained(client, MODEL_NAME, args.timeout_s, children=children)
@@ -247,6 +266,7 @@ def run_queue_path(args: argparse.Namespace, children: Children, redis_url: str,
         time.sleep(0.5)  # the listener has every event by now
     events = listener.events()
     result.errors = check_records(client, req_ids, workload.max_tokens)
+    result.arrivals = arrivals_note(client, req_ids, workload.max_tokens, start_wall)
     last = start
     for req_id in req_ids:
         with_tokens = [e for e in events.get(req_id, []) if e.num_tokens]
@@ -265,9 +285,7 @@ def run_queue_path(args: argparse.Namespace, children: Children, redis_url: str,
 # -- (c) HTTP ----------------------------------------------------------------------------------------
 
 
-def run_http_path(args: argparse.Namespace, gateway_url: str, workload: Workload,
-                  meter: CpuMeter) -> PathResult:
-    result = PathResult("(c) SSE clients -> gateway -> Redis -> scheduler")
+def warm_up_http(args: argparse.Namespace, gateway_url: str, workload: Workload) -> None:
     warmup = warmup_prompts(SMOLLM2_VOCAB_SIZE)
     streams, _ = asyncio.run(run_streams(gateway_url, MODEL_NAME, warmup, [8] * len(warmup), len(warmup),
                                          args.timeout_s))
@@ -276,10 +294,23 @@ def run_http_path(args: argparse.Namespace, gateway_url: str, workload: Workload
                                        args.timeout_s))
     if any(s.error for s in [*streams, *burst]):
         raise RuntimeError(f"warm-up failed: {[s.error for s in [*streams, *burst] if s.error][:3]}")
+
+
+def run_http_path(args: argparse.Namespace, gateway_url: str, redis_url: str, workload: Workload,
+                  meter: CpuMeter, client_processes: int) -> PathResult:
+    """The burst as streamed completions from `client_processes` client processes (1: from this one)."""
+    clients = "one client process" if client_processes == 1 else f"{client_processes} client processes"
+    result = PathResult(f"(c) SSE clients -> gateway -> Redis -> scheduler, {clients}")
+    prompts = http_prompts(workload, client_processes)
     meter.start()
-    prompts = http_prompts(workload)
-    streams, start = asyncio.run(run_streams(gateway_url, MODEL_NAME, prompts, workload.max_tokens,
-                                             args.concurrency, args.timeout_s))
+    start_wall = time.time()
+    if client_processes == 1:
+        streams, start = asyncio.run(run_streams(gateway_url, MODEL_NAME, prompts, workload.max_tokens,
+                                                 args.concurrency, args.timeout_s))
+    else:  # their CPU is not metered ("this process" is the parent, idle)
+        streams, start, start_wall = run_streams_in_processes(gateway_url, MODEL_NAME, prompts,
+                                                              workload.max_tokens, args.concurrency,
+                                                              args.timeout_s, client_processes)
     result.cpu_s = meter.stop()
     result.errors = [s.error for s in streams if s.error]
     ended = [s for s in streams if s.error is None]
@@ -288,6 +319,10 @@ def run_http_path(args: argparse.Namespace, gateway_url: str, workload: Workload
         result.num_output_tokens += s.completion_tokens
         result.ttft_s.append(s.chunk_times[0] - s.start)
         result.itl_s += itl_gaps(s.chunk_times)
+    seen = [(s.req_id, m) for s, m in zip(streams, workload.max_tokens, strict=True) if s.req_id]
+    if seen:
+        result.arrivals = arrivals_note(redis.Redis.from_url(redis_url), [r for r, _ in seen],
+                                        [m for _, m in seen], start_wall)
     return result
 
 
@@ -311,8 +346,10 @@ def run_fleet_paths(args: argparse.Namespace, folder: Path, workload: Workload,
             results.append(run_path("(b) Redis stream -> scheduler", run_queue_path, args, children,
                                     redis_url, redis_port, workload, meter, tmp))
         if gateway_url is not None:
-            results.append(run_path("(c) SSE clients -> gateway -> Redis -> scheduler", run_http_path, args,
-                                    gateway_url, workload, meter))
+            warm_up_http(args, gateway_url, workload)
+            for processes in sorted({1, args.client_processes}):
+                results.append(run_path(f"(c) SSE clients, {processes} client processes", run_http_path, args,
+                                        gateway_url, redis_url, workload, meter, processes))
     except Exception as exc:  # noqa: BLE001 - a failed path is a row
         results.append(failed_path("fleet (Redis, scheduler, gateway)", exc))
     finally:
@@ -355,6 +392,8 @@ def print_table(results: list[PathResult], caption: str) -> None:
                          for n in names)
         cores = ", ".join(f"{n} {s / r.seconds:.2f} cores" for n, s in r.cpu_s.items() if r.seconds)
         notes = f"{r.seconds:.1f} s, {r.num_output_tokens:,} tokens; {cores}"
+        if r.arrivals:
+            notes += f"; {r.arrivals}"
         if r.errors:
             notes += f"; {len(r.errors)} ERRORS, first: {r.errors[0]}"
         print(f"| {r.name} | {r.output_rate:,.0f} | {ratio} | {ttft} | {itl} | {cpu} | {notes} |")
@@ -383,6 +422,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--appendfsync", choices=("always", "everysec", "no"), default="everysec",
                         help="redis-server's fsync policy for its append-only file")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="a path that takes longer fails")
+    parser.add_argument("--client-processes", type=int, default=4,
+                        help="(c) also runs its burst from this many client processes (1: only this one)")
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--skip-queue", action="store_true")
     parser.add_argument("--skip-http", action="store_true")

@@ -84,12 +84,15 @@ def bench_kernels() -> None:
     # The long-context step, also with an FP8 cache and with forced split-K ("segments").
     long_configs = [*decode_configs, {"NUM_STAGES": 4}, {"NUM_WARPS": 8, "NUM_STAGES": 3},
                     {"segments": 2}, {"segments": 4}, {"segments": 4, "NUM_STAGES": 3},
-                    {"segments": 8, "DECODE_BLOCK_N": 64}]
+                    {"segments": 8, "DECODE_BLOCK_N": 64}, {"FP8_WIDEN_FP16": True},
+                    {"FP8_WIDEN_FP16": True, "NUM_STAGES": 3}, {"FP8_WIDEN_FP16": True, "segments": 2},
+                    {"FP8_WIDEN_FP16": True, "DECODE_BLOCK_N": 64}, {"NUM_WARPS": 2},
+                    {"DECODE_BLOCK_N": 256, "NUM_WARPS": 8}, {"DECODE_BLOCK_N": 32, "NUM_STAGES": 4}]
     mixed_configs = [{}, {"SPLIT_MIXED": False}, {"MIXED_BLOCK_N": 32}, {"MIXED_BLOCK_M": 128},
                      {"MIXED_BLOCK_M": 128, "MIXED_NUM_WARPS": 8},
                      {"MIXED_BLOCK_M": 128, "MIXED_BLOCK_N": 32}, {"NUM_STAGES": 3}]
     settings = ("DECODE_BLOCK_N", "MIXED_BLOCK_N", "MIXED_BLOCK_M", "NUM_WARPS", "MIXED_NUM_WARPS",
-                "NUM_STAGES", "SPLIT_MIXED")
+                "NUM_STAGES", "SPLIT_MIXED", "FP8_WIDEN_FP16")
     defaults = {name: getattr(ta, name) for name in settings}
     print("| step | K/V | config | us | K/V GB/s |\n| --- | --- | --- | ---: | ---: |")
     cases = [(name, case, torch.bfloat16, decode_configs if steps is decode_steps else mixed_configs)

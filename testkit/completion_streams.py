@@ -1,12 +1,15 @@
 """Streaming /v1/completions clients, as the GPU benchmarks' load: prompts as token ids, greedy,
-EOS ignored, every chunk with text timestamped as it arrives (aiohttp, in the calling process).
-A stream that does not end with exactly its max_tokens (finish_reason "length") is an error."""
+EOS ignored, every chunk with text timestamped as it arrives (aiohttp, in the calling process,
+or dealt over several client processes). A stream that does not end with exactly its max_tokens
+(finish_reason "length") is an error."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -19,6 +22,7 @@ class Stream:
     """One client's view of its streamed completion (times are time.monotonic())."""
 
     start: float = 0.0
+    req_id: str | None = None  # from the chunks' id ("cmpl-<req_id>"), to find its tf:res record
     chunk_times: list[float] = field(default_factory=list)  # arrivals of chunks with text
     end: float = 0.0
     completion_tokens: int | None = None
@@ -57,6 +61,8 @@ def read_event(stream: Stream, payload: str, now: float) -> None:
         stream.end = now
         return
     chunk = json.loads(payload)
+    if stream.req_id is None:
+        stream.req_id = chunk["id"].removeprefix("cmpl-")
     if chunk.get("usage"):
         stream.completion_tokens = chunk["usage"]["completion_tokens"]
     for choice in chunk["choices"]:
@@ -76,3 +82,34 @@ async def run_streams(url: str, model: str, prompts: list[list[int]], max_tokens
         streams = await asyncio.gather(*(run_stream(session, url, model, p, m, gate)
                                          for p, m in zip(prompts, max_tokens, strict=True)))
     return streams, start
+
+
+def run_streams_in_processes(url: str, model: str, prompts: list[list[int]], max_tokens: list[int],
+                             concurrency: int, timeout_s: float,
+                             processes: int) -> tuple[list[Stream], float, float]:
+    """run_streams with the prompts dealt round-robin over `processes` client processes that start
+    together, as independent clients would: one Python process sending a 500-request burst spends
+    a few hundred ms of its own CPU before its last request leaves. Returns the streams in the
+    prompts' order, the earliest start (time.monotonic() is one clock for every process) and the
+    time.time() the processes were told to start at."""
+    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(_ready, range(processes)))  # imports done before the clock starts
+        start_at = time.time() + 0.5
+        each = max(1, concurrency // processes)
+        shares = [pool.submit(_run_share, url, model, prompts[i::processes], max_tokens[i::processes], each,
+                              timeout_s, start_at) for i in range(processes)]
+        results = [share.result() for share in shares]
+    streams: list[Stream] = [Stream()] * len(prompts)
+    for i, (share_streams, _) in enumerate(results):
+        streams[i::processes] = share_streams
+    return streams, min(start for _, start in results), start_at
+
+
+def _ready(_: int) -> None:
+    pass
+
+
+def _run_share(url: str, model: str, prompts: list[list[int]], max_tokens: list[int], concurrency: int,
+               timeout_s: float, start_at: float) -> tuple[list[Stream], float]:
+    time.sleep(max(0.0, start_at - time.time()))
+    return asyncio.run(run_streams(url, model, prompts, max_tokens, concurrency, timeout_s))

@@ -36,6 +36,9 @@ NUM_WARPS = 4
 MIXED_NUM_WARPS = 4
 SPLIT_MIXED = True  # mixed steps: decodes and prefill chunks as two launches
 NUM_STAGES = 2  # software pipelining of the K/V tile loads
+# An FP8 cache's tiles widened to float16 (one conversion instruction per pair on Hopper) with q
+# cast to float16 for the products, rather than to q's bfloat16. Chosen by profile_gpu.py --kernels.
+FP8_WIDEN_FP16 = False
 
 
 if triton is not None:
@@ -70,6 +73,7 @@ if triton is not None:
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         PAGE_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
         NUM_SEGMENTS: tl.constexpr, DECODE_ONLY: tl.constexpr, IEEE_DOT: tl.constexpr,
+        WIDEN_FP16: tl.constexpr,
     ):
         pid = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -99,6 +103,8 @@ if triton is not None:
         q_rows = (q_start + q_tok).to(tl.int64)
         q = tl.load(q_ptr + q_rows[:, None] * stride_q_tok + head[:, None] * stride_q_head + d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_PAD]
+        if WIDEN_FP16:  # an FP8 cache's products in float16 (q clamped into its range)
+            q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
         q_pos = first_pos + q_tok
 
         # Keys this block of queries can see: up to its last token's position.
@@ -284,6 +290,7 @@ def _launch(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         PAGE_SIZE=page_size, BLOCK_Q=block_q, BLOCK_N=DECODE_BLOCK_N if decode_only else MIXED_BLOCK_N,
         NUM_SEGMENTS=num_segments, DECODE_ONLY=decode_only, IEEE_DOT=q.dtype == torch.float32,
+        WIDEN_FP16=FP8_WIDEN_FP16 and k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32,
         num_warps=NUM_WARPS if decode_only else MIXED_NUM_WARPS, num_stages=NUM_STAGES,
     )
     if num_segments > 1:
