@@ -59,6 +59,7 @@ import asyncio
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -247,7 +248,7 @@ def arrivals_note(client: redis.Redis, req_ids: list[str], max_tokens: list[int]
 
 
 def run_queue_path(args: argparse.Namespace, children: Children, redis_url: str, redis_port: int,
-                   workload: Workload, meter: CpuMeter, tmp: Path) -> PathResult:
+                   workload: Workload, meter: CpuMeter, profiles: PathProfiles, tmp: Path) -> PathResult:
     result = PathResult("(b) Redis stream -> scheduler")
     client = redis.Redis.from_url(redis_url)
     warmup = warmup_prompts(SMOLLM2_VOCAB_SIZE)
@@ -257,6 +258,7 @@ def run_queue_path(args: argparse.Namespace, children: Children, redis_url: str,
     submit_requests(client, MODEL_NAME, burst, [greedy(WARMUP_BURST_TOKENS)] * len(burst))
     wait_drained(client, MODEL_NAME, args.timeout_s, children=children)
     with EventListener(redis_port, tmp / "listener.pickle") as listener:
+        profiles.start("queue")
         meter.start()
         start_wall = time.time()
         req_ids, start = submit_requests(client, MODEL_NAME, workload.prompts,
@@ -264,6 +266,7 @@ def run_queue_path(args: argparse.Namespace, children: Children, redis_url: str,
         wait_drained(client, MODEL_NAME, args.timeout_s, children=children)
         result.cpu_s = meter.stop()
         time.sleep(0.5)  # the listener has every event by now
+    profiles.wait()
     events = listener.events()
     result.errors = check_records(client, req_ids, workload.max_tokens)
     result.arrivals = arrivals_note(client, req_ids, workload.max_tokens, start_wall)
@@ -297,11 +300,12 @@ def warm_up_http(args: argparse.Namespace, gateway_url: str, workload: Workload)
 
 
 def run_http_path(args: argparse.Namespace, gateway_url: str, redis_url: str, workload: Workload,
-                  meter: CpuMeter, client_processes: int) -> PathResult:
+                  meter: CpuMeter, profiles: PathProfiles, client_processes: int) -> PathResult:
     """The burst as streamed completions from `client_processes` client processes (1: from this one)."""
     clients = "one client process" if client_processes == 1 else f"{client_processes} client processes"
     result = PathResult(f"(c) SSE clients -> gateway -> Redis -> scheduler, {clients}")
     prompts = http_prompts(workload, client_processes)
+    profiles.start(f"http{client_processes}")
     meter.start()
     start_wall = time.time()
     if client_processes == 1:
@@ -312,6 +316,7 @@ def run_http_path(args: argparse.Namespace, gateway_url: str, redis_url: str, wo
                                                               workload.max_tokens, args.concurrency,
                                                               args.timeout_s, client_processes)
     result.cpu_s = meter.stop()
+    profiles.wait()
     result.errors = [s.error for s in streams if s.error]
     ended = [s for s in streams if s.error is None]
     result.seconds = max((s.end for s in ended), default=start) - start
@@ -342,14 +347,15 @@ def run_fleet_paths(args: argparse.Namespace, folder: Path, workload: Workload,
             gateway_url = start_fleet_gateway(args, children, redis_url, folder)
             pids["gateway"] = children.pid("gateway")
         meter = CpuMeter(pids)
+        profiles = PathProfiles(args, pids)
         if not args.skip_queue:
             results.append(run_path("(b) Redis stream -> scheduler", run_queue_path, args, children,
-                                    redis_url, redis_port, workload, meter, tmp))
+                                    redis_url, redis_port, workload, meter, profiles, tmp))
         if gateway_url is not None:
             warm_up_http(args, gateway_url, workload)
             for processes in sorted({1, args.client_processes}):
                 results.append(run_path(f"(c) SSE clients, {processes} client processes", run_http_path, args,
-                                        gateway_url, redis_url, workload, meter, processes))
+                                        gateway_url, redis_url, workload, meter, profiles, processes))
     except Exception as exc:  # noqa: BLE001 - a failed path is a row
         results.append(failed_path("fleet (Redis, scheduler, gateway)", exc))
     finally:
@@ -358,6 +364,31 @@ def run_fleet_paths(args: argparse.Namespace, folder: Path, workload: Workload,
                 print(f"--- {name} log (end) ---\n{children.tail(name)}", file=sys.stderr)
         children.stop()
     return results
+
+
+class PathProfiles:
+    """py-spy on the scheduler (with its publishers) and the gateway (with its workers) for
+    --py-spy-seconds from a path's timed start, one raw file each; nothing without --py-spy."""
+
+    def __init__(self, args: argparse.Namespace, pids: dict[str, int]) -> None:
+        self.folder, self.seconds = args.py_spy, args.py_spy_seconds
+        self.pids = {role: pid for role, pid in pids.items() if role in ("scheduler", "gateway")}
+        self.spies: list[subprocess.Popen] = []
+
+    def start(self, label: str) -> None:
+        if self.folder is None or shutil.which("py-spy") is None:
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.spies = [subprocess.Popen(
+            ["py-spy", "record", "-p", str(pid), "-d", str(self.seconds), "-r", "200", "--nonblocking",
+             "--subprocesses", "--threads", "-f", "raw",
+             "-o", str(self.folder / f"burst_{label}_{role}.txt")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT) for role, pid in self.pids.items()]
+
+    def wait(self) -> None:
+        for spy in self.spies:
+            spy.wait()
+        self.spies = []
 
 
 def run_path(name: str, run, *args) -> PathResult:
@@ -424,6 +455,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout-s", type=float, default=300.0, help="a path that takes longer fails")
     parser.add_argument("--client-processes", type=int, default=4,
                         help="(c) also runs its burst from this many client processes (1: only this one)")
+    parser.add_argument("--py-spy", type=Path, help="folder for py-spy profiles of (b) and (c)")
+    parser.add_argument("--py-spy-seconds", type=int, default=6, help="each profile's length")
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--skip-queue", action="store_true")
     parser.add_argument("--skip-http", action="store_true")
