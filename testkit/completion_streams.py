@@ -9,7 +9,6 @@ import asyncio
 import json
 import multiprocessing
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -91,25 +90,28 @@ def run_streams_in_processes(url: str, model: str, prompts: list[list[int]], max
     together, as independent clients would: one Python process sending a 500-request burst spends
     a few hundred ms of its own CPU before its last request leaves. Returns the streams in the
     prompts' order, the earliest start (time.monotonic() is one clock for every process) and the
-    time.time() the processes were told to start at."""
-    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
-        list(pool.map(_ready, range(processes)))  # imports done before the clock starts
-        start_at = time.time() + 0.5
-        each = max(1, concurrency // processes)
-        shares = [pool.submit(_run_share, url, model, prompts[i::processes], max_tokens[i::processes], each,
-                              timeout_s, start_at) for i in range(processes)]
-        results = [share.result() for share in shares]
+    time.time() the processes were let go."""
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Barrier(processes + 1)  # every process has imported aiohttp and waits
+    results = ctx.Queue()
+    each = max(1, concurrency // processes)
+    workers = [ctx.Process(target=_run_share, daemon=True,
+                           args=(i, url, model, prompts[i::processes], max_tokens[i::processes], each,
+                                 timeout_s, ready, results)) for i in range(processes)]
+    for worker in workers:
+        worker.start()
+    ready.wait(120)
+    start_wall = time.time()
+    shares = dict(results.get(timeout=timeout_s + 120) for _ in workers)  # before join: the queue's pipe
+    for worker in workers:
+        worker.join(30)
     streams: list[Stream] = [Stream()] * len(prompts)
-    for i, (share_streams, _) in enumerate(results):
+    for i, (share_streams, _) in shares.items():
         streams[i::processes] = share_streams
-    return streams, min(start for _, start in results), start_at
+    return streams, min(start for _, start in shares.values()), start_wall
 
 
-def _ready(_: int) -> None:
-    pass
-
-
-def _run_share(url: str, model: str, prompts: list[list[int]], max_tokens: list[int], concurrency: int,
-               timeout_s: float, start_at: float) -> tuple[list[Stream], float]:
-    time.sleep(max(0.0, start_at - time.time()))
-    return asyncio.run(run_streams(url, model, prompts, max_tokens, concurrency, timeout_s))
+def _run_share(index: int, url: str, model: str, prompts: list[list[int]], max_tokens: list[int],
+               concurrency: int, timeout_s: float, ready, results) -> None:
+    ready.wait(120)
+    results.put((index, asyncio.run(run_streams(url, model, prompts, max_tokens, concurrency, timeout_s))))

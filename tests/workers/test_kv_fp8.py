@@ -26,10 +26,11 @@ def _runner(folder, **config) -> ModelRunner:
 
 @pytest.mark.parametrize(("dtype", "ratio"), [("bfloat16", 2), ("float32", 4)])
 def test_an_fp8_kv_cache_holds_twice_the_blocks_of_bf16_in_the_same_bytes(dtype, ratio, tiny_checkpoints):
-    budget = 4 << 20
-    full = _runner(tiny_checkpoints["llama"], dtype=dtype, num_kv_blocks=None, kv_cache_bytes_cpu=budget)
+    budget = 4 << 20  # a CPU budget: on a CUDA host the cache would be sized from the GPU's free memory
+    full = _runner(tiny_checkpoints["llama"], dtype=dtype, num_kv_blocks=None, kv_cache_bytes_cpu=budget,
+                   device="cpu")
     fp8 = _runner(tiny_checkpoints["llama"], dtype=dtype, num_kv_blocks=None, kv_cache_bytes_cpu=budget,
-                  kv_cache_dtype="fp8")
+                  kv_cache_dtype="fp8", device="cpu")
     assert fp8.kv_caches.dtype == FP8_DTYPE and full.kv_caches.dtype == full.dtype
     assert fp8.kv_block_bytes * ratio == full.kv_block_bytes
     assert fp8.num_kv_blocks >= 0.95 * ratio * full.num_kv_blocks  # the scratch block aside
