@@ -57,9 +57,13 @@ def block_m_for(m: int) -> int:
 
 # The configs timed at start, per token count. Small BLOCK_N gives N >= 4096 enough programs
 # (4096 / 16 = 256 on 132 SMs) without split-K; split-K stays for the configs that need wide tiles.
+# M = 1 also tries longer K runs and more programs (narrow tiles, split-K): at 45-73% of the
+# bandwidth with the first eight, the small shapes (qkv, o) were short of bytes in flight per SM.
 GEMV_CONFIGS = tuple(W8A16Config(n, k, w, st, sp, gemv=True) for n, k, w, st, sp in (
     (8, 512, 4, 3, 1), (16, 512, 4, 3, 1), (32, 256, 4, 3, 1), (16, 1024, 8, 2, 1), (32, 512, 8, 2, 1),
-    (16, 512, 4, 1, 1), (16, 512, 4, 3, 2), (64, 256, 8, 2, 2)))
+    (16, 512, 4, 1, 1), (16, 512, 4, 3, 2), (64, 256, 8, 2, 2),
+    (8, 1024, 4, 2, 1), (4, 2048, 4, 2, 1), (8, 2048, 8, 2, 1), (8, 1024, 4, 3, 2), (16, 512, 4, 3, 4),
+    (4, 1024, 4, 3, 2)))
 DOT_CONFIGS_M16 = tuple(W8A16Config(*c) for c in (
     (16, 256, 4, 4), (32, 256, 4, 4), (32, 128, 4, 5), (64, 128, 4, 4), (16, 512, 4, 3), (64, 256, 8, 3),
     (64, 128, 4, 4, 2), (128, 128, 8, 3, 2)))
