@@ -63,7 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--smoke", action="store_true", help="tiny model and workload (checks the script)")
-    parser.add_argument("--methods", default="bf16,fp8", help="comma-separated: bf16, fp8, int8")
+    parser.add_argument("--methods", default="bf16,fp8",
+                        help="comma-separated: bf16, fp8, int8, fp8+kv8 (FP8 weights and KV cache)")
     parser.add_argument("--num-requests", type=int, help="default 500 (24 with --smoke)")
     parser.add_argument("--engine-seconds", type=float, default=240.0)
     parser.add_argument("--accuracy-model", type=Path, help="a real checkpoint for perplexity (e.g. SmolLM2)")
@@ -98,11 +99,18 @@ def greedy_outputs_and_logits(engine: LLMEngine,
     return outputs, logits
 
 
+# --methods name -> (quantization, kv_cache_dtype) of its engine; "fp8+kv8": FP8 weights and KV cache.
+WEIGHT_METHODS = {"bf16": (None, "auto"), "fp8": ("fp8", "auto"), "int8": ("int8", "auto"),
+                  "fp8+kv8": ("fp8", "fp8")}
+
+
 def measure(method: str, folder: Path, args, workload, vocab_size: int, budget: int,
             prompts: list[list[int]]) -> dict:
-    quantization = None if method == "bf16" else method
+    quantization, kv_cache_dtype = WEIGHT_METHODS[method]
     result: dict = {"method": method}
-    overrides = {} if quantization is None else {"max_weight_bytes_per_rank": budget}
+    overrides = {"kv_cache_dtype": kv_cache_dtype}
+    if quantization is not None:
+        overrides["max_weight_bytes_per_rank"] = budget
     try:
         engine = LLMEngine(engine_config(folder, args, quantization, **overrides), load_tokenizer_files=False)
     except ModelLoadError as exc:  # int8 on CUDA
@@ -236,8 +244,9 @@ def main(argv: list[str] | None = None) -> None:
         print("\n".join(linear_table(torch.device(args.device), smoke=args.smoke)))
         return
     methods = args.methods.split(",")
-    if methods[0] != "bf16" or not set(methods) <= {"bf16", "fp8", "int8"}:
-        raise SystemExit("--methods: bf16 first (the baseline), then fp8 and/or int8")
+    if methods[0] != "bf16" or not set(methods) <= set(WEIGHT_METHODS):
+        others = ", ".join(list(WEIGHT_METHODS)[1:])
+        raise SystemExit(f"--methods: bf16 first (the baseline), then any of {others}")
     if args.accuracy_only:
         if not args.accuracy_model:
             raise SystemExit("--accuracy-only needs --accuracy-model")

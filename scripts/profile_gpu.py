@@ -58,8 +58,9 @@ def attention_step(query_lens: list[int], cached: list[int], *, num_heads: int =
     return {name: t.to(device="cuda", dtype=dtype(name, t)) for name, t in step.items()}
 
 
-def bench_kernels() -> None:
-    """Times the attention kernel per config on decode and mixed steps shaped like the workload."""
+def bench_kernels(only: str | None = None) -> None:
+    """Times the attention kernel per config on decode and mixed steps shaped like the workload
+    (only: the steps whose name holds this text)."""
     import triton
 
     from workers.layers import triton_attention as ta
@@ -71,7 +72,6 @@ def bench_kernels() -> None:
         # bench_quant.py's long-context workload: 8k-token prompts, 512 outputs
         "decode b=64, ctx 8192..8704": ([1] * 64, [rng.randint(8192, 8704) for _ in range(64)]),
     }
-    long_context = "decode b=64, ctx 8192..8704"
     mixed_steps = {
         "mixed 100 dec + 30 prefills": ([1] * 100 + [rng.randint(16, 500) for _ in range(30)],
                                         [rng.randint(16, 1000) for _ in range(100)] + [0] * 30),
@@ -79,15 +79,15 @@ def bench_kernels() -> None:
                                        [rng.randint(16, 1000) for _ in range(250)] + [0, 0]),
         "prefill 8 x 1000": ([1000] * 8, [0] * 8),
     }
-    # module setting -> value; each config is applied over the defaults
-    decode_configs = [{}, {"DECODE_BLOCK_N": 64}, {"NUM_STAGES": 3}, {"NUM_WARPS": 8}]
-    # The long-context step, also with an FP8 cache and with forced split-K ("segments").
-    long_configs = [*decode_configs, {"NUM_STAGES": 4}, {"NUM_WARPS": 8, "NUM_STAGES": 3},
-                    {"segments": 2}, {"segments": 4}, {"segments": 4, "NUM_STAGES": 3},
-                    {"segments": 8, "DECODE_BLOCK_N": 64}, {"FP8_WIDEN_FP16": True},
-                    {"FP8_WIDEN_FP16": True, "NUM_STAGES": 3}, {"FP8_WIDEN_FP16": True, "segments": 2},
-                    {"FP8_WIDEN_FP16": True, "DECODE_BLOCK_N": 64}, {"NUM_WARPS": 2},
-                    {"DECODE_BLOCK_N": 256, "NUM_WARPS": 8}, {"DECODE_BLOCK_N": 32, "NUM_STAGES": 4}]
+    # module setting -> value; each config is applied over the defaults ("segments": the split-K
+    # of decode launches, forced, instead of decode_segments' choice by occupancy)
+    decode_configs = [{}, {"DECODE_BLOCK_N": 64}, {"NUM_STAGES": 3}, {"NUM_WARPS": 8}, {"segments": 2},
+                      {"segments": 4}, {"DECODE_BLOCK_N": 64, "segments": 2}]
+    # An FP8 cache: widened to float16 (the default) or to bf16, and the split that suits its
+    # cheaper tiles.
+    fp8_configs = [{}, {"FP8_WIDEN_FP16": False}, {"segments": 2}, {"segments": 4}, {"NUM_STAGES": 3},
+                   {"NUM_STAGES": 3, "segments": 2}, {"DECODE_BLOCK_N": 64, "segments": 2},
+                   {"NUM_WARPS": 8, "segments": 2}]
     mixed_configs = [{}, {"SPLIT_MIXED": False}, {"MIXED_BLOCK_N": 32}, {"MIXED_BLOCK_M": 128},
                      {"MIXED_BLOCK_M": 128, "MIXED_NUM_WARPS": 8},
                      {"MIXED_BLOCK_M": 128, "MIXED_BLOCK_N": 32}, {"NUM_STAGES": 3}]
@@ -95,10 +95,10 @@ def bench_kernels() -> None:
                 "NUM_STAGES", "SPLIT_MIXED", "FP8_WIDEN_FP16")
     defaults = {name: getattr(ta, name) for name in settings}
     print("| step | K/V | config | us | K/V GB/s |\n| --- | --- | --- | ---: | ---: |")
-    cases = [(name, case, torch.bfloat16, decode_configs if steps is decode_steps else mixed_configs)
-             for steps in (decode_steps, mixed_steps) for name, case in steps.items() if name != long_context]
-    cases += [(long_context, decode_steps[long_context], kv, long_configs)
-              for kv in (torch.bfloat16, torch.float8_e4m3fn)]
+    cases = [(name, case, torch.bfloat16, mixed_configs) for name, case in mixed_steps.items()]
+    cases += [(name, case, kv, decode_configs if kv == torch.bfloat16 else fp8_configs)
+              for name, case in decode_steps.items() for kv in (torch.bfloat16, torch.float8_e4m3fn)]
+    cases = [case for case in cases if only is None or only in case[0]]
     for name, (query_lens, cached), kv_dtype, configs in cases:
         step = attention_step(query_lens, cached, kv_dtype=kv_dtype)
         kv_bytes = (sum(c + n for c, n in zip(cached, query_lens, strict=True)) * 8 * 128 * 2
@@ -128,10 +128,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--num-requests", type=int, default=500)
     parser.add_argument("--kernels", action="store_true", help="time the attention kernel alone")
+    parser.add_argument("--steps", help="--kernels: only the steps whose name holds this (e.g. decode)")
     args = parser.parse_args()
     print_command()
     if args.kernels:
-        bench_kernels()
+        bench_kernels(args.steps)
         return
     device = torch.device("cuda")
     model = random_llama(LLAMA3_8B, device)
