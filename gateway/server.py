@@ -12,6 +12,7 @@ from aiohttp import web
 from gateway.app import create_app
 from gateway.middlewares import AccessLogger
 from gateway.settings import GatewaySettings
+from shared.gc_tuning import tune_for_serving
 from shared.logging import get_logger
 
 log = get_logger("tokenfleet.gateway")
@@ -38,6 +39,7 @@ async def _serve(settings: GatewaySettings, reuse_port: bool, on_ready: Callable
     runner = web.AppRunner(create_app(settings), handler_cancellation=True, access_log_class=AccessLogger,
                            shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()  # the app's cleanup_ctx: models, Redis, pub/sub, ingester (fails here, clearly)
+    tune_for_serving()  # the tokenizers are loaded: the startup heap leaves the collector's walks
     try:
         site = web.TCPSite(runner, settings.host, settings.port, reuse_port=reuse_port or None)
         await site.start()

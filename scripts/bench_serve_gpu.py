@@ -51,6 +51,7 @@ from bench_fleet_gpu import prepare_model
 from gateway.models import ServedModel
 from protocol.keys import Keys
 from protocol.result_record import F
+from shared.gc_tuning import tune_for_serving
 from shared.net import free_port
 from testkit.arrivals import Chats, ServingRow, run_chats
 from testkit.processes import Children, wait_ready
@@ -180,6 +181,7 @@ def engine_rows(args: argparse.Namespace, folder: Path, rates: list[float], *,
         served.tokenizer = engine.tokenizer
         warm = Chats([0.0] * 4, [engine.encode("warm up the engine", chat=True)] * 4, [8] * 4)
         run_chats(engine, warm, "warm-up")
+        tune_for_serving()  # as the fleet's scheduler runs (shared/gc_tuning.py)
         for rate in rates:
             planned = fleet_bench.plan_requests(bench_args(args, "", rate), MODEL_NAME)
             chats = Chats([p.arrival for p in planned],

@@ -34,6 +34,7 @@ from scheduler.detokenizer import IncrementalDetokenizer
 from service.delivery import Delivery, StepOutput
 from service.result_store import ResultStore, ResultUpdate
 from service.step_updates import step_update, unrun_update
+from shared.gc_tuning import tune_for_serving
 from shared.logging import get_logger
 from shared.pdeathsig import die_with_parent
 from shared.redis_client import connect, redis_away, refresh_cluster_view
@@ -52,7 +53,9 @@ def serve(inbox: Connection, outbox: Connection, redis_url: str, keys: Keys, own
     """The process's main function (multiprocessing target)."""
     die_with_parent()
     client = connect(redis_url, socket_timeout=10, socket_connect_timeout=5)
-    Publisher(ResultStore(client, keys, owner, ttl_s), tokenizer, outbox, owner).run(inbox)
+    publisher = Publisher(ResultStore(client, keys, owner, ttl_s), tokenizer, outbox, owner)
+    tune_for_serving()  # the tokenizer is here: it leaves the collector's walks (shared/gc_tuning.py)
+    publisher.run(inbox)
 
 
 class Publisher:

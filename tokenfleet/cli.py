@@ -330,6 +330,7 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
     from scheduler.engine import LLMEngine
     from service.scheduler_service import SchedulerService, ServiceSettings
     from shared.errors import InvalidRequestError
+    from shared.gc_tuning import tune_for_serving
     from workers.device import resolve_device
 
     if args.heartbeat_s <= 0:
@@ -352,7 +353,9 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
         if resolve_device(config.device).type == "cuda":
             engine.warm_up()  # kernels compile before the first request, not during it
         keys = keys_for(args.redis_url, args.key_prefix)
-        SchedulerService(engine, args.redis_url, settings, keys).run(stop)
+        service = SchedulerService(engine, args.redis_url, settings, keys)
+        tune_for_serving()  # startup done: its heap leaves the collector's walks (shared/gc_tuning.py)
+        service.run(stop)
     return 0
 
 
