@@ -96,12 +96,20 @@ def fleet_rows(args: argparse.Namespace, folder: Path, rates: list[float], out: 
             for spy in spies:
                 spy.wait(timeout=args.seconds + 60)
             ok = [r for r in results if r.ok]
+            # Percentiles too, as each engine row logs its own: a run cut short keeps them.
+            ttft = [r.first_token - r.started for r in ok if r.first_token is not None]
+            itl = [gap for r in ok for gap in r.gaps]
             log(f"fleet {rate:g} req/s: {len(ok)}/{len(results)} ok, "
-                f"{sum(r.output_tokens for r in ok) / wall:,.0f} tok/s")
+                f"{sum(r.output_tokens for r in ok) / wall:,.0f} tok/s, TTFT p50 / p99 "
+                f"{_ms(ttft, 50)} / {_ms(ttft, 99)} ms, ITL p99 {_ms(itl, 99)} ms")
     finally:
         children.stop()
         shutil.rmtree(home, ignore_errors=True)
     return summaries
+
+
+def _ms(values: list[float], q: float) -> str:
+    return f"{percentile(values, q) * 1e3:,.0f}" if values else "-"
 
 
 def redis_url_of(up_log: Path) -> str:
