@@ -20,13 +20,15 @@ TERMINAL = {b"completed", b"failed", b"cancelled", b"expired"}
 
 
 def submit(client: redis.Redis, model: str, prompt: list[int], sampling: SamplingParams, *,
-           kind: str = "interactive", req_id: str | None = None, **extra) -> str:
+           kind: str = "interactive", req_id: str | None = None, stream: str | None = None, **extra) -> str:
+    """Queue a request as the gateway does, in the model's stream of its kind (or in `stream`:
+    a scheduler's own, as the gateway routes one)."""
     req_id = req_id or uuid.uuid4().hex
     message = RequestMessage.make(req_id, model, prompt, sampling, kind=kind, arrival_time=time.time(),
                                   **extra)
     if message.tenant is not None:  # as the gateway queues a tenant's request
         client.sadd(KEYS.tenants(model), message.tenant)
-    client.xadd(KEYS.request_stream(model, kind, message.tenant), {"m": message.encode()})
+    client.xadd(stream or KEYS.request_stream(model, kind, message.tenant), {"m": message.encode()})
     return req_id
 
 

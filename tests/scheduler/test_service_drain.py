@@ -52,14 +52,17 @@ def test_drained_scheduler_stops_reading_and_exits_and_no_stream_is_cut(tiny_cha
     client = redis_server.client()
     recorder = EventRecorder(redis_server.url)
     a = _start_scheduler(tiny_chat, redis_server.url, "a", tmp_path)
-    b = None
+    b = _start_scheduler(tiny_chat, redis_server.url, "b", tmp_path)
     try:
         wait_heartbeat(client, "a", a)
-        ids = [submit(client, MODEL, p, SAMPLING) for p in prompts[:4]]
+        wait_heartbeat(client, "b", b)
+        # The four go to `a`'s own stream, as the gateway routes a prefix `a` holds, with `b`
+        # already up: the drain then comes while `a` generates however fast it is. (Started
+        # after them, `b` once took longer to come up than `a` took over 4 x 600 tokens.)
+        own = KEYS.replica_stream(MODEL, "a")
+        ids = [submit(client, MODEL, p, SAMPLING, stream=own) for p in prompts[:4]]
         while not all(_owner(client, r) == b"a" for r in ids):
             time.sleep(0.02)
-        b = _start_scheduler(tiny_chat, redis_server.url, "b", tmp_path)
-        wait_heartbeat(client, "b", b)
         while min(len(token_ids(client.hgetall(KEYS.result(r)))) for r in ids) < 2:
             time.sleep(0.02)
         client.set(KEYS.drain("a"), repr(time.time() - 1 if deadline_passed else time.time() + 300))
