@@ -146,6 +146,13 @@ class Publisher:
             if delivery.detokenize_after is not None and self.tokenizer is not None:
                 delivery.detokenizer = IncrementalDetokenizer(self.tokenizer, delivery.detokenize_after)
                 delivery.detokenize_after = None
+            if (live := self.deliveries.get(delivery.req_id)) is not None:
+                # The engine thread never starts a request that is still live here (it ended,
+                # or a successor took it, before it can start again): two runs would share one
+                # seq count and could store a token twice. Said loudly, for whoever sees it.
+                self.log.warning("request_started_while_live", req_id=delivery.req_id, live_seq=live.seq,
+                                 live_tokens=len(live.token_ids), new_seq=delivery.seq,
+                                 new_tokens=len(delivery.token_ids))
             self.deliveries[delivery.req_id] = delivery
             return [] if running is None else [running]
         if kind == UPDATES:

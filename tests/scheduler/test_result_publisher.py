@@ -188,3 +188,29 @@ def test_a_first_token_is_published_before_the_rest_of_its_step(redis_server) ->
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
     assert [e.token_ids for e in events if e.req_id == "new"] == [[5], [6]]
     assert unpack_list_chunks(client.hget(KEYS.result(old[0]), "token_ids")) == [7, 9, 8, 10]
+
+
+def test_a_start_of_a_request_still_live_in_the_publisher_is_logged(redis_server) -> None:
+    """The engine thread never starts a request twice while its first run's writes are live; if
+    it ever did, the two runs would share one seq count (a token could be stored twice, as one
+    Redis-restart run once did), so the publisher says so."""
+    from multiprocessing import Pipe
+
+    from structlog.testing import capture_logs
+
+    from service.delivery import StepOutput
+    from service.publisher_process import START, STEP, Publisher
+    from service.result_store import ResultStore
+
+    client = redis_server.client()
+    client.xgroup_create(STREAM, "schedulers", id="0", mkstream=True)
+    _, outbox = Pipe()
+    publisher = Publisher(ResultStore(client, KEYS, "s1", 60), None, outbox, "s1")
+    with capture_logs() as logs:
+        publisher.handle([(START, Delivery("r", STREAM, "1-0", 3), None),
+                          (STEP, [StepOutput.of(_out("r", 7)), StepOutput.of(_out("q", 1))], 0.0)])
+        publisher.handle([(START, Delivery("q", STREAM, "2-0", 3), None)])  # q was not live
+        assert not [e for e in logs if e["event"] == "request_started_while_live"]
+        publisher.handle([(START, Delivery("r", STREAM, "1-0", 3), None)])
+    [warning] = [e for e in logs if e["event"] == "request_started_while_live"]
+    assert (warning["req_id"], warning["live_seq"], warning["new_seq"]) == ("r", 1, 0)
