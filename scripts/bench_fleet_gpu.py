@@ -71,9 +71,11 @@ import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import redis
 import torch
 
+from protocol.result_record import F
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
 from shared.logging import configure_logging
+from testkit import py_spy
 from testkit.checkpoints import SMOLLM2_VOCAB_SIZE, tiny_llama_with_smollm2_tokenizer
 from testkit.completion_streams import run_streams, run_streams_in_processes
 from testkit.engine_runs import run_engine_workload, warm_up
@@ -242,8 +244,9 @@ def arrivals_note(client: redis.Redis, req_ids: list[str], max_tokens: list[int]
         return 1e3 * (max(times) - start_wall) if times else None
 
     longest = [r for r, m in zip(req_ids, max_tokens, strict=True) if m == max(max_tokens)]
-    parts = {"last queued": after(b"queued_at", req_ids), "last started": after(b"started_at", req_ids),
-             f"last {max(max_tokens)}-token request started": after(b"started_at", longest)}
+    queued_at, started_at = F.QUEUED_AT.encode(), F.STARTED_AT.encode()
+    parts = {"last queued": after(queued_at, req_ids), "last started": after(started_at, req_ids),
+             f"last {max(max_tokens)}-token request started": after(started_at, longest)}
     return "; ".join(f"{name} +{ms:,.0f} ms" for name, ms in parts.items() if ms is not None)
 
 
@@ -376,14 +379,11 @@ class PathProfiles:
         self.spies: list[subprocess.Popen] = []
 
     def start(self, label: str) -> None:
-        if self.folder is None or shutil.which("py-spy") is None:
+        if self.folder is None or not py_spy.is_available():
             return
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.spies = [subprocess.Popen(
-            ["py-spy", "record", "-p", str(pid), "-d", str(self.seconds), "-r", "200", "--nonblocking",
-             "--subprocesses", "--threads", "-f", "raw",
-             "-o", str(self.folder / f"burst_{label}_{role}.txt")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT) for role, pid in self.pids.items()]
+        self.spies = [py_spy.record(pid, self.seconds, self.folder / f"burst_{label}_{role}.txt")
+                      for role, pid in self.pids.items()]
 
     def wait(self) -> None:
         for spy in self.spies:

@@ -53,6 +53,7 @@ from protocol.keys import Keys
 from protocol.result_record import F
 from shared.gc_tuning import tune_for_serving
 from shared.net import free_port
+from testkit import py_spy
 from testkit.arrivals import Chats, ServingRow, run_chats
 from testkit.processes import Children, wait_ready
 from testkit.runs import log, percentile, print_command, raise_fd_limit
@@ -147,7 +148,7 @@ def ttft_parts(redis_url: str, results: list) -> dict[str, list[float]]:
 
 def start_py_spy(args: argparse.Namespace, rate: float, out: Path) -> list[subprocess.Popen]:
     """py-spy on the scheduler (with its publisher) and on the gateway (with its workers)."""
-    if args.py_spy is None or rate != args.py_spy_rate or shutil.which("py-spy") is None:
+    if args.py_spy is None or rate != args.py_spy_rate or not py_spy.is_available():
         return []
     args.py_spy.mkdir(parents=True, exist_ok=True)
     spies = []
@@ -157,11 +158,7 @@ def start_py_spy(args: argparse.Namespace, rate: float, out: Path) -> list[subpr
         if process is None:
             log(f"no {role} process found: no profile of it")
             continue
-        spies.append(subprocess.Popen(
-            ["py-spy", "record", "-p", str(process.pid), "-d", str(int(args.seconds)), "-r", "200",
-             "--nonblocking", "--subprocesses", "--threads", "-f", "raw",
-             "-o", str(args.py_spy / f"serve{rate:g}_{role}.txt")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        spies.append(py_spy.record(process.pid, args.seconds, args.py_spy / f"serve{rate:g}_{role}.txt"))
     return spies
 
 
