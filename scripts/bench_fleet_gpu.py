@@ -374,7 +374,7 @@ class PathProfiles:
     --py-spy-seconds from a path's timed start, one raw file each; nothing without --py-spy."""
 
     def __init__(self, args: argparse.Namespace, pids: dict[str, int]) -> None:
-        self.folder, self.seconds = args.py_spy, args.py_spy_seconds
+        self.folder, self.seconds, self.blocking = args.py_spy, args.py_spy_seconds, args.py_spy_blocking
         self.pids = {role: pid for role, pid in pids.items() if role in ("scheduler", "gateway")}
         self.spies: list[subprocess.Popen] = []
 
@@ -382,7 +382,8 @@ class PathProfiles:
         if self.folder is None or not py_spy.is_available():
             return
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.spies = [py_spy.record(pid, self.seconds, self.folder / f"burst_{label}_{role}.txt")
+        self.spies = [py_spy.record(pid, self.seconds, self.folder / f"burst_{label}_{role}.txt",
+                                      blocking=self.blocking)
                       for role, pid in self.pids.items()]
 
     def wait(self) -> None:
@@ -457,6 +458,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="(c) also runs its burst from this many client processes (1: only this one)")
     parser.add_argument("--py-spy", type=Path, help="folder for py-spy profiles of (b) and (c)")
     parser.add_argument("--py-spy-seconds", type=int, default=6, help="each profile's length")
+    parser.add_argument("--py-spy-blocking", action="store_true",
+                        help="pause the process for each sample (none lost; testkit/py_spy.py says why)")
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--skip-queue", action="store_true")
     parser.add_argument("--skip-http", action="store_true")

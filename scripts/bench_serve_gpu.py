@@ -158,7 +158,8 @@ def start_py_spy(args: argparse.Namespace, rate: float, out: Path) -> list[subpr
         if process is None:
             log(f"no {role} process found: no profile of it")
             continue
-        spies.append(py_spy.record(process.pid, args.seconds, args.py_spy / f"serve{rate:g}_{role}.txt"))
+        spies.append(py_spy.record(process.pid, args.seconds, args.py_spy / f"serve{rate:g}_{role}.txt",
+                                    blocking=args.py_spy_blocking))
     return spies
 
 
@@ -222,6 +223,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefix-tokens", type=int, default=800)
     parser.add_argument("--py-spy", type=Path, help="folder for the scheduler's py-spy profile")
     parser.add_argument("--py-spy-rate", type=float, default=48.0)
+    parser.add_argument("--py-spy-blocking", action="store_true",
+                        help="pause the process for each sample (none lost; testkit/py_spy.py says why)")
     parser.add_argument("--client-processes", type=int, default=4,
                         help="client processes the streams are dealt over (one adds its own queueing)")
     parser.add_argument("--logs", type=Path, help="folder for the fleet's logs (default: a temp folder)")
