@@ -58,6 +58,16 @@ def attention_step(query_lens: list[int], cached: list[int], *, num_heads: int =
     return {name: t.to(device="cuda", dtype=dtype(name, t)) for name, t in step.items()}
 
 
+def replay_of(call):
+    """call() captured in a CUDA graph (after one eager run that compiles it): its replay."""
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph.replay
+
+
 def bench_kernels(only: str | None = None) -> None:
     """Times the attention kernel per config on decode and mixed steps shaped like the workload
     (only: the steps whose name holds this text)."""
@@ -88,13 +98,21 @@ def bench_kernels(only: str | None = None) -> None:
     fp8_configs = [{}, {"FP8_WIDEN_FP16": False}, {"segments": 2}, {"segments": 4}, {"NUM_STAGES": 3},
                    {"NUM_STAGES": 3, "segments": 2}, {"DECODE_BLOCK_N": 64, "segments": 2},
                    {"NUM_WARPS": 8, "segments": 2}]
+    # Split by length: up to `segments` segments of at least DECODE_MIN_SEGMENT_TILES tiles each.
+    by_length = [{"segments": segments, "DECODE_MIN_SEGMENT_TILES": tiles}
+                 for segments, tiles in ((4, 2), (4, 4), (8, 4), (8, 8), (16, 4))]
+    decode_configs += by_length
+    fp8_configs += by_length
     mixed_configs = [{}, {"SPLIT_MIXED": False}, {"MIXED_BLOCK_N": 32}, {"MIXED_BLOCK_M": 128},
                      {"MIXED_BLOCK_M": 128, "MIXED_NUM_WARPS": 8},
                      {"MIXED_BLOCK_M": 128, "MIXED_BLOCK_N": 32}, {"NUM_STAGES": 3}]
     settings = ("DECODE_BLOCK_N", "MIXED_BLOCK_N", "MIXED_BLOCK_M", "NUM_WARPS", "MIXED_NUM_WARPS",
-                "NUM_STAGES", "SPLIT_MIXED", "FP8_WIDEN_FP16")
+                "NUM_STAGES", "SPLIT_MIXED", "FP8_WIDEN_FP16", "DECODE_MIN_SEGMENT_TILES")
     defaults = {name: getattr(ta, name) for name in settings}
-    print("| step | K/V | config | us | K/V GB/s |\n| --- | --- | --- | ---: | ---: |")
+    # Eager (launch and partial buffers included, as do_bench sees them: a split launch's second
+    # kernel and allocations can leave the GPU idle) and as a CUDA-graph replay, as served.
+    print("| step | K/V | config | us eager | us graph | K/V GB/s (graph) |\n"
+          "| --- | --- | --- | ---: | ---: | ---: |")
     cases = [(name, case, torch.bfloat16, mixed_configs) for name, case in mixed_steps.items()]
     cases += [(name, case, kv, decode_configs if kv == torch.bfloat16 else fp8_configs)
               for name, case in decode_steps.items() for kv in (torch.bfloat16, torch.float8_e4m3fn)]
@@ -114,10 +132,12 @@ def bench_kernels(only: str | None = None) -> None:
             row = f"| {name} | {str(kv_dtype).removeprefix('torch.')} | " \
                   f"{config or 'default'}{f' segments={segments}' if segments else ''} |"
             try:
-                ms = triton.testing.do_bench(
-                    lambda args=args, segments=segments: ta.paged_attention(*args, num_segments=segments),
-                    warmup=50, rep=200, return_mode="median")
-                print(f"{row} {ms * 1e3:.1f} | {kv_bytes / ms / 1e6:,.0f} |", flush=True)
+                def call(args=args, segments=segments):
+                    return ta.paged_attention(*args, num_segments=segments)
+                ms = triton.testing.do_bench(call, warmup=50, rep=200, return_mode="median")
+                graph_ms = triton.testing.do_bench(replay_of(call), warmup=50, rep=200, return_mode="median")
+                print(f"{row} {ms * 1e3:.1f} | {graph_ms * 1e3:.1f} | {kv_bytes / graph_ms / 1e6:,.0f} |",
+                      flush=True)
             except Exception as exc:  # noqa: BLE001 - a config that does not compile is a row too
                 print(f"{row} failed: {type(exc).__name__}: {str(exc)[:80]} | |", flush=True)
     for setting, value in defaults.items():

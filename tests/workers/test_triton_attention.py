@@ -94,6 +94,9 @@ def relative_error(step: dict, *, max_query_len: int, num_decodes: int = 0,
 
 MIXED = dict(query_lens=[1, 1, 1, 37, 5, 70], cached=[0, 16, 90, 0, 33, 20])
 DECODES = dict(query_lens=[1] * 5, cached=[0, 15, 16, 63, 150])
+# Split by length (DECODE_MIN_SEGMENT_TILES 2, 4 segments, tiles of 128 keys): 1,101 keys fill
+# three segments of 3 tiles and leave one empty, 301 keys two, the short ones one.
+LONG_DECODES = dict(query_lens=[1] * 5, cached=[0, 15, 300, 700, 1100])
 
 
 # -- on CUDA -----------------------------------------------------------------------------
@@ -123,6 +126,19 @@ def test_decode_step_matches_reference_on_cuda(dtype, segments) -> None:
                      device="cuda")
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert relative_error(step, max_query_len=1, num_segments=segments) < tol
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("segments", "min_tiles"), [(4, 2), (16, 4)])
+def test_decode_step_split_by_length_on_cuda(dtype, segments, min_tiles, monkeypatch) -> None:
+    monkeypatch.setattr(triton_attention, "DECODE_MIN_SEGMENT_TILES", min_tiles)
+    step = make_step(**LONG_DECODES, num_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype=dtype,
+                     device="cuda")
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert relative_error(step, max_query_len=1, num_segments=segments) < tol
+    fp8 = with_fp8_cache(step, 0.5, 2.0)
+    assert relative_error(fp8, max_query_len=1, num_segments=segments) < tol
 
 
 @needs_cuda
@@ -173,6 +189,12 @@ mixed = relative_error(make_step(**MIXED, **shape), max_query_len=70)
 split = relative_error(make_step(**MIXED, **shape), max_query_len=70, num_decodes=3, num_segments=2)
 decodes = relative_error(make_step(**DECODES, **shape), max_query_len=1)  # 4 segments off CUDA
 assert max(mixed, split, decodes) < 1e-5, (mixed, split, decodes)
+from tests.workers.test_triton_attention import LONG_DECODES
+from workers.layers import triton_attention
+triton_attention.DECODE_MIN_SEGMENT_TILES = 2  # split by length: some segments empty
+by_length = relative_error(make_step(**LONG_DECODES, **shape), max_query_len=1, num_segments=4)
+triton_attention.DECODE_MIN_SEGMENT_TILES = 1
+assert by_length < 1e-5, by_length
 from tests.workers.test_triton_attention import with_fp8_cache
 fp8 = with_fp8_cache(make_step(**MIXED, **shape), 0.5, 2.0)
 errors = [relative_error(fp8, max_query_len=70, num_decodes=3),
