@@ -68,9 +68,10 @@ def replay_of(call):
     return graph.replay
 
 
-def bench_kernels(only: str | None = None) -> None:
+def bench_kernels(only: str | None = None, only_configs: str | None = None) -> None:
     """Times the attention kernel per config on decode and mixed steps shaped like the workload
-    (only: the steps whose name holds this text)."""
+    (only: the steps whose name holds this text; only_configs: the configs whose text holds this,
+    and the default)."""
     import triton
 
     from workers.layers import triton_attention as ta
@@ -125,6 +126,8 @@ def bench_kernels(only: str | None = None) -> None:
         args = (step["q"], step["k_cache"], step["v_cache"], step["block_tables"], step["seq_lens"],
                 step["query_start_loc"], max(query_lens), 128**-0.5, num_decodes)
         for config in configs:
+            if config and only_configs is not None and only_configs not in str(config):
+                continue
             config = dict(config)
             segments = config.pop("segments", None)
             for setting, value in {**defaults, **config}.items():
@@ -149,10 +152,11 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=500)
     parser.add_argument("--kernels", action="store_true", help="time the attention kernel alone")
     parser.add_argument("--steps", help="--kernels: only the steps whose name holds this (e.g. decode)")
+    parser.add_argument("--configs", help="--kernels: only the configs whose text holds this (e.g. segments)")
     args = parser.parse_args()
     print_command()
     if args.kernels:
-        bench_kernels(args.steps)
+        bench_kernels(args.steps, args.configs)
         return
     device = torch.device("cuda")
     model = random_llama(LLAMA3_8B, device)
