@@ -97,6 +97,7 @@ DECODES = dict(query_lens=[1] * 5, cached=[0, 15, 16, 63, 150])
 # Split by length (DECODE_MIN_SEGMENT_TILES 2, 4 segments, tiles of 128 keys): 1,101 keys fill
 # three segments of 3 tiles and leave one empty, 301 keys two, the short ones one.
 LONG_DECODES = dict(query_lens=[1] * 5, cached=[0, 15, 300, 700, 1100])
+LONG_MIXED = dict(query_lens=[1, 1, 1, 37, 5], cached=[300, 1100, 0, 0, 20])  # 3 decode slots
 
 
 # -- on CUDA -----------------------------------------------------------------------------
@@ -139,6 +140,16 @@ def test_decode_step_split_by_length_on_cuda(dtype, segments, min_tiles, monkeyp
     assert relative_error(step, max_query_len=1, num_segments=segments) < tol
     fp8 = with_fp8_cache(step, 0.5, 2.0)
     assert relative_error(fp8, max_query_len=1, num_segments=segments) < tol
+    # the same split where it is chosen: a decode batch too big for an occupancy split, and the
+    # decode slots of a mixed step's graph
+    monkeypatch.setattr(triton_attention, "LENGTH_SPLIT_SEGMENTS", segments)
+    monkeypatch.setattr(triton_attention, "LENGTH_SPLIT_MIN_TILES", min_tiles)
+    big = make_step([1] * 300, [(s * 37) % 1500 for s in range(300)], num_heads=32, num_kv_heads=8,
+                    head_dim=128, page_size=16, dtype=dtype, device="cuda")
+    assert relative_error(big, max_query_len=1) < tol
+    mixed = make_step(**LONG_MIXED, num_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype=dtype,
+                      device="cuda")
+    assert relative_error(mixed, max_query_len=37, num_decodes=3, as_slots=True) < tol
 
 
 @needs_cuda
@@ -194,7 +205,11 @@ from workers.layers import triton_attention
 triton_attention.DECODE_MIN_SEGMENT_TILES = 2  # split by length: some segments empty
 by_length = relative_error(make_step(**LONG_DECODES, **shape), max_query_len=1, num_segments=4)
 triton_attention.DECODE_MIN_SEGMENT_TILES = 1
-assert by_length < 1e-5, by_length
+from tests.workers.test_triton_attention import LONG_MIXED
+triton_attention.LENGTH_SPLIT_SEGMENTS, triton_attention.LENGTH_SPLIT_MIN_TILES = 4, 2  # the slots too
+slots = relative_error(make_step(**LONG_MIXED, **shape), max_query_len=37, num_decodes=3, as_slots=True)
+triton_attention.LENGTH_SPLIT_SEGMENTS = 0
+assert max(by_length, slots) < 1e-5, (by_length, slots)
 from tests.workers.test_triton_attention import with_fp8_cache
 fp8 = with_fp8_cache(make_step(**MIXED, **shape), 0.5, 2.0)
 errors = [relative_error(fp8, max_query_len=70, num_decodes=3),

@@ -41,8 +41,13 @@ NUM_STAGES = 2  # software pipelining of the K/V tile loads
 # decodes of 8.2-8.7k tokens, one layer): 490 us against 602 widened to bf16; bf16 K/V 607 us.
 FP8_WIDEN_FP16 = True
 # Split-K by length (1: every sequence's keys split NUM_SEGMENTS ways, however short): a decode
-# segment spans at least this many key tiles.
+# segment spans at least this many key tiles, when the caller forces a split (num_segments).
 DECODE_MIN_SEGMENT_TILES = 1
+# Decode launches of so many sequences that occupancy asks for no split, and the decode slots of
+# mixed-step graphs: up to LENGTH_SPLIT_SEGMENTS segments of at least LENGTH_SPLIT_MIN_TILES
+# tiles each, so that long sequences split and short ones do not (0: no split there).
+LENGTH_SPLIT_SEGMENTS = 0
+LENGTH_SPLIT_MIN_TILES = 4
 
 
 if triton is not None:
@@ -256,7 +261,7 @@ def paged_attention_slots(
     d = num_decode_slots
     scales = {"k_scale": k_scale, "v_scale": v_scale}
     _launch(q, k_cache, v_cache, out, block_tables[:d], seq_lens[:d], query_start_loc[: d + 1], scale,
-            decode_only=True, num_tokens=d, num_segments=1, **scales)
+            decode_only=True, num_tokens=d, num_segments=1, split_by_length=True, **scales)
     # The grid's upper bound (num_tokens // BLOCK_Q + slots) holds for any split of the rows.
     _launch(q, k_cache, v_cache, out, block_tables[d:], seq_lens[d:], query_start_loc[d:], scale,
             decode_only=False, num_tokens=q.shape[0], **scales)
@@ -267,9 +272,11 @@ def _launch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
     decode_only: bool, num_tokens: int, num_segments: int | None = None, k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    v_scale: float = 1.0, split_by_length: bool = False,
 ) -> None:
-    """One launch over the sequences given (num_tokens query rows from query_start_loc[0] on)."""
+    """One launch over the sequences given (num_tokens query rows from query_start_loc[0] on).
+    split_by_length: a decode launch that would not split (num_segments 1, by the caller or by
+    occupancy) splits by length if LENGTH_SPLIT_SEGMENTS is set."""
     _, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -277,8 +284,13 @@ def _launch(
     group_pad = triton.next_power_of_2(group)
     head_dim_pad = triton.next_power_of_2(head_dim)
     block_q = max(1, (DECODE_BLOCK_M if decode_only else MIXED_BLOCK_M) // group_pad)
-    if not decode_only or num_segments is None:
-        num_segments = decode_segments(num_seqs, num_kv_heads, q.device) if decode_only else 1
+    min_tiles = DECODE_MIN_SEGMENT_TILES
+    if not decode_only:
+        num_segments, min_tiles = 1, 1
+    elif num_segments is None:  # chosen here: by occupancy, else by length
+        num_segments, split_by_length = decode_segments(num_seqs, num_kv_heads, q.device), True
+    if split_by_length and num_segments == 1 and LENGTH_SPLIT_SEGMENTS > 1:
+        num_segments, min_tiles = LENGTH_SPLIT_SEGMENTS, LENGTH_SPLIT_MIN_TILES
     num_programs = num_seqs if decode_only else num_tokens // block_q + num_seqs
     if num_segments > 1:  # decode-only: rows 0..num_seqs-1
         part_acc = torch.empty((num_tokens, num_heads, num_segments, head_dim_pad), dtype=torch.float32,
@@ -298,7 +310,7 @@ def _launch(
         PAGE_SIZE=page_size, BLOCK_Q=block_q, BLOCK_N=DECODE_BLOCK_N if decode_only else MIXED_BLOCK_N,
         NUM_SEGMENTS=num_segments, DECODE_ONLY=decode_only, IEEE_DOT=q.dtype == torch.float32,
         WIDEN_FP16=FP8_WIDEN_FP16 and k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32,
-        MIN_SEGMENT_TILES=DECODE_MIN_SEGMENT_TILES if decode_only else 1,
+        MIN_SEGMENT_TILES=min_tiles,
         num_warps=NUM_WARPS if decode_only else MIXED_NUM_WARPS, num_stages=NUM_STAGES,
     )
     if num_segments > 1:
