@@ -308,16 +308,17 @@ def run_http_path(args: argparse.Namespace, gateway_url: str, redis_url: str, wo
     clients = "one client process" if client_processes == 1 else f"{client_processes} client processes"
     result = PathResult(f"(c) SSE clients -> gateway -> Redis -> scheduler, {clients}")
     prompts = http_prompts(workload, client_processes)
-    profiles.start(f"http{client_processes}")
     meter.start()
     start_wall = time.time()
     if client_processes == 1:
+        profiles.start(f"http{client_processes}")
         streams, start = asyncio.run(run_streams(gateway_url, MODEL_NAME, prompts, workload.max_tokens,
                                                  args.concurrency, args.timeout_s))
     else:  # their CPU is not metered ("this process" is the parent, idle)
-        streams, start, start_wall = run_streams_in_processes(gateway_url, MODEL_NAME, prompts,
-                                                              workload.max_tokens, args.concurrency,
-                                                              args.timeout_s, client_processes)
+        # The profile starts when the processes are let go, not during their imports.
+        streams, start, start_wall = run_streams_in_processes(
+            gateway_url, MODEL_NAME, prompts, workload.max_tokens, args.concurrency, args.timeout_s,
+            client_processes, on_start=lambda: profiles.start(f"http{client_processes}"))
     result.cpu_s = meter.stop()
     profiles.wait()
     result.errors = [s.error for s in streams if s.error]

@@ -90,8 +90,12 @@ def fleet_rows(args: argparse.Namespace, folder: Path, rates: list[float], out: 
         warm.duration = 2.0
         asyncio.run(fleet_bench.run(warm))
         for rate in rates:
-            spies = start_py_spy(args, rate, out)
-            results, wall, model = asyncio.run(fleet_bench.run(bench_args(args, url, rate)))
+            spies: list[subprocess.Popen] = []  # started with the load (not the clients' imports)
+
+            def profile(rate=rate, spies=spies) -> None:
+                spies.extend(start_py_spy(args, rate, out))
+
+            results, wall, model = asyncio.run(fleet_bench.run(bench_args(args, url, rate), on_start=profile))
             summaries[rate] = {"results": results, "wall": wall,
                                "ttft_parts": ttft_parts(redis_url_of(out / "up.log"), results)}
             for spy in spies:

@@ -85,7 +85,7 @@ async def run_streams(url: str, model: str, prompts: list[list[int]], max_tokens
 
 def run_streams_in_processes(url: str, model: str, prompts: list[list[int]], max_tokens: list[int],
                              concurrency: int, timeout_s: float,
-                             processes: int) -> tuple[list[Stream], float, float]:
+                             processes: int, on_start=lambda: None) -> tuple[list[Stream], float, float]:
     """run_streams with the prompts dealt round-robin over `processes` client processes that start
     together, as independent clients would: one Python process sending a 500-request burst spends
     a few hundred ms of its own CPU before its last request leaves. Returns the streams in the
@@ -102,6 +102,7 @@ def run_streams_in_processes(url: str, model: str, prompts: list[list[int]], max
         worker.start()
     ready.wait(120)
     start_wall = time.time()
+    on_start()  # e.g. a profiler: from here on the load runs, not the processes' imports
     shares = dict(results.get(timeout=timeout_s + 120) for _ in workers)  # before join: the queue's pipe
     for worker in workers:
         worker.join(30)

@@ -29,6 +29,7 @@ import math
 import multiprocessing
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -189,8 +190,11 @@ async def discover_model(session: aiohttp.ClientSession, base_url: str) -> str:
     return models[0]["id"]
 
 
-async def run(args) -> tuple[list[Result], float, str]:
-    """Every planned request, from this process or from `--client-processes` of them."""
+async def run(args, on_start: Callable[[], object] | None = None) -> tuple[list[Result], float, str]:
+    """Every planned request, from this process or from `--client-processes` of them. on_start
+    is called as the first request's time is fixed, after the client processes are ready (a
+    profiler started then sees the load, not their imports)."""
+    on_start = on_start or (lambda: None)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with aiohttp.ClientSession(headers=headers) as session:
         model = args.model or await discover_model(session, args.url)
@@ -198,9 +202,10 @@ async def run(args) -> tuple[list[Result], float, str]:
     num_processes = max(1, min(getattr(args, "client_processes", 1), len(planned)))
     if num_processes == 1:
         start = time.perf_counter()
+        on_start()
         results = await _drive(args, planned, list(range(len(planned))), start)
         return results, time.perf_counter() - start, model
-    results, wall = await asyncio.to_thread(_drive_in_processes, args, planned, num_processes)
+    results, wall = await asyncio.to_thread(_drive_in_processes, args, planned, num_processes, on_start)
     return results, wall, model
 
 
@@ -223,7 +228,8 @@ async def _drive(args, planned: list[Planned], indices: list[int], start: float)
         return results
 
 
-def _drive_in_processes(args, planned: list[Planned], num_processes: int) -> tuple[list[Result], float]:
+def _drive_in_processes(args, planned: list[Planned], num_processes: int,
+                        on_start: Callable[[], object]) -> tuple[list[Result], float]:
     """The plan dealt round-robin over client processes, so that the load generator's own
     parsing (one process reads every chunk of every stream) does not add to the latency it
     measures. perf_counter is the system's monotonic clock, the same in every process: each
@@ -246,6 +252,7 @@ def _drive_in_processes(args, planned: list[Planned], num_processes: int) -> tup
         start = time.perf_counter() + 0.1
         for conn in connections:
             conn.send(start)
+        on_start()
         results = [r for conn, process in zip(connections, processes, strict=True)
                    for r in _receive(conn, process)]
     finally:

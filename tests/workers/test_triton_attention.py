@@ -140,15 +140,18 @@ def test_decode_step_split_by_length_on_cuda(dtype, segments, min_tiles, monkeyp
     assert relative_error(step, max_query_len=1, num_segments=segments) < tol
     fp8 = with_fp8_cache(step, 0.5, 2.0)
     assert relative_error(fp8, max_query_len=1, num_segments=segments) < tol
-    # the same split where it is chosen: a decode batch too big for an occupancy split, and the
-    # decode slots of a mixed step's graph
-    monkeypatch.setattr(triton_attention, "LENGTH_SPLIT_SEGMENTS", segments)
-    monkeypatch.setattr(triton_attention, "LENGTH_SPLIT_MIN_TILES", min_tiles)
-    big = make_step([1] * 300, [(s * 37) % 1500 for s in range(300)], num_heads=32, num_kv_heads=8,
-                    head_dim=128, page_size=16, dtype=dtype, device="cuda")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_caches_split_where_bf16_would_not_on_cuda(dtype) -> None:
+    """FP8_MIN_DECODE_SEGMENTS: a decode batch too big for an occupancy split, and the decode
+    slots of a mixed step's graph, both over long and short sequences."""
+    shape = dict(num_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype=dtype, device="cuda")
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    big = with_fp8_cache(make_step([1] * 300, [(s * 37) % 1500 for s in range(300)], **shape), 0.5, 2.0)
     assert relative_error(big, max_query_len=1) < tol
-    mixed = make_step(**LONG_MIXED, num_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype=dtype,
-                      device="cuda")
+    mixed = with_fp8_cache(make_step(**LONG_MIXED, **shape), 0.5, 2.0)
     assert relative_error(mixed, max_query_len=37, num_decodes=3, as_slots=True) < tol
 
 
@@ -200,21 +203,19 @@ mixed = relative_error(make_step(**MIXED, **shape), max_query_len=70)
 split = relative_error(make_step(**MIXED, **shape), max_query_len=70, num_decodes=3, num_segments=2)
 decodes = relative_error(make_step(**DECODES, **shape), max_query_len=1)  # 4 segments off CUDA
 assert max(mixed, split, decodes) < 1e-5, (mixed, split, decodes)
-from tests.workers.test_triton_attention import LONG_DECODES
+from tests.workers.test_triton_attention import LONG_DECODES, LONG_MIXED
 from workers.layers import triton_attention
 triton_attention.DECODE_MIN_SEGMENT_TILES = 2  # split by length: some segments empty
 by_length = relative_error(make_step(**LONG_DECODES, **shape), max_query_len=1, num_segments=4)
 triton_attention.DECODE_MIN_SEGMENT_TILES = 1
-from tests.workers.test_triton_attention import LONG_MIXED
-triton_attention.LENGTH_SPLIT_SEGMENTS, triton_attention.LENGTH_SPLIT_MIN_TILES = 4, 2  # the slots too
-slots = relative_error(make_step(**LONG_MIXED, **shape), max_query_len=37, num_decodes=3, as_slots=True)
-triton_attention.LENGTH_SPLIT_SEGMENTS = 0
-assert max(by_length, slots) < 1e-5, (by_length, slots)
+assert by_length < 1e-5, by_length
 from tests.workers.test_triton_attention import with_fp8_cache
 fp8 = with_fp8_cache(make_step(**MIXED, **shape), 0.5, 2.0)
 errors = [relative_error(fp8, max_query_len=70, num_decodes=3),
           relative_error(fp8, max_query_len=70, num_decodes=3, as_slots=True),
-          relative_error(with_fp8_cache(make_step(**DECODES, **shape), 0.5, 2.0), max_query_len=1)]
+          relative_error(with_fp8_cache(make_step(**DECODES, **shape), 0.5, 2.0), max_query_len=1),
+          relative_error(with_fp8_cache(make_step(**LONG_MIXED, **shape), 0.5, 2.0), max_query_len=37,
+                         num_decodes=3, as_slots=True)]  # split decode slots (FP8_MIN_DECODE_SEGMENTS)
 assert max(errors) < 1e-5, errors
 # bf16 q over an FP8 cache: the products in float16 (FP8_WIDEN_FP16), as served on CUDA
 half = dict(shape, dtype=torch.bfloat16)

@@ -41,13 +41,15 @@ NUM_STAGES = 2  # software pipelining of the K/V tile loads
 # decodes of 8.2-8.7k tokens, one layer): 490 us against 602 widened to bf16; bf16 K/V 607 us.
 FP8_WIDEN_FP16 = True
 # Split-K by length (1: every sequence's keys split NUM_SEGMENTS ways, however short): a decode
-# segment spans at least this many key tiles, when the caller forces a split (num_segments).
+# segment spans at least this many key tiles. Measured, not chosen: on the H200 it lost to the
+# plain split (profile_gpu.py --kernels --configs segments).
 DECODE_MIN_SEGMENT_TILES = 1
-# Decode launches of so many sequences that occupancy asks for no split, and the decode slots of
-# mixed-step graphs: up to LENGTH_SPLIT_SEGMENTS segments of at least LENGTH_SPLIT_MIN_TILES
-# tiles each, so that long sequences split and short ones do not (0: no split there).
-LENGTH_SPLIT_SEGMENTS = 0
-LENGTH_SPLIT_MIN_TILES = 4
+# Decode launches over an FP8 cache split each sequence's keys at least this many ways, the
+# decode slots of mixed-step graphs too: its tiles cost half the bytes, so one program per
+# (sequence, KV head) keeps too few loads in flight. H200, CUDA-graph replays, one layer: 64
+# decodes of 16-1,500 tokens 64 us against 80 unsplit (bf16 73); 64 of 8.2-8.7k tokens 417
+# against 489 (bf16 600). A bf16 cache gains nothing at short contexts, so it keeps occupancy's.
+FP8_MIN_DECODE_SEGMENTS = 2
 
 
 if triton is not None:
@@ -211,6 +213,10 @@ def decode_segments(num_seqs: int, num_kv_heads: int, device: torch.device) -> i
     return segments
 
 
+def _least_segments(k_cache: torch.Tensor) -> int:
+    return FP8_MIN_DECODE_SEGMENTS if k_cache.dtype == torch.float8_e4m3fn else 1
+
+
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
@@ -261,7 +267,7 @@ def paged_attention_slots(
     d = num_decode_slots
     scales = {"k_scale": k_scale, "v_scale": v_scale}
     _launch(q, k_cache, v_cache, out, block_tables[:d], seq_lens[:d], query_start_loc[: d + 1], scale,
-            decode_only=True, num_tokens=d, num_segments=1, split_by_length=True, **scales)
+            decode_only=True, num_tokens=d, num_segments=_least_segments(k_cache), **scales)
     # The grid's upper bound (num_tokens // BLOCK_Q + slots) holds for any split of the rows.
     _launch(q, k_cache, v_cache, out, block_tables[d:], seq_lens[d:], query_start_loc[d:], scale,
             decode_only=False, num_tokens=q.shape[0], **scales)
@@ -272,11 +278,9 @@ def _launch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
     decode_only: bool, num_tokens: int, num_segments: int | None = None, k_scale: float = 1.0,
-    v_scale: float = 1.0, split_by_length: bool = False,
+    v_scale: float = 1.0,
 ) -> None:
-    """One launch over the sequences given (num_tokens query rows from query_start_loc[0] on).
-    split_by_length: a decode launch that would not split (num_segments 1, by the caller or by
-    occupancy) splits by length if LENGTH_SPLIT_SEGMENTS is set."""
+    """One launch over the sequences given (num_tokens query rows from query_start_loc[0] on)."""
     _, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -284,13 +288,10 @@ def _launch(
     group_pad = triton.next_power_of_2(group)
     head_dim_pad = triton.next_power_of_2(head_dim)
     block_q = max(1, (DECODE_BLOCK_M if decode_only else MIXED_BLOCK_M) // group_pad)
-    min_tiles = DECODE_MIN_SEGMENT_TILES
     if not decode_only:
-        num_segments, min_tiles = 1, 1
-    elif num_segments is None:  # chosen here: by occupancy, else by length
-        num_segments, split_by_length = decode_segments(num_seqs, num_kv_heads, q.device), True
-    if split_by_length and num_segments == 1 and LENGTH_SPLIT_SEGMENTS > 1:
-        num_segments, min_tiles = LENGTH_SPLIT_SEGMENTS, LENGTH_SPLIT_MIN_TILES
+        num_segments = 1
+    elif num_segments is None:
+        num_segments = max(decode_segments(num_seqs, num_kv_heads, q.device), _least_segments(k_cache))
     num_programs = num_seqs if decode_only else num_tokens // block_q + num_seqs
     if num_segments > 1:  # decode-only: rows 0..num_seqs-1
         part_acc = torch.empty((num_tokens, num_heads, num_segments, head_dim_pad), dtype=torch.float32,
@@ -310,7 +311,7 @@ def _launch(
         PAGE_SIZE=page_size, BLOCK_Q=block_q, BLOCK_N=DECODE_BLOCK_N if decode_only else MIXED_BLOCK_N,
         NUM_SEGMENTS=num_segments, DECODE_ONLY=decode_only, IEEE_DOT=q.dtype == torch.float32,
         WIDEN_FP16=FP8_WIDEN_FP16 and k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32,
-        MIN_SEGMENT_TILES=min_tiles,
+        MIN_SEGMENT_TILES=DECODE_MIN_SEGMENT_TILES if decode_only else 1,
         num_warps=NUM_WARPS if decode_only else MIXED_NUM_WARPS, num_stages=NUM_STAGES,
     )
     if num_segments > 1:
