@@ -66,7 +66,8 @@ class GenerationResult:
 class StepObserver(Protocol):
     """Told what each step did (scheduler/engine_metrics.py is one)."""
 
-    def record_step(self, output: SchedulerOutput, outputs: list[RequestOutput], duration_s: float) -> None:
+    def record_step(self, output: SchedulerOutput, outputs: list[RequestOutput], duration_s: float,
+                    result_wait_s: float = 0.0) -> None:
         ...
 
 
@@ -190,19 +191,23 @@ class LLMEngine:
             if not self._in_flight:
                 return outputs
             output, handle, started = self._in_flight.popleft()
+            waiting = time.perf_counter()
             result = self.executor.collect(handle)
+            result_wait_s = time.perf_counter() - waiting
         except WorkerError as exc:
             self._recover(exc)
             return outputs
         self._num_failed_steps = 0
         self.num_steps += 1
         done = self.scheduler.update_from_output(output, result)
-        self._observe(output, done, started)
+        self._observe(output, done, started, result_wait_s)
         return outputs + done
 
-    def _observe(self, output: SchedulerOutput, outputs: list[RequestOutput], started: float) -> None:
+    def _observe(self, output: SchedulerOutput, outputs: list[RequestOutput], started: float,
+                 result_wait_s: float = 0.0) -> None:
+        """result_wait_s: how long this thread was blocked on the step's result (collect)."""
         if self.step_observer is not None:
-            self.step_observer.record_step(output, outputs, time.perf_counter() - started)
+            self.step_observer.record_step(output, outputs, time.perf_counter() - started, result_wait_s)
 
     def _recover(self, exc: WorkerError) -> None:
         """A rank died mid-step: its KV cache is gone. Rebuild the group, and let every

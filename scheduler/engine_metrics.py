@@ -82,6 +82,11 @@ class EngineMetrics:
         self._step_duration = Histogram(PREFIX + "step_duration_seconds", "one engine step: schedule, "
                                         "run on the workers, take the result back", LABELS,
                                         buckets=_STEP_BUCKETS, registry=r).labels(*labels)
+        # Its rate is the share of wall time the engine's thread waits for the workers: near 1 the
+        # GPU is what limits, near 0 the host (scheduling, launching) does.
+        self._result_wait = Counter(PREFIX + "engine_result_wait_seconds", "time the engine's thread was "
+                                    "blocked on a step's result from the workers (the GPU's time it did not "
+                                    "overlap)", LABELS, registry=r).labels(*labels)
         self._iteration_tokens = Histogram(PREFIX + "iteration_tokens_total", "tokens computed per step",
                                            LABELS, buckets=_ITERATION_TOKEN_BUCKETS,
                                            registry=r).labels(*labels)
@@ -94,8 +99,11 @@ class EngineMetrics:
         self.generation_history = TokenHistory()  # tokens generated per wall-clock second
         self._started_req_ids: set[str] = set()  # requests whose prompt tokens are counted
 
-    def record_step(self, output: SchedulerOutput, outputs: list[RequestOutput], duration_s: float) -> None:
+    def record_step(self, output: SchedulerOutput, outputs: list[RequestOutput], duration_s: float,
+                    result_wait_s: float = 0.0) -> None:
         """What one step did (called by the engine after the step)."""
+        if result_wait_s:
+            self._result_wait.inc(result_wait_s)
         if output.preempted_req_ids:
             self._preemptions.inc(len(output.preempted_req_ids))
         num_prompt = 0

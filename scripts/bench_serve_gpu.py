@@ -40,6 +40,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import _repo  # noqa: F401 - first: it puts the repository on sys.path
@@ -56,6 +57,7 @@ from shared.net import free_port
 from testkit import py_spy
 from testkit.arrivals import Chats, ServingRow, run_chats
 from testkit.processes import Children, wait_ready
+from testkit.result_wait import ResultWaitProbe
 from testkit.runs import log, percentile, print_command, raise_fd_limit
 from tokenfleet import bench as fleet_bench
 from tokenfleet.cli import build_parser
@@ -91,12 +93,18 @@ def fleet_rows(args: argparse.Namespace, folder: Path, rates: list[float], out: 
         asyncio.run(fleet_bench.run(warm))
         for rate in rates:
             spies: list[subprocess.Popen] = []  # started with the load (not the clients' imports)
+            started: list[float] = []
 
-            def profile(rate=rate, spies=spies) -> None:
+            def profile(rate=rate, spies=spies, started=started) -> None:
+                started.append(time.monotonic())
                 spies.extend(start_py_spy(args, rate, out))
 
-            results, wall, model = asyncio.run(fleet_bench.run(bench_args(args, url, rate), on_start=profile))
-            summaries[rate] = {"results": results, "wall": wall,
+            with ResultWaitProbe(redis_url_of(out / "up.log")) as probe:
+                results, wall, model = asyncio.run(fleet_bench.run(bench_args(args, url, rate),
+                                                                   on_start=profile))
+            # The wait's share while requests arrive (the first second is the ramp).
+            gpu_wait = probe.share(started[0] + 1.0, started[0] + args.seconds) if started else None
+            summaries[rate] = {"results": results, "wall": wall, "gpu_wait": gpu_wait,
                                "ttft_parts": ttft_parts(redis_url_of(out / "up.log"), results)}
             for spy in spies:
                 spy.wait(timeout=args.seconds + 60)
@@ -106,11 +114,16 @@ def fleet_rows(args: argparse.Namespace, folder: Path, rates: list[float], out: 
             itl = [gap for r in ok for gap in r.gaps]
             log(f"fleet {rate:g} req/s: {len(ok)}/{len(results)} ok, "
                 f"{sum(r.output_tokens for r in ok) / wall:,.0f} tok/s, TTFT p50 / p99 "
-                f"{_ms(ttft, 50)} / {_ms(ttft, 99)} ms, ITL p99 {_ms(itl, 99)} ms")
+                f"{_ms(ttft, 50)} / {_ms(ttft, 99)} ms, ITL p99 {_ms(itl, 99)} ms, "
+                f"engine thread waiting on the GPU {_share(gpu_wait)}")
     finally:
         children.stop()
         shutil.rmtree(home, ignore_errors=True)
     return summaries
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
 
 
 def _ms(values: list[float], q: float) -> str:
@@ -264,8 +277,9 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.prefix_tokens} words; weights {args.quantization or 'as stored'}, KV cache "
           f"{args.kv_cache_dtype}\n")
     print("| req/s | fleet tok/s | engine tok/s | fleet / engine | TTFT p50 fleet / engine "
-          "| TTFT p99 fleet / engine | ITL p99 fleet / engine | failed |")
-    print("| ---: | ---: | ---: | ---: | --- | --- | --- | ---: |")
+          "| TTFT p99 fleet / engine | ITL p99 fleet / engine "
+          "| engine thread waiting on the GPU, fleet / engine | failed |")
+    print("| ---: | ---: | ---: | ---: | --- | --- | --- | --- | ---: |")
     for rate in rates:
         results = fleet[rate]["results"]
         ok = [r for r in results if r.ok]
@@ -278,7 +292,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {rate:g} | {tok_s:,.0f} | {e.tok_s:,.0f} | {tok_s / e.tok_s:.2f} "
               f"| {1e3 * percentile(ttft, 50):.0f} / {1e3 * e.ttft_p50:.0f} ms "
               f"| {1e3 * percentile(ttft, 99):.0f} / {1e3 * e.ttft_p99:.0f} ms "
-              f"| {1e3 * percentile(itl, 99):.0f} / {1e3 * e.itl_p99:.0f} ms | {len(results) - len(ok)} |")
+              f"| {1e3 * percentile(itl, 99):.0f} / {1e3 * e.itl_p99:.0f} ms "
+              f"| {_share(fleet[rate]['gpu_wait'])} / {e.gpu_wait:.0%} | {len(results) - len(ok)} |")
     print("\nThe fleet's TTFT in parts, p50 / p99 ms (from each request's tf:res timestamps):\n")
     print("| req/s | " + " | ".join(TTFT_PARTS) + " |")
     print("| ---: |" + " --- |" * len(TTFT_PARTS))

@@ -54,6 +54,9 @@ def test_counters_match_what_generate_returned_and_gauges_end_at_zero(tiny_check
     assert _value(metrics, "iteration_tokens_total_count") == num_steps
     assert _value(metrics, "step_duration_seconds_count") == num_steps
     assert _value(metrics, "step_duration_seconds_sum") > 0
+    # The wait for results is part of the steps' time (each step waits once, inside its duration).
+    waited = _value(metrics, "engine_result_wait_seconds_total")
+    assert 0 < waited <= _value(metrics, "step_duration_seconds_sum")
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
         assert _value(metrics, gauge) == 0
     # Prefix caching exists or not: the counters are there either way.
