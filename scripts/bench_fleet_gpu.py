@@ -460,7 +460,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--py-spy", type=Path, help="folder for py-spy profiles of (b) and (c)")
     parser.add_argument("--py-spy-seconds", type=int, default=6, help="each profile's length")
     parser.add_argument("--py-spy-blocking", action="store_true",
-                        help="pause the process for each sample (none lost; testkit/py_spy.py says why)")
+                        help="pause the process per sample: none torn, but the GPU wait it shows shrinks "
+                             "(testkit/py_spy.py)")
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--skip-queue", action="store_true")
     parser.add_argument("--skip-http", action="store_true")

@@ -91,6 +91,7 @@ def fleet_rows(args: argparse.Namespace, folder: Path, rates: list[float], out: 
         warm = bench_args(args, url, 4.0)
         warm.duration = 2.0
         asyncio.run(fleet_bench.run(warm))
+        redis_url = redis_url_of(out / "up.log")
         for rate in rates:
             spies: list[subprocess.Popen] = []  # started with the load (not the clients' imports)
             started: list[float] = []
@@ -99,13 +100,13 @@ def fleet_rows(args: argparse.Namespace, folder: Path, rates: list[float], out: 
                 started.append(time.monotonic())
                 spies.extend(start_py_spy(args, rate, out))
 
-            with ResultWaitProbe(redis_url_of(out / "up.log")) as probe:
+            with ResultWaitProbe(redis_url) as probe:
                 results, wall, model = asyncio.run(fleet_bench.run(bench_args(args, url, rate),
                                                                    on_start=profile))
             # The wait's share while requests arrive (the first second is the ramp).
             gpu_wait = probe.share(started[0] + 1.0, started[0] + args.seconds) if started else None
             summaries[rate] = {"results": results, "wall": wall, "gpu_wait": gpu_wait,
-                               "ttft_parts": ttft_parts(redis_url_of(out / "up.log"), results)}
+                               "ttft_parts": ttft_parts(redis_url, results)}
             for spy in spies:
                 spy.wait(timeout=args.seconds + 60)
             ok = [r for r in results if r.ok]
@@ -241,7 +242,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--py-spy", type=Path, help="folder for the scheduler's py-spy profile")
     parser.add_argument("--py-spy-rate", type=float, default=48.0)
     parser.add_argument("--py-spy-blocking", action="store_true",
-                        help="pause the process for each sample (none lost; testkit/py_spy.py says why)")
+                        help="pause the process per sample: none torn, but the GPU wait it shows shrinks "
+                             "(testkit/py_spy.py)")
     parser.add_argument("--client-processes", type=int, default=4,
                         help="client processes the streams are dealt over (one adds its own queueing)")
     parser.add_argument("--logs", type=Path, help="folder for the fleet's logs (default: a temp folder)")

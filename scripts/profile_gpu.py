@@ -99,16 +99,11 @@ def bench_kernels(only: str | None = None, only_configs: str | None = None) -> N
     fp8_configs = [{}, {"FP8_WIDEN_FP16": False}, {"segments": 2}, {"segments": 4}, {"NUM_STAGES": 3},
                    {"NUM_STAGES": 3, "segments": 2}, {"DECODE_BLOCK_N": 64, "segments": 2},
                    {"NUM_WARPS": 8, "segments": 2}]
-    # Split by length: up to `segments` segments of at least DECODE_MIN_SEGMENT_TILES tiles each.
-    by_length = [{"segments": segments, "DECODE_MIN_SEGMENT_TILES": tiles}
-                 for segments, tiles in ((4, 2), (4, 4), (8, 4), (8, 8), (16, 4))]
-    decode_configs += by_length
-    fp8_configs += by_length
     mixed_configs = [{}, {"SPLIT_MIXED": False}, {"MIXED_BLOCK_N": 32}, {"MIXED_BLOCK_M": 128},
                      {"MIXED_BLOCK_M": 128, "MIXED_NUM_WARPS": 8},
                      {"MIXED_BLOCK_M": 128, "MIXED_BLOCK_N": 32}, {"NUM_STAGES": 3}]
     settings = ("DECODE_BLOCK_N", "MIXED_BLOCK_N", "MIXED_BLOCK_M", "NUM_WARPS", "MIXED_NUM_WARPS",
-                "NUM_STAGES", "SPLIT_MIXED", "FP8_WIDEN_FP16", "DECODE_MIN_SEGMENT_TILES")
+                "NUM_STAGES", "SPLIT_MIXED", "FP8_WIDEN_FP16")
     defaults = {name: getattr(ta, name) for name in settings}
     # Eager (launch and partial buffers included, as do_bench sees them: a split launch's second
     # kernel and allocations can leave the GPU idle) and as a CUDA-graph replay, as served.

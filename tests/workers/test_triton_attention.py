@@ -94,8 +94,8 @@ def relative_error(step: dict, *, max_query_len: int, num_decodes: int = 0,
 
 MIXED = dict(query_lens=[1, 1, 1, 37, 5, 70], cached=[0, 16, 90, 0, 33, 20])
 DECODES = dict(query_lens=[1] * 5, cached=[0, 15, 16, 63, 150])
-# Split by length (DECODE_MIN_SEGMENT_TILES 2, 4 segments, tiles of 128 keys): 1,101 keys fill
-# three segments of 3 tiles and leave one empty, 301 keys two, the short ones one.
+# Split over many tiles of 128 keys: with 16 segments 1,101 keys leave 7 segments empty, and the
+# short sequences all but one.
 LONG_DECODES = dict(query_lens=[1] * 5, cached=[0, 15, 300, 700, 1100])
 LONG_MIXED = dict(query_lens=[1, 1, 1, 37, 5], cached=[300, 1100, 0, 0, 20])  # 3 decode slots
 
@@ -131,9 +131,8 @@ def test_decode_step_matches_reference_on_cuda(dtype, segments) -> None:
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("segments", "min_tiles"), [(4, 2), (16, 4)])
-def test_decode_step_split_by_length_on_cuda(dtype, segments, min_tiles, monkeypatch) -> None:
-    monkeypatch.setattr(triton_attention, "DECODE_MIN_SEGMENT_TILES", min_tiles)
+@pytest.mark.parametrize("segments", [4, 16])
+def test_long_decodes_split_with_bf16_and_fp8_caches_on_cuda(dtype, segments) -> None:
     step = make_step(**LONG_DECODES, num_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype=dtype,
                      device="cuda")
     tol = 1e-5 if dtype == torch.float32 else 1e-2
@@ -204,11 +203,8 @@ split = relative_error(make_step(**MIXED, **shape), max_query_len=70, num_decode
 decodes = relative_error(make_step(**DECODES, **shape), max_query_len=1)  # 4 segments off CUDA
 assert max(mixed, split, decodes) < 1e-5, (mixed, split, decodes)
 from tests.workers.test_triton_attention import LONG_DECODES, LONG_MIXED
-from workers.layers import triton_attention
-triton_attention.DECODE_MIN_SEGMENT_TILES = 2  # split by length: some segments empty
-by_length = relative_error(make_step(**LONG_DECODES, **shape), max_query_len=1, num_segments=4)
-triton_attention.DECODE_MIN_SEGMENT_TILES = 1
-assert by_length < 1e-5, by_length
+long_split = relative_error(make_step(**LONG_DECODES, **shape), max_query_len=1, num_segments=16)
+assert long_split < 1e-5, long_split  # segments left empty write an empty partial
 from tests.workers.test_triton_attention import with_fp8_cache
 fp8 = with_fp8_cache(make_step(**MIXED, **shape), 0.5, 2.0)
 errors = [relative_error(fp8, max_query_len=70, num_decodes=3),

@@ -40,10 +40,6 @@ NUM_STAGES = 2  # software pipelining of the K/V tile loads
 # bf16 it is not), q cast to float16 for the products. On the H200 (profile_gpu.py --kernels, 64
 # decodes of 8.2-8.7k tokens, one layer): 490 us against 602 widened to bf16; bf16 K/V 607 us.
 FP8_WIDEN_FP16 = True
-# Split-K by length (1: every sequence's keys split NUM_SEGMENTS ways, however short): a decode
-# segment spans at least this many key tiles. Measured, not chosen: on the H200 it lost to the
-# plain split (profile_gpu.py --kernels --configs segments).
-DECODE_MIN_SEGMENT_TILES = 1
 # Decode launches over an FP8 cache split each sequence's keys at least this many ways, the
 # decode slots of mixed-step graphs too: its tiles cost half the bytes, so one program per
 # (sequence, KV head) keeps too few loads in flight. H200, CUDA-graph replays, one layer: 64
@@ -84,7 +80,7 @@ if triton is not None:
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         PAGE_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
         NUM_SEGMENTS: tl.constexpr, DECODE_ONLY: tl.constexpr, IEEE_DOT: tl.constexpr,
-        WIDEN_FP16: tl.constexpr, MIN_SEGMENT_TILES: tl.constexpr,
+        WIDEN_FP16: tl.constexpr,
     ):
         pid = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -122,10 +118,7 @@ if triton is not None:
         last_tok = tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len) - 1
         kv_len = first_pos + last_tok + 1
         num_tiles = tl.cdiv(kv_len, BLOCK_N)
-        # A segment takes at least MIN_SEGMENT_TILES tiles, so a short sequence leaves its later
-        # segments empty (they write an empty partial: m = -inf, sum 0) and a long one is split
-        # NUM_SEGMENTS ways: the split follows each sequence's length with a grid fixed by shape.
-        tiles_per_segment = tl.maximum(tl.cdiv(num_tiles, NUM_SEGMENTS), MIN_SEGMENT_TILES)
+        tiles_per_segment = tl.cdiv(num_tiles, NUM_SEGMENTS)
         tile_begin = segment * tiles_per_segment
         tile_end = tl.minimum(tile_begin + tiles_per_segment, num_tiles)
 
@@ -311,7 +304,6 @@ def _launch(
         PAGE_SIZE=page_size, BLOCK_Q=block_q, BLOCK_N=DECODE_BLOCK_N if decode_only else MIXED_BLOCK_N,
         NUM_SEGMENTS=num_segments, DECODE_ONLY=decode_only, IEEE_DOT=q.dtype == torch.float32,
         WIDEN_FP16=FP8_WIDEN_FP16 and k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32,
-        MIN_SEGMENT_TILES=DECODE_MIN_SEGMENT_TILES if decode_only else 1,
         num_warps=NUM_WARPS if decode_only else MIXED_NUM_WARPS, num_stages=NUM_STAGES,
     )
     if num_segments > 1:
