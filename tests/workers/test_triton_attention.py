@@ -92,6 +92,31 @@ def relative_error(step: dict, *, max_query_len: int, num_decodes: int = 0,
     return float((out.double().cpu() - ref).norm() / ref.norm())
 
 
+def slots_relative_error(step: dict, *, num_decodes: int, num_decode_slots: int) -> float:
+    """The step laid out as a mixed-step graph lays it out: its num_decodes decodes in the first of
+    num_decode_slots slots, the empty ones with no query rows, then its prefill chunks. More
+    decode slots than query rows is the graphs' common case (max_num_seqs slots, 16-token bucket)."""
+    empty = num_decode_slots - num_decodes
+    starts = step["query_start_loc"]
+    slots = dict(
+        block_tables=torch.cat([step["block_tables"][:num_decodes],
+                                step["block_tables"][:1].expand(empty, -1),
+                                step["block_tables"][num_decodes:]]),
+        seq_lens=torch.cat([step["seq_lens"][:num_decodes],
+                            torch.ones_like(step["seq_lens"][:1]).expand(empty),
+                            step["seq_lens"][num_decodes:]]),
+        query_start_loc=torch.cat([starts[:num_decodes], starts[num_decodes:num_decodes + 1].expand(empty),
+                                   starts[num_decodes:]]),
+    )
+    head_dim = step["q"].shape[2]
+    out = triton_attention.paged_attention_slots(
+        step["q"], step["k_cache"], step["v_cache"], slots["block_tables"], slots["seq_lens"],
+        slots["query_start_loc"], head_dim**-0.5, num_decode_slots=num_decode_slots,
+        k_scale=step.get("k_scale", 1.0), v_scale=step.get("v_scale", 1.0))
+    ref = reference(step, head_dim**-0.5)
+    return float((out.double().cpu() - ref).norm() / ref.norm())
+
+
 MIXED = dict(query_lens=[1, 1, 1, 37, 5, 70], cached=[0, 16, 90, 0, 33, 20])
 DECODES = dict(query_lens=[1] * 5, cached=[0, 15, 16, 63, 150])
 # Split over many tiles of 128 keys: with 16 segments 1,101 keys leave 7 segments empty, and the
@@ -152,6 +177,8 @@ def test_fp8_caches_split_where_bf16_would_not_on_cuda(dtype) -> None:
     assert relative_error(big, max_query_len=1) < tol
     mixed = with_fp8_cache(make_step(**LONG_MIXED, **shape), 0.5, 2.0)
     assert relative_error(mixed, max_query_len=37, num_decodes=3, as_slots=True) < tol
+    # More decode slots (256) than the step's 45 query rows, as in a small bucket's graph.
+    assert slots_relative_error(mixed, num_decodes=3, num_decode_slots=256) < tol
 
 
 @needs_cuda
@@ -213,6 +240,10 @@ errors = [relative_error(fp8, max_query_len=70, num_decodes=3),
           relative_error(with_fp8_cache(make_step(**LONG_MIXED, **shape), 0.5, 2.0), max_query_len=37,
                          num_decodes=3, as_slots=True)]  # split decode slots (FP8_MIN_DECODE_SEGMENTS)
 assert max(errors) < 1e-5, errors
+from tests.workers.test_triton_attention import slots_relative_error
+many_slots = slots_relative_error(with_fp8_cache(make_step(**LONG_MIXED, **shape), 0.5, 2.0), num_decodes=3,
+                                  num_decode_slots=64)  # more decode slots than the 45 query rows
+assert many_slots < 1e-5, many_slots
 # bf16 q over an FP8 cache: the products in float16 (FP8_WIDEN_FP16), as served on CUDA
 half = dict(shape, dtype=torch.bfloat16)
 mixed_fp8 = with_fp8_cache(make_step(**MIXED, **half), 0.5, 2.0)

@@ -259,8 +259,11 @@ def paged_attention_slots(
     out = torch.empty_like(q)
     d = num_decode_slots
     scales = {"k_scale": k_scale, "v_scale": v_scale}
+    # A decode's row is its slot's index and below the step's token count, so the decode launch
+    # covers min(d, rows) rows: a split's partials and its combine are sized by that. With d
+    # rows (max_num_seqs slots, a 16-token bucket) the combine wrote past `out`.
     _launch(q, k_cache, v_cache, out, block_tables[:d], seq_lens[:d], query_start_loc[: d + 1], scale,
-            decode_only=True, num_tokens=d, num_segments=_least_segments(k_cache), **scales)
+            decode_only=True, num_tokens=min(d, q.shape[0]), num_segments=_least_segments(k_cache), **scales)
     # The grid's upper bound (num_tokens // BLOCK_Q + slots) holds for any split of the rows.
     _launch(q, k_cache, v_cache, out, block_tables[d:], seq_lens[d:], query_start_loc[d:], scale,
             decode_only=False, num_tokens=q.shape[0], **scales)
@@ -286,7 +289,7 @@ def _launch(
     elif num_segments is None:
         num_segments = max(decode_segments(num_seqs, num_kv_heads, q.device), _least_segments(k_cache))
     num_programs = num_seqs if decode_only else num_tokens // block_q + num_seqs
-    if num_segments > 1:  # decode-only: rows 0..num_seqs-1
+    if num_segments > 1:  # decode-only: rows 0..num_tokens-1
         part_acc = torch.empty((num_tokens, num_heads, num_segments, head_dim_pad), dtype=torch.float32,
                                device=q.device)
         part_max = torch.empty((num_tokens, num_heads, num_segments), dtype=torch.float32, device=q.device)
