@@ -97,17 +97,13 @@ def bench_kernels(only: str | None = None, only_configs: str | None = None) -> N
     # An FP8 cache: widened to float16 (the default) or to bf16, and the split that suits its
     # cheaper tiles.
     fp8_configs = [{}, {"FP8_WIDEN_FP16": False}, {"segments": 2}, {"segments": 4}, {"NUM_STAGES": 3},
-                   {"NUM_STAGES": 3, "segments": 2}, {"FP8_DECODE_BLOCK_N": 64, "segments": 2},
-                   {"FP8_NUM_WARPS": 8, "segments": 2},
-                   {"FP8_DECODE_BLOCK_N": 256, "segments": 2},
-                   {"FP8_DECODE_BLOCK_N": 256, "FP8_NUM_WARPS": 8, "segments": 2},
-                   {"FP8_DECODE_BLOCK_N": 256, "FP8_NUM_WARPS": 8, "segments": 4},
-                   {"FP8_DECODE_BLOCK_N": 256, "FP8_NUM_WARPS": 8, "NUM_STAGES": 3, "segments": 2}]
+                   {"NUM_STAGES": 3, "segments": 2}, {"DECODE_BLOCK_N": 64, "segments": 2},
+                   {"NUM_WARPS": 8, "segments": 2}]
     mixed_configs = [{}, {"SPLIT_MIXED": False}, {"MIXED_BLOCK_N": 32}, {"MIXED_BLOCK_M": 128},
                      {"MIXED_BLOCK_M": 128, "MIXED_NUM_WARPS": 8},
                      {"MIXED_BLOCK_M": 128, "MIXED_BLOCK_N": 32}, {"NUM_STAGES": 3}]
     settings = ("DECODE_BLOCK_N", "MIXED_BLOCK_N", "MIXED_BLOCK_M", "NUM_WARPS", "MIXED_NUM_WARPS",
-                "NUM_STAGES", "SPLIT_MIXED", "FP8_WIDEN_FP16", "FP8_DECODE_BLOCK_N", "FP8_NUM_WARPS")
+                "NUM_STAGES", "SPLIT_MIXED", "FP8_WIDEN_FP16")
     defaults = {name: getattr(ta, name) for name in settings}
     # Eager (launch and partial buffers included, as do_bench sees them: a split launch's second
     # kernel and allocations can leave the GPU idle) and as a CUDA-graph replay, as served.

@@ -46,11 +46,6 @@ FP8_WIDEN_FP16 = True
 # decodes of 16-1,500 tokens 64 us against 80 unsplit (bf16 73); 64 of 8.2-8.7k tokens 417
 # against 489 (bf16 600). A bf16 cache gains nothing at short contexts, so it keeps occupancy's.
 FP8_MIN_DECODE_SEGMENTS = 2
-# Keys per inner iteration of decode launches over an FP8 cache: its tiles are half the bytes,
-# so a wider one reads what a bf16 tile of DECODE_BLOCK_N reads, with half the per-tile address
-# work (profile_gpu.py --kernels --configs FP8_DECODE).
-FP8_DECODE_BLOCK_N = 128
-FP8_NUM_WARPS = 4
 
 
 if triton is not None:
@@ -294,11 +289,6 @@ def _launch(
     elif num_segments is None:
         num_segments = max(decode_segments(num_seqs, num_kv_heads, q.device), _least_segments(k_cache))
     num_programs = num_seqs if decode_only else num_tokens // block_q + num_seqs
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
-    if decode_only:
-        block_n, num_warps = (FP8_DECODE_BLOCK_N, FP8_NUM_WARPS) if fp8 else (DECODE_BLOCK_N, NUM_WARPS)
-    else:
-        block_n, num_warps = MIXED_BLOCK_N, MIXED_NUM_WARPS
     if num_segments > 1:  # decode-only: rows 0..num_tokens-1
         part_acc = torch.empty((num_tokens, num_heads, num_segments, head_dim_pad), dtype=torch.float32,
                                device=q.device)
@@ -314,10 +304,10 @@ def _launch(
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        PAGE_SIZE=page_size, BLOCK_Q=block_q, BLOCK_N=block_n,
+        PAGE_SIZE=page_size, BLOCK_Q=block_q, BLOCK_N=DECODE_BLOCK_N if decode_only else MIXED_BLOCK_N,
         NUM_SEGMENTS=num_segments, DECODE_ONLY=decode_only, IEEE_DOT=q.dtype == torch.float32,
-        WIDEN_FP16=FP8_WIDEN_FP16 and fp8 and q.dtype != torch.float32,
-        num_warps=num_warps, num_stages=NUM_STAGES,
+        WIDEN_FP16=FP8_WIDEN_FP16 and k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32,
+        num_warps=NUM_WARPS if decode_only else MIXED_NUM_WARPS, num_stages=NUM_STAGES,
     )
     if num_segments > 1:
         _combine_segments_kernel[(num_tokens, num_heads)](
