@@ -105,6 +105,8 @@ def _timings(x: torch.Tensor, bf16_weights: list[torch.Tensor],
         tuned = choice or fp8_tuning.tune_shape(fp8_weights, m, device, x.dtype)
         row["w8a16"] = f"{tuned.w8a16_us:.1f} ({tuned.config.label()})"
         row["quant + scaled_mm"] = tuned.scaled_mm_us
+        row["quant + w8a8"] = (f"{tuned.w8a8_us:.1f} ({tuned.w8a8_config.label()})"
+                               if tuned.w8a8_config is not None else "-")
     elif triton_runs:
         quant_mm = _each(lambda ws: fp8_gemm.scaled_mm(triton_quant.per_token_quant(x), ws[0], ws[1]),
                          fp8_weights)
@@ -119,8 +121,8 @@ def _cell(value: object) -> str:
     return str(value)
 
 
-COLUMNS = ("shape", "M", "bf16", "fp8 served", "vs bf16", "chosen", "w8a16", "quant + scaled_mm", "floor",
-           "% of floor", "fp8 eager")
+COLUMNS = ("shape", "M", "bf16", "fp8 served", "vs bf16", "chosen", "w8a16", "quant + scaled_mm",
+           "quant + w8a8", "floor", "% of floor", "fp8 eager")
 
 
 def linear_table(device: torch.device, *, smoke: bool) -> list[str]:

@@ -60,6 +60,14 @@ lines = [e for e in logs if e["event"] == "fp8 products measured"]
 assert len(lines) == 1 and sorted(lines[0]["table"]) == ["48x256 M<=1", "48x256 M<=2", "48x256 M<=4"], lines
 assert {fp8_tuning._choices[(-1, 48, 256, b)].config for b in (1, 2, 4)} == {
     fp8_gemm.default_config(1), fp8_gemm.default_config(2)}
+assert all(fp8_tuning._choices[(-1, 48, 256, b)].w8a8_config is None for b in (1, 2, 4))  # below W8A8_MIN_M
+
+# From 16 tokens the FP8 x FP8 kernel is a candidate too, quant included; the fastest of the three
+# is kept.
+choice = fp8_tuning.tune_shape(weights, 16, cpu, torch.float32)
+assert choice.w8a8_config == fp8_gemm.w8a8_configs_for(16)[0] and choice.w8a8_us > 0
+times = {"w8a16": choice.w8a16_us, "scaled_mm": choice.scaled_mm_us, "w8a8": choice.w8a8_us}
+assert choice.path == min(times, key=times.__getitem__), choice
 print("ok")
 """
 
@@ -82,7 +90,7 @@ def test_the_fused_quant_and_the_product_agree_at_every_token_count() -> None:
         for m in (1, 2, 5, 16, 33, 256, 300):
             x = torch.randn(m, 256, device="cuda", dtype=torch.bfloat16)
             choice = fp8_tuning.choice_for(weight, m, x.dtype)
-            assert fp8.takes_fp8_input(x, weight) == (choice is None or choice.path == "scaled_mm")
+            assert fp8.takes_fp8_input(x, weight) == (choice is None or choice.path in ("scaled_mm", "w8a8"))
             ref = F.linear(x.float(), fp8.dequantize(weight, scale, torch.float32))
             ours = fp8.linear(x, weight, scale).float()
             assert float((ours - ref).norm() / ref.norm()) < 0.05, m
@@ -122,3 +130,45 @@ def test_a_shape_first_met_inside_a_capture_is_not_timed_there() -> None:
     ref = F.linear(x.float(), fp8.dequantize(weight, scale, torch.float32))
     assert float((out.float() - ref).norm() / ref.norm()) < 0.05
     assert (torch.cuda.current_device(), 272, 128, 4) not in fp8_tuning._choices
+
+
+_W8A8_CHECK = """
+import torch
+from workers.layers import fp8_gemm, triton_quant
+from workers.layers.quantization import METHODS
+
+fp8 = METHODS["fp8"]
+gen = torch.Generator().manual_seed(0)
+errors = []
+for m, n, k in ((16, 96, 256), (40, 64, 384), (130, 128, 200)):  # 200: a K tail
+    weight, scale = fp8.quantize_rows(torch.randn(n, k, generator=gen))
+    xq = triton_quant.per_token_quant(torch.randn(m, k, generator=gen))
+    ref = xq.dequantize() @ fp8.dequantize(weight, scale, torch.float32).T
+    for config in (fp8_gemm.W8A8Config(64, 32, 128, 4, 4), fp8_gemm.W8A8Config(64, 64, 128, 4, 4, 2)):
+        errors.append(float((fp8_gemm.w8a8(xq, weight, scale, config) - ref).norm() / ref.norm()))
+assert max(errors) < 1e-5, errors
+print("ok")
+"""
+
+
+@pytest.mark.skipif(fp8_gemm.triton is None or torch.cuda.is_available(),
+                    reason="needs Triton installed; on CUDA hosts the compiled kernel is tested instead")
+def test_the_fp8_by_fp8_kernel_is_the_product_of_the_dequantized_operands_in_the_interpreter() -> None:
+    run_interpreted(_W8A8_CHECK)
+
+
+@CUDA
+@pytest.mark.parametrize("m", [16, 33, 64, 200, 256])
+def test_the_fp8_by_fp8_kernel_matches_the_dequantized_product_in_every_config_on_cuda(m) -> None:
+    """Every config the tuner may pick, on Llama-3-8B's o shape and an odd one (a K tail, N not a
+    tile multiple), against the product of the dequantized e4m3 operands in float32."""
+    from workers.layers import triton_quant
+
+    fp8 = METHODS["fp8"]
+    for n, k in ((4096, 4096), (272, 200)):
+        weight, scale = fp8.quantize_rows(torch.randn(n, k, device="cuda"))
+        xq = triton_quant.per_token_quant(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+        ref = xq.data.float() * xq.scale @ fp8.dequantize(weight, scale, torch.float32).T
+        for config in fp8_gemm.w8a8_configs_for(m):
+            out = fp8_gemm.w8a8(xq, weight, scale, config).float()
+            assert float((out - ref).norm() / ref.norm()) < 1e-2, (n, k, config)

@@ -1,4 +1,4 @@
-"""The FP8 linear's two matrix products on CUDA, and the tile configs the small-M one can take.
+"""The FP8 linear's three matrix products on CUDA, and the tile configs the Triton ones can take.
 
 - `scaled_mm`: `torch._scaled_mm` on e4m3 activations (one scale per token) and e4m3 weights
   (one per channel) with fast accumulation. Without `use_fast_accum` the rowwise product is
@@ -13,7 +13,13 @@
   the memory busy, SPLIT_K > 1 writes float32 partials to a [SPLIT_K, M, N] workspace (every
   element written, so it needs no memset) that one small kernel sums: two kernels, not three.
 
-Which of the two runs, and with which config, is measured on the GPU at start (fp8_tuning.py).
+- `w8a8`: a Triton GEMM of e4m3 activations by e4m3 weights on the tensor cores' FP8 rate,
+  both scales applied once to the float32 accumulator. For 16-256 tokens `scaled_mm` spends
+  ~15 us even on a 4096x4096 weight whose bytes take 6 at the copy rate; this kernel is
+  bandwidth-bound there. Its weight operand is read K-major ([N, K] rows, K contiguous), the
+  layout Hopper's FP8 products take without a transpose.
+
+Which runs, and with which config, is measured on the GPU at start (fp8_tuning.py).
 """
 
 from __future__ import annotations
@@ -71,6 +77,38 @@ DOT_CONFIGS_M64 = tuple(W8A16Config(*c) for c in (
     (32, 128, 4, 4), (64, 128, 4, 4), (64, 64, 4, 5), (128, 64, 8, 4), (64, 128, 4, 4, 2)))
 DOT_CONFIGS_LARGE = tuple(W8A16Config(*c) for c in (
     (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 8, 4), (128, 128, 8, 3)))
+
+
+class W8A8Config(NamedTuple):
+    """One launch shape of the FP8 x FP8 kernel (BLOCK_M >= 64: one warpgroup's product)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    split_k: int = 1
+
+    def label(self) -> str:
+        return (f"m{self.block_m} n{self.block_n} k{self.block_k} w{self.num_warps} s{self.num_stages} "
+                f"split{self.split_k}")
+
+
+# Timed from W8A8_MIN_M tokens: below, the weight-only kernel reads the same bytes with no quant.
+# Narrow N tiles and split-K give a 4096-wide output enough programs for 132 SMs at few tokens.
+W8A8_MIN_M = 16
+W8A8_CONFIGS_SMALL = tuple(W8A8Config(*c) for c in (
+    (64, 32, 128, 4, 4), (64, 64, 128, 4, 4), (64, 64, 256, 4, 3), (64, 128, 128, 4, 4),
+    (64, 64, 128, 4, 4, 2), (64, 32, 256, 4, 3, 2)))
+W8A8_CONFIGS_LARGE = tuple(W8A8Config(*c) for c in (
+    (64, 64, 128, 4, 4), (64, 128, 128, 4, 4), (128, 64, 128, 4, 4), (128, 128, 128, 8, 3),
+    (64, 128, 256, 8, 3), (128, 128, 64, 4, 4)))
+
+
+def w8a8_configs_for(m: int) -> tuple[W8A8Config, ...]:
+    if m < W8A8_MIN_M:
+        return ()
+    return W8A8_CONFIGS_SMALL if m <= 64 else W8A8_CONFIGS_LARGE
 
 
 def configs_for(m: int) -> tuple[W8A16Config, ...]:
@@ -136,6 +174,40 @@ if triton is not None:
             else:
                 acc += tl.dot(x, tl.trans(w))
         acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
+        offs = rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+        _store_result(acc, out_ptr, ws_ptr, offs, m_ok[:, None] & n_ok[None, :], pid_k, M, N, SPLIT_K)
+
+    @triton.jit(do_not_specialize=["M"])
+    def _w8a8_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, ws_ptr, M, N, K, stride_am, stride_wn,
+                     stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr):
+        """out[M, N] = (a[M, K] @ w[N, K].T) * a_scale[M] * w_scale[N], a and w in e4m3, the
+        products accumulated in float32; or split pid_k's partial of it."""
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        m_ok = rm < M
+        n_ok = rn < N
+        a_rows = a_ptr + rm.to(tl.int64)[:, None] * stride_am
+        w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        first, last = _k_range(K, pid_k, BLOCK_K, SPLIT_K)
+        for tile in range(first, last):
+            kk = tile * BLOCK_K + rk
+            if EVEN_K:
+                a = tl.load(a_rows + kk[None, :], mask=m_ok[:, None], other=0.0)
+                w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None], other=0.0)
+            else:
+                k_ok = kk < K
+                a = tl.load(a_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = tl.dot(a, tl.trans(w), acc)
+        a_scale = tl.load(a_scale_ptr + rm, mask=m_ok, other=0.0)
+        w_scale = tl.load(w_scale_ptr + rn, mask=n_ok, other=0.0)
+        acc = acc * a_scale[:, None] * w_scale[None, :]
         offs = rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
         _store_result(acc, out_ptr, ws_ptr, offs, m_ok[:, None] & n_ok[None, :], pid_k, M, N, SPLIT_K)
 
@@ -209,8 +281,36 @@ def w8a16(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, EVEN_K=even_k,
             IEEE_DOT=x.dtype == torch.float32, num_warps=config.num_warps, num_stages=config.num_stages)
     if split > 1:
-        _split_k_sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](ws, out, m * n, SPLIT_K=split, BLOCK=SUM_BLOCK,
-                                                              num_warps=4)
+        _sum_split(ws, out, split)
+    return out
+
+
+def _sum_split(ws: torch.Tensor, out: torch.Tensor, split: int) -> None:
+    numel = out.numel()
+    _split_k_sum_kernel[(triton.cdiv(numel, SUM_BLOCK),)](ws, out, numel, SPLIT_K=split, BLOCK=SUM_BLOCK,
+                                                          num_warps=4)
+
+
+def w8a8(xq: QuantizedActivation, weight: torch.Tensor, scale: torch.Tensor,
+         config: W8A8Config | None = None) -> torch.Tensor:
+    """xq: [M, K] e4m3 with [M, 1] float32 scales (contiguous rows); weight: [N, K] e4m3, scale:
+    [N] float32 -> (xq.data * xq.scale) @ (weight * scale).T: [M, N] in xq.dtype."""
+    m, k = xq.data.shape
+    n = weight.shape[0]
+    config = config or W8A8_CONFIGS_SMALL[1]
+    out = torch.empty((m, n), dtype=xq.dtype, device=weight.device)
+    if not m:
+        return out
+    split = min(config.split_k, triton.cdiv(k, config.block_k))
+    ws = torch.empty((split, m, n), dtype=torch.float32, device=weight.device) if split > 1 else out
+    grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), split)
+    _w8a8_kernel[grid](
+        xq.data, xq.scale, weight, scale, out, ws, m, n, k, xq.data.stride(0), weight.stride(0),
+        out.stride(0),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split,
+        EVEN_K=k % config.block_k == 0, num_warps=config.num_warps, num_stages=config.num_stages)
+    if split > 1:
+        _sum_split(ws, out, split)
     return out
 
 

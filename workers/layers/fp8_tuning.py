@@ -6,7 +6,8 @@ call times, on the GPU itself:
 - every `fp8_gemm.w8a16` config for that M (fp8_gemm.configs_for), keeping the fastest;
 - `per_token_quant` + `scaled_mm` (the quant counted in full, though before qkv, gate_up and down
   it is fused into the RMSNorm or SiLU-mul: a small bias towards w8a16);
-and keeps the faster product. Above MAX_TUNED_M it is always scaled_mm (it is 1.7x bf16 at
+- from 16 tokens, `per_token_quant` + every `fp8_gemm.w8a8` config (the quant counted likewise);
+and keeps the fastest product. Above MAX_TUNED_M it is always scaled_mm (it is 1.7x bf16 at
 M = 2048 and the weight-only kernel is a plain Triton GEMM there).
 
 Each figure is a CUDA-graph replay of one call per layer of that shape, over the model's own
@@ -33,7 +34,7 @@ import torch
 from shared.logging import get_logger
 from workers.layers import fp8_gemm, triton_quant
 from workers.layers.fp8 import FP8_DTYPE
-from workers.layers.fp8_gemm import W8A16Config
+from workers.layers.fp8_gemm import W8A8Config, W8A16Config
 
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_TUNED_M = M_BUCKETS[-1]
@@ -46,10 +47,12 @@ log = get_logger("tokenfleet.fp8_tuning")
 class Choice(NamedTuple):
     """The product one (shape, bucket) runs, and what each candidate took (us per call)."""
 
-    path: str  # "w8a16" or "scaled_mm"
+    path: str  # "w8a16", "scaled_mm" or "w8a8" (the last two take e4m3 activations)
     config: W8A16Config | None  # w8a16's fastest config
     w8a16_us: float
     scaled_mm_us: float
+    w8a8_config: W8A8Config | None = None  # w8a8's fastest config (None: not timed at this M)
+    w8a8_us: float = float("inf")
 
 
 # (device index, N, K, bucket) -> the measured choice
@@ -154,24 +157,29 @@ def tune_all(device: torch.device, dtype: torch.dtype, max_m: int = MAX_TUNED_M,
                 continue
             choice = tune_shape(weights, bucket, device, dtype)
             _choices[(*shape, bucket)] = choice
+            w8a8 = (f", w8a8 {choice.w8a8_us:.1f}us ({choice.w8a8_config.label()})"
+                    if choice.w8a8_config is not None else "")
             table[f"{shape[1]}x{shape[2]} M<={bucket}"] = (
                 f"{choice.path}: w8a16 {choice.w8a16_us:.1f}us ({choice.config.label()}), "
-                f"scaled_mm {choice.scaled_mm_us:.1f}us")
+                f"scaled_mm {choice.scaled_mm_us:.1f}us{w8a8}")
     if table:
         log.info("fp8 products measured", device=str(device), seconds=round(time.perf_counter() - start, 1),
                  table=table)
 
 
 def tune_shape(weights: list[tuple[torch.Tensor, torch.Tensor]], m: int, device: torch.device,
-               dtype: torch.dtype, *, configs: tuple[W8A16Config, ...] | None = None) -> Choice:
-    """Time every w8a16 config and quant + scaled_mm for x [m, K] in dtype over `weights` (all
-    [N, K] e4m3 with their [N] scales)."""
+               dtype: torch.dtype, *, configs: tuple[W8A16Config, ...] | None = None,
+               w8a8_configs: tuple[W8A8Config, ...] | None = None) -> Choice:
+    """Time every w8a16 config, quant + scaled_mm and quant + every w8a8 config for x [m, K] in
+    dtype over `weights` (all [N, K] e4m3 with their [N] scales)."""
     weights = _spanning_l2(weights, device)
     k = weights[0][0].shape[1]
     x = torch.randn(m, k, device=device, dtype=dtype)
     if configs is None:
         # The interpreter runs one config (its "timings" are the CPU's, and each call is slow).
         configs = (fp8_gemm.default_config(m),) if _interpreted(device) else fp8_gemm.configs_for(m)
+    if w8a8_configs is None:
+        w8a8_configs = fp8_gemm.w8a8_configs_for(m)[:1 if _interpreted(device) else None]
     timed: dict[W8A16Config, float] = {}
     for config in configs:
         def call(config=config) -> None:
@@ -183,11 +191,20 @@ def tune_shape(weights: list[tuple[torch.Tensor, torch.Tensor]], m: int, device:
         for w, s in weights:
             fp8_gemm.scaled_mm(triton_quant.per_token_quant(x), w, s)
     scaled_us = _timed_or_inf(scaled, device, "scaled_mm") / len(weights)
+    timed_w8a8: dict[W8A8Config, float] = {}
+    for config in w8a8_configs:
+        def call_w8a8(config=config) -> None:
+            for w, s in weights:
+                fp8_gemm.w8a8(triton_quant.per_token_quant(x), w, s, config)
+        timed_w8a8[config] = _timed_or_inf(call_w8a8, device, f"w8a8 {config.label()}") / len(weights)
     best = min(timed, key=timed.__getitem__)
-    path = "w8a16" if timed[best] < scaled_us else "scaled_mm"
-    if timed[best] == scaled_us == float("inf"):
+    best_w8a8 = min(timed_w8a8, key=timed_w8a8.__getitem__) if timed_w8a8 else None
+    w8a8_us = timed_w8a8[best_w8a8] if best_w8a8 is not None else float("inf")
+    candidates = {"w8a16": timed[best], "scaled_mm": scaled_us, "w8a8": w8a8_us}
+    path = min(candidates, key=candidates.__getitem__)  # ties: the order above
+    if candidates[path] == float("inf"):
         raise RuntimeError(f"no FP8 product runs for x [{m}, {k}] @ {tuple(weights[0][0].shape)}")
-    return Choice(path, best, timed[best], scaled_us)
+    return Choice(path, best, timed[best], scaled_us, best_w8a8, w8a8_us)
 
 
 def _timed_or_inf(fn: Callable[[], None], device: torch.device, label: str) -> float:

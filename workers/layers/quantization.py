@@ -78,7 +78,7 @@ class Fp8Quantization(WeightQuantization):
         fp8_tuning.register(weight, scale)  # timed with the others of its shape at start
 
     def takes_fp8_input(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        # x: [num_tokens, in]. Only where the product is scaled_mm: the small-M kernel reads bf16.
+        # x: [num_tokens, in]. Only where the product is scaled_mm or w8a8: w8a16 reads bf16.
         # `linear` asks the same measured table, so the two always agree.
         return (triton_quant.is_available(x) and fp8_gemm.is_aligned(weight)
                 and not fp8_tuning.uses_w8a16(weight, x.shape[0], x.dtype))
@@ -87,7 +87,7 @@ class Fp8Quantization(WeightQuantization):
                scale: torch.Tensor) -> torch.Tensor:
         out_features, in_features = weight.shape
         if isinstance(x, QuantizedActivation):  # quantized by the kernel before (takes_fp8_input)
-            return fp8_gemm.scaled_mm(x, weight, scale)
+            return self._fp8_product(x, weight, scale, fp8_tuning.choice_for(weight, x.shape[0], x.dtype))
         if not fp8_gemm.is_aligned(weight):
             return F.linear(x, self.dequantize(weight, scale, x.dtype))
         rows = x.reshape(-1, in_features)
@@ -97,8 +97,17 @@ class Fp8Quantization(WeightQuantization):
         elif (choice := fp8_tuning.choice_for(weight, rows.shape[0], rows.dtype)) and choice.path == "w8a16":
             out = fp8_gemm.w8a16(rows.contiguous(), weight, scale, choice.config)
         else:
-            out = fp8_gemm.scaled_mm(triton_quant.per_token_quant(rows.contiguous()), weight, scale)
+            out = self._fp8_product(triton_quant.per_token_quant(rows.contiguous()), weight, scale, choice)
         return out.reshape(*x.shape[:-1], out_features)
+
+    @staticmethod
+    def _fp8_product(xq: QuantizedActivation, weight: torch.Tensor, scale: torch.Tensor,
+                     choice: fp8_tuning.Choice | None) -> torch.Tensor:
+        """e4m3 rows by the e4m3 weight: the Triton w8a8 kernel where it was measured fastest,
+        else scaled_mm (above the tuned token counts, or never measured)."""
+        if choice is not None and choice.path == "w8a8":
+            return fp8_gemm.w8a8(xq, weight, scale, choice.w8a8_config)
+        return fp8_gemm.scaled_mm(xq, weight, scale)
 
 
 class Int8WeightOnly(WeightQuantization):
