@@ -30,6 +30,19 @@ def test_cpu_weights_never_take_a_measured_product() -> None:
     assert not METHODS["fp8"].takes_fp8_input(torch.randn(1, 64), weight)
 
 
+def test_a_candidate_that_computes_another_product_is_ruled_out_and_logged() -> None:
+    """The tuner keeps only Triton candidates that agree with the dequantized product: a kernel
+    miscompiled on some GPU must lose, not serve."""
+    reference = torch.randn(16, 64)
+    with capture_logs() as logs:
+        assert fp8_tuning._agrees(lambda: reference + 1e-3 * torch.randn(16, 64), reference, "close")
+        assert not fp8_tuning._agrees(lambda: 2 * reference, reference, "doubled")
+        assert not fp8_tuning._agrees(lambda: torch.full((16, 64), float("nan")), reference, "nan")
+    ruled_out = [e["candidate"] for e in logs
+                 if e["event"] == "fp8 candidate disagrees with the dequantized product, not chosen"]
+    assert ruled_out == ["doubled", "nan"]
+
+
 _INTERPRETER_TUNING = """
 import torch
 import torch.nn.functional as F
@@ -64,8 +77,9 @@ assert all(fp8_tuning._choices[(-1, 48, 256, b)].w8a8_config is None for b in (1
 
 # From 16 tokens the FP8 x FP8 kernel is a candidate too, quant included; the fastest of the three
 # is kept.
-choice = fp8_tuning.tune_shape(weights, 16, cpu, torch.float32)
-assert choice.w8a8_config == fp8_gemm.w8a8_configs_for(16)[0] and choice.w8a8_us > 0
+w8a8_configs = fp8_gemm.w8a8_configs_for(16)[:1]
+choice = fp8_tuning.tune_shape(weights, 16, cpu, torch.float32, w8a8_configs=w8a8_configs)
+assert choice.w8a8_config == w8a8_configs[0] and choice.w8a8_us > 0
 times = {"w8a16": choice.w8a16_us, "scaled_mm": choice.scaled_mm_us, "w8a8": choice.w8a8_us}
 assert choice.path == min(times, key=times.__getitem__), choice
 print("ok")

@@ -6,9 +6,12 @@ call times, on the GPU itself:
 - every `fp8_gemm.w8a16` config for that M (fp8_gemm.configs_for), keeping the fastest;
 - `per_token_quant` + `scaled_mm` (the quant counted in full, though before qkv, gate_up and down
   it is fused into the RMSNorm or SiLU-mul: a small bias towards w8a16);
-- from 16 tokens, `per_token_quant` + every `fp8_gemm.w8a8` config (the quant counted likewise);
-and keeps the fastest product. Above MAX_TUNED_M it is always scaled_mm (it is 1.7x bf16 at
-M = 2048 and the weight-only kernel is a plain Triton GEMM there).
+- from 16 tokens, with TRY_W8A8, `per_token_quant` + every `fp8_gemm.w8a8` config (the quant
+  counted likewise);
+and keeps the fastest product. A Triton candidate whose output on the first weight disagrees
+with the product of the dequantized operands is ruled out like one that fails to compile. Above
+MAX_TUNED_M it is always scaled_mm (it is 1.7x bf16 at M = 2048 and the weight-only kernel is a
+plain Triton GEMM there).
 
 Each figure is a CUDA-graph replay of one call per layer of that shape, over the model's own
 weights (registered as the layers are built): the weights stream from HBM as in a decode step,
@@ -33,10 +36,14 @@ import torch
 
 from shared.logging import get_logger
 from workers.layers import fp8_gemm, triton_quant
-from workers.layers.fp8 import FP8_DTYPE
+from workers.layers.fp8 import FP8_DTYPE, QuantizedActivation
 from workers.layers.fp8_gemm import W8A8Config, W8A16Config
 
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# The FP8 x FP8 Triton GEMM as a candidate: off until it is timed on the H200 (it is tested in
+# the interpreter; written after the session's device time ran out). Tests turn it on per call.
+TRY_W8A8 = False
+AGREEMENT = 0.05  # a candidate's relative error against the dequantized product, at most
 MAX_TUNED_M = M_BUCKETS[-1]
 REPLAYS = 3  # best of
 L2_COPIES = 2  # the timed weights span at least this many L2 caches
@@ -179,24 +186,36 @@ def tune_shape(weights: list[tuple[torch.Tensor, torch.Tensor]], m: int, device:
         # The interpreter runs one config (its "timings" are the CPU's, and each call is slow).
         configs = (fp8_gemm.default_config(m),) if _interpreted(device) else fp8_gemm.configs_for(m)
     if w8a8_configs is None:
-        w8a8_configs = fp8_gemm.w8a8_configs_for(m)[:1 if _interpreted(device) else None]
-    timed: dict[W8A16Config, float] = {}
-    for config in configs:
-        def call(config=config) -> None:
+        w8a8_configs = fp8_gemm.w8a8_configs_for(m) if TRY_W8A8 else ()
+        w8a8_configs = w8a8_configs[:1] if _interpreted(device) else w8a8_configs
+    first_w, first_s = weights[0]
+    xq = triton_quant.per_token_quant(x)
+    w_deq = first_w.to(torch.float32) * first_s[:, None]
+    bf16_product = x.to(torch.float32) @ w_deq.T  # what w8a16 computes
+    e4m3_product = xq.dequantize().to(torch.float32) @ w_deq.T  # what w8a8 (and scaled_mm) compute
+
+    def candidate_us(product: Callable[..., torch.Tensor], inputs: torch.Tensor | QuantizedActivation,
+                     config: object, reference: torch.Tensor, label: str) -> float:
+        """us per call over every weight, the activation quant included where the product takes
+        e4m3 rows; inf if it disagrees with the reference on the first weight or cannot run."""
+        if not _agrees(lambda: product(inputs, first_w, first_s, config), reference, label):
+            return float("inf")
+        quantized = isinstance(inputs, QuantizedActivation)
+
+        def call() -> None:
             for w, s in weights:
-                fp8_gemm.w8a16(x, w, s, config)
-        timed[config] = _timed_or_inf(call, device, config.label()) / len(weights)
+                product(triton_quant.per_token_quant(x) if quantized else x, w, s, config)
+        return _timed_or_inf(call, device, label) / len(weights)
+
+    timed = {config: candidate_us(fp8_gemm.w8a16, x, config, bf16_product, config.label())
+             for config in configs}
 
     def scaled() -> None:
         for w, s in weights:
             fp8_gemm.scaled_mm(triton_quant.per_token_quant(x), w, s)
     scaled_us = _timed_or_inf(scaled, device, "scaled_mm") / len(weights)
-    timed_w8a8: dict[W8A8Config, float] = {}
-    for config in w8a8_configs:
-        def call_w8a8(config=config) -> None:
-            for w, s in weights:
-                fp8_gemm.w8a8(triton_quant.per_token_quant(x), w, s, config)
-        timed_w8a8[config] = _timed_or_inf(call_w8a8, device, f"w8a8 {config.label()}") / len(weights)
+    timed_w8a8 = {config: candidate_us(fp8_gemm.w8a8, xq, config, e4m3_product, f"w8a8 {config.label()}")
+                  for config in w8a8_configs}
     best = min(timed, key=timed.__getitem__)
     best_w8a8 = min(timed_w8a8, key=timed_w8a8.__getitem__) if timed_w8a8 else None
     w8a8_us = timed_w8a8[best_w8a8] if best_w8a8 is not None else float("inf")
@@ -205,6 +224,21 @@ def tune_shape(weights: list[tuple[torch.Tensor, torch.Tensor]], m: int, device:
     if candidates[path] == float("inf"):
         raise RuntimeError(f"no FP8 product runs for x [{m}, {k}] @ {tuple(weights[0][0].shape)}")
     return Choice(path, best, timed[best], scaled_us, best_w8a8, w8a8_us)
+
+
+def _agrees(product: Callable[[], torch.Tensor], reference: torch.Tensor, label: str) -> bool:
+    """Whether a Triton candidate computes the product (within AGREEMENT of the float32 product of
+    its dequantized operands); one that raises is left to _timed_or_inf to rule out and log."""
+    try:
+        out = product().to(torch.float32)
+    except Exception:  # noqa: BLE001 - the timing runs it again and logs why
+        return True
+    error = float((out - reference).norm() / reference.norm().clamp(min=1e-30))
+    if not error <= AGREEMENT:  # NaN too
+        log.warning("fp8 candidate disagrees with the dequantized product, not chosen", candidate=label,
+                    relative_error=error)
+        return False
+    return True
 
 
 def _timed_or_inf(fn: Callable[[], None], device: torch.device, label: str) -> float:
