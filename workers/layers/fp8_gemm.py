@@ -140,6 +140,28 @@ if triton is not None:
         per_split = tl.cdiv(num_tiles, SPLIT_K)
         return pid_k * per_split, tl.minimum((pid_k + 1) * per_split, num_tiles)
 
+    @triton.jit
+    def _output_tile(x_ptr, w_ptr, M, N, stride_xm, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """This program's output rows and columns (grid: N tiles, M tiles), their bounds, and the
+        row pointers of the activation and the [N, K] weight they read."""
+        rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
+        w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+        return rm, rn, rm < M, rn < N, x_rows, w_rows
+
+    @triton.jit
+    def _operand_tiles(x_rows, w_rows, kk, m_ok, n_ok, K, EVEN_K: tl.constexpr):
+        """The activation's and the weight's tiles at columns kk (zeros past M, N and K)."""
+        if EVEN_K:
+            x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0.0)
+            w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None], other=0.0)
+        else:
+            k_ok = kk < K
+            x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        return x, w
+
     # M is the step's token count: specialised on it (M == 1, M % 16), each new value class would
     # be another compile in the middle of serving.
     @triton.jit(do_not_specialize=["M"])
@@ -147,27 +169,14 @@ if triton is not None:
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE_DOT: tl.constexpr):
         """out[M, N] = (x[M, K] @ widen(w[N, K]).T) * scale[N], or split pid_k's partial of it."""
-        pid_n = tl.program_id(0)
-        pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm, rn, m_ok, n_ok, x_rows, w_rows = _output_tile(x_ptr, w_ptr, M, N, stride_xm, stride_wn, BLOCK_M,
+                                                          BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
-        m_ok = rm < M
-        n_ok = rn < N
-        x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
-        w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         first, last = _k_range(K, pid_k, BLOCK_K, SPLIT_K)
         for tile in range(first, last):
-            kk = tile * BLOCK_K + rk
-            if EVEN_K:
-                x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0.0)
-                w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None], other=0.0)
-            else:
-                k_ok = kk < K
-                x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            x, w = _operand_tiles(x_rows, w_rows, tile * BLOCK_K + rk, m_ok, n_ok, K, EVEN_K)
             w = w.to(x.dtype)
             if IEEE_DOT:
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
@@ -183,27 +192,14 @@ if triton is not None:
                      SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr):
         """out[M, N] = (a[M, K] @ w[N, K].T) * a_scale[M] * w_scale[N], a and w in e4m3, the
         products accumulated in float32; or split pid_k's partial of it."""
-        pid_n = tl.program_id(0)
-        pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm, rn, m_ok, n_ok, a_rows, w_rows = _output_tile(a_ptr, w_ptr, M, N, stride_am, stride_wn, BLOCK_M,
+                                                          BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
-        m_ok = rm < M
-        n_ok = rn < N
-        a_rows = a_ptr + rm.to(tl.int64)[:, None] * stride_am
-        w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         first, last = _k_range(K, pid_k, BLOCK_K, SPLIT_K)
         for tile in range(first, last):
-            kk = tile * BLOCK_K + rk
-            if EVEN_K:
-                a = tl.load(a_rows + kk[None, :], mask=m_ok[:, None], other=0.0)
-                w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None], other=0.0)
-            else:
-                k_ok = kk < K
-                a = tl.load(a_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            a, w = _operand_tiles(a_rows, w_rows, tile * BLOCK_K + rk, m_ok, n_ok, K, EVEN_K)
             acc = tl.dot(a, tl.trans(w), acc)
         a_scale = tl.load(a_scale_ptr + rm, mask=m_ok, other=0.0)
         w_scale = tl.load(w_scale_ptr + rn, mask=n_ok, other=0.0)
