@@ -30,9 +30,9 @@ def test_cpu_weights_never_take_a_measured_product() -> None:
     assert not METHODS["fp8"].takes_fp8_input(torch.randn(1, 64), weight)
 
 
-def test_a_candidate_that_computes_another_product_is_ruled_out_and_logged() -> None:
-    """The tuner keeps only Triton candidates that agree with the dequantized product: a kernel
-    miscompiled on some GPU must lose, not serve."""
+def test_the_agreement_check_rejects_another_product_and_nan_and_logs_each() -> None:
+    """The check tune_shape runs on every Triton candidate before timing it (a rejected one is
+    timed as inf, so never chosen): a kernel miscompiled on some GPU must lose, not serve."""
     reference = torch.randn(16, 64)
     with capture_logs() as logs:
         assert fp8_tuning._agrees(lambda: reference + 1e-3 * torch.randn(16, 64), reference, "close")

@@ -189,33 +189,35 @@ def tune_shape(weights: list[tuple[torch.Tensor, torch.Tensor]], m: int, device:
         w8a8_configs = fp8_gemm.w8a8_configs_for(m) if TRY_W8A8 else ()
         w8a8_configs = w8a8_configs[:1] if _interpreted(device) else w8a8_configs
     first_w, first_s = weights[0]
-    xq = triton_quant.per_token_quant(x)
     w_deq = first_w.to(torch.float32) * first_s[:, None]
-    bf16_product = x.to(torch.float32) @ w_deq.T  # what w8a16 computes
-    e4m3_product = xq.dequantize().to(torch.float32) @ w_deq.T  # what w8a8 (and scaled_mm) compute
 
-    def candidate_us(product: Callable[..., torch.Tensor], inputs: torch.Tensor | QuantizedActivation,
-                     config: object, reference: torch.Tensor, label: str) -> float:
-        """us per call over every weight, the activation quant included where the product takes
-        e4m3 rows; inf if it disagrees with the reference on the first weight or cannot run."""
-        if not _agrees(lambda: product(inputs, first_w, first_s, config), reference, label):
+    def candidate_us(product: Callable[..., torch.Tensor],
+                     operand: Callable[[], torch.Tensor | QuantizedActivation], config: object,
+                     reference: torch.Tensor, label: str) -> float:
+        """us per call over every weight, `operand()` (x, or its quant) included in each call; inf
+        if the product disagrees with the reference on the first weight or cannot run."""
+        if not _agrees(lambda: product(operand(), first_w, first_s, config), reference, label):
             return float("inf")
-        quantized = isinstance(inputs, QuantizedActivation)
 
         def call() -> None:
             for w, s in weights:
-                product(triton_quant.per_token_quant(x) if quantized else x, w, s, config)
+                product(operand(), w, s, config)
         return _timed_or_inf(call, device, label) / len(weights)
 
-    timed = {config: candidate_us(fp8_gemm.w8a16, x, config, bf16_product, config.label())
+    bf16_product = x.to(torch.float32) @ w_deq.T  # what w8a16 computes
+    timed = {config: candidate_us(fp8_gemm.w8a16, lambda: x, config, bf16_product, config.label())
              for config in configs}
 
     def scaled() -> None:
         for w, s in weights:
             fp8_gemm.scaled_mm(triton_quant.per_token_quant(x), w, s)
     scaled_us = _timed_or_inf(scaled, device, "scaled_mm") / len(weights)
-    timed_w8a8 = {config: candidate_us(fp8_gemm.w8a8, xq, config, e4m3_product, f"w8a8 {config.label()}")
-                  for config in w8a8_configs}
+    timed_w8a8 = {}
+    if w8a8_configs:
+        e4m3_product = triton_quant.per_token_quant(x).dequantize().to(torch.float32) @ w_deq.T
+        timed_w8a8 = {config: candidate_us(fp8_gemm.w8a8, lambda: triton_quant.per_token_quant(x), config,
+                                           e4m3_product, f"w8a8 {config.label()}")
+                      for config in w8a8_configs}
     best = min(timed, key=timed.__getitem__)
     best_w8a8 = min(timed_w8a8, key=timed_w8a8.__getitem__) if timed_w8a8 else None
     w8a8_us = timed_w8a8[best_w8a8] if best_w8a8 is not None else float("inf")
