@@ -17,6 +17,7 @@ from gateway.requests.store import RequestStore
 from gateway.settings import GatewaySettings
 from gateway.tasks import TaskSet
 from gateway.tenant_registry import TenantRegistry
+from gateway.tenants import Tenant
 from gateway.tokenize_pool import TokenizePool
 
 SETTINGS = web.AppKey("settings", GatewaySettings)
@@ -33,3 +34,8 @@ JOBS = web.AppKey("jobs", JobStore)
 QUEUE_TIMES = web.AppKey("queue_times", QueueTimes)
 TENANTS = web.AppKey("tenants", TenantRegistry)  # API key -> tenant
 LIMITER = web.AppKey("limiter", TenantLimiter)
+
+# What the middlewares put on each request for its handler.
+REQUEST_ID = web.RequestKey("request_id", str)  # the client's X-Request-Id, or one made up
+API_KEY = web.RequestKey("api_key", str)  # the key it authenticated with (idempotency is per key)
+TENANT = web.RequestKey("tenant", Tenant | None)  # None: a plain --api-key, no tenant's limits

@@ -11,7 +11,7 @@ from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 from pydantic import ValidationError
 
-from gateway.appkeys import METRICS, SETTINGS, TENANTS
+from gateway.appkeys import API_KEY, METRICS, REQUEST_ID, SETTINGS, TENANT, TENANTS
 from gateway.errors import (
     AuthenticationFailed,
     Unavailable,
@@ -40,7 +40,7 @@ async def request_id_middleware(request: web.Request, handler) -> web.StreamResp
     """X-Request-Id: the client's when it is sane, else ours; on the response and every log line."""
     given = request.headers.get("X-Request-Id", "")
     request_id = given if _CLIENT_REQUEST_ID.match(given) else uuid.uuid4().hex
-    request["request_id"] = request_id
+    request[REQUEST_ID] = request_id
     structlog.contextvars.bind_contextvars(request_id=request_id)
     try:
         response = await handler(request)
@@ -104,8 +104,8 @@ async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
         tenant = await tenants.lookup(given)
         if tenant is None and not any(hmac.compare_digest(given.encode(), key.encode()) for key in keys):
             raise AuthenticationFailed("invalid API key")
-        request["api_key"] = given
-        request["tenant"] = tenant
+        request[API_KEY] = given
+        request[TENANT] = tenant
     if is_admin_view:
         require_admin(request)
     return await handler(request)
@@ -116,7 +116,7 @@ class AccessLogger(AbstractAccessLogger):
 
     def log(self, request: web.BaseRequest, response: web.StreamResponse, time_s: float) -> None:
         log.info("http_request", method=request.method, path=request.path, status=response.status,
-                 duration_ms=round(time_s * 1000, 2), request_id=request.get("request_id"),
+                 duration_ms=round(time_s * 1000, 2), request_id=request.get(REQUEST_ID),
                  remote=request.remote, bytes=response.body_length)
 
     @property

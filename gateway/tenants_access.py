@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from gateway.appkeys import TENANTS
+from gateway.appkeys import TENANT, TENANTS
 from gateway.errors import GatewayError
 
 
@@ -36,7 +36,7 @@ class Caller:
 
 def caller(request: web.Request) -> Caller:
     """The caller of this request (after the auth middleware put its tenant on it)."""
-    tenant = request.get("tenant")
+    tenant = request.get(TENANT)
     if not request.app[TENANTS].is_enabled:
         return Caller(None, sees_everything=True)
     if tenant is None:
@@ -48,7 +48,7 @@ def require_admin(request: web.Request) -> None:
     """With tenants, the fleet-wide views name every tenant's work: an admin key only."""
     if not request.app[TENANTS].is_enabled:
         return
-    tenant = request.get("tenant")
+    tenant = request.get(TENANT)
     if tenant is None or not tenant.is_admin:
         raise PermissionDenied(f"{request.path} shows every tenant's work: it needs the key of an admin "
                                'tenant ("admin": true in the tenants file)')

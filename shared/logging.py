@@ -33,9 +33,15 @@ def configure_logging(level: str = "INFO", *, json: bool | None = None) -> None:
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
         logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
-        cache_logger_on_first_use=True,
+        # Not cached: a logger reads the configuration at each call (a few µs; no hot loop
+        # logs), so one configured again (a test's capture, a second CLI run in a process)
+        # follows it.
+        cache_logger_on_first_use=False,
     )
 
 
 def get_logger(name: str, **context: object) -> structlog.typing.FilteringBoundLogger:
-    return structlog.get_logger(name).bind(**context)
+    """A logger that follows the configuration in force when it logs, not the one when it was
+    made: modules make theirs at import, before the command's `configure_logging` runs (a
+    bound logger made then kept structlog's defaults: console lines, no level filter)."""
+    return structlog.get_logger(name, **context)

@@ -14,7 +14,7 @@ from typing import Literal
 from aiohttp import web
 from pydantic import Field
 
-from gateway.appkeys import JOBS, REDIS
+from gateway.appkeys import JOBS, REDIS, TENANT
 from gateway.batch.entry import check_metadata, parse_window
 from gateway.batch.files_api import FILE_ID_PATTERN, stored_file
 from gateway.batch.jobs import JOB_STATES, Job, new_job_id
@@ -93,7 +93,7 @@ async def create(request: web.Request) -> web.Response:
               "completion_window": body.completion_window}
     if body.metadata:
         fields["metadata"] = json.dumps(body.metadata)
-    tenant = request.get("tenant")
+    tenant = request.get(TENANT)
     if tenant is not None:
         fields["tenant"] = tenant.name  # its lines queue in the tenant's stream, within its limit
     await jobs.create(job_id, fields)

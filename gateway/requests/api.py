@@ -12,7 +12,7 @@ import time
 from aiohttp import web
 from pydantic import TypeAdapter
 
-from gateway.appkeys import LIMITER, MODELS, SETTINGS, STORE, TOKENIZE
+from gateway.appkeys import API_KEY, LIMITER, MODELS, SETTINGS, STORE, TOKENIZE
 from gateway.errors import BadRequest, Conflict, NotFound
 from gateway.models import ServedModel
 from gateway.openai.format import (
@@ -80,7 +80,7 @@ async def submit(request: web.Request) -> web.Response:
             raise BadRequest(f"Idempotency-Key must have 1 to {MAX_IDEMPOTENCY_KEY} characters",
                              param="Idempotency-Key")
         fingerprint = hashlib.sha256(json.dumps(json.loads(raw), sort_keys=True).encode()).hexdigest()
-        idempotency = (store.idempotency_key(request.get("api_key"), idem_key), fingerprint)
+        idempotency = (store.idempotency_key(request.get(API_KEY), idem_key), fingerprint)
         existing = await store.find_idempotency(idempotency[0])
         if existing is not None:
             return await _replay(request, plan, existing, fingerprint)

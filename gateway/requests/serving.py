@@ -12,7 +12,7 @@ from typing import TypeVar
 from aiohttp import web
 from pydantic import TypeAdapter
 
-from gateway.appkeys import FLEET, LIMITER, METRICS, QUEUE_DEPTHS, ROUTER, SETTINGS, STORE, TASKS
+from gateway.appkeys import FLEET, LIMITER, METRICS, QUEUE_DEPTHS, ROUTER, SETTINGS, STORE, TASKS, TENANT
 from gateway.errors import BadRequest, RateLimited
 from gateway.models import ServedModel
 from gateway.openai.params import Plan
@@ -59,7 +59,7 @@ async def admit(request: web.Request, model: str, num_requests: int) -> None:
 async def admit_tenant(request: web.Request, plan: Plan, req_ids: list[str]) -> Tenant | None:
     """The caller's tenant, once its limits allow these requests (429 naming the limit else).
     Whoever admits must end the leases of requests it then fails to queue."""
-    tenant = request.get("tenant")
+    tenant = request.get(TENANT)
     if tenant is not None:
         num_tokens = sum(len(choice.prompt_ids) + choice.sampling.max_tokens for choice in plan.choices)
         try:

@@ -10,11 +10,10 @@ from gateway.routes import ROUTES
 from tests.gateway.conftest import MODEL
 from tokenfleet.cli import _list_value, build_parser
 
-pytestmark = pytest.mark.asyncio
-
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
+@pytest.mark.asyncio
 async def test_ready_and_models_follow_live_schedulers(make_client, redis_server, tokenizer):
     from tests.gateway.fake_scheduler import FakeScheduler
 
@@ -35,6 +34,7 @@ async def test_ready_and_models_follow_live_schedulers(make_client, redis_server
     assert (await client.get(f"/v1/models/{MODEL}")).status == 404
 
 
+@pytest.mark.asyncio
 async def test_a_scheduler_of_a_model_the_gateway_does_not_front_is_not_listed(make_client, redis_server,
                                                                                 tokenizer):
     from tests.gateway.fake_scheduler import FakeScheduler
@@ -45,6 +45,7 @@ async def test_a_scheduler_of_a_model_the_gateway_does_not_front_is_not_listed(m
         assert (await client.get("/ready")).status == 503
 
 
+@pytest.mark.asyncio
 async def test_metrics_are_prometheus_text_with_the_promised_series(make_client, fake_scheduler):
     client = await make_client()
     assert (await client.post("/v1/chat/completions", json={**CHAT, "stream": True})).status == 200
@@ -64,6 +65,7 @@ async def test_metrics_are_prometheus_text_with_the_promised_series(make_client,
     assert f'tokenfleet_gateway_requests_total{{model="{MODEL}",status="completed"}} 1.0' in text
 
 
+@pytest.mark.asyncio
 async def test_openapi_describes_every_route(make_client):
     client = await make_client()
     document = await (await client.get("/openapi.json")).json()
@@ -76,6 +78,7 @@ async def test_openapi_describes_every_route(make_client):
     assert "security" not in document  # no API key configured
 
 
+@pytest.mark.asyncio
 async def test_request_ids_come_back_and_sane_client_ones_are_kept(make_client):
     client = await make_client()
     mine = await client.get("/health", headers={"X-Request-Id": "abc-123"})
@@ -114,6 +117,7 @@ async def _wait_for_count(client, status: str, expected: float) -> None:
                          f"not {expected}")
 
 
+@pytest.mark.asyncio
 async def test_requests_total_counts_every_end(make_client, redis_server, tokenizer):
     import aiohttp
 
