@@ -40,8 +40,9 @@ def chat_tools(body: ChatCompletionRequest, model: ServedModel) -> ChatTools:
         raise BadRequest("tools must have different function names", param="tools")
     for i, tool in enumerate(tools):
         if tool.function.parameters is not None:
-            check_schema(tool.function.parameters, f"tools[{i}].function.parameters",
-                         strict=bool(tool.function.strict))
+            # Checked as compiled: a call's arguments are always held to the schema strictly
+            # (xgrammar's structural tags have no non-strict mode), which `strict: false` allows.
+            check_schema(tool.function.parameters, f"tools[{i}].function.parameters")
     if choice == "none":
         return ChatTools()
     forced, is_parallel = None, body.parallel_tool_calls is not False

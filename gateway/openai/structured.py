@@ -43,6 +43,8 @@ def response_format_grammar(response_format) -> str | None:
         return json.dumps({"type": "json_object"})
     spec = response_format.json_schema
     schema = spec.schema_ if spec.schema_ is not None else {"type": "object"}
-    strict = bool(spec.strict)
+    # Omitted means strict, as vLLM (xgrammar's default): the keys the schema names and no
+    # others unless it allows them; `strict: false` reads the schema as JSON Schema does.
+    strict = spec.strict is not False
     check_schema(schema, "response_format.json_schema.schema", strict=strict)
     return json.dumps({"type": "json_schema", "schema": schema, "strict": strict})

@@ -158,3 +158,30 @@ def test_json_object_and_schema_grammars_allow_compact_json_only(smollm2):
         for spaced in ['{\n  "kind": "cat"', '{"kind":"cat"', '{ "kind": "cat"']:
             with pytest.raises(InvalidRequestError):
                 grammars.add("spaced", grammar, encode(spaced))
+
+
+def test_a_json_schema_without_strict_false_allows_only_the_properties_it_names(smollm2):
+    """As vLLM (xgrammar's strict mode): a schema of name and age gets exactly those keys unless
+    the request says `strict: false`, which reads the schema as JSON Schema does (other keys
+    allowed where it does not forbid them). The gateway writes the spec the scheduler compiles."""
+    from transformers import AutoTokenizer
+
+    from gateway.openai.schemas import ResponseFormat
+    from gateway.openai.structured import response_format_grammar
+
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2))
+    grammars = Grammars(tokenizer, 49152, [2])
+    encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    named, extra = encode('{"name": "Al", "age": 3}'), encode('{"name": "Al", "age": 3, "job": "cook"}')
+    for strict in (None, True, False):
+        spec = {"name": "person", "schema": schema} | ({} if strict is None else {"strict": strict})
+        grammar = response_format_grammar(ResponseFormat.model_validate(
+            {"type": "json_schema", "json_schema": spec}))
+        grammars.add(f"named-{strict}", grammar, named)
+        if strict is False:
+            grammars.add("extra-False", grammar, extra)
+        else:
+            with pytest.raises(InvalidRequestError):
+                grammars.add(f"extra-{strict}", grammar, extra)
