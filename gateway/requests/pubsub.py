@@ -42,7 +42,8 @@ RESYNC = b""  # delivered to every listener after a reconnect (no real event is 
 SUBSCRIBE_TIMEOUT_S = 5.0
 CONNECT_TIMEOUT_S = 2.0
 MAX_BACKOFF_S = 2.0
-HEALTH_CHECK_S = 15.0  # a connection silent this long is PINGed; one silent twice as long is dropped
+# How often a connection is checked: PINGed when quiet, dropped when a PING went unanswered.
+HEALTH_CHECK_S = 15.0
 
 Deliver = Callable[[object, bytes], None]  # (listener tag, message bytes); called on the event loop
 
@@ -60,6 +61,30 @@ def _command(*parts: bytes) -> bytes:
     for part in parts:
         out.append(b"$%d\r\n%s\r\n" % (len(part), part))
     return b"".join(out)
+
+
+class Liveness:
+    """At each health check of a connection: dead when the PING of the last check is still
+    unanswered, else PINGed when it has been quiet for half a check's interval.
+
+    Judged by the PING, not by silence alone: a rule "PING after one interval of silence, drop
+    after two" dropped healthy idle connections whenever a PONG landed just after a check (the
+    next check, a little early, saw too short a silence to PING, and the one after, a little
+    late, saw more than two intervals)."""
+
+    ALIVE, PING, DEAD = "alive", "ping", "dead"
+
+    def __init__(self) -> None:
+        self.pinged_at: float | None = None
+
+    def check(self, now: float, last_read: float) -> str:
+        if self.pinged_at is not None and last_read < self.pinged_at:
+            return self.DEAD
+        self.pinged_at = None
+        if now - last_read >= HEALTH_CHECK_S / 2:
+            self.pinged_at = now
+            return self.PING
+        return self.ALIVE
 
 
 class _Protocol(asyncio.Protocol):
@@ -298,15 +323,17 @@ class EventRouter:
 
     async def _watch(self, protocol: _Protocol, lost: asyncio.Future) -> Exception | None:
         """Until the connection is lost; a quiet one is PINGed, a dead one dropped."""
+        liveness = Liveness()
         while True:
             done, _ = await asyncio.wait([lost], timeout=HEALTH_CHECK_S)
             if done:
                 return lost.result()
-            silent_s = time.monotonic() - protocol.last_read
-            if silent_s > 2 * HEALTH_CHECK_S:
+            now = time.monotonic()
+            verdict = liveness.check(now, protocol.last_read)
+            if verdict == Liveness.DEAD:
                 protocol.transport.abort()
-                return RedisTimeoutError(f"no answer from Redis for {silent_s:.0f} s")
-            if silent_s >= HEALTH_CHECK_S:
+                return RedisTimeoutError(f"no answer to a PING for {now - liveness.pinged_at:.0f} s")
+            if verdict == Liveness.PING:
                 self._write(_command(b"PING"))
 
 

@@ -5,15 +5,16 @@ connection it comes back, subscribes again and tells each listener to re-read th
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from gateway.requests.pubsub import RESYNC, EventRouter
+from gateway.requests import pubsub
+from gateway.requests.pubsub import RESYNC, EventRouter, Liveness
 from protocol.keys import Keys
-
-pytestmark = pytest.mark.asyncio
 
 
 async def _until(predicate, timeout_s: float = 10.0) -> None:
@@ -24,6 +25,7 @@ async def _until(predicate, timeout_s: float = 10.0) -> None:
     raise TimeoutError("condition not reached")
 
 
+@pytest.mark.asyncio
 async def test_events_reach_every_listener_and_a_reconnect_resyncs_them(redis_server) -> None:
     admin = aioredis.Redis.from_url(redis_server.url)
     await admin.config_set("requirepass", "s3cret")
@@ -59,6 +61,7 @@ async def test_events_reach_every_listener_and_a_reconnect_resyncs_them(redis_se
         await admin.aclose()
 
 
+@pytest.mark.asyncio
 async def test_subscribing_while_redis_is_down_fails_at_once(redis_server) -> None:
     router = EventRouter(redis_server.url, Keys())
     await router.start()
@@ -95,6 +98,7 @@ class _Counting:
         self.router.unsubscribe(listener)
 
 
+@pytest.mark.asyncio
 async def test_a_watch_of_several_choices_subscribes_them_all_at_once(redis_server) -> None:
     from gateway.requests.follow import Watch
 
@@ -111,3 +115,54 @@ async def test_a_watch_of_several_choices_subscribes_them_all_at_once(redis_serv
         await _until(lambda: router.num_channels == 0)
     finally:
         await router.close()
+
+
+def test_a_quiet_healthy_connection_is_pinged_and_kept_however_the_checks_drift() -> None:
+    """Checks every 15 s that each wake 1.5 ms late, PONGs back 2 ms after their PING: the old
+    rule (PING after 15 s of silence, drop after 30) saw 15 s - 0.5 ms at one check (no PING)
+    and 30 s + 1 ms at the next, and dropped this connection every other minute."""
+    liveness, now, last_read = Liveness(), 0.0, 0.0
+    for _ in range(400):
+        now += pubsub.HEALTH_CHECK_S + 0.0015
+        verdict = liveness.check(now, last_read)
+        assert verdict != Liveness.DEAD
+        if verdict == Liveness.PING:
+            last_read = now + 0.002
+    busy = Liveness()  # a connection that reads events between checks is never PINGed
+    assert [busy.check(t, t - 1.0) for t in (15.0, 30.0, 45.0)] == [Liveness.ALIVE] * 3
+
+
+def test_a_ping_unanswered_by_the_next_check_drops_the_connection() -> None:
+    liveness = Liveness()
+    assert liveness.check(15.0, 0.0) == Liveness.PING
+    assert liveness.check(30.0, 0.0) == Liveness.DEAD
+    answered = Liveness()
+    assert answered.check(15.0, 0.0) == Liveness.PING
+    assert answered.check(30.0, 15.001) == Liveness.PING  # answered, quiet since: PINGed again
+
+
+@pytest.mark.asyncio
+async def test_a_stalled_redis_is_given_up_and_a_quiet_live_one_kept(redis_server, monkeypatch) -> None:
+    """SIGSTOP keeps the socket open and silent, as a hung server or a dead link does."""
+    monkeypatch.setattr(pubsub, "HEALTH_CHECK_S", 0.1)
+    admin = aioredis.Redis.from_url(redis_server.url)
+    router = EventRouter(redis_server.url, Keys())
+    await router.start()
+    got: list[bytes] = []
+    try:
+        await _until(lambda: router.is_connected)
+        await router.subscribe("r1", lambda tag, data: got.append(data))
+        for _ in range(30):  # 1.5 s, 15 checks, no traffic: PINGed, never dropped
+            await asyncio.sleep(0.05)
+            assert router.is_connected
+        os.kill(redis_server.process.pid, signal.SIGSTOP)
+        try:
+            await _until(lambda: not router.is_connected, timeout_s=3.0)
+        finally:
+            os.kill(redis_server.process.pid, signal.SIGCONT)
+        await _until(lambda: RESYNC in got)  # back and subscribed again
+        await admin.publish(Keys().events("r1"), b"after")
+        await _until(lambda: b"after" in got)
+    finally:
+        await router.close()
+        await admin.aclose()
