@@ -67,15 +67,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="tiny model and workload (checks the script)")
     parser.add_argument("--methods", default="bf16,fp8",
                         help="comma-separated: bf16, fp8, int8, fp8+kv8 (FP8 weights and KV cache), "
-                             "fp8+w8a8 (FP8 weights, the Triton FP8 x FP8 GEMM a candidate of the tuner)")
+                             "fp8-no-w8a8 (FP8 weights, the tuner without its Triton FP8 x FP8 GEMM)")
     parser.add_argument("--num-requests", type=int, help="default 500 (24 with --smoke)")
     parser.add_argument("--engine-seconds", type=float, default=240.0)
     parser.add_argument("--accuracy-model", type=Path, help="a real checkpoint for perplexity (e.g. SmolLM2)")
     parser.add_argument("--dtype", default="bfloat16", help="serving dtype (float32 for CPU accuracy runs)")
     parser.add_argument("--linears", action="store_true",
                         help="only the per-linear table (testkit/quant_linears.py)")
-    parser.add_argument("--w8a8", action="store_true",
-                        help="--linears: the tuner times the FP8 x FP8 Triton GEMM too (fp8_tuning.TRY_W8A8)")
+    parser.add_argument("--no-w8a8", action="store_true",
+                        help="--linears: the tuner leaves out its FP8 x FP8 Triton GEMM (fp8_tuning.TRY_W8A8)")
     parser.add_argument("--no-kv", action="store_true", help="skip the FP8 KV cache's long-context workload")
     parser.add_argument("--kv-only", action="store_true", help="only the FP8 KV cache's long-context run")
     parser.add_argument("--accuracy-only", action="store_true",
@@ -106,17 +106,17 @@ def greedy_outputs_and_logits(engine: LLMEngine,
 
 # --methods name -> (quantization, kv_cache_dtype) of its engine; "fp8+kv8": FP8 weights and KV cache.
 WEIGHT_METHODS = {"bf16": (None, "auto"), "fp8": ("fp8", "auto"), "int8": ("int8", "auto"),
-                  "fp8+kv8": ("fp8", "fp8"), "fp8+w8a8": ("fp8", "auto")}
-# Methods whose FP8 tuner also times the Triton FP8 x FP8 GEMM (off by default until measured).
-W8A8_METHODS = {"fp8+w8a8"}
+                  "fp8+kv8": ("fp8", "fp8"), "fp8-no-w8a8": ("fp8", "auto")}
+# Methods whose FP8 tuner leaves out the Triton FP8 x FP8 GEMM (as served before it was measured).
+NO_W8A8_METHODS = {"fp8-no-w8a8"}
 
 
 def measure(method: str, folder: Path, args, workload, vocab_size: int, budget: int,
             prompts: list[list[int]]) -> dict:
     quantization, kv_cache_dtype = WEIGHT_METHODS[method]
     result: dict = {"method": method}
-    if fp8_tuning.TRY_W8A8 != (method in W8A8_METHODS):
-        fp8_tuning.TRY_W8A8 = method in W8A8_METHODS
+    if fp8_tuning.TRY_W8A8 != (method not in NO_W8A8_METHODS):
+        fp8_tuning.TRY_W8A8 = method not in NO_W8A8_METHODS
         fp8_tuning.forget()  # the table measured without (or with) the w8a8 candidate no longer holds
     overrides = {"kv_cache_dtype": kv_cache_dtype}
     if quantization is not None:
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.linears:
         from testkit.quant_linears import linear_table
 
-        fp8_tuning.TRY_W8A8 = args.w8a8
+        fp8_tuning.TRY_W8A8 = not args.no_w8a8
 
         print("\n".join(linear_table(torch.device(args.device), smoke=args.smoke)))
         return

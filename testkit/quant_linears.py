@@ -26,7 +26,7 @@ from workers.layers.quantization import METHODS
 # name -> (out_features, in_features) of Llama-3-8B at TP=1
 SHAPES = {"qkv 4096->6144": (6144, 4096), "o 4096->4096": (4096, 4096),
           "gate_up 4096->28672": (28672, 4096), "down 14336->4096": (4096, 14336)}
-TOKEN_COUNTS = (1, 16, 64, 256, 2048)
+TOKEN_COUNTS = (1, 16, 64, 128, 256, 512, 2048)
 EAGER_CALLS = 100
 CPU_COPY_BYTES_PER_S = 4.27e12  # the H200's measured rate, for the smoke run's floor column
 
