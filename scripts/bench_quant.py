@@ -75,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--linears", action="store_true",
                         help="only the per-linear table (testkit/quant_linears.py)")
     parser.add_argument("--no-w8a8", action="store_true",
-                        help="--linears: the tuner leaves out its FP8 x FP8 Triton GEMM (fp8_tuning.TRY_W8A8)")
+                        help="--linears: the tuner leaves out its FP8 x FP8 GEMM (fp8_tuning.TRY_W8A8)")
     parser.add_argument("--no-kv", action="store_true", help="skip the FP8 KV cache's long-context workload")
     parser.add_argument("--kv-only", action="store_true", help="only the FP8 KV cache's long-context run")
     parser.add_argument("--accuracy-only", action="store_true",
