@@ -115,8 +115,9 @@ def measure(method: str, folder: Path, args, workload, vocab_size: int, budget: 
             prompts: list[list[int]]) -> dict:
     quantization, kv_cache_dtype = WEIGHT_METHODS[method]
     result: dict = {"method": method}
-    if fp8_tuning.TRY_W8A8 != (method not in NO_W8A8_METHODS):
-        fp8_tuning.TRY_W8A8 = method not in NO_W8A8_METHODS
+    try_w8a8 = method not in NO_W8A8_METHODS
+    if fp8_tuning.TRY_W8A8 != try_w8a8:
+        fp8_tuning.TRY_W8A8 = try_w8a8
         fp8_tuning.forget()  # the table measured without (or with) the w8a8 candidate no longer holds
     overrides = {"kv_cache_dtype": kv_cache_dtype}
     if quantization is not None:

@@ -16,8 +16,8 @@
 - `w8a8`: a Triton GEMM of e4m3 activations by e4m3 weights on the tensor cores' FP8 rate,
   both scales applied once to the float32 accumulator. For 16-256 tokens `scaled_mm` spends
   ~15 us even on a 4096x4096 weight whose bytes take 6 at the copy rate; on the H200 this kernel
-  takes 11.5-12 us there at 16-64 tokens (down: 26-28 against 41). Its weight operand is read K-major ([N, K] rows, K contiguous), the
-  layout Hopper's FP8 products take without a transpose.
+  takes 11.5-12 us there at 16-64 tokens (down: 26-28 against 41). Its weight operand is read
+  K-major ([N, K] rows, K contiguous), the layout Hopper's FP8 products take without a transpose.
 
 Which runs, and with which config, is measured on the GPU at start (fp8_tuning.py).
 """

@@ -42,7 +42,8 @@ from workers.layers.fp8_gemm import W8A8Config, W8A16Config
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # The FP8 x FP8 Triton GEMM as a candidate from 16 tokens. On the H200 it is the fastest product
 # at 16-64 tokens for all four Llama-3-8B shapes but gate_up at 64, and for o up to 256 (the
-# per-linear table in docs/quantization.md); the 500-request burst went 1.35x -> 1.39x bf16 with it.
+# per-linear table in docs/quantization.md); the 500-request burst went from 1.35x bf16 to
+# 1.39-1.40x with it (three runs).
 TRY_W8A8 = True
 AGREEMENT = 0.05  # a candidate's relative error against the dequantized product, at most
 MAX_TUNED_M = M_BUCKETS[-1]
