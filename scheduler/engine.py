@@ -13,7 +13,10 @@ Async scheduling (`EngineConfig.async_scheduling`, one stage): `step` keeps two 
 flight with the same requests. It schedules and submits step n+1 while the device still runs
 step n, each decode's input the token step n samples, which stays on the device; then it
 collects step n, which waits for step n only. Stop checks, aborts and preemption therefore act
-one step late; the scheduler drops what the step ahead computed for a finished request.
+one step late; the scheduler drops what the step ahead computed for a finished request. A step
+ahead with grammar rows samples late (`StepBatch.samples_late`): `step` has it sampled
+(`executor.sample`) right after step n's tokens are taken back and accepted by the matchers,
+before the next step is submitted.
 
 `generate` runs a list of prompts to completion; the Redis service loop (a later issue)
 calls `add_request` / `step` itself.
@@ -100,6 +103,7 @@ class LLMEngine:
                 enable_prefix_caching=config.enable_prefix_caching,
                 pipeline_depth=self.executor.pipeline_depth,
                 async_scheduling=self.async_scheduling,
+                samples_late=self.async_scheduling and self.executor.samples_late,
             ),
             self.tokenizer,
             Grammars(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),
@@ -200,8 +204,21 @@ class LLMEngine:
         self._num_failed_steps = 0
         self.num_steps += 1
         done = self.scheduler.update_from_output(output, result)
+        if self._in_flight and self._in_flight[0][0].batch.samples_late:
+            # Its grammar rows' inputs were this step's tokens, which the matchers have now
+            # accepted: fill its mask and sample it (its forward may still run on the device).
+            try:
+                self.executor.sample(self._in_flight[0][1])
+            except WorkerError as exc:
+                self._recover(exc)
+                return outputs + done
         self._observe(output, done, started, result_wait_s)
         return outputs + done
+
+    @property
+    def num_in_flight(self) -> int:
+        """Steps submitted and not yet collected."""
+        return len(self._in_flight)
 
     def _observe(self, output: SchedulerOutput, outputs: list[RequestOutput], started: float,
                  result_wait_s: float = 0.0) -> None:

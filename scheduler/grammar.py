@@ -10,6 +10,14 @@ fills it before the batch is sent. After the step, `accept` advances each matche
 its row drew; a matcher that accepted a stop token has finished its grammar, and so has the
 request.
 
+Under async scheduling a constrained request is in every step: step n+1 is planned while step n
+runs, its input the token step n samples. That step's mask needs the matcher to have accepted
+step n's token first, so the batch samples late (`StepBatch.samples_late`): the runner launches
+step n+1's forward, the engine takes step n back (the matchers accept its tokens), and only then
+calls the filler, uploads the mask and samples step n+1, while its forward may still run. A
+request that finished on step n's token (its grammar ended) still has a row in step n+1, whose
+result is dropped: its matcher is terminated, and its row is left unmasked.
+
 The fill runs on xgrammar's batch matcher, which releases the GIL, over `fill_threads(rows)`
 threads: one below FILL_ROWS_PER_THREAD * 2 rows, more for larger batches, never more than the
 cores this process may use (scripts/bench_structured.py measures where threads stop paying).
@@ -184,16 +192,24 @@ class Grammars:
         import xgrammar as xgr
 
         bits = xgr.allocate_token_bitmask(len(rows), self._vocab_size)  # int32 [rows, words], CPU
-        if len(matchers) == 1:
-            matchers[0].fill_next_token_bitmask(bits, 0)
+        # A terminated matcher (its request finished on the step before this late-sampled one,
+        # whose row is then dropped) has no next token: its row stays all-allowed.
+        live = [i for i, matcher in enumerate(matchers) if not matcher.is_terminated()]
+        if len(live) == 1:
+            matchers[live[0]].fill_next_token_bitmask(bits, live[0])
             return TokenBitmask(rows, bits)
-        threads = self.fill_threads(len(rows))
+        if not live:
+            return TokenBitmask(rows, bits)
+        threads = self.fill_threads(len(live))
         batch_matcher = self._batch_matchers.get(threads)
         if batch_matcher is None:
             # Never xgrammar's "auto" (half of std::thread::hardware_concurrency): in a container
             # that is the host's cores, not ours, and too many threads cost more than they save.
             batch_matcher = self._batch_matchers[threads] = xgr.BatchGrammarMatcher(threads)
-        batch_matcher.batch_fill_next_token_bitmask(matchers, bits)  # releases the GIL
+        if len(live) < len(matchers):
+            batch_matcher.batch_fill_next_token_bitmask([matchers[i] for i in live], bits, live)
+        else:
+            batch_matcher.batch_fill_next_token_bitmask(matchers, bits)  # releases the GIL
         return TokenBitmask(rows, bits)
 
     def accept(self, req_id: str, token_id: int) -> bool:

@@ -23,10 +23,16 @@ planned position, the pending one included. Stop checks, aborts and preemption a
 is taken back, so they may be one step late: what the step ahead computed for a request that
 has finished, been aborted or been preempted meanwhile is dropped, never returned nor counted
 (its blocks are freed with the request's; the device runs the steps in order, so nothing
-handed out again is written by the late step after its new owner). A request the step ahead
-cannot serve waits for its token as under a pipeline: a grammar (its mask needs the token),
-penalties (their counts need it), or a pending token that is already its last; while one with
-a grammar or penalties runs, the engine plans no step ahead (has_requests_needing_their_token).
+handed out again is written by the late step after its new owner).
+
+A request with a grammar is scheduled ahead too when the executor samples late
+(`SchedulerConfig.samples_late`): its step's mask is filled once the step in flight's tokens
+are accepted (`StepBatch.samples_late`, scheduler/grammar.py). Penalties count the pending token
+on the device (workers/sampler.py). A request the step ahead cannot serve waits for its token
+as under a pipeline: a grammar when the executor cannot sample late (a Ray group) or with
+jump-forward (the forced tokens change its next input), or a pending token that is already its
+last; while one of the first kind runs, the engine plans no step ahead
+(has_requests_needing_their_token).
 """
 
 from __future__ import annotations
@@ -179,6 +185,10 @@ class Scheduler:
             batch.freed_req_ids, self._freed_req_ids = self._freed_req_ids, []
         if self.grammars is not None:  # the runner fills it once the forward runs (shared/step.py)
             batch.mask_filler = self.grammars.mask_filler(works)
+            # A constrained row whose input is the step in flight's token: its matcher needs that
+            # token first, so the step is sampled once the step in flight is taken back.
+            batch.samples_late = batch.mask_filler is not None and any(
+                w.is_token_pending and w.req_id in self.grammars for w in works)
         self._next_step_id += 1
         for request, work in zip(scheduled, works, strict=True):
             request.num_in_flight_tokens += len(work.token_ids)
@@ -226,16 +236,23 @@ class Scheduler:
                 self._note_computing(request, num_new_tokens, plan)
 
     def has_requests_needing_their_token(self) -> bool:
-        """Whether a running request cannot be scheduled ahead (a grammar: its mask needs its
-        token; penalties: their counts do). The engine then plans the next step only once this
-        one's tokens are back, so such a request runs in every step, not every other one."""
-        return any(r.sampling.grammar is not None or r.sampling.has_penalties for r in self._running)
+        """Whether a running request cannot be scheduled ahead (a grammar whose mask needs its
+        token on the host before the step launches: `_needs_its_token`). The engine then plans
+        the next step only once this one's tokens are back, so such a request runs in every
+        step, not every other one."""
+        return any(self._needs_its_token(r) for r in self._running if r.sampling.grammar is not None)
+
+    def _needs_its_token(self, request: Request) -> bool:
+        """A grammar's request needs its last token on the host before its next step is launched
+        unless the executor samples late; with jump-forward always (the tokens its grammar forces
+        after that token are the next step's input)."""
+        if request.sampling.grammar is None:
+            return False
+        return not self.config.samples_late or (self.grammars is not None and self.grammars.jump_forward)
 
     def _can_schedule_ahead(self, request: Request) -> bool:
         """Whether a request in the step in flight can be in the next one too (async scheduling)."""
-        if not self.config.async_scheduling or request.sampling.grammar is not None:
-            return False
-        if request.sampling.has_penalties:
+        if not self.config.async_scheduling or self._needs_its_token(request):
             return False
         if not request.num_pending_tokens:
             return True  # a prefill's next chunk: its tokens are known

@@ -33,6 +33,10 @@ class SchedulerConfig:
     # in flight is scheduled again, its next input the token that step samples (still on the
     # device). Only with pipeline_depth 1: a pipeline's steps in flight hold different requests.
     async_scheduling: bool = False
+    # With async scheduling: whether the executor can sample a step late (StepBatch.samples_late;
+    # the in-process runner can, a Ray group's ranks run each step to its end). Then a request with
+    # a grammar is scheduled ahead like any other; otherwise it waits for its token.
+    samples_late: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "num_kv_blocks", "block_size", "max_num_seqs",

@@ -64,6 +64,12 @@ class StepBatch:
     # Requests that left the batch for good since the last batch (finished, aborted, preempted):
     # the runners give back their block-table rows (workers/device_block_tables.py).
     freed_req_ids: list[str] = field(default_factory=list)
+    # Async scheduling with grammars: a constrained row's input is the previous step's token, which
+    # its matcher has not accepted yet, so the step's mask cannot be filled at launch. The runner
+    # launches the forward only; the step is sampled (mask filled, uploaded, every row sampled)
+    # by `Executor.sample`, which the engine calls once the previous step's tokens are accepted.
+    # In process only, like mask_filler.
+    samples_late: bool = field(default=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -80,6 +86,8 @@ class StepBatch:
         if self.mask_filler is not None:
             # The filler holds the scheduler's matchers, which stay in this process.
             raise ValueError(f"step {self.step_id}: resolve_token_mask() before the batch leaves the process")
+        if self.samples_late:
+            raise ValueError(f"step {self.step_id} samples late, which only an in-process runner does")
         # A dataclass instance's __dict__ holds its fields in declaration order (its __init__
         # sets them so): SamplingParams(*values) rebuilds it, and fails loudly if that changes.
         works = [(w.req_id, w.token_ids, w.start_pos, w.block_ids, w.is_sampled,

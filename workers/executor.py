@@ -7,7 +7,9 @@
 `submit` starts a step and `collect` waits for its result; a pipelined group (PP > 1) takes
 `pipeline_depth` steps in flight at once, so that every stage has work. Under async scheduling
 the engine submits step n+1 before it collects step n (one stage): in-process, `submit` queues
-the step's kernels (on CUDA nothing waits) and `collect` waits for that step's sampled ids.
+the step's kernels (on CUDA nothing waits) and `collect` waits for that step's sampled ids. A
+step with grammar rows whose inputs are pending samples late: `submit` queues its forward, and
+`sample`, once step n is collected and its tokens accepted by the matchers, its mask and sampling.
 """
 
 from __future__ import annotations
@@ -28,9 +30,16 @@ class Executor(Protocol):
 
     # Steps that may be in flight at once (submitted, not yet collected): 1 but for pipelines.
     pipeline_depth: int
+    # Whether a step may sample late (StepBatch.samples_late): its forward at `submit`, its
+    # sampling at `sample`. Only where the sampling rank is this process.
+    samples_late: bool
 
     def submit(self, batch: StepBatch) -> object:
         """Start a step; returns what `collect` takes."""
+
+    def sample(self, handle: object) -> None:
+        """Sample a submitted step that samples late, before the next step is submitted (its
+        mask filled now: the engine calls this once the previous step's tokens are accepted)."""
 
     def collect(self, handle: object) -> StepResult:
         """The result of a submitted step, in submission order. Raises WorkerError when a rank
@@ -47,6 +56,7 @@ class Executor(Protocol):
 
 class InProcessExecutor:
     pipeline_depth = 1
+    samples_late = True
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -60,6 +70,9 @@ class InProcessExecutor:
 
     def submit(self, batch: StepBatch) -> LaunchedStep:
         return self.runner.launch(batch)  # on a CPU it runs now; on CUDA its kernels are queued
+
+    def sample(self, handle: LaunchedStep) -> None:
+        self.runner.sample(handle)
 
     def collect(self, handle: LaunchedStep) -> StepResult:
         return self.runner.finish(handle)

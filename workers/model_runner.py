@@ -8,7 +8,10 @@ On CUDA, decode-only steps replay a graph of their batch size (`workers/cuda_gra
 mixed steps one of their token count (`workers/mixed_graphs.py`); larger steps run eagerly.
 
 A step is `launch`ed (inputs, forward, mask, sampling: nothing waits for the device) and then
-`finish`ed (the sampled ids read on the host). Under async scheduling the in-process executor
+`finish`ed (the sampled ids read on the host). A step that samples late (`StepBatch.samples_late`:
+a constrained row's mask needs the previous step's token accepted first) launches its forward
+only; `sample` then fills and uploads the mask and samples every row, the logits having stayed
+on the device. Under async scheduling the in-process executor
 launches step n+1 before it finishes step n: the runner keeps each step's sampled ids on the
 device for the next step's pending inputs (`workers/pending_tokens.py`). Every path's inputs go up
 through one pinned staging ring (`workers/host_staging.py`), and read their block tables from one
@@ -53,6 +56,8 @@ class LaunchedStep:
 
     step_id: int
     host: HostSample | None  # the sampled ids on their way to the host (driver); None: no row sampled
+    # A step that samples late, until `ModelRunner.sample`: its batch, logits and sampled works.
+    late: tuple[StepBatch, torch.Tensor, list[SequenceWork]] | None = None
 
 
 def format_bytes(num_bytes: int) -> str:
@@ -345,25 +350,46 @@ class ModelRunner:
         logits, sampled_works = self.forward(batch)
         if timer:
             timer.stop("step", start)
+        launched = LaunchedStep(batch.step_id, None)
+        if batch.samples_late and logits is not None and self.is_driver:
+            launched.late = (batch, logits, sampled_works)  # until `sample`
+        else:
+            self._sample(launched, batch, logits, sampled_works)
+        return launched
+
+    @torch.inference_mode()
+    def sample(self, launched: LaunchedStep) -> None:
+        """Sample a step launched with `samples_late` (its mask filled now); before the next
+        step is launched, whose pending inputs are this step's samples. Nothing waits for the
+        device. A step sampled already: nothing to do."""
+        if launched.late is not None:
+            (batch, logits, sampled_works), launched.late = launched.late, None
+            self._sample(launched, batch, logits, sampled_works)
+
+    def _sample(self, launched: LaunchedStep, batch: StepBatch, logits: torch.Tensor | None,
+                sampled_works: list[SequenceWork]) -> None:
+        token_ids = None
         if logits is not None and self.is_driver:
             # The forward is launched (on CUDA it runs now): fill the grammar mask on the host
             # meanwhile (StepBatch.mask_filler), then mask the logits behind the forward.
             token_mask = batch.resolve_token_mask()
             if token_mask is not None:
                 apply_token_mask(logits, token_mask)
-            sample = self.sampler.sample_on_device(logits, sampled_works)  # float32 inside, where it matters
-            token_ids, host = sample.token_ids, sample.to_host()
-        else:
-            token_ids, host = None, None
+            pending_ids = None
+            if self.pending_tokens is not None:  # penalties count the rows' pending tokens too
+                pending_ids = self.pending_tokens.penalized_ids(sampled_works)
+            # float32 inside, where it matters
+            sample = self.sampler.sample_on_device(logits, sampled_works, pending_ids)
+            token_ids, launched.host = sample.token_ids, sample.to_host()
         if self.pending_tokens is not None and self.stage.is_last:
             if logits is not None:
                 token_ids = share(self.tp, token_ids, len(sampled_works), self.device)
             self.pending_tokens.keep(sampled_works, token_ids)
-        return LaunchedStep(batch.step_id, host)
 
     def finish(self, launched: LaunchedStep) -> StepResult | None:
         """The step's StepResult (driver) or None (other ranks). The step's one host
         synchronisation: waiting for the sampled ids' copy."""
+        self.sample(launched)  # a late step not sampled yet (run to its end by `execute`)
         if not self.is_driver:
             return None
         if launched.host is None:

@@ -56,6 +56,23 @@ class PendingTokens:
         token_ids.index_copy_(0, index[: len(dst)], self._token_ids.index_select(0, index[len(dst):]))
 
 
+    def penalized_ids(self, sampled_works: list[SequenceWork]) -> torch.Tensor | None:
+        """For the step's sampled rows ([num_sampled] long, on the device): the pending input token
+        of a penalized row (the last of its output, missing from the history it was sent with),
+        -1 for every other row; None when no penalized row has one."""
+        src = [-1] * len(sampled_works)
+        for i, work in enumerate(sampled_works):
+            if work.is_token_pending and work.sampling.has_penalties:
+                if work.req_id not in self._row_of:
+                    raise RuntimeError(f"{work.req_id}: its pending token was not sampled by this rank")
+                src[i] = self._row_of[work.req_id]
+        if all(row < 0 for row in src):
+            return None
+        index = self.staging.upload(np.array(src, dtype=np.int64))
+        ids = self._token_ids.index_select(0, index.clamp(min=0))
+        return torch.where(index >= 0, ids, -1)
+
+
 def share(tp: TensorParallel, token_ids: torch.Tensor | None, num_rows: int,
           device: torch.device) -> torch.Tensor:
     """The driver's sampled ids on every rank of its tensor-parallel group (a broadcast from

@@ -292,6 +292,13 @@ class RayWorkerGroup:
             self._last_step_at = time.monotonic()
             return batch.step_id, ref
 
+    # A rank runs each step to its end, its mask sent with the batch: no step samples late
+    # (the scheduler then keeps a grammar's request out of the step ahead).
+    samples_late = False
+
+    def sample(self, handle: tuple[int, object]) -> None:
+        """Nothing: every step here was sampled as it ran."""
+
     def collect(self, handle: tuple[int, object]) -> StepResult:
         """The result of a submitted step (collected in submission order)."""
         step_id, ref = handle

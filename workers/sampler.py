@@ -37,8 +37,11 @@ class Sampler:
         """One token per row of `logits`; row i belongs to works[i]. Waits for the device."""
         return self.sample_on_device(logits, works).to_host().tokens()
 
-    def sample_on_device(self, logits: torch.Tensor, works: list[SequenceWork]) -> DeviceSample:
-        """The same picks, left on the device: nothing here waits for the device."""
+    def sample_on_device(self, logits: torch.Tensor, works: list[SequenceWork],
+                         pending_ids: torch.Tensor | None = None) -> DeviceSample:
+        """The same picks, left on the device: nothing here waits for the device. `pending_ids`
+        ([num_rows] long on the device, -1: none): under async scheduling, each penalized row's
+        last output token, which its history (SequenceWork.output_token_ids) lacks."""
         # logits: [num_seqs, vocab]
         if logits.dim() != 2 or logits.shape[0] != len(works):
             raise ValueError(
@@ -48,7 +51,7 @@ class Sampler:
             # The argmax of the logits as they come (bf16 -> float32 is exact and keeps the
             # order, ties included): no float32 copy of [num_seqs, vocab] (~0.1 ms at 256 rows).
             return DeviceSample(works, logits.argmax(dim=-1))
-        logits = apply_penalties(logits.float(), works)
+        logits = apply_penalties(logits.float(), works, pending_ids)
         token_ids = self._pick_tokens(logits, works)  # [num_seqs]
         return _with_logprobs(logits, token_ids, works)
 
@@ -105,8 +108,11 @@ def _is_plain_greedy(params: SamplingParams) -> bool:
     return params.temperature < _SAMPLING_EPS and not params.has_penalties and params.logprobs is None
 
 
-def apply_penalties(logits: torch.Tensor, works: list[SequenceWork]) -> torch.Tensor:
-    """Repetition (HF/CTRL), then frequency and presence (OpenAI) penalties.
+def apply_penalties(logits: torch.Tensor, works: list[SequenceWork],
+                    pending_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Repetition (HF/CTRL), then frequency and presence (OpenAI) penalties. A row's output
+    counts are its history's plus its pending token's (`pending_ids[row]` when >= 0), counted
+    on the device: the host never learnt that token.
 
     Returns `logits` itself when no row has penalties, else a penalized copy.
     """
@@ -119,6 +125,10 @@ def apply_penalties(logits: torch.Tensor, works: list[SequenceWork]) -> torch.Te
     row_index = torch.tensor(rows, device=device)
     penalized = logits[row_index]  # [num_penalized, vocab], a copy
     output_counts = _token_counts([works[i].output_token_ids for i in rows], vocab, device)
+    if pending_ids is not None:
+        pending = pending_ids[row_index]  # [num_penalized], -1: none
+        output_counts.scatter_add_(1, pending.clamp(min=0).unsqueeze(1),
+                                   (pending >= 0).to(output_counts.dtype).unsqueeze(1))
 
     if any(p.repetition_penalty != 1.0 for p in params):
         in_prompt = _token_mask([works[i].prompt_token_ids for i in rows], vocab, device)

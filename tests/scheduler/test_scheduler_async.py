@@ -171,18 +171,24 @@ def test_a_pending_token_that_is_the_last_is_not_scheduled_ahead() -> None:
     assert [w.req_id for w in ahead.batch.works] == ["more"]
 
 
-def test_requests_with_penalties_wait_for_their_token() -> None:
+def test_requests_with_penalties_are_scheduled_ahead_without_their_pending_token_in_the_history() -> None:
     scheduler = make_scheduler(async_scheduling=True)
     scheduler.add_request(make_request("penalized", max_tokens=5, temperature=0.0, frequency_penalty=0.5))
     scheduler.add_request(make_request("plain", max_tokens=5))
     runner = AsyncFakeRunner(scheduler.config.block_size)
     first = scheduler.schedule()
+    assert not scheduler.has_requests_needing_their_token()
     ahead = scheduler.schedule()
-    assert [w.req_id for w in ahead.batch.works] == ["plain"]
+    assert [w.req_id for w in ahead.batch.works] == ["penalized", "plain"]
+    work = ahead.batch.works[0]
+    # The runner counts the pending token on the device (workers/sampler.py); the history the
+    # scheduler knows is sent as it is.
+    assert work.is_token_pending and work.output_token_ids == [] and len(work.prompt_token_ids) == 4
     scheduler.update_from_output(first, runner(first.batch))
-    after = scheduler.schedule()  # its token is known now: with its history
+    scheduler.update_from_output(ahead, runner(ahead.batch))
+    after = scheduler.schedule()
     work = next(w for w in after.batch.works if w.req_id == "penalized")
-    assert not work.is_token_pending and work.output_token_ids == [14]
+    assert not work.is_token_pending and work.output_token_ids == [14, 15]
 
 
 def test_abort_while_the_step_ahead_is_in_flight_reports_once_and_frees_its_blocks() -> None:
