@@ -221,3 +221,55 @@ def test_the_host_read_guard_catches_a_read() -> None:
         for read in reads:
             with pytest.raises(HostReadError):
                 read()
+
+
+def test_penalized_steps_ahead_and_late_sampled_steps_give_the_sync_tokens_reading_nothing(
+        tiny_checkpoints) -> None:
+    """Penalized rows with pending inputs (their last token counted on the device) and steps
+    launched to sample late (`StepBatch.samples_late`, sampled by `ModelRunner.sample` before the
+    next launch) give the tokens of steps run one at a time with the whole history, and no launch
+    nor late sampling reads a tensor's values on the host."""
+    from tests.workers.host_reads import no_host_reads
+
+    penalized = SamplingParams(temperature=0.0, repetition_penalty=1.8, frequency_penalty=0.9)
+    folder = tiny_checkpoints["llama"]
+    steps = _launch_path_steps()
+    sync = _runner(folder)
+    prompts: dict[str, list[int]] = {}
+    outputs: dict[str, list[int]] = {}
+    expected = []
+    for step_id, works in enumerate(steps):
+        known = []
+        for w in works:
+            prompts.setdefault(w.req_id, w.token_ids)
+            out = outputs.setdefault(w.req_id, [])
+            known.append(SequenceWork(w.req_id, [out[-1]] if w.is_token_pending else w.token_ids, w.start_pos,
+                                      w.block_ids, True, penalized, prompt_token_ids=prompts[w.req_id],
+                                      output_token_ids=list(out)))
+        sampled = sync.execute(StepBatch(step_id, known)).sampled
+        expected.append([t.token_id for t in sampled])
+        for t in sampled:
+            outputs[t.req_id].append(t.token_id)
+
+    runner = _runner(folder, async_scheduling=True, max_num_seqs=8)
+    known: dict[str, list[int]] = {}  # the tokens the host has taken back
+    tokens, previous = [], None
+    for step_id, works in enumerate(steps):
+        # A pending row's history lacks its pending token: the previous step's, not back yet.
+        ahead = [SequenceWork(w.req_id, w.token_ids, w.start_pos, w.block_ids, True, penalized,
+                              prompt_token_ids=prompts[w.req_id], output_token_ids=list(known.get(w.req_id, [])),
+                              is_token_pending=w.is_token_pending) for w in works]
+        batch = StepBatch(step_id, ahead, samples_late=step_id % 2 == 1)
+        with no_host_reads():
+            step = runner.launch(batch)
+        assert (step.late is not None) == batch.samples_late
+        if previous is not None:
+            sampled = runner.finish(previous).sampled
+            tokens.append([t.token_id for t in sampled])
+            for t in sampled:
+                known.setdefault(t.req_id, []).append(t.token_id)
+        with no_host_reads():
+            runner.sample(step)  # a late step's sampling: after the previous step is back
+        previous = step
+    tokens.append([t.token_id for t in runner.finish(previous).sampled])
+    assert tokens == expected

@@ -276,3 +276,18 @@ def test_cuda_float32_matches_cpu_for_greedy_and_logprobs_and_is_seed_stable() -
     assert gpu[0].token_id == cpu[0].token_id
     assert gpu[0].logprob == pytest.approx(cpu[0].logprob, abs=1e-5)
     assert gpu_again[0].token_id == gpu[1].token_id
+
+
+def test_a_pending_token_counts_as_the_last_of_the_penalized_history() -> None:
+    """Under async scheduling a penalized row's last token is still on the device (pending_ids):
+    the penalties are those of the history with it appended; -1 rows and free rows are as before."""
+    logits = torch.randn(3, 12, generator=torch.Generator().manual_seed(21))
+    params = dict(repetition_penalty=1.4, frequency_penalty=0.6, presence_penalty=0.3)
+    rows = [make_work("a", **params), make_work("b", **params), make_work("c")]
+    for work in rows[:2]:
+        work.prompt_token_ids, work.output_token_ids = [1, 2], [5, 5, 7]
+    with_pending = apply_penalties(logits, rows, torch.tensor([9, -1, 4]))
+    rows[0].output_token_ids = [5, 5, 7, 9]
+    torch.testing.assert_close(with_pending, apply_penalties(logits, rows))
+    rows[0].output_token_ids = [5, 5, 7]  # without the pending token: another result
+    assert not torch.equal(with_pending[0], apply_penalties(logits, rows)[0])
