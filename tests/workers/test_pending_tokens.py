@@ -257,7 +257,8 @@ def test_penalized_steps_ahead_and_late_sampled_steps_give_the_sync_tokens_readi
     for step_id, works in enumerate(steps):
         # A pending row's history lacks its pending token: the previous step's, not back yet.
         ahead = [SequenceWork(w.req_id, w.token_ids, w.start_pos, w.block_ids, True, penalized,
-                              prompt_token_ids=prompts[w.req_id], output_token_ids=list(known.get(w.req_id, [])),
+                              prompt_token_ids=prompts[w.req_id],
+                              output_token_ids=list(known.get(w.req_id, [])),
                               is_token_pending=w.is_token_pending) for w in works]
         batch = StepBatch(step_id, ahead, samples_late=step_id % 2 == 1)
         with no_host_reads():
