@@ -56,6 +56,7 @@ from shared.gc_tuning import tune_for_serving
 from shared.net import free_port
 from testkit import py_spy
 from testkit.arrivals import Chats, ServingRow, run_chats
+from testkit.json_share import RunFigures, json_share_table
 from testkit.processes import Children, wait_ready
 from testkit.result_wait import ResultWaitProbe
 from testkit.runs import log, percentile, print_command, raise_fd_limit
@@ -66,24 +67,27 @@ from tokenfleet.engine_flags import engine_config
 MODEL_NAME = "bench-model"
 
 
-def bench_args(args: argparse.Namespace, url: str, rate: float) -> argparse.Namespace:
+def bench_args(args: argparse.Namespace, url: str, rate: float,
+               json_share: float = 0.0) -> argparse.Namespace:
     """`tokenfleet bench`'s flags for one rate (the engine's plan is drawn from the same)."""
     return argparse.Namespace(
         url=url, model=MODEL_NAME, num_requests=1, duration=args.seconds, rate=rate, concurrency=100_000,
-        client_processes=args.client_processes,
+        client_processes=args.client_processes, json_share=json_share,
         prefix_tokens=args.prefix_tokens, prompt_words="40-300", max_tokens="16-512:lognormal:150",
         temperature=0.0, completions=False, api_key=None, seed=0, timeout_s=300.0,
         slo_ttft_ms=None, slo_itl_ms=None)
 
 
-def fleet_rows(args: argparse.Namespace, folder: Path, rates: list[float], out: Path) -> dict[float, dict]:
+def fleet_rows(args: argparse.Namespace, folder: Path, rates: list[float], out: Path,
+               shares: tuple[float, ...] = (0.0,)) -> dict[tuple[float, float], dict]:
+    """(rate, JSON share) -> the fleet's run: at each rate, one run per share (same arrivals)."""
     home = Path(tempfile.mkdtemp(prefix="tokenfleet-serve-home-"))
     os.environ["TOKENFLEET_HOME"] = str(home)
     children = Children(out)
     port = free_port()
     children.spawn("up", [sys.executable, "-m", "tokenfleet.cli", "up", "--model", str(folder),
                           "--model-name", MODEL_NAME, "--port", str(port), *quant_flags(args)])
-    summaries: dict[float, dict] = {}
+    summaries: dict[tuple[float, float], dict] = {}
     try:
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, children, timeout_s=600)
@@ -92,20 +96,20 @@ def fleet_rows(args: argparse.Namespace, folder: Path, rates: list[float], out: 
         warm.duration = 2.0
         asyncio.run(fleet_bench.run(warm))
         redis_url = redis_url_of(out / "up.log")
-        for rate in rates:
+        for rate, share in ((rate, share) for rate in rates for share in shares):
             spies: list[subprocess.Popen] = []  # started with the load (not the clients' imports)
             started: list[float] = []
 
-            def profile(rate=rate, spies=spies, started=started) -> None:
+            def profile(rate=rate, share=share, spies=spies, started=started) -> None:
                 started.append(time.monotonic())
-                spies.extend(start_py_spy(args, rate, out))
+                spies.extend(start_py_spy(args, rate, out, share))
 
             with ResultWaitProbe(redis_url) as probe:
-                results, wall, model = asyncio.run(fleet_bench.run(bench_args(args, url, rate),
+                results, wall, model = asyncio.run(fleet_bench.run(bench_args(args, url, rate, share),
                                                                    on_start=profile))
             # The wait's share while requests arrive (the first second is the ramp).
             gpu_wait = probe.share(started[0] + 1.0, started[0] + args.seconds) if started else None
-            summaries[rate] = {"results": results, "wall": wall, "gpu_wait": gpu_wait,
+            summaries[rate, share] = {"results": results, "wall": wall, "gpu_wait": gpu_wait,
                                "ttft_parts": ttft_parts(redis_url, results)}
             for spy in spies:
                 spy.wait(timeout=args.seconds + 60)
@@ -113,7 +117,7 @@ def fleet_rows(args: argparse.Namespace, folder: Path, rates: list[float], out: 
             # Percentiles too, as each engine row logs its own: a run cut short keeps them.
             ttft = [r.first_token - r.started for r in ok if r.first_token is not None]
             itl = [gap for r in ok for gap in r.gaps]
-            log(f"fleet {rate:g} req/s: {len(ok)}/{len(results)} ok, "
+            log(f"fleet {rate:g} req/s{f', {share:.0%} JSON' if share else ''}: {len(ok)}/{len(results)} ok, "
                 f"{sum(r.output_tokens for r in ok) / wall:,.0f} tok/s, TTFT p50 / p99 "
                 f"{_ms(ttft, 50)} / {_ms(ttft, 99)} ms, ITL p99 {_ms(itl, 99)} ms, "
                 f"engine thread waiting on the GPU {_share(gpu_wait)}")
@@ -164,7 +168,8 @@ def ttft_parts(redis_url: str, results: list) -> dict[str, list[float]]:
     return parts
 
 
-def start_py_spy(args: argparse.Namespace, rate: float, out: Path) -> list[subprocess.Popen]:
+def start_py_spy(args: argparse.Namespace, rate: float, out: Path,
+                 share: float = 0.0) -> list[subprocess.Popen]:
     """py-spy on the scheduler (with its publisher) and on the gateway (with its workers)."""
     if args.py_spy is None or rate != args.py_spy_rate or not py_spy.is_available():
         return []
@@ -176,7 +181,8 @@ def start_py_spy(args: argparse.Namespace, rate: float, out: Path) -> list[subpr
         if process is None:
             log(f"no {role} process found: no profile of it")
             continue
-        spies.append(py_spy.record(process.pid, args.seconds, args.py_spy / f"serve{rate:g}_{role}.txt",
+        name = f"serve{rate:g}{f'_json{share * 100:g}' if share else ''}_{role}.txt"
+        spies.append(py_spy.record(process.pid, args.seconds, args.py_spy / name,
                                     blocking=args.py_spy_blocking))
     return spies
 
@@ -229,6 +235,19 @@ def print_engine_ab(description: str, rates: list[float], runs: dict[str, dict[f
                   f"| {r.mixed_steps} ({r.graph_steps}) | {r.gpu_wait:.0%} |")
 
 
+def print_json_share(args: argparse.Namespace, description: str, rates: list[float], fleet: dict) -> None:
+    rows = {}
+    for rate in rates:
+        planned = fleet_bench.plan_requests(bench_args(args, "", rate, args.json_share), MODEL_NAME)
+        is_json = {i for i, p in enumerate(planned) if "response_format" in p.body}
+        rows[rate] = (RunFigures.of(fleet[rate, 0.0]["results"], set()),
+                      RunFigures.of(fleet[rate, args.json_share]["results"], is_json))
+    print(f"\n{description}; the fleet, {args.seconds:g} s of Poisson arrivals per rate, plain and with "
+          f"{args.json_share:.0%} of the chats under a JSON schema (one long string)\n")
+    print(json_share_table(args.json_share, rows))
+    sys.stdout.flush()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda")
@@ -249,6 +268,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--logs", type=Path, help="folder for the fleet's logs (default: a temp folder)")
     parser.add_argument("--quantization", choices=("fp8",), help="fp8 weights (fleet and engine alike)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
+    parser.add_argument("--json-share", type=float, default=0.0,
+                        help="no engine rows: the fleet at each rate plain, then with this share of the "
+                             "chats under a JSON schema (tokenfleet bench --json-share), and the ratios")
     parser.add_argument("--engine-ab", nargs="?", const="graphs", choices=tuple(AB_RUNS),
                         help="no fleet: the engine with mixed-step graphs against every mixed step eager "
                              "(graphs, the default), or with async scheduling on against off (async)")
@@ -269,6 +291,10 @@ def main(argv: list[str] | None = None) -> None:
                     for label, flags in AB_RUNS[args.engine_ab].items()}
             print_engine_ab(description, rates, runs)
             return
+        if args.json_share:
+            fleet = fleet_rows(args, folder, rates, out, shares=(0.0, args.json_share))
+            print_json_share(args, description, rates, fleet)
+            return
         fleet = fleet_rows(args, folder, rates, out)
         if args.device == "cuda":
             torch.cuda.empty_cache()
@@ -283,7 +309,7 @@ def main(argv: list[str] | None = None) -> None:
           "| engine thread waiting on the GPU, fleet / engine | failed |")
     print("| ---: | ---: | ---: | ---: | --- | --- | --- | --- | ---: |")
     for rate in rates:
-        results = fleet[rate]["results"]
+        results = fleet[rate, 0.0]["results"]
         ok = [r for r in results if r.ok]
         last = max((r.finished for r in ok), default=0.0)
         first = min((r.started for r in results), default=0.0)
@@ -295,12 +321,12 @@ def main(argv: list[str] | None = None) -> None:
               f"| {1e3 * percentile(ttft, 50):.0f} / {1e3 * e.ttft_p50:.0f} ms "
               f"| {1e3 * percentile(ttft, 99):.0f} / {1e3 * e.ttft_p99:.0f} ms "
               f"| {1e3 * percentile(itl, 99):.0f} / {1e3 * e.itl_p99:.0f} ms "
-              f"| {_share(fleet[rate]['gpu_wait'])} / {e.gpu_wait:.0%} | {len(results) - len(ok)} |")
+              f"| {_share(fleet[rate, 0.0]['gpu_wait'])} / {e.gpu_wait:.0%} | {len(results) - len(ok)} |")
     print("\nThe fleet's TTFT in parts, p50 / p99 ms (from each request's tf:res timestamps):\n")
     print("| req/s | " + " | ".join(TTFT_PARTS) + " |")
     print("| ---: |" + " --- |" * len(TTFT_PARTS))
     for rate in rates:
-        parts = fleet[rate]["ttft_parts"]
+        parts = fleet[rate, 0.0]["ttft_parts"]
         print(f"| {rate:g} | " + " | ".join(
             f"{1e3 * percentile(parts[name], 50):.1f} / {1e3 * percentile(parts[name], 99):.1f}"
             if parts[name] else "-" for name in TTFT_PARTS) + " |")

@@ -18,6 +18,10 @@ holds), time per output token after the first (TPOT), end-to-end latency; and fo
 requests and output tokens per second, every failure with its reason and, given
 `--slo-ttft-ms` and/or `--slo-itl-ms`, the goodput: the requests (and their tokens) per second
 whose TTFT and whose mean inter-token gap (TPOT) met them.
+
+With `--json-share F` a fraction F of the chats (picked by their own seeded draw: the prompts
+and arrivals stay those of the plain run) ask for a `json_schema` answer (`BENCH_SCHEMA`: one
+string of at least 4,096 characters, so a chat's answer runs to its max_tokens, as a plain one).
 """
 
 from __future__ import annotations
@@ -106,6 +110,19 @@ def prompt_text(rng: random.Random, num_words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(num_words))
 
 
+# The schema of --json-share's chats: an answer that cannot end before its max_tokens.
+BENCH_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "minLength": 4096}},
+                "required": ["answer"], "additionalProperties": False}
+BENCH_RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": BENCH_SCHEMA}}
+
+
+def json_chats(num: int, share: float, seed: int) -> list[bool]:
+    """Which of `num` planned chats ask for BENCH_SCHEMA: each with probability `share`, from a
+    draw of its own (the same chats for the same seed and share)."""
+    rng = random.Random(f"json-{seed}")
+    return [rng.random() < share for _ in range(num)]
+
+
 def plan_requests(args, model: str) -> list[Planned]:
     """Every request of a run, with its arrival time: the same for the same flags and seed (a
     benchmark feeds the in-process engine the same plan)."""
@@ -136,6 +153,11 @@ def plan_requests(args, model: str) -> list[Planned]:
         messages = [{"role": "system", "content": prefix}] if prefix else []
         messages.append({"role": "user", "content": text})
         planned.append(Planned(arrival, "/v1/chat/completions", {**body, "messages": messages}))
+    share = getattr(args, "json_share", 0.0)
+    if share and not args.completions:
+        for plan, is_json in zip(planned, json_chats(len(planned), share, args.seed), strict=True):
+            if is_json:
+                plan.body["response_format"] = BENCH_RESPONSE_FORMAT
     return planned
 
 

@@ -211,6 +211,8 @@ def _add_bench_parser(commands) -> None:
     _flag(bench, "slo-ttft-ms", type=float, help="goodput: a request's TTFT within this")
     _flag(bench, "slo-itl-ms", type=float, help="goodput: a request's mean gap between tokens within this")
     _flag(bench, "temperature", type=float, default=0.0)
+    _flag(bench, "json-share", type=float, default=0.0,
+          help="this fraction of the chats ask for a json_schema answer (one long string; 0: none)")
     _flag(bench, "completions", action="store_true", help="/v1/completions instead of chat")
     _flag(bench, "api-key", help="Bearer key, when the gateway has --api-key")
     _flag(bench, "seed", type=int, default=0, help="seeds the prompts and the arrivals")
@@ -237,6 +239,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.duration < 0 or (args.duration and not args.rate) or args.prefix_tokens < 0:
         raise InvalidRequestError("--duration needs --rate (and >= 0); --prefix-tokens must be >= 0",
                                   param="duration")
+    if not 0.0 <= args.json_share <= 1.0 or (args.json_share and args.completions):
+        raise InvalidRequestError("--json-share must be in [0, 1], and chats only (not --completions)",
+                                  param="json-share")
     args.url = (args.url or recorded_fleet().get("gateway_url") or "http://127.0.0.1:8000").rstrip("/")
     try:
         return run_bench_command(args)

@@ -99,6 +99,26 @@ async def test_the_plan_is_the_same_for_the_same_flags_and_lengths_stay_in_their
             LengthSpec.parse(bad, "max-tokens")
 
 
+async def test_a_json_share_asks_a_schema_of_that_share_of_the_same_chats() -> None:
+    import argparse
+
+    from tokenfleet.bench import BENCH_RESPONSE_FORMAT, plan_requests
+
+    args = argparse.Namespace(seed=4, prompt_words="2-4", max_tokens="8", prefix_tokens=0, num_requests=400,
+                              duration=0.0, rate=8.0, temperature=0.0, completions=False)
+    plain = plan_requests(args, "m")
+    args.json_share = 0.1
+    mixed = plan_requests(args, "m")
+    is_json = [p.body.pop("response_format", None) == BENCH_RESPONSE_FORMAT for p in mixed]
+    assert 20 <= sum(is_json) <= 60  # about 40
+    assert [(p.arrival, p.body) for p in mixed] == [(p.arrival, p.body) for p in plain]  # else the same
+
+
+async def test_bench_refuses_a_json_share_outside_zero_to_one():
+    done = await bench("--url", "http://127.0.0.1:1", "--json-share", "1.5")
+    assert done.returncode != 0 and "--json-share" in done.stderr and "Traceback" not in done.stderr
+
+
 async def test_bench_refuses_a_bad_length_in_one_line():
     done = await bench("--url", "http://127.0.0.1:1", "--max-tokens", "10-5")
     assert done.returncode != 0 and "--max-tokens" in done.stderr and "Traceback" not in done.stderr
