@@ -184,13 +184,11 @@ class Scheduler:
         less_important = self._schedule_running(plan, top)
         # Blocks just freed by preemption are for the running requests that needed them;
         # admitting new ones now would only preempt again.
-        admits = not plan.preempted_req_ids and self._schedule_waiting(plan, top)
+        admits = not plan.preempted_req_ids and self._schedule_waiting(plan, top, capped=False)
         if less_important or (admits and self._waiting):
             plan.step_token_cap = self.latency_budget.step_tokens(
                 plan.num_tokens, self.config.max_num_batched_tokens)
-            self._schedule_prefills(plan, less_important)
-            if admits and not plan.preempted_req_ids:
-                self._schedule_waiting(plan, None)
+            self._schedule_less_important(plan, less_important, admits)
         scheduled = [self._requests[req_id] for req_id in plan.num_scheduled_tokens]
         works = [self._make_work(request, plan.num_scheduled_tokens[request.req_id]) for request in scheduled]
         batch = StepBatch(step_id=self._next_step_id, works=works)
@@ -247,13 +245,21 @@ class Scheduler:
         less_important.sort(key=_importance)
         return less_important
 
-    def _schedule_prefills(self, plan: StepPlan, requests: list[Request]) -> None:
-        """Prefill chunks of less important running requests, within the step's token cap."""
-        for request in requests:
+    def _schedule_less_important(self, plan: StepPlan, prefills: list[Request], admits: bool) -> None:
+        """Within the step's cap, in priority order: the running requests' prefill chunks (most
+        important first), each after the waiting requests more important than it; then the rest
+        of the waiting ones. No admission once this step preempted (admitting would only preempt
+        again) or a waiting request is stuck (strict order)."""
+        for request in prefills:
+            if admits:
+                admits = not plan.preempted_req_ids and self._schedule_waiting(
+                    plan, request.priority - 1, capped=True)
             if not plan.has_seq_room or plan.capped_budget <= 0:
-                break
+                return
             if request.status is RequestStatus.RUNNING:  # (not preempted for a newcomer meanwhile)
                 self._schedule_running_request(request, plan, plan.capped_budget)
+        if admits and not plan.preempted_req_ids:
+            self._schedule_waiting(plan, None, capped=True)
 
     def _schedule_running_request(self, request: Request, plan: StepPlan, token_budget: int) -> None:
         num_new_tokens = self._num_new_tokens(request, token_budget)
@@ -294,15 +300,15 @@ class Scheduler:
         K/V); under async scheduling the step in flight's result is dropped, as for an abort."""
         return self.config.async_scheduling or not request.num_in_flight_tokens
 
-    def _schedule_waiting(self, plan: StepPlan, top: int | None) -> bool:
-        """Admit waiting requests in order: those of priority `top` only (their prefill within the
-        whole budget), or with `top` None all (less important ones within the step's cap). True
-        when every one of priority `top` was admitted (nothing more important is stuck)."""
+    def _schedule_waiting(self, plan: StepPlan, until: int | None, *, capped: bool) -> bool:
+        """Admit waiting requests in order, those of priority `until` or more important (None:
+        all), their prefill within the step's cap when `capped`. True when every one of them was
+        admitted (none is stuck: less important ones may follow)."""
         # Strict priorities; tenants take turns inside one (scheduler/fair_share.py).
         for request in self._fair_share.order(self._waiting):
-            if top is not None and request.priority != top:
+            if until is not None and request.priority > until:
                 return True
-            token_budget = plan.token_budget if top is not None else plan.capped_budget
+            token_budget = plan.capped_budget if capped else plan.token_budget
             if token_budget <= 0:
                 return False
             if self.config.pipeline_depth > 1 and not plan.has_seq_room:
