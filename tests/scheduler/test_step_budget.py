@@ -219,3 +219,39 @@ def test_higher_priority_prefill_goes_first_and_lower_priorities_are_capped() ->
         scheduler.add_request(make_request(f"i{i}", num_prompt=80, first_token=100 * i, arrival_time=float(i)))
     out = step(scheduler, FakeRunner(), {})
     assert out.batch.num_tokens == 240 and out.step_token_cap is None
+
+
+# -- the in-process engine ------------------------------------------------------------
+
+
+def test_engine_preempts_a_batch_item_for_a_chat_and_the_item_resumes_with_transformers_tokens(
+        tiny_checkpoints) -> None:
+    from scheduler.engine import LLMEngine
+    from shared.config import EngineConfig
+    from shared.sampling import SamplingParams
+    from tests.scheduler.test_engine import _prompts, _references
+    from tests.hf_reference import assert_greedy_matches
+
+    folder = tiny_checkpoints["llama"]
+    batch_prompts, [chat_prompt] = _prompts(4, 512, [21, 13, 30]), _prompts(5, 512, [9])
+    refs = _references(folder, [*batch_prompts, chat_prompt], max_new_tokens=24)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    config = EngineConfig(model=str(folder), dtype="float32", block_size=4, num_kv_blocks=256,
+                          max_num_seqs=3, max_num_batched_tokens=16)
+    with LLMEngine(config) as engine:
+        batch_ids = [engine.add_request(p, greedy, priority=BATCH_PRIORITY, arrival_time=float(i))
+                     for i, p in enumerate(batch_prompts)]
+        tokens: dict[str, list[int]] = {req_id: [] for req_id in batch_ids}
+        while min(len(t) for t in tokens.values()) < 4:  # every batch item decoding, every slot taken
+            for out in engine.step():
+                tokens[out.req_id].extend(out.new_token_ids)
+        chat = engine.add_request(chat_prompt, greedy, arrival_time=100.0)
+        tokens[chat] = []
+        victim = engine.scheduler.get_request(batch_ids[-1])  # the latest batch item
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens[out.req_id].extend(out.new_token_ids)
+        assert engine.scheduler.step_cost.is_known  # the engine timed its steps
+    assert victim.num_preemptions == 1
+    for req_id, ref in zip([*batch_ids, chat], refs, strict=True):
+        assert_greedy_matches(tokens[req_id], ref, allow_near_tie=True)
