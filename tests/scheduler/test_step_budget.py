@@ -216,7 +216,8 @@ def test_higher_priority_prefill_goes_first_and_lower_priorities_are_capped() ->
     # Equal priorities share the step as before: no cap without anything less important.
     scheduler = budgeted_scheduler(itl_target_ms=10.0)
     for i in range(3):
-        scheduler.add_request(make_request(f"i{i}", num_prompt=80, first_token=100 * i, arrival_time=float(i)))
+        scheduler.add_request(make_request(f"i{i}", num_prompt=80, first_token=100 * i,
+                                           arrival_time=float(i)))
     out = step(scheduler, FakeRunner(), {})
     assert out.batch.num_tokens == 240 and out.step_token_cap is None
 
@@ -229,8 +230,8 @@ def test_engine_preempts_a_batch_item_for_a_chat_and_the_item_resumes_with_trans
     from scheduler.engine import LLMEngine
     from shared.config import EngineConfig
     from shared.sampling import SamplingParams
-    from tests.scheduler.test_engine import _prompts, _references
     from tests.hf_reference import assert_greedy_matches
+    from tests.scheduler.test_engine import _prompts, _references
 
     folder = tiny_checkpoints["llama"]
     batch_prompts, [chat_prompt] = _prompts(4, 512, [21, 13, 30]), _prompts(5, 512, [9])
