@@ -66,11 +66,11 @@ def run(args: argparse.Namespace, folder: Path, out: Path) -> bool:
     try:
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, children, timeout_s=900)
-        redis_url = redis_url_of(out / "up.log")
-        client = redis.Redis.from_url(redis_url)
         warm = bench_args(args, url, 4.0)
         warm.duration = 2.0
         asyncio.run(fleet_bench.run(warm))
+        redis_url = redis_url_of(out / "up.log")  # (announced once up is ready: read after the warm-up)
+        client = redis.Redis.from_url(redis_url)
         log("fleet ready and warm")
 
         alone = mixed.ChatLatency.of(run_chats(args, url)[0])
@@ -104,14 +104,16 @@ def run(args: argparse.Namespace, folder: Path, out: Path) -> bool:
         checks = [mixed.check_job(client, "mixed-1", len(lines), max_tokens=args.batch_tokens),
                   mixed.check_job(client, "mixed-cancel", args.cancel_lines, cancelled=True,
                                   max_tokens=args.batch_tokens),
-                  mixed.check_job(client, "mixed-alone", len(lines), cancelled=True, max_tokens=args.batch_tokens)]
+                  mixed.check_job(client, "mixed-alone", len(lines), cancelled=True,
+                                  max_tokens=args.batch_tokens)]
         client.close()
     finally:
         children.stop()
         shutil.rmtree(home, ignore_errors=True)
-    print(f"\nChats at {args.rate:g} req/s for {args.seconds:g} s (shared prefix {args.prefix_tokens} words), "
-          f"alone and beside a batch job of {len(lines):,} lines ({args.batch_words[0]}-{args.batch_words[1]} "
-          f"words, {args.batch_tokens} output tokens); `tokenfleet up {' '.join(args.up_flag)}`\n")
+    low, high = args.batch_words
+    print(f"\nChats at {args.rate:g} req/s for {args.seconds:g} s (shared prefix {args.prefix_tokens} "
+          f"words), alone and beside a batch job of {len(lines):,} lines ({low}-{high} words, "
+          f"{args.batch_tokens} output tokens); `tokenfleet up {' '.join(args.up_flag)}`\n")
     return mixed.print_table(alone, beside, both_tok_s, batch_tok_s, checks)
 
 
@@ -120,12 +122,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--smoke", action="store_true", help="a tiny model on this CPU, small and short")
-    parser.add_argument("--tokenizer", help="folder with SmolLM2's tokenizer files (default: the default model's)")
+    parser.add_argument("--tokenizer",
+                        help="folder with SmolLM2's tokenizer files (default: the default model's)")
     parser.add_argument("--rate", type=float, default=32.0, help="chats per second")
-    parser.add_argument("--seconds", type=float, default=20.0, help="of chat arrivals, and of the batch alone")
+    parser.add_argument("--seconds", type=float, default=20.0,
+                        help="of chat arrivals, and of the batch alone")
     parser.add_argument("--prefix-tokens", type=int, default=800)
     parser.add_argument("--batch-lines", type=int, default=4000)
-    parser.add_argument("--batch-words", type=lambda t: tuple(int(w) for w in t.split("-")), default=(150, 400))
+    parser.add_argument("--batch-words", type=lambda t: tuple(int(w) for w in t.split("-")),
+                        default=(150, 400), help="LOW-HIGH words of a batch line's prompt")
     parser.add_argument("--batch-tokens", type=int, default=256)
     parser.add_argument("--cancel-lines", type=int, default=200, help="lines of the job cancelled mid-run")
     parser.add_argument("--lead-s", type=float, default=8.0,

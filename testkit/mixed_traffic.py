@@ -21,7 +21,8 @@ from tokenfleet.bench import prompt_text
 JOB_END_STATUSES = ("completed", "failed", "cancelled", "expired")
 
 
-def batch_lines(num_lines: int, model: str, *, words: tuple[int, int], max_tokens: int, seed: int) -> list[str]:
+def batch_lines(num_lines: int, model: str, *, words: tuple[int, int], max_tokens: int,
+                seed: int) -> list[str]:
     """Chat lines in the OpenAI Batch input format: one user turn of `words` words (about a
     token each), `max_tokens` greedy output tokens, EOS ignored (every line costs the same)."""
     rng = random.Random(f"batch-{seed}")
@@ -65,7 +66,8 @@ def wait_job_end(client: redis.Redis, job_id: str, timeout_s: float) -> dict[str
         if job.get("status") in JOB_END_STATUSES:
             return job
         time.sleep(0.2)
-    raise RuntimeError(f"job {job_id} still {job_status(client, job_id).get('status')!r} after {timeout_s:g} s")
+    status = job_status(client, job_id).get("status")
+    raise RuntimeError(f"job {job_id} still {status!r} after {timeout_s:g} s")
 
 
 def cancel_job(gateway_url: str, job_id: str) -> None:
