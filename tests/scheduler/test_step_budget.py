@@ -238,8 +238,9 @@ def test_engine_preempts_a_batch_item_for_a_chat_and_the_item_resumes_with_trans
     refs = _references(folder, [*batch_prompts, chat_prompt], max_new_tokens=24)
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     config = EngineConfig(model=str(folder), dtype="float32", block_size=4, num_kv_blocks=256,
-                          max_num_seqs=3, max_num_batched_tokens=16)
+                          max_num_seqs=3, max_num_batched_tokens=16, itl_slowdown=1.5)
     with LLMEngine(config) as engine:
+        assert engine.scheduler.latency_budget.slowdown == 1.5
         batch_ids = [engine.add_request(p, greedy, priority=BATCH_PRIORITY, arrival_time=float(i))
                      for i, p in enumerate(batch_prompts)]
         tokens: dict[str, list[int]] = {req_id: [] for req_id in batch_ids}
