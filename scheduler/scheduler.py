@@ -180,14 +180,16 @@ class Scheduler:
         prefill of the others, within the step's latency budget (scheduler/step_budget.py)."""
         plan = StepPlan(token_budget=self.config.max_num_batched_tokens,
                         max_num_seqs=self._step_seq_budget())
-        top = self._most_important_priority()
+        plan.top_priority = top = self._most_important_priority()
         less_important = self._schedule_running(plan, top)
         # Blocks just freed by preemption are for the running requests that needed them;
         # admitting new ones now would only preempt again.
         admits = not plan.preempted_req_ids and self._schedule_waiting(plan, top, capped=False)
         if less_important or (admits and self._waiting):
+            # Relative to the most important work alone: less important decodes (already in
+            # the step) take their share of the budget rather than raise it.
             plan.step_token_cap = self.latency_budget.step_tokens(
-                plan.num_tokens, self.config.max_num_batched_tokens)
+                plan.num_top_tokens, self.config.max_num_batched_tokens)
             self._schedule_less_important(plan, less_important, admits)
         scheduled = [self._requests[req_id] for req_id in plan.num_scheduled_tokens]
         works = [self._make_work(request, plan.num_scheduled_tokens[request.req_id]) for request in scheduled]

@@ -7,8 +7,10 @@ A step's decodes always run, and so do the prefill chunks of the most important 
 the most tokens whose step the cost model (scheduler/step_cost.py) predicts within
 
 - `itl_target_ms`, when set: an absolute bound on the step;
-- else `slowdown` times the predicted time of the step without that prefill: beside batch work
-  a chat's step takes at most that much longer than it would alone.
+- else `slowdown` times the predicted time of a step of the most important work alone (its
+  decodes and prefill): beside batch work a chat's step takes at most that much longer than it
+  would alone. Less important decodes count against the budget, not towards its base: while
+  they fill it, less important prefill waits, and fewer batch items run.
 
 With nothing more important present there is no budget: the whole `max_num_batched_tokens`.
 Until the engine has timed a step, the budget is `FALLBACK_STEP_TOKENS`.
@@ -26,8 +28,8 @@ FALLBACK_STEP_TOKENS = 512  # before any step was timed: a step about as long as
 
 @dataclass
 class LatencyBudget:
-    # Milliseconds a step may take beside more important work; None: `slowdown` times the step
-    # without the less important prefill; 0: no budget (less important work shares steps freely).
+    # Milliseconds a step may take beside more important work; None: `slowdown` times the step of
+    # the most important work alone; 0: no budget (less important work shares steps freely).
     itl_target_ms: float | None = None
     slowdown: float = DEFAULT_SLOWDOWN
     cost: StepCost = field(default_factory=StepCost)
@@ -43,8 +45,8 @@ class LatencyBudget:
         return self.itl_target_ms == 0
 
     def step_tokens(self, num_protected_tokens: int, limit: int) -> int:
-        """The most tokens the whole step may have, given the tokens it holds before any less
-        important prefill (decodes, the most important prefill); at most `limit`."""
+        """The most tokens the whole step may have, given the tokens of its most important work
+        (decodes and prefill); at most `limit`."""
         if self.is_off:
             return limit
         target_ms = self.itl_target_ms

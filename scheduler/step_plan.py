@@ -36,8 +36,8 @@ class SchedulerConfig:
     async_scheduling: bool = False
     # Beside more important work (an interactive request beside batch items, a higher priority
     # beside a lower one), a step's less important prefill fills it only up to a latency budget
-    # (scheduler/step_budget.py): this many milliseconds; None: itl_slowdown times the step
-    # without that prefill, as the step cost model predicts it; 0: no budget.
+    # (scheduler/step_budget.py): this many milliseconds; None: itl_slowdown times a step of the
+    # most important work alone, as the step cost model predicts it; 0: no budget.
     itl_target_ms: float | None = None
     itl_slowdown: float = DEFAULT_SLOWDOWN
 
@@ -105,6 +105,8 @@ class StepPlan:
     # None: no such cap (nothing more important present, or not yet computed).
     step_token_cap: int | None = None
     num_tokens: int = 0  # scheduled so far
+    top_priority: int | None = None  # the most important priority present
+    num_top_tokens: int = 0  # scheduled so far for requests of top_priority
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # req_id -> tokens
     preempted_req_ids: list[str] = field(default_factory=list)
     # Hashes of the full blocks this step's prefills compute: cached from the next step on.
@@ -114,6 +116,8 @@ class StepPlan:
         self.num_scheduled_tokens[request.req_id] = num_tokens
         self.token_budget -= num_tokens
         self.num_tokens += num_tokens
+        if request.priority == self.top_priority:
+            self.num_top_tokens += num_tokens
 
     @property
     def has_seq_room(self) -> bool:
@@ -123,6 +127,8 @@ class StepPlan:
         num_tokens = self.num_scheduled_tokens.pop(request.req_id, 0)
         self.token_budget += num_tokens
         self.num_tokens -= num_tokens
+        if request.priority == self.top_priority:
+            self.num_top_tokens -= num_tokens
 
     @property
     def capped_budget(self) -> int:

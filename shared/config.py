@@ -86,8 +86,8 @@ class EngineConfig:
     async_scheduling: bool = _CPU.async_scheduling
     # Beside more important work (chats beside batch items; a higher priority beside a lower),
     # less important prefill fills a step only up to a latency budget (scheduler/step_budget.py):
-    # this many ms per step; None: itl_slowdown times the step without it, as the engine's step
-    # cost model predicts; 0: no budget (batch prompts share steps with chats as they fit).
+    # this many ms per step; None: itl_slowdown times a step of the more important work alone, as
+    # the engine's step cost model predicts; 0: no budget (batch prompts share steps with chats as they fit).
     itl_target_ms: float | None = None
     itl_slowdown: float = DEFAULT_ITL_SLOWDOWN
     num_threads: int | None = None  # torch threads per rank on CPU

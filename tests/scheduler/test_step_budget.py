@@ -257,3 +257,19 @@ def test_engine_preempts_a_batch_item_for_a_chat_and_the_item_resumes_with_trans
     assert victim.num_preemptions == 1
     for req_id, ref in zip([*batch_ids, chat], refs, strict=True):
         assert_greedy_matches(tokens[req_id], ref, allow_near_tie=True)
+
+
+def test_batch_decodes_count_against_the_auto_budget_and_do_not_raise_it() -> None:
+    scheduler = budgeted_scheduler(itl_slowdown=1.5, max_num_seqs=64)
+    runner = FakeRunner()
+    for i in range(40):
+        scheduler.add_request(make_request(f"b{i}", num_prompt=4, first_token=i, priority=BATCH_PRIORITY,
+                                           arrival_time=float(i), max_tokens=50))
+    step(scheduler, runner, {})  # 40 batch prompts: every one decoding from now on
+    scheduler.add_request(make_request("late", num_prompt=100, priority=BATCH_PRIORITY, arrival_time=50.0))
+    scheduler.add_request(make_request("chat", num_prompt=40, first_token=500, arrival_time=60.0))
+    out = step(scheduler, runner, {})
+    # The chat alone: 40 tokens, 5 ms; the step may hold 65, 40 of which are the batch's decodes
+    # already: no room for the late batch prompt.
+    assert out.num_scheduled_tokens["chat"] == 40 and out.step_token_cap == 65
+    assert "late" not in out.num_scheduled_tokens and out.batch.num_tokens == 80
