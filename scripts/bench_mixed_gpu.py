@@ -47,10 +47,17 @@ from testkit.runs import log, print_command, raise_fd_limit
 from tokenfleet import bench as fleet_bench
 
 
+def chat_args(args: argparse.Namespace, url: str, rate: float) -> argparse.Namespace:
+    """`tokenfleet bench`'s flags (bench_serve_gpu.py's chats), with --chat-max-tokens."""
+    chats = bench_args(args, url, rate)
+    chats.max_tokens = args.chat_max_tokens
+    return chats
+
+
 def run_chats(args: argparse.Namespace, url: str) -> tuple[list, float, float]:
     """The planned chats; their results, and when they started and ended (perf_counter)."""
     started = time.perf_counter()
-    results, _, _ = asyncio.run(fleet_bench.run(bench_args(args, url, args.rate)))
+    results, _, _ = asyncio.run(fleet_bench.run(chat_args(args, url, args.rate)))
     return results, started, time.perf_counter()
 
 
@@ -66,7 +73,7 @@ def run(args: argparse.Namespace, folder: Path, out: Path) -> bool:
     try:
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, children, timeout_s=900)
-        warm = bench_args(args, url, 4.0)
+        warm = chat_args(args, url, 4.0)
         warm.duration = 2.0
         asyncio.run(fleet_bench.run(warm))
         redis_url = redis_url_of(out / "up.log")  # (announced once up is ready: read after the warm-up)
@@ -81,12 +88,16 @@ def run(args: argparse.Namespace, folder: Path, out: Path) -> bool:
             time.sleep(args.lead_s)
             log(f"batch job in for {args.lead_s:g} s: {mixed.num_written(client, 'mixed-1')} lines written")
             mixed.submit_job(client, "mixed-cancel", lines[: args.cancel_lines])
+            canceller = mixed.CancelWhenWritten(redis_url, url, "mixed-cancel",
+                                                max(1, args.cancel_lines // 10), timeout_s=args.seconds)
+            canceller.start()
             results, started, ended = run_chats(args, url)
             beside = mixed.ChatLatency.of(results)
             both_tok_s = meter.rate(started, ended)
             log(f"chats beside the batch: {beside}; the fleet's output {both_tok_s:,.0f} tok/s")
-            mixed.wait_written(client, "mixed-cancel", 1, timeout_s=args.seconds)
-            mixed.cancel_job(url, "mixed-cancel")
+            canceller.join()
+            log(f"second job cancelled with {canceller.num_written_at_cancel} of its lines written"
+                if canceller.cancelled else "second job ended before its cancel")
             if mixed.job_status(client, "mixed-1").get("status") in mixed.JOB_END_STATUSES:
                 log("warning: the batch job ended before the chats did: make --batch-lines larger")
             mixed.wait_job_end(client, "mixed-1", timeout_s=args.job_timeout_s)
@@ -99,12 +110,12 @@ def run(args: argparse.Namespace, folder: Path, out: Path) -> bool:
             time.sleep(args.seconds)
             batch_tok_s = meter.rate(window_start, time.perf_counter())
             log(f"the batch job alone: {batch_tok_s:,.0f} tok/s")
-            mixed.cancel_job(url, "mixed-alone")
+            alone_cancelled = mixed.cancel_job(url, "mixed-alone")
             mixed.wait_job_end(client, "mixed-alone", timeout_s=120)
         checks = [mixed.check_job(client, "mixed-1", len(lines), max_tokens=args.batch_tokens),
-                  mixed.check_job(client, "mixed-cancel", args.cancel_lines, cancelled=True,
+                  mixed.check_job(client, "mixed-cancel", args.cancel_lines, cancelled=canceller.cancelled,
                                   max_tokens=args.batch_tokens),
-                  mixed.check_job(client, "mixed-alone", len(lines), cancelled=True,
+                  mixed.check_job(client, "mixed-alone", len(lines), cancelled=alone_cancelled,
                                   max_tokens=args.batch_tokens)]
         client.close()
     finally:
@@ -128,6 +139,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seconds", type=float, default=20.0,
                         help="of chat arrivals, and of the batch alone")
     parser.add_argument("--prefix-tokens", type=int, default=800)
+    parser.add_argument("--chat-max-tokens", default="16-512:lognormal:150",
+                        help="the chats' output tokens (tokenfleet bench's --max-tokens)")
     parser.add_argument("--batch-lines", type=int, default=4000)
     parser.add_argument("--batch-words", type=lambda t: tuple(int(w) for w in t.split("-")),
                         default=(150, 400), help="LOW-HIGH words of a batch line's prompt")
@@ -145,6 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     print_command()
     if args.smoke:
         args.device, args.rate, args.seconds, args.prefix_tokens = "cpu", 2.0, 4.0, 100
+        args.chat_max_tokens = "8-24"
         args.batch_lines, args.batch_words, args.batch_tokens = 60, (20, 40), 16
         args.cancel_lines, args.lead_s, args.client_processes = 20, 2.0, 1
     raise_fd_limit(4096)

@@ -9,6 +9,7 @@ import json
 import random
 import threading
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
@@ -70,11 +71,36 @@ def wait_job_end(client: redis.Redis, job_id: str, timeout_s: float) -> dict[str
     raise RuntimeError(f"job {job_id} still {status!r} after {timeout_s:g} s")
 
 
-def cancel_job(gateway_url: str, job_id: str) -> None:
+def cancel_job(gateway_url: str, job_id: str) -> bool:
+    """POST /v1/batches/{id}/cancel; False when the job had ended already (409)."""
     request = urllib.request.Request(f"{gateway_url}/v1/batches/{job_id}/cancel", method="POST", data=b"")
-    with urllib.request.urlopen(request, timeout=30) as response:
-        if response.status != 200:
-            raise RuntimeError(f"cancelling {job_id}: HTTP {response.status}")
+    try:
+        with urllib.request.urlopen(request, timeout=30):
+            return True
+    except urllib.error.HTTPError as exc:
+        if exc.code == 409:
+            return False
+        raise
+
+
+class CancelWhenWritten(threading.Thread):
+    """Cancels a job once `at_least` of its lines are written (mid-run), on a thread of its own
+    so that it acts while the caller runs its chats; `cancelled` says whether it did (False: the
+    job ended first)."""
+
+    def __init__(self, redis_url: str, gateway_url: str, job_id: str, at_least: int,
+                 timeout_s: float) -> None:
+        super().__init__(daemon=True)
+        self.redis_url, self.gateway_url, self.job_id = redis_url, gateway_url, job_id
+        self.at_least, self.timeout_s = at_least, timeout_s
+        self.cancelled = False
+        self.num_written_at_cancel = 0
+
+    def run(self) -> None:
+        client = redis.Redis.from_url(self.redis_url)
+        self.num_written_at_cancel = wait_written(client, self.job_id, self.at_least, self.timeout_s)
+        self.cancelled = cancel_job(self.gateway_url, self.job_id)
+        client.close()
 
 
 @dataclass
