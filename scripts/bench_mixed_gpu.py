@@ -112,6 +112,7 @@ def run(args: argparse.Namespace, folder: Path, out: Path) -> bool:
             log(f"the batch job alone: {batch_tok_s:,.0f} tok/s")
             alone_cancelled = mixed.cancel_job(url, "mixed-alone")
             mixed.wait_job_end(client, "mixed-alone", timeout_s=120)
+        costs = mixed.step_costs(client)
         checks = [mixed.check_job(client, "mixed-1", len(lines), max_tokens=args.batch_tokens),
                   mixed.check_job(client, "mixed-cancel", args.cancel_lines, cancelled=canceller.cancelled,
                                   max_tokens=args.batch_tokens),
@@ -125,7 +126,7 @@ def run(args: argparse.Namespace, folder: Path, out: Path) -> bool:
     print(f"\nChats at {args.rate:g} req/s for {args.seconds:g} s (shared prefix {args.prefix_tokens} "
           f"words), alone and beside a batch job of {len(lines):,} lines ({low}-{high} words, "
           f"{args.batch_tokens} output tokens); `tokenfleet up {' '.join(args.up_flag)}`\n")
-    return mixed.print_table(alone, beside, both_tok_s, batch_tok_s, checks)
+    return mixed.print_table(alone, beside, both_tok_s, batch_tok_s, checks, costs)
 
 
 def main(argv: list[str] | None = None) -> None:

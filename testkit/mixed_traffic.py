@@ -211,6 +211,19 @@ class TokenMeter:
         return (n1 - n0) / (t1 - t0)
 
 
+def step_costs(client: redis.Redis) -> list[list[list[float]]]:
+    """Each scheduler's step cost model as its heartbeat carries it: [tokens, ms] points."""
+    costs = []
+    for key in client.scan_iter(match=Keys().scheduler_pattern):
+        try:
+            value = client.hget(key, "step_cost_ms")
+        except redis.ResponseError:
+            continue
+        if value:
+            costs.append(json.loads(value))
+    return costs
+
+
 @dataclass
 class ChatLatency:
     ttft_p50: float
@@ -243,7 +256,7 @@ THROUGHPUT_GOAL = 0.85  # the fleet's output while both run, of the batch alone
 
 
 def print_table(alone: ChatLatency, beside: ChatLatency, both_tok_s: float, batch_tok_s: float,
-                checks: list[JobCheck]) -> bool:
+                checks: list[JobCheck], costs: list[list[list[float]]] = ()) -> bool:
     """The chats' latency alone, beside the batch, and the ratios; the fleet's output while both
     ran against the batch alone; the jobs' checks. True when every goal is met."""
     met = True
@@ -273,4 +286,7 @@ def print_table(alone: ChatLatency, beside: ChatLatency, both_tok_s: float, batc
     print("\nBatch jobs:")
     for check in checks:
         print(f"- {check}")
+    for points in costs:
+        print("\nThe scheduler's step cost model (tokens: ms), as its step budget used it at the end: "
+              + ", ".join(f"{tokens:,.0f}: {ms:.1f}" for tokens, ms in points))
     return met
