@@ -4,6 +4,8 @@ with the same tokens); priorities by the same rule."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from scheduler.request import BATCH_PRIORITY
@@ -228,6 +230,7 @@ def test_higher_priority_prefill_goes_first_and_lower_priorities_are_capped() ->
 def test_engine_preempts_a_batch_item_for_a_chat_and_the_item_resumes_with_transformers_tokens(
         tiny_checkpoints) -> None:
     from scheduler.engine import LLMEngine
+    from service.telemetry import SchedulerTelemetry
     from shared.config import EngineConfig
     from shared.sampling import SamplingParams
     from tests.hf_reference import assert_greedy_matches
@@ -254,6 +257,10 @@ def test_engine_preempts_a_batch_item_for_a_chat_and_the_item_resumes_with_trans
             for out in engine.step():
                 tokens[out.req_id].extend(out.new_token_ids)
         assert engine.scheduler.step_cost.is_known  # the engine timed its steps
+        # ... and a scheduler's heartbeat says what it learned.
+        heartbeat = SchedulerTelemetry(engine, "tiny", "s1").heartbeat_fields()
+        points = json.loads(heartbeat["step_cost_ms"])
+        assert points and all(tokens >= 1 and ms > 0 for tokens, ms in points)
     assert victim.num_preemptions == 1
     for req_id, ref in zip([*batch_ids, chat], refs, strict=True):
         assert_greedy_matches(tokens[req_id], ref, allow_near_tie=True)
