@@ -88,8 +88,9 @@ def run(args: argparse.Namespace, folder: Path, out: Path) -> bool:
             time.sleep(args.lead_s)
             log(f"batch job in for {args.lead_s:g} s: {mixed.num_written(client, 'mixed-1')} lines written")
             mixed.submit_job(client, "mixed-cancel", lines[: args.cancel_lines])
-            canceller = mixed.CancelWhenWritten(redis_url, url, "mixed-cancel",
-                                                max(1, args.cancel_lines // 10), timeout_s=args.seconds)
+            # (Its lines queue behind the first job's: it may start only after the chats.)
+            canceller = mixed.CancelWhenWritten(redis_url, url, "mixed-cancel", max(1, args.cancel_lines // 10),
+                                                timeout_s=max(60.0, 3 * args.seconds))
             canceller.start()
             results, started, ended = run_chats(args, url)
             beside = mixed.ChatLatency.of(results)
