@@ -89,7 +89,8 @@ def run(args: argparse.Namespace, folder: Path, out: Path) -> bool:
             log(f"batch job in for {args.lead_s:g} s: {mixed.num_written(client, 'mixed-1')} lines written")
             mixed.submit_job(client, "mixed-cancel", lines[: args.cancel_lines])
             # (Its lines queue behind the first job's: it may start only after the chats.)
-            canceller = mixed.CancelWhenWritten(redis_url, url, "mixed-cancel", max(1, args.cancel_lines // 10),
+            at_least = max(1, args.cancel_lines // 10)
+            canceller = mixed.CancelWhenWritten(redis_url, url, "mixed-cancel", at_least,
                                                 timeout_s=max(60.0, 3 * args.seconds))
             canceller.start()
             results, started, ended = run_chats(args, url)
