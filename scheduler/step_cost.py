@@ -20,6 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 EWMA_WEIGHT = 0.1  # of a new step in its bucket's mean: ~10 steps to follow a change
+# Once a bucket has seen this many steps, a step counts as at most OUTLIER_FACTOR times its mean.
+SETTLED_STEPS = 5
+OUTLIER_FACTOR = 3.0
 
 
 @dataclass
@@ -42,6 +45,8 @@ class StepCost:
         if point is None:
             self._buckets[key] = CostPoint(float(num_tokens), float(ms), 1)
         else:
+            if point.num_steps >= SETTLED_STEPS:
+                ms = min(ms, OUTLIER_FACTOR * point.ms)  # a pause (GC, a page fault) is not the step's
             point.num_tokens += EWMA_WEIGHT * (num_tokens - point.num_tokens)
             point.ms += EWMA_WEIGHT * (ms - point.ms)
             point.num_steps += 1

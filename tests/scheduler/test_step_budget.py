@@ -72,6 +72,8 @@ def test_cost_model_follows_a_change_in_step_times() -> None:
     for _ in range(60):
         cost.observe(64, 4.0)
     assert cost.predict(64) == pytest.approx(4.0, abs=0.05)
+    cost.observe(64, 400.0)  # one long pause: counted as 3x the mean at most
+    assert cost.predict(64) == pytest.approx(4.0 + 0.1 * (12.0 - 4.0), abs=0.05)
 
 
 def test_latency_budget_absolute_auto_off_and_before_any_step() -> None:
