@@ -104,6 +104,8 @@ class LLMEngine:
                 pipeline_depth=self.executor.pipeline_depth,
                 async_scheduling=self.async_scheduling,
                 samples_late=self.async_scheduling and self.executor.samples_late,
+                itl_target_ms=config.itl_target_ms,
+                itl_slowdown=config.itl_slowdown,
             ),
             self.tokenizer,
             Grammars(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),
@@ -111,8 +113,10 @@ class LLMEngine:
         )
         self._req_counter = itertools.count()
         self._num_failed_steps = 0  # consecutive, reset by a good step
-        # Steps submitted and not yet collected, oldest first: (output, executor handle, submitted at).
-        self._in_flight: collections.deque[tuple[SchedulerOutput, object, float]] = collections.deque()
+        # Steps submitted and not yet collected, oldest first: (output, executor handle, scheduled at,
+        # submitted at).
+        self._in_flight: collections.deque[tuple[SchedulerOutput, object, float, float]] = collections.deque()
+        self._last_collected_at = 0.0  # when the last step's result came back (perf_counter)
         self.num_group_restarts = 0
         self.num_steps = 0  # steps that ran on the workers
         self.step_observer: StepObserver | None = None
@@ -191,16 +195,23 @@ class LLMEngine:
                         self._observe(output, done, started)
                     outputs += done
                     break
-                self._in_flight.append((output, self.executor.submit(output.batch), started))
+                submitted = time.perf_counter()
+                self._in_flight.append((output, self.executor.submit(output.batch), started, submitted))
             if not self._in_flight:
                 return outputs
-            output, handle, started = self._in_flight.popleft()
+            output, handle, started, submitted = self._in_flight.popleft()
             waiting = time.perf_counter()
             result = self.executor.collect(handle)
-            result_wait_s = time.perf_counter() - waiting
+            collected = time.perf_counter()
+            result_wait_s = collected - waiting
         except WorkerError as exc:
             self._recover(exc)
             return outputs
+        # What the step cost its tokens: from the previous result (the device went on from there)
+        # or from its submission (when the device had nothing before it) to its own result.
+        step_ms = (collected - max(self._last_collected_at, submitted)) * 1000
+        self._last_collected_at = collected
+        self.scheduler.step_cost.observe(output.batch.num_tokens, step_ms)
         self._num_failed_steps = 0
         self.num_steps += 1
         done = self.scheduler.update_from_output(output, result)
@@ -268,6 +279,23 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
         self.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        self.calibrate_step_cost(rng)
+
+    def calibrate_step_cost(self, rng: random.Random | None = None) -> None:
+        """Time steps of 16, 32, ... up to max_num_batched_tokens tokens (one prompt each, with its
+        first decode) for the step cost model (scheduler/step_cost.py), after the warm-up's first
+        steps, whose times are compilation's. Serving then refines the model with every step."""
+        rng = rng or random.Random(0)
+        vocab = self.model_config.vocab_size
+        self.scheduler.step_cost.reset()
+        limit = min(self.max_model_len - 8, self.config.max_num_batched_tokens)
+        num_tokens = 16
+        while num_tokens <= limit:
+            prompt = [rng.randrange(vocab) for _ in range(num_tokens)]  # (no prefix in the cache)
+            self.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+            num_tokens *= 2
+        self.log.info("step_cost_calibrated", points=[
+            (round(point.num_tokens), round(point.ms, 2)) for point in self.scheduler.step_cost.points()])
 
     def close(self) -> None:
         """Stop the worker group and give its device memory back (graphs, KV cache, weights),

@@ -19,7 +19,14 @@ import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from shared.config import DEVICE_DEFAULTS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, uses_ray
+from shared.config import (
+    DEFAULT_ITL_SLOWDOWN,
+    DEVICE_DEFAULTS,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    EngineConfig,
+    uses_ray,
+)
 from shared.errors import InvalidRequestError
 from tokenfleet.flags import flag
 
@@ -32,6 +39,34 @@ def on_off(text: str) -> bool:
     if text.lower() not in words:
         raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
     return words[text.lower()]
+
+
+def itl_target(text: str) -> float | None:
+    """--itl-target-ms auto|off|MS: None (auto), 0.0 (off) or a positive number of ms."""
+    if text.lower() in ("auto", "none"):
+        return None
+    if text.lower() == "off":
+        return 0.0
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto, off or milliseconds, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected auto, off or milliseconds >= 0, got {text!r}")
+    return value
+
+
+def slowdown(text: str) -> float:
+    """--itl-slowdown: a factor >= 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {text!r}") from None
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {text!r}")
+    return value
+
+
 _CUDA, _CPU = DEVICE_DEFAULTS["cuda"], DEVICE_DEFAULTS["cpu"]
 
 
@@ -92,6 +127,12 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("async-scheduling", "plan step n+1 while the device runs step n: on or off (default: on "
                                    "on CUDA, off on CPU, where a step runs as it is submitted)",
                on_off),
+    EngineFlag("itl-target-ms", "while interactive (or more important) requests run or wait, less important "
+                                "prefill (batch items) fills a step only up to this many ms: auto (the step "
+                                "takes at most --itl-slowdown times what it would without it, from the "
+                                "step times the engine measures), off, or a number", itl_target),
+    EngineFlag("itl-slowdown", "with --itl-target-ms auto: how much longer a step may get beside less "
+                               "important prefill (>= 1)", slowdown, DEFAULT_ITL_SLOWDOWN),
     EngineFlag("no-prefix-caching", "recompute every prompt instead of reusing the KV blocks of a prefix "
                                     "seen before", default=False, field="enable_prefix_caching", switch=True),
     EngineFlag("grammar-jump-forward", "structured outputs: append the text a grammar forces (keys, "
