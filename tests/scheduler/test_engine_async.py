@@ -177,6 +177,27 @@ def test_tp2_on_a_ray_group_matches_async_off(tiny_checkpoints) -> None:
 
 
 @pytest.mark.slow
+@needs_two_ranks
+def test_tp2_on_a_ray_group_with_grammars_and_penalties_matches_async_off(tiny_chat) -> None:
+    """On a Ray group a step cannot sample late (its rank runs it to its end): a constrained
+    request waits for its token there, while penalized ones go ahead (their pending token
+    counted on the driver rank's device)."""
+    prompts = _prompts(10, [8, 20, 5, 11], vocab=49152)
+    grammar = json.dumps({"type": "json_object"})
+    # The constrained one ends first: no step is planned ahead while it runs, then they go ahead.
+    params = [SamplingParams(temperature=0.0, max_tokens=4, grammar=grammar),
+              SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, repetition_penalty=1.5),
+              SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, frequency_penalty=0.7),
+              SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)]
+    on, off, count, engine = _both(tiny_chat, prompts, params, with_tokenizer=True, tp=2,
+                                   max_num_batched_tokens=32, steps_ahead=None)
+    assert not engine.executor.samples_late
+    _assert_same(on, off)
+    req_ids = [r.req_id for r in on]
+    assert count.by_req[req_ids[0]] == 0 and count.by_req[req_ids[1]] > 0 and count.by_req[req_ids[2]] > 0
+
+
+@pytest.mark.slow
 def test_pp2_keeps_its_own_overlap_when_async_scheduling_is_asked(tiny_checkpoints) -> None:
     prompts = _prompts(9, LENGTHS)
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
