@@ -2,7 +2,7 @@
 grammar work left on the step's critical path, a large mixed batch, and a whole workload's
 throughput, each against unconstrained decoding of the same requests in the same run.
 
-    python scripts/bench_structured.py --device cuda     # H200: Llama-3-8B shape, bf16, SmolLM2's vocab
+    python scripts/bench_structured.py --device cuda --tokenizer DIR   # H200: Llama-3-8B shape, bf16
     .venv/bin/python scripts/bench_structured.py --smoke # CPU: a tiny random llama, small sizes
 
 Decode-step passes (prompts of random ids, temperature 1 with a seed each, EOS ignored where no
@@ -159,7 +159,8 @@ def prepare_model(args: argparse.Namespace) -> tuple[str, str]:
     if args.device == "cpu":
         return str(fetch_default_model()), "SmolLM2-135M-Instruct"
     folder = checkpoint_folder(17 << 30)
-    write_llama3_8b_with_smollm2_tokenizer(folder, torch.device(args.device))
+    tokenizer = Path(args.tokenizer) if args.tokenizer else None
+    write_llama3_8b_with_smollm2_tokenizer(folder, torch.device(args.device), tokenizer)
     return str(folder), f"Llama-3-8B shape, vocab {SMOLLM2_VOCAB_SIZE:,}, random weights"
 
 
@@ -169,6 +170,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--model", help="a model folder with a tokenizer (default: a random Llama-3-8B "
                                         "shape with SmolLM2's tokenizer on cuda, SmolLM2 on cpu)")
+    parser.add_argument("--tokenizer", help="cuda: folder with SmolLM2's tokenizer files (default: the "
+                                            "default model's)")
     parser.add_argument("--smoke", action="store_true", help="a tiny random model, small sizes (CPU check)")
     parser.add_argument("--batch", type=int, help="rows of the decode passes (default 64; 16 with --smoke)")
     parser.add_argument("--mixed-batch", type=int, help="rows of the mixed pass, a quarter constrained "
