@@ -69,7 +69,7 @@ class NTKRotaryEmbedding(RotaryEmbedding):
 class QWenAttention(LlamaAttention):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel, rotary: RotaryEmbedding) -> None:
         super().__init__(cfg, tp, rotary)
-        self.logn: torch.Tensor | None = None  # [stride] per-position query scales, or None
+        self.register_buffer("logn", None, persistent=False)  # [stride] query scales (use_logn_attn)
         self.stride = 0  # rows of one rotary table (positions past it index the NTK tables)
 
     def forward(
@@ -103,7 +103,7 @@ class QWenModel(LlamaModel):
             if rotary is not None:
                 attn.rotary = rotary  # one stacked table shared by every layer, as the plain one
             if scales is not None:  # a buffer of each layer's: it moves with the model
-                attn.register_buffer("logn", torch.tensor(scales, dtype=torch.float32), persistent=False)
+                attn.logn = torch.tensor(scales, dtype=torch.float32)
 
 
 class QWenLMHeadModel(LlamaForCausalLM):
