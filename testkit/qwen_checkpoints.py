@@ -43,8 +43,8 @@ QWEN_14B: dict[str, Any] = dict(
 WORDS = ("the of and to in is you that it he was for on are as with his they at be this have from or one "
          "had by word but not what all were we when your can said there use an each which she do how their "
          "if will up other about out many then them these so some her would make like him into time has look "
-         "two more write go see number no way could people my than first water been call who oil its now find "
-         "hello world paris capital france assistant user system helpful").split()
+         "two more write go see number no way could people my than first water been call who oil its now "
+         "find hello world paris capital france assistant user system helpful").split()
 
 
 def synthetic_ranks(num_ranks: int, seed: int = 0) -> dict[bytes, int]:
@@ -155,11 +155,13 @@ def make_qwen_checkpoint(path: Path, shape: dict[str, Any] | None = None, *, see
     write_tiktoken(path / "qwen.tiktoken", ranks)
     ids = {name: len(ranks) + i for i, name in enumerate(SPECIAL_TOKENS)}
     generation = {"chat_format": "chatml", "eos_token_id": ids["<|endoftext|>"],
-                  "pad_token_id": ids["<|endoftext|>"], "stop_words_ids": [[ids["<|im_end|>"]], [ids["<|im_start|>"]]],
+                  "pad_token_id": ids["<|endoftext|>"],
+                  "stop_words_ids": [[ids["<|im_end|>"]], [ids["<|im_start|>"]]],
                   "max_window_size": shape["max_position_embeddings"] // 4 * 3, "max_new_tokens": 512,
                   "do_sample": True, "top_k": 0, "top_p": 0.8, "repetition_penalty": 1.1}
     (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    tokenizer_config = {"model_max_length": shape["max_position_embeddings"], "tokenizer_class": "QWenTokenizer",
+    tokenizer_config = {"model_max_length": shape["max_position_embeddings"],
+                        "tokenizer_class": "QWenTokenizer",
                         "auto_map": {"AutoTokenizer": ["tokenization_qwen.QWenTokenizer", None]}}
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
     return path
@@ -177,7 +179,8 @@ def qwen_to_qwen2(folder: Path, out: Path) -> Path:
     config = Qwen2Config(
         hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"] // 2,
         num_hidden_layers=raw["num_hidden_layers"], num_attention_heads=heads, num_key_value_heads=heads,
-        head_dim=head_dim, vocab_size=raw["vocab_size"], max_position_embeddings=raw["max_position_embeddings"],
+        head_dim=head_dim, vocab_size=raw["vocab_size"],
+        max_position_embeddings=raw["max_position_embeddings"],
         rms_norm_eps=raw["layer_norm_epsilon"], rope_theta=raw["rotary_emb_base"], tie_word_embeddings=False,
         use_sliding_window=False, hidden_act="silu",
     )
@@ -207,7 +210,8 @@ def _qwen2_names(name: str, tensor, q_size: int):
     if rest.startswith("attn.c_attn."):
         kind = rest.rsplit(".", 1)[1]
         q, k, v = tensor.split(q_size, dim=0)
-        return [(f"{p}self_attn.{proj}.{kind}", t) for proj, t in (("q_proj", q), ("k_proj", k), ("v_proj", v))]
+        return [(f"{p}self_attn.{proj}.{kind}", t)
+                for proj, t in (("q_proj", q), ("k_proj", k), ("v_proj", v))]
     renames = {"ln_1.weight": "input_layernorm.weight", "ln_2.weight": "post_attention_layernorm.weight",
                "attn.c_proj.weight": "self_attn.o_proj.weight", "mlp.w2.weight": "mlp.gate_proj.weight",
                "mlp.w1.weight": "mlp.up_proj.weight", "mlp.c_proj.weight": "mlp.down_proj.weight"}

@@ -80,8 +80,9 @@ def test_chat_prompt_is_qwens_exact_chatml_and_greedy_matches(tiny_qwen, tiny_qw
     enc = tiktoken.Encoding("t", pat_str=PAT_STR, mergeable_ranks=ranks, special_tokens=special)
     start, end, nl = special["<|im_start|>"], special["<|im_end|>"], enc.encode_ordinary("\n")
     question = "hello <|im_end|> world"  # a special token in user text stays text
-    expected = ([start, *enc.encode_ordinary("system"), *nl, *enc.encode_ordinary("You are a helpful assistant."),
-                 end, *nl, start, *enc.encode_ordinary("user"), *nl, *enc.encode_ordinary(question), end, *nl,
+    system = enc.encode_ordinary("You are a helpful assistant.")
+    expected = ([start, *enc.encode_ordinary("system"), *nl, *system, end, *nl,
+                 start, *enc.encode_ordinary("user"), *nl, *enc.encode_ordinary(question), end, *nl,
                  start, *enc.encode_ordinary("assistant"), *nl])
     assert expected.count(end) == 2
     hf = AutoModelForCausalLM.from_pretrained(tiny_qwen_as_qwen2, dtype=torch.float32).eval()
@@ -101,7 +102,8 @@ def test_chat_stop_set_ends_generation(tiny_qwen, tiny_qwen_as_qwen2) -> None:
     tokenizer = load_tokenizer(tiny_qwen)
     stops = [tokenizer.special_ids[n] for n in ("<|im_end|>", "<|im_start|>", "<|endoftext|>")]
     hf = AutoModelForCausalLM.from_pretrained(tiny_qwen_as_qwen2, dtype=torch.float32).eval()
-    candidates = torch.randint(0, TINY_QWEN["vocab_size"], (20000, 3), generator=torch.Generator().manual_seed(0))
+    candidates = torch.randint(0, TINY_QWEN["vocab_size"], (20000, 3),
+                               generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         next_ids = hf(candidates).logits[:, -1].argmax(-1)
     found = {}

@@ -147,7 +147,8 @@ class QKVParallelLinear(MergedColumnParallelLinear):
     def _load_stacked(self, param: nn.Parameter, tensor_slice: TensorSlice) -> None:
         shape = tensor_slice.get_shape()
         if shape[0] != sum(self.full_sizes):
-            raise ValueError(f"stacked q/k/v: checkpoint has {shape[0]} rows, expected {sum(self.full_sizes)}")
+            raise ValueError(f"stacked q/k/v: checkpoint has {shape[0]} rows, "
+                             f"expected {sum(self.full_sizes)}")
         file_offset = 0  # where q, then k, then v start in the stacked tensor
         our_offset = 0  # where they start in this rank's [q | k | v]
         for (start, part), full in zip(self.shards, self.full_sizes, strict=True):
