@@ -21,7 +21,7 @@ SAMPLES = {
     "cuda-graph-max-tokens": "256",
     "num-threads": "2", "ray-address": "127.0.0.1:6380", "placement-strategy": "SPREAD",
     "num-cpus-per-rank": "0.5", "async-scheduling": "on", "no-prefix-caching": None,
-    "grammar-jump-forward": None,
+    "grammar-jump-forward": None, "max-weight-bytes-per-rank": "24e9",
 }
 PLACEMENT_GROUP = "tokenfleet-replica-m-0"  # the one flag the launchers set per replica
 
@@ -100,3 +100,15 @@ def test_async_scheduling_takes_on_or_off_and_names_itself_otherwise(tmp_path, c
     with pytest.raises(SystemExit):
         parsed("--async-scheduling", "maybe")
     assert "--async-scheduling: expected on or off, got 'maybe'" in capsys.readouterr().err
+
+
+def test_max_weight_bytes_per_rank_takes_a_byte_count_and_names_itself_otherwise(tmp_path, capsys) -> None:
+    def parsed(*flags: str) -> EngineConfig:
+        return engine_config(build_parser().parse_args(["scheduler", "--model", str(tmp_path), *flags]))
+
+    assert parsed("--max-weight-bytes-per-rank", "24e9").max_weight_bytes_per_rank == 24_000_000_000
+    assert parsed().max_weight_bytes_per_rank is None
+    for bad in ("lots", "-1"):
+        with pytest.raises(SystemExit):
+            parsed("--max-weight-bytes-per-rank", bad)
+        assert "--max-weight-bytes-per-rank: expected" in capsys.readouterr().err
