@@ -49,11 +49,15 @@ WORDS = ("the of and to in is you that it he was for on are as with his they at 
 
 def synthetic_ranks(num_ranks: int, seed: int = 0) -> dict[bytes, int]:
     """A byte-level BPE vocabulary of `num_ranks` tokens: every byte, then each word's prefixes
-    (with and without a leading space, so BPE merges them step by step), then random byte
-    strings (never produced by encoding, as rare tokens of a real vocabulary mostly are)."""
+    (with and without a leading space, so BPE merges them step by step; WORDS, then the words
+    of `tokenfleet bench`'s prompts, so those are about a token each as with a real vocabulary),
+    then random byte strings (never produced by encoding, as rare tokens of a real vocabulary
+    mostly are)."""
+    from tokenfleet.bench import WORDS as BENCH_WORDS
+
     tokens = [bytes([b]) for b in range(256)]
     seen = set(tokens)
-    for word in WORDS:
+    for word in (*WORDS, *BENCH_WORDS):
         for text in (word, " " + word):
             data = text.encode()
             for end in range(2, len(data) + 1):
@@ -216,3 +220,43 @@ def _qwen2_names(name: str, tensor, q_size: int):
                "attn.c_proj.weight": "self_attn.o_proj.weight", "mlp.w2.weight": "mlp.gate_proj.weight",
                "mlp.w1.weight": "mlp.up_proj.weight", "mlp.c_proj.weight": "mlp.down_proj.weight"}
     return [(p + renames[rest], tensor)]
+
+
+def write_qwen_14b(folder: Path, device: str = "cuda", seed: int = 0) -> int:
+    """Qwen-14B-Chat's shape (QWEN_14B) with random bf16 weights (normal, std 0.02, as
+    random_models.py draws its large models; norms 1), drawn on `device`, and a synthetic
+    qwen.tiktoken of the real size (151,643 ranks): the GPU benchmarks' stand-in for the seed's
+    model. Returns its number of parameters."""
+    import torch
+
+    make_qwen_checkpoint(folder, QWEN_14B, seed=seed, device=device, dtype="bfloat16", std=0.02)
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()  # the engine that loads it needs the memory
+    return qwen_num_params(QWEN_14B)
+
+
+def qwen_num_params(shape: dict[str, Any]) -> int:
+    hidden, inter, layers = shape["hidden_size"], shape["intermediate_size"] // 2, shape["num_hidden_layers"]
+    qkv = 3 * shape["num_attention_heads"] * shape["kv_channels"]
+    per_layer = 2 * hidden + qkv * hidden + qkv + hidden * qkv // 3 + 3 * inter * hidden
+    return 2 * shape["vocab_size"] * hidden + hidden + layers * per_layer
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m testkit.qwen_checkpoints OUT [--shape qwen14b|tiny] [--device cuda]"""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="write a random Qwen (v1) folder")
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--shape", choices=("qwen14b", "tiny"), default="qwen14b")
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args(argv)
+    if args.shape == "tiny":
+        make_qwen_checkpoint(args.out)
+    else:
+        write_qwen_14b(args.out, args.device)
+    print(args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -81,8 +81,8 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("quantization", "quantize linear weights at load: fp8 (Hopper's FP8 GEMMs) or int8 "
                                "(weight-only); default: as the checkpoint stores them",
                choices=QUANTIZATIONS),
-    EngineFlag("max-weight-bytes-per-rank", "refuse to load when one rank's share of the weights needs more "
-                                            "bytes than this (e.g. 24e9 on 24 GB cards), before allocating any",
+    EngineFlag("max-weight-bytes-per-rank", "refuse to load when one rank's share of the weights needs "
+                                            "more bytes than this (24e9 on 24 GB cards), before allocating",
                byte_count),
     EngineFlag("kv-cache-dtype", "K/V cache storage: auto (the serving dtype) or fp8 (e4m3, twice the blocks "
                                  "of bf16)", default="auto", choices=KV_CACHE_DTYPES),
