@@ -140,6 +140,11 @@ class QwenTokenizer:
             # else: a padding row of the model's vocabulary, which has no text
         return b"".join(pieces).decode("utf-8", errors="replace")
 
+    def token_bytes(self) -> list[bytes]:
+        """Every id's bytes, in id order (special tokens: their spelling), for grammars."""
+        return [self._special_bytes.get(i) or self._encoding.decode_single_token_bytes(i)
+                for i in range(self.vocab_size)]
+
     # -- chat -----------------------------------------------------------------------
 
     def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:

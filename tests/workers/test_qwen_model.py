@@ -162,3 +162,17 @@ def test_config_lacking_a_field_fails_naming_file_and_field(field, tiny_qwen, tm
     with pytest.raises(ModelLoadError, match=rf"config.json lacks the field '{field}'") as info:
         load_model_config(folder)
     assert "\n" not in str(info.value)
+
+
+def test_structured_outputs_work_on_the_tiktoken_vocabulary(tiny_qwen) -> None:
+    """The grammar's token table comes from qwen.tiktoken's bytes (no Hugging Face tokenizer)."""
+    schema = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}, "legs": {"enum": [2, 4]}},
+              "required": ["kind", "legs"], "additionalProperties": False}
+    grammar = json.dumps({"type": "json_schema", "schema": schema})
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=80, grammar=grammar) for i in range(2)]
+    with _engine(tiny_qwen) as engine:
+        results = engine.generate(["Describe a pet.", "Another one."], params, chat=True)
+    for result in results:
+        assert result.finish_reason.value == "stop"
+        answer = json.loads(result.text)
+        assert answer["kind"] in ("cat", "dog") and answer["legs"] in (2, 4)
