@@ -176,3 +176,19 @@ def test_structured_outputs_work_on_the_tiktoken_vocabulary(tiny_qwen) -> None:
         assert result.finish_reason.value == "stop"
         answer = json.loads(result.text)
         assert answer["kind"] in ("cat", "dog") and answer["legs"] in (2, 4)
+
+
+QUANTIZED = [{"quantization": "fp8"}, {"quantization": "int8"}, {"kv_cache_dtype": "fp8"}]
+
+
+@pytest.mark.parametrize("flags", QUANTIZED, ids=["fp8-weights", "int8-weights", "fp8-kv"])
+def test_quantized_runs_equal_the_qwen2_folders_under_the_same_flags(flags, tiny_qwen,
+                                                                    tiny_qwen_as_qwen2) -> None:
+    """The stacked c_attn, quantized as its q/k/v rows load, gives the very weights (and tokens) that
+    the separate q/k/v tensors of the Qwen2 folder give."""
+    prompts = _prompts(7)[:3]
+    with _engine(tiny_qwen, **flags) as engine:
+        ours = [r.token_ids for r in engine.generate(prompts, GREEDY)]
+    with _engine(tiny_qwen_as_qwen2, **flags) as engine:
+        as_qwen2 = [r.token_ids for r in engine.generate(prompts, GREEDY)]
+    assert ours == as_qwen2
