@@ -129,3 +129,36 @@ def test_rope_offset_crosses_to_the_ranks() -> None:
     work = SequenceWork("r", [1, 2], 0, [0], True, GREEDY, rope_offset=1024)
     [back] = pickle.loads(pickle.dumps(StepBatch(3, [work]))).works
     assert back.rope_offset == 1024
+
+
+def test_a_preempted_sequence_recomputes_with_its_prompts_alpha(tiny_qwen) -> None:
+    """Recomputed after preemption, a sequence prefills its prompt and its output together (a
+    longer "prompt" whose own alpha may be larger); it must keep the alpha of its real prompt."""
+    prompts = [_ids(120, 8), _ids(124, 9), _ids(116, 10)]  # alpha 3 each; 129 tokens and more: alpha 7
+    reference = QwenReference(tiny_qwen)
+    refs = [reference.greedy(p, 12) for p in prompts]
+    # 90 blocks of 4 = 360 slots; the three need up to 3 * 136 = 408.
+    config = EngineConfig(model=str(tiny_qwen), dtype="float32", block_size=4, num_kv_blocks=90,
+                          max_num_seqs=3, max_num_batched_tokens=64)
+    with LLMEngine(config) as engine:
+        ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+               for p in prompts]
+        requests = [engine.scheduler.get_request(i) for i in ids]
+        tokens: dict[str, list[int]] = {i: [] for i in ids}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens[out.req_id].extend(out.new_token_ids)
+    assert sum(r.num_preemptions for r in requests) > 0, "the small cache never forced a preemption"
+    assert [tokens[i] for i in ids] == refs
+
+
+def test_the_model_reads_positions_offset_and_the_kv_slots_plain() -> None:
+    from workers.step_inputs import build_step_inputs
+
+    works = [SequenceWork("a", [5], 9, [0, 1, 2], True, GREEDY, rope_offset=512),
+             SequenceWork("b", [1, 2, 3], 0, [3], True, GREEDY)]
+    inputs = build_step_inputs(StepBatch(0, works), 4, torch.device("cpu"))
+    assert inputs.positions.tolist() == [512 + 9, 0, 1, 2]
+    plain = build_step_inputs(StepBatch(0, [SequenceWork("a", [5], 9, [0, 1, 2], True, GREEDY),
+                                            works[1]]), 4, torch.device("cpu"))
+    assert torch.equal(inputs.meta.slot_mapping, plain.meta.slot_mapping)
