@@ -141,8 +141,9 @@ class QwenTokenizer:
         return b"".join(pieces).decode("utf-8", errors="replace")
 
     def token_bytes(self) -> list[bytes]:
-        """Every id's bytes, in id order (special tokens: their spelling), for grammars."""
-        return [self._special_bytes.get(i) or self._encoding.decode_single_token_bytes(i)
+        """Every id's bytes, in id order, for grammars. A special token is empty: a grammar then
+        takes it for what it is (never text inside the answer; the stop ones end it)."""
+        return [b"" if i in self._special_bytes else self._encoding.decode_single_token_bytes(i)
                 for i in range(self.vocab_size)]
 
     # -- chat -----------------------------------------------------------------------
