@@ -444,6 +444,7 @@ class Scheduler:
             prompt_token_ids=list(request.prompt_token_ids) if needs_history else [],
             output_token_ids=list(request.output_token_ids) if needs_history else [],
             is_token_pending=is_token_pending,
+            rope_offset=request.rope_offset,
         )
 
     # -- one step: take the result back ----------------------------------------------
