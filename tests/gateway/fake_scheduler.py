@@ -120,7 +120,8 @@ class FakeScheduler:
         self.results.write([ResultUpdate(req_id, stream, running_fields(
             model=self.model, prompt_tokens=prompt, scheduler=self.scheduler_id))])
         repeats = 1 if self.stop_after_reply else 50
-        ids = (self.reply_ids * repeats)[:min(sampling.max_tokens, self.max_reply_tokens or sampling.max_tokens)]
+        num_tokens = min(sampling.max_tokens, self.max_reply_tokens or sampling.max_tokens)
+        ids = (self.reply_ids * repeats)[:num_tokens]
         tokens: list[int] = []
         text = ""
         logprobs: list = []

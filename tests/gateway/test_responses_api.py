@@ -132,8 +132,9 @@ async def test_a_resumed_stream_has_no_gap_and_no_repeat(gateway, sdk, redis_ser
                 break
         await stream.close()  # the client leaves mid-stream; a background response runs on
         last = seen[-1].sequence_number
-        rest = await raw_events(gateway, f"/v1/responses/{seen[0].response.id}?stream=true&starting_after={last}")
-        whole = await raw_events(gateway, f"/v1/responses/{seen[0].response.id}?stream=true")
+        path = f"/v1/responses/{seen[0].response.id}?stream=true"
+        rest = await raw_events(gateway, f"{path}&starting_after={last}")
+        whole = await raw_events(gateway, path)
     numbers = [e.sequence_number for e in seen] + [e["sequence_number"] for e in rest]
     assert numbers == list(range(len(numbers)))
     assert [(e.type, getattr(e, "delta", None)) for e in seen] == [
@@ -161,16 +162,19 @@ async def test_chaining_gives_the_previous_input_and_output_as_context(gateway, 
 
 async def test_a_function_call_output_answers_a_call_across_turns(sdk, fake_scheduler):
     tool = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                           "required": ["city"]}}
     first = await sdk.responses.create(model=MODEL, input="Weather in Paris?", tools=[tool])
     # (the fake scheduler's reply is no call: the text comes back as a message)
     assert first.output_text == REPLY and first.tools[0].name == "get_weather"
     second = await sdk.responses.create(model=MODEL, tools=[tool], previous_response_id=first.id, input=[
-        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Paris"}'},
         {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}])
     assert second.status == "completed"
     items = await sdk.responses.input_items.list(second.id, order="asc")
-    assert [item.type for item in items.data] == ["message", "message", "function_call", "function_call_output"]
+    assert [item.type for item in items.data] == ["message", "message", "function_call",
+                                                  "function_call_output"]
 
 
 async def test_a_deleted_response_is_gone(sdk, fake_scheduler):
@@ -196,7 +200,8 @@ async def test_another_tenants_response_is_a_404(make_client, fake_scheduler):
         response = await a.responses.create(model=MODEL, input="Hello", background=True)
         assert (await wait_done(a, response.id)).output_text == REPLY
         for call in (lambda: b.responses.retrieve(response.id), lambda: b.responses.cancel(response.id),
-                     lambda: b.responses.delete(response.id), lambda: b.responses.input_items.list(response.id),
+                     lambda: b.responses.delete(response.id),
+                     lambda: b.responses.input_items.list(response.id),
                      lambda: b.responses.create(model=MODEL, input="x", previous_response_id=response.id)):
             with pytest.raises(openai.NotFoundError):
                 await call()
@@ -230,8 +235,10 @@ UNSUPPORTED = [
      "input[0].content[0].type"),
     ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, "input[0].type"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
-    ({"input": [{"role": "user", "content": "hi"}, {"type": "web_search_call", "id": "ws_1"}]}, "input[1].type"),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "strin"}}}}, "text.format.schema"),
+    ({"input": [{"role": "user", "content": "hi"}, {"type": "web_search_call", "id": "ws_1"}]},
+     "input[1].type"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "strin"}}}},
+     "text.format.schema"),
     ({"text": {"verbosity": "high"}}, "text.verbosity"),
     ({"max_output_tokens": 100000}, "max_output_tokens"),
 ]
