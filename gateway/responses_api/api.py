@@ -96,13 +96,13 @@ def _spec(body: ResponseCreate, req_id: str, plan: Plan, context: list[dict], it
     return {
         "id": response_id(req_id), "req_id": req_id, "created_at": int(time.time()), "model": plan.model.name,
         "instructions": body.instructions, "tools": tools, "tool_choice": body.tool_choice or "auto",
-        "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "asked_parallel": body.parallel_tool_calls is not False,
         "text": {"format": (body.text.format if body.text else None) or {"type": "text"}},
         "max_output_tokens": body.max_output_tokens, "temperature": body.temperature, "top_p": body.top_p,
         "previous_response_id": body.previous_response_id, "metadata": body.metadata or {},
         "background": body.background, "store": body.store, "user": body.user,
         # how the output is read back (as the chat path reads it)
-        "tool_format": plan.tool_format, "parallel_calls": plan.parallel_tool_calls,
+        "call_format": plan.tool_format, "parallel_calls": plan.parallel_tool_calls,
         "forced": plan.is_tool_choice_forced,
         "context_items": context, "input_items": items,
     }

@@ -30,7 +30,7 @@ class ResponseEvents:
         self.text = ""
         self._next = 0
         self._is_message_open = False  # text mode: the message's item and part were announced
-        self.is_tools = spec.get("tool_format") is not None
+        self.is_tools = spec.get("call_format") is not None
 
     def _event(self, kind: str, **fields: object) -> dict:
         event = {"type": kind, "sequence_number": self._next, **fields}

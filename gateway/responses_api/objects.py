@@ -72,9 +72,9 @@ def call_items(spec: dict, calls: list[dict], status: str) -> list[dict]:
 
 def split_output(spec: dict, text: str) -> tuple[str | None, list[dict]]:
     """(the message's text or None, the calls) of a finished output, as the chat path reads them."""
-    if spec.get("tool_format") is None:
+    if spec.get("call_format") is None:
         return text, []
-    plan = Plan("chat", None, [], [], [], tool_format=spec["tool_format"],  # type: ignore[arg-type]
+    plan = Plan("chat", None, [], [], [], tool_format=spec["call_format"],  # type: ignore[arg-type]
                 parallel_tool_calls=spec["parallel_calls"], is_tool_choice_forced=spec["forced"])
     message = chat_message(plan, text)
     return message.get("content"), message.get("tool_calls") or []
@@ -82,7 +82,7 @@ def split_output(spec: dict, text: str) -> tuple[str | None, list[dict]]:
 
 def output_items(spec: dict, outcome: Outcome) -> list[dict]:
     if not outcome.is_terminal:
-        if spec.get("tool_format") is not None or not outcome.text:
+        if spec.get("call_format") is not None or not outcome.text:
             return []  # (with tools, what the text is becomes known at its end)
         return [message_item(spec, outcome.text, "in_progress")]
     status = "completed" if status_of(outcome) == "completed" else "incomplete"
@@ -119,7 +119,7 @@ def response_object(spec: dict, outcome: Outcome, *, status: str | None = None,
         "instructions": spec["instructions"], "max_output_tokens": spec["max_output_tokens"],
         "max_tool_calls": None, "model": spec["model"],
         "output": output_items(spec, outcome) if with_output else [],
-        "parallel_tool_calls": spec["parallel_tool_calls"],
+        "parallel_tool_calls": spec["asked_parallel"],
         "previous_response_id": spec["previous_response_id"],
         "reasoning": None, "service_tier": "default", "store": spec["store"],
         "temperature": spec["temperature"], "text": spec["text"], "tool_choice": spec["tool_choice"],
