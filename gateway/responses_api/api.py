@@ -17,7 +17,7 @@ import time
 
 from aiohttp import web
 
-from gateway.appkeys import LIMITER, MODELS, SETTINGS, STORE, TOKENIZE
+from gateway.appkeys import LIMITER, MODELS, QUEUE_TIMES, SETTINGS, STORE, TOKENIZE
 from gateway.errors import BadRequest, GatewayError, NotFound, UpstreamFailed
 from gateway.models import ServedModel
 from gateway.openai.params import Plan, plan_chat
@@ -130,7 +130,12 @@ async def create(request: web.Request) -> web.StreamResponse:
     queued = submissions(plan, [req_id], tenant=tenant, lease_until=lease_until)
     if body.background and not body.stream:
         # No call waits for it: its lease lasts until the scheduler writes its end.
-        await request.app[STORE].submit(queued)
+        try:
+            await request.app[STORE].submit(queued)
+        except BaseException:
+            if tenant is not None:
+                await asyncio.shield(request.app[LIMITER].release(tenant.name, [req_id]))
+            raise
         return web.json_response(response_object(spec, Outcome("queued")))
     # A background response's stream may go: the response runs on (resume it with GET).
     leases = tenant_leases(request, None if body.background else tenant, [req_id])
@@ -138,8 +143,11 @@ async def create(request: web.Request) -> web.StreamResponse:
     async with leases, follow as watch:
         await request.app[STORE].submit(queued)
         if body.stream:
-            return await _stream(request, spec, plan.model, watch)
-        return await _collect(request, spec, watch)
+            response = await _stream(request, spec, plan.model, watch)
+        else:
+            response = await _collect(request, spec, watch)
+    request.app[QUEUE_TIMES].add(plan.model.name, [req_id])  # (read once it started: its queue time)
+    return response
 
 
 async def _collect(request: web.Request, spec: dict, watch: Watch) -> web.Response:

@@ -146,6 +146,13 @@ async def test_the_agents_sdks_default_model_calls_a_function_tool(gateway):
         async for _ in streamed.stream_events():
             pass
         assert streamed.final_output == result.final_output
+        # The usual loop: the tool's result goes back to the model (the SDK sends the whole
+        # history, our output items among it), which then answers in text.
+        answering = agent.clone(tool_use_behavior="run_llm_again")
+        answer = await Runner.run(answering, QUESTION, max_turns=4)
+        kinds = [type(item).__name__ for item in answer.new_items]
+        assert kinds == ["ToolCallItem", "ToolCallOutputItem", "MessageOutputItem"]
+        assert isinstance(answer.final_output, str) and answer.final_output
     finally:
         await client.close()
 
