@@ -85,6 +85,17 @@ async def test_background_then_retrieve_and_chained_turns(sdk):
         {"role": "user", "content": "What is my name?"}], 16)
 
 
+async def test_text_format_json_schema_constrains_the_output(sdk):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+              "required": ["city"], "additionalProperties": False}
+    response = await sdk.responses.create(
+        model=MODEL, input="Name the capital of France as JSON.", max_output_tokens=60, temperature=0,
+        text={"format": {"type": "json_schema", "name": "capital", "schema": schema, "strict": True}})
+    assert response.status == "completed"
+    assert set(json.loads(response.output_text)) == {"city"}
+    assert response.text.format.type == "json_schema"
+
+
 async def test_a_function_tool_across_two_turns(sdk):
     first = await sdk.responses.create(model=MODEL, input=QUESTION, tools=[WEATHER], tool_choice="required",
                                        max_output_tokens=64, temperature=0)
