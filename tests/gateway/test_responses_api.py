@@ -106,13 +106,27 @@ async def test_a_background_response_runs_without_its_client_and_is_retrieved(sd
     assert done.status == "completed" and done.output_text == REPLY
 
 
-async def test_a_background_response_is_cancelled(gateway, sdk, redis_server, tokenizer):
-    with FakeScheduler(redis_server.url, MODEL, tokenizer, stop_after_reply=True, token_delay_s=0.05):
+async def test_a_queued_background_response_is_cancelled(gateway, sdk, redis_server, tokenizer):
+    with FakeScheduler(redis_server.url, MODEL, tokenizer, consume=False):  # alive, takes nothing
         response = await sdk.responses.create(model=MODEL, input="Hello", background=True)
         cancelled = await sdk.responses.cancel(response.id)
-        if cancelled.status != "cancelled":  # (the cancel waited cancel_wait_s only)
+        assert cancelled.status == "cancelled" and cancelled.output_text == ""
+        assert (await sdk.responses.cancel(response.id)).status == "cancelled"  # a no-op once ended
+
+
+async def test_a_running_background_response_is_cancelled_mid_generation(gateway, sdk, redis_server,
+                                                                         tokenizer):
+    with FakeScheduler(redis_server.url, MODEL, tokenizer, stop_after_reply=True, token_delay_s=0.5):
+        response = await sdk.responses.create(model=MODEL, input="Hello", background=True)
+        while not response.output_text:
+            response = await sdk.responses.retrieve(response.id)
+            await asyncio.sleep(0.05)
+        assert response.status == "in_progress"
+        cancelled = await sdk.responses.cancel(response.id)
+        if cancelled.status != "cancelled":  # (the cancel waits cancel_wait_s only)
             cancelled = await wait_done(sdk, response.id)
         assert cancelled.status == "cancelled"
+        assert cancelled.output_text and REPLY.startswith(cancelled.output_text)
         assert len(cancelled.output_text) < len(REPLY)
 
 
@@ -222,6 +236,7 @@ UNSUPPORTED = [
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"service_tier": "flex"}, "service_tier"),
     ({"max_tool_calls": 2}, "max_tool_calls"),
+    ({"stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options"),
     ({"seed": 1}, "seed"),
     ({"background": True, "store": False}, "store"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
