@@ -35,11 +35,13 @@ from gateway.requests.serving import (
     tenant_leases,
 )
 from gateway.requests.sse import frame
+from gateway.requests.store import Submission
 from gateway.responses_api.events import Pieces, ResponseEvents
 from gateway.responses_api.objects import RESPONSE_PREFIX, Outcome, output_items, response_id, response_object
 from gateway.responses_api.schemas import ResponseCreate
 from gateway.responses_api.store import ResponseStore
 from gateway.responses_api.translate import chat_request, normalize_input, renamed
+from gateway.tenants import Tenant
 from gateway.tenants_access import caller
 from protocol.result_record import ErrorCode
 
@@ -129,25 +131,33 @@ async def create(request: web.Request) -> web.StreamResponse:
     lease_until = request.app[LIMITER].lease_for_queue(tenant) if tenant is not None else None
     queued = submissions(plan, [req_id], tenant=tenant, lease_until=lease_until)
     if body.background and not body.stream:
-        # No call waits for it: its lease lasts until the scheduler writes its end.
-        try:
-            await request.app[STORE].submit(queued)
-        except BaseException:
-            if tenant is not None:
-                await asyncio.shield(request.app[LIMITER].release(tenant.name, [req_id]))
-            raise
+        await _submit_background(request, queued, tenant)
         return web.json_response(response_object(spec, Outcome("queued")))
     # A background response's stream may go: the response runs on (resume it with GET).
     leases = tenant_leases(request, None if body.background else tenant, [req_id])
     follow = following(request, plan.model, [req_id], cancel_unfinished=not body.background)
     async with leases, follow as watch:
-        await request.app[STORE].submit(queued)
+        if body.background:
+            await _submit_background(request, queued, tenant)
+        else:
+            await request.app[STORE].submit(queued)
         if body.stream:
             response = await _stream(request, spec, plan.model, watch)
         else:
             response = await _collect(request, spec, watch)
     request.app[QUEUE_TIMES].add(plan.model.name, [req_id])  # (read once it started: its queue time)
     return response
+
+
+async def _submit_background(request: web.Request, queued: list[Submission], tenant: Tenant | None) -> None:
+    """No call waits for a background response: its tenant lease lasts until the scheduler
+    writes its end, or ends here if it was never queued."""
+    try:
+        await request.app[STORE].submit(queued)
+    except BaseException:
+        if tenant is not None:
+            await asyncio.shield(request.app[LIMITER].release(tenant.name, [sub.req_id for sub in queued]))
+        raise
 
 
 async def _collect(request: web.Request, spec: dict, watch: Watch) -> web.Response:
