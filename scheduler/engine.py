@@ -38,6 +38,7 @@ from scheduler.scheduler import RequestOutput, Scheduler, SchedulerConfig, Sched
 from shared.config import EngineConfig
 from shared.errors import InvalidRequestError, ModelLoadError, WorkerError
 from shared.logging import get_logger
+from shared.long_context import rope_offset
 from shared.model_config import load_model_config
 from shared.sampling import SamplingParams
 from shared.step import StepResult
@@ -93,6 +94,8 @@ class LLMEngine:
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        # A tokenizer that knows its model's stop set (Qwen's ChatML: <|im_end|>, <|im_start|>).
+        self.eos_token_ids.update(getattr(self.tokenizer, "stop_token_ids", ()))
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_model_len=self.executor.max_model_len,
@@ -137,9 +140,10 @@ class LLMEngine:
         if chat:
             if not getattr(self.tokenizer, "chat_template", None):
                 raise InvalidRequestError("this model's tokenizer has no chat template", param="chat")
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-            )
+            messages = [{"role": "user", "content": prompt}]
+            if hasattr(self.tokenizer, "chat_ids"):  # built as ids (shared/qwen_tokenizer.py)
+                return self.tokenizer.chat_ids(messages)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             return self.tokenizer(text, add_special_tokens=False).input_ids
         return self.tokenizer(prompt).input_ids
 
@@ -161,9 +165,13 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})", param="prompt"
             )
+        cfg = self.model_config
         request = Request(req_id, list(prompt_token_ids), sampling, priority=priority,
                           eos_token_ids=set(self.eos_token_ids), tenant=tenant,
-                          output_token_ids=list(output_token_ids or []))
+                          output_token_ids=list(output_token_ids or []),
+                          rope_offset=rope_offset(len(prompt_token_ids), seq_length=cfg.seq_length,
+                                                  use_dynamic_ntk=cfg.use_dynamic_ntk,
+                                                  stride=self.executor.max_model_len))
         if arrival_time is not None:
             request.arrival_time = arrival_time
         request.output_text = output_text
@@ -211,7 +219,7 @@ class LLMEngine:
         # or from its submission (when the device had nothing before it) to its own result.
         step_ms = (collected - max(self._last_collected_at, submitted)) * 1000
         self._last_collected_at = collected
-        self.scheduler.step_cost.observe(output.batch.num_tokens, step_ms)
+        self.scheduler.observe_step(output, step_ms)
         self._num_failed_steps = 0
         self.num_steps += 1
         done = self.scheduler.update_from_output(output, result)

@@ -67,6 +67,17 @@ def slowdown(text: str) -> float:
     return value
 
 
+def byte_count(text: str) -> int:
+    """--max-weight-bytes-per-rank 24e9 (or 24000000000): a positive number of bytes."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of bytes such as 24e9, got {text!r}") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of bytes, got {text!r}")
+    return int(value)
+
+
 _CUDA, _CPU = DEVICE_DEFAULTS["cuda"], DEVICE_DEFAULTS["cpu"]
 
 
@@ -105,6 +116,9 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("quantization", "quantize linear weights at load: fp8 (Hopper's FP8 GEMMs) or int8 "
                                "(weight-only); default: as the checkpoint stores them",
                choices=QUANTIZATIONS),
+    EngineFlag("max-weight-bytes-per-rank", "refuse to load when one rank's share of the weights needs "
+                                            "more bytes than this (24e9 on 24 GB cards), before allocating",
+               byte_count),
     EngineFlag("kv-cache-dtype", "K/V cache storage: auto (the serving dtype) or fp8 (e4m3, twice the blocks "
                                  "of bf16)", default="auto", choices=KV_CACHE_DTYPES),
     EngineFlag("max-num-seqs", "cap on running sequences (default: "

@@ -22,6 +22,7 @@ SAMPLES = {
     "num-threads": "2", "ray-address": "127.0.0.1:6380", "placement-strategy": "SPREAD",
     "num-cpus-per-rank": "0.5", "async-scheduling": "on", "no-prefix-caching": None,
     "grammar-jump-forward": None, "itl-target-ms": "12.5", "itl-slowdown": "2",
+    "max-weight-bytes-per-rank": "24e9",
 }
 PLACEMENT_GROUP = "tokenfleet-replica-m-0"  # the one flag the launchers set per replica
 
@@ -117,3 +118,15 @@ def test_itl_target_takes_auto_off_or_milliseconds_and_the_slowdown_at_least_one
         with pytest.raises(SystemExit):
             parsed(flag, value)
         assert f"{flag}: {words}" in capsys.readouterr().err
+
+
+def test_max_weight_bytes_per_rank_takes_a_byte_count_and_names_itself_otherwise(tmp_path, capsys) -> None:
+    def parsed(*flags: str) -> EngineConfig:
+        return engine_config(build_parser().parse_args(["scheduler", "--model", str(tmp_path), *flags]))
+
+    assert parsed("--max-weight-bytes-per-rank", "24e9").max_weight_bytes_per_rank == 24_000_000_000
+    assert parsed().max_weight_bytes_per_rank is None
+    for bad in ("lots", "-1"):
+        with pytest.raises(SystemExit):
+            parsed("--max-weight-bytes-per-rank", bad)
+        assert "--max-weight-bytes-per-rank: expected" in capsys.readouterr().err
