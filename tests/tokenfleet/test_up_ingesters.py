@@ -52,8 +52,8 @@ def test_an_ingesters_settings_are_the_gateways_own(smollm2, redis_server, tmp_p
 
 
 @pytest.mark.slow  # (a process of its own)
-def test_a_standalone_ingester_serves_the_model_name_and_caps_a_tenants_lines(smollm2, redis_server,
-                                                                              tokenizer, tmp_path, monkeypatch):
+def test_a_standalone_ingester_serves_the_model_name_and_caps_a_tenants_lines(
+        smollm2, redis_server, tokenizer, tmp_path, monkeypatch):
     fleet = _fleet(smollm2, redis_server.url, tmp_path, monkeypatch)
     argv, env = fleet.ingester_command()
     plain = redis_server.client()
