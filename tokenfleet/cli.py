@@ -258,6 +258,9 @@ def _add_gateway_parser(commands) -> None:
     _list_flag(gw, "api-key", help="accepted Bearer key (repeatable; none: the gateway is open)")
     _flag(gw, "tenants-from-redis", action="store_true",
           help="also look API keys and tenant limits up in Redis (`tokenfleet tenants set`)")
+    _flag(gw, "public-metrics", action="store_true",
+          help="serve /metrics and /fleet.json to anyone even with --api-key or tenants (they name hosts, "
+               "pids, jobs and errors; by default they need a key, an admin tenant's with tenants)")
     _flag(gw, "tenants-file", help="JSON file of tenants: their API keys and limits (requests and tokens per "
                                    "minute, concurrent requests, batch lines in flight); see the README")
     _flag(gw, "max-queue", type=int, default=1024, help="waiting requests per model before 429 (0: no limit)")
@@ -338,6 +341,7 @@ def gateway_settings(args: argparse.Namespace):
         api_keys=tuple(_list_value(args, "api-key")), max_queue=args.max_queue,
         max_n=args.max_n, max_body_bytes=args.max_body_bytes, batch_ingester=not args.no_batch_ingester,
         batch_max_inflight=args.batch_max_inflight, batch_lease_s=args.batch_lease_s, routing=args.routing,
+        public_metrics=args.public_metrics,
         **_batch_settings(args),
     )
 

@@ -56,6 +56,8 @@ def add_up_parser(commands) -> None:
     _flag(up, "tenants-from-redis", action="store_true",
           help="the gateway also looks API keys and tenant limits up in Redis (`tokenfleet tenants set`)")
     _list_flag(up, "api-key", help="a Bearer key the gateway accepts (repeatable; none: the gateway is open)")
+    _flag(up, "public-metrics", action="store_true",
+          help="the gateway serves /metrics and /fleet.json without a key (see `tokenfleet gateway --help`)")
     _flag(up, "max-queue", type=int, help="the gateway's waiting requests per model before 429 "
                                           "(default 1024; 0: no limit)")
     _flag(up, "max-n", type=int, help="the gateway's cap on n, choices per request (default 8)")
@@ -212,6 +214,8 @@ def _up_gateway_flags(args: argparse.Namespace) -> dict:
     if args.tenants_from_redis:
         batch_args.append("--tenants-from-redis")
     gateway_args = ["--routing", args.routing]
+    if args.public_metrics:
+        gateway_args.append("--public-metrics")
     for name, value in (("max-queue", args.max_queue), ("max-n", args.max_n)):
         if value is not None:
             gateway_args += [f"--{name}", str(value)]

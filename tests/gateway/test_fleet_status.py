@@ -72,7 +72,7 @@ async def test_metrics_serve_the_live_schedulers_engine_metrics_until_their_key_
 
 
 @pytest.mark.asyncio
-async def test_status_page_and_fleet_json_are_served_without_an_api_key(make_client, fake_scheduler):
+async def test_status_page_is_open_and_fleet_json_answers_an_api_key(make_client, fake_scheduler):
     client = await make_client(api_keys=("secret",))
     page = await client.get("/")
     assert page.status == 200 and page.content_type == "text/html"
@@ -80,8 +80,9 @@ async def test_status_page_and_fleet_json_are_served_without_an_api_key(make_cli
     assert 'fetch(SOURCE' in html and "fleet.json" in html
     assert "http://" not in html and "https://" not in html  # nothing fetched from elsewhere
     assert (await client.get("/v1/models")).status == 401  # the rest still needs the key
+    assert (await client.get("/fleet.json")).status == 401  # the page asks for the key
     for _ in range(50):  # the gateway's first heartbeat is written as it starts
-        view = await (await client.get("/fleet.json")).json()
+        view = await (await client.get("/fleet.json", headers={"Authorization": "Bearer secret"})).json()
         if view["gateways"]:
             break
         await asyncio.sleep(0.05)
@@ -103,7 +104,7 @@ async def test_status_page_and_fleet_json_are_served_without_an_api_key(make_cli
         fake_scheduler.client.hset(KEYS.scheduler(name), mapping={"model": MODEL,
                                                                    "generation_history": json.dumps(counts)})
         registry.beat(fake_scheduler.client, KEYS, registry.SCHEDULERS, name, 60)
-    view = await (await client.get("/fleet.json")).json()
+    view = await (await client.get("/fleet.json", headers={"Authorization": "Bearer secret"})).json()
     history = view["throughput_history"]
     if history["end"] == end + 1:  # (a second ticked over)
         history["generation_tokens"] = history["generation_tokens"][1:] + [0]

@@ -169,8 +169,8 @@ async def test_a_fleet_without_tenants_shows_everything_to_every_key(make_client
     assert (await client.get(f"/v1/files/{file_id}/content", headers=auth("k2"))).status == 200
     listed = await (await client.get("/v1/files", headers=auth("k2"))).json()
     assert file_id in [f["id"] for f in listed["data"]]
-    assert (await client.get("/fleet.json")).status == 200  # open, as before
-    assert (await client.get("/metrics")).status == 200
+    assert (await client.get("/fleet.json", headers=auth("k2"))).status == 200  # any key, no admin
+    assert (await client.get("/metrics", headers=auth("k1"))).status == 200
     open_client = await make_client()
     assert (await open_client.get(f"/v1/requests/{req_id}")).status == 200
     assert (await open_client.get("/v1/files")).status == 200
