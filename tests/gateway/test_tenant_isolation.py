@@ -215,6 +215,20 @@ async def test_a_tenant_kept_in_redis_is_an_admin_with_admin_1(make_client, fake
     assert (await client.get("/fleet.json", headers=auth("key-r"))).status == 403
 
 
+async def test_a_tenant_added_by_hand_with_its_key_alone_is_served_with_no_limits(make_client, fake_scheduler,
+                                                                                 redis_server):
+    plain = redis_server.client()
+    plain.hset(KEYS.api_keys, key_digest("key-hand"), "team-hand")  # no tf:tenant:team-hand hash
+    plain.hset(KEYS.api_keys, key_digest("key-odd"), "no good: a space")  # not a usable name
+    client = await make_client(tenants_from_redis=True)
+    for _ in range(3):
+        served = await client.post("/v1/requests", json=SUBMIT, headers=auth("key-hand"))
+        assert served.status == 202, await served.text()
+    assert fake_scheduler.client.sismember(KEYS.tenants(MODEL), "team-hand")  # queued as that tenant's
+    assert (await client.post("/v1/requests", json=SUBMIT, headers=auth("key-odd"))).status == 401
+    assert (await client.get("/fleet.json", headers=auth("key-hand"))).status == 403  # not an admin
+
+
 async def test_a_page_of_ones_own_ids_reads_past_other_tenants_chunks(redis_server):
     import redis.asyncio as aioredis
 
