@@ -68,6 +68,28 @@ async def test_a_fleet_refresh_costs_the_same_whatever_the_keyspace_holds(redis_
 
 
 @pytest.mark.asyncio
+async def test_refreshes_called_together_share_one_read_of_the_registry(redis_server):
+    plain = redis_server.client()
+    _beat(plain, "s0")
+    client = aioredis.Redis.from_url(redis_server.url)
+    store = RequestStore(client, KEYS, result_ttl_s=60, cancel_ttl_s=60, idempotency_ttl_s=60)
+    tracker = FleetTracker(client, KEYS, store, GatewayMetrics(), [MODEL], grace_s=10, refresh_s=1)
+
+    def script_calls() -> int:
+        return plain.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+
+    try:
+        await tracker.refresh()  # (the scripts loaded once)
+        before = script_calls()
+        await asyncio.gather(*(tracker.refresh() for _ in range(50)))  # a flood of /ready
+        # The first caller's read, then one more for the 49 that came while it ran.
+        assert script_calls() - before == 2
+        assert tracker.is_served(MODEL)
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.asyncio
 async def test_ready_models_metrics_and_fleet_json_never_scan_the_keyspace(make_client, redis_server,
                                                                           fake_scheduler):
     plain = redis_server.client()
