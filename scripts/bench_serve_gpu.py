@@ -4,9 +4,15 @@ engine fed the same arrivals, at several rates, in one run (the serving table of
     python3 scripts/bench_serve_gpu.py --tokenizer DIR          # one H200, ~6 min
     python3 scripts/bench_serve_gpu.py --tokenizer DIR --quantization fp8   # the same with fp8 weights
     .venv/bin/python scripts/bench_serve_gpu.py --smoke         # this CPU, tiny model: checks the script
+    python3 scripts/bench_serve_gpu.py --model-kind qwen14b --rates 4,8   # Qwen-14B's shape, bf16
+    python3 scripts/bench_serve_gpu.py --model-kind qwen14b --rates 4,8 --quantization fp8 \
+        --max-weight-bytes-per-rank 24e9                        # the same under a 24 GB card's budget
 
 Model: Llama-3-8B's shape with SmolLM2's vocabulary and tokenizer, random bf16 weights (as
-scripts/bench_fleet_gpu.py builds it). Workload, at each --rates for --seconds of Poisson arrivals
+scripts/bench_fleet_gpu.py builds it); with --model-kind qwen14b, Qwen-14B-Chat's shape as a
+QWenLMHeadModel folder with random bf16 weights and a synthetic qwen.tiktoken of the real size
+(testkit/qwen_checkpoints.py; the bench's words are a token each, so the prompts are as long in
+tokens as with the real vocabulary). Workload, at each --rates for --seconds of Poisson arrivals
 (`tokenfleet bench`'s plan, seed 0): chats with one shared system prompt of --prefix-tokens (about
 800 tokens, prefix-cached after the first), a user turn of 40-300 words, 16-512 output tokens
 (lognormal, mean 150), greedy, EOS ignored.
@@ -42,9 +48,8 @@ import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import torch
 
 from testkit.arrivals import ServingRow
-from testkit.fleet_paths import prepare_model
 from testkit.runs import percentile, print_command, raise_fd_limit
-from testkit.serve_runs import AB_RUNS, TTFT_PARTS, engine_rows, fleet_rows, share_text
+from testkit.serve_runs import AB_RUNS, TTFT_PARTS, engine_rows, fleet_rows, share_text, write_model
 
 
 def print_engine_ab(description: str, rates: list[float], runs: dict[str, dict[float, ServingRow]]) -> None:
@@ -80,6 +85,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--logs", type=Path, help="folder for the fleet's logs (default: a temp folder)")
     parser.add_argument("--quantization", choices=("fp8",), help="fp8 weights (fleet and engine alike)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
+    parser.add_argument("--model-kind", default="llama8b", choices=("llama8b", "qwen14b"),
+                        help="llama8b: Llama-3-8B's shape with SmolLM2's tokenizer; qwen14b: Qwen-14B-Chat's "
+                             "shape as a QWenLMHeadModel folder (testkit/qwen_checkpoints.py)")
+    parser.add_argument("--max-weight-bytes-per-rank", help="e.g. 24e9: the 24 GB card's budget, refused "
+                                                            "when one rank's weights need more")
     parser.add_argument("--engine-ab", nargs="?", const="graphs", choices=tuple(AB_RUNS),
                         help="no fleet: the engine with mixed-step graphs against every mixed step eager "
                              "(graphs, the default), or with async scheduling on against off (async)")
@@ -94,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     out = args.logs or Path(tempfile.mkdtemp(prefix="tokenfleet-serve-logs-"))
     out.mkdir(parents=True, exist_ok=True)
     try:
-        description = prepare_model(args, folder)
+        description = write_model(args, folder)
         if args.engine_ab:
             runs = {label: engine_rows(args, folder, rates, flags=tuple(flags))
                     for label, flags in AB_RUNS[args.engine_ab].items()}

@@ -27,6 +27,7 @@ from shared.gc_tuning import tune_for_serving
 from shared.net import free_port
 from testkit import py_spy
 from testkit.arrivals import Chats, ServingRow, run_chats
+from testkit.fleet_paths import prepare_model
 from testkit.processes import Children, wait_ready
 from testkit.result_wait import ResultWaitProbe
 from testkit.runs import log, percentile
@@ -158,9 +159,26 @@ AB_RUNS = {"graphs": {"graphs": [], "eager": ["--cuda-graph-max-tokens", "0"]},
 
 
 def quant_flags(args: argparse.Namespace) -> list[str]:
-    """--quantization and --kv-cache-dtype, given to the fleet's `up` and to the engine alike."""
+    """--quantization, --kv-cache-dtype and --max-weight-bytes-per-rank, given to the fleet's `up`
+    and to the engine alike."""
     flags = ["--quantization", args.quantization] if args.quantization else []
+    if args.max_weight_bytes_per_rank:
+        flags += ["--max-weight-bytes-per-rank", args.max_weight_bytes_per_rank]
     return flags + (["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype != "auto" else [])
+
+
+def write_model(args: argparse.Namespace, folder: Path) -> str:
+    """The checkpoint of --model-kind into folder; returns its description."""
+    if args.model_kind == "llama8b":
+        return prepare_model(args, folder)
+    from testkit.qwen_checkpoints import make_qwen_checkpoint, write_qwen_14b
+
+    if args.smoke:  # a window of 2048 holds the smoke's chats; past seq_length 64, logn and NTK work
+        make_qwen_checkpoint(folder, max_position_embeddings=2048)
+        return "tiny random Qwen (v1) (3 layers, hidden 64, seq_length 64), float32"
+    num_params = write_qwen_14b(folder, args.device)
+    return (f"Qwen-14B shape (QWenLMHeadModel, {num_params / 1e9:.2f} B params, vocab 152,064, synthetic "
+            "qwen.tiktoken of the real size), random bf16 weights")
 
 
 def engine_rows(args: argparse.Namespace, folder: Path, rates: list[float], *,
