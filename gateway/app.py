@@ -143,8 +143,9 @@ def create_app(settings: GatewaySettings) -> web.Application:
                             _batch_ctx, presence_ctx])
     for route in ROUTES:
         app.router.add_route(route.method, route.path, route.handler)
-    document = openapi_document(secured=bool(settings.api_keys) or bool(settings.tenants)
-                                or settings.tenants_from_redis)
+    has_tenants = bool(settings.tenants) or settings.tenants_from_redis
+    document = openapi_document(secured=bool(settings.api_keys) or has_tenants, tenants=has_tenants,
+                                public_views=settings.public_metrics)
 
     async def openapi(request: web.Request) -> web.Response:
         return web.json_response(document)

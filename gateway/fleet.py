@@ -1,10 +1,13 @@
-"""What the gateway knows of the fleet: which schedulers are alive (their `tf:sched:*`
-heartbeats) and how deep each fronted model's queue is. Refreshed in the background, so a
-request pays for no SCAN; a model that looks unserved is re-checked once before a 503."""
+"""What the gateway knows of the fleet: which schedulers are alive (the schedulers' registry,
+protocol/registry.py, and their `tf:sched:{id}` heartbeats) and how deep each fronted model's
+queue is. Refreshed in the background; a model that looks unserved is re-checked once before a
+503. A refresh costs the same however many keys Redis holds: it reads the registry, never
+scans the keyspace, and calls that arrive while one runs share it."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -15,6 +18,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.requests.store import RequestStore
 from gateway.routing import PrefixRouter, ReplicaView
 from gateway.tasks import every
+from protocol import registry
 from protocol.keys import CONSUMER_GROUP, Keys
 from protocol.prefix_hash import SUMMARY_HASH_BYTES
 from shared.logging import get_logger
@@ -68,17 +72,24 @@ class FleetTracker:
         self.schedulers: dict[str, SchedulerInfo] = {}  # scheduler id -> last heartbeat
         self._last_seen: dict[str, float] = {}  # model -> monotonic time a heartbeat was last seen
         self.queue_depths: dict[str, int] = {}  # fronted model -> entries not yet taken
+        self._refreshing: asyncio.Future | None = None  # the refresh in flight, shared by callers
 
     async def refresh(self) -> None:
-        keys = [key async for key in self.client.scan_iter(match=self.keys.scheduler_pattern, count=200)]
-        pipe = self.client.pipeline(transaction=False)
-        for key in keys:
-            pipe.hgetall(key)
-        raws = await pipe.execute() if keys else []
-        prefix = len(self.keys.scheduler(""))
+        """Read the fleet anew. A call made while a refresh runs waits it out, then shares the
+        next one with the other callers that waited: one refresh at a time however many /ready
+        arrive, and each caller sees a state read after it called."""
+        if self._refreshing is not None and not self._refreshing.done():
+            with contextlib.suppress(Exception):  # (its error is its own callers')
+                await asyncio.shield(self._refreshing)
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.ensure_future(self._refresh())
+        await asyncio.shield(self._refreshing)
+
+    async def _refresh(self) -> None:
+        heartbeats = (await registry.read_live_async(self.client, self.keys, [registry.SCHEDULERS]))
         schedulers = {}
-        for key, raw in zip(keys, raws, strict=True):
-            info = SchedulerInfo.parse(key.decode()[prefix:], raw) if raw else None
+        for scheduler_id, raw in heartbeats[registry.SCHEDULERS].items():
+            info = SchedulerInfo.parse(scheduler_id, raw)
             if info is not None:
                 schedulers[info.scheduler_id] = info
         self.schedulers = schedulers

@@ -1,7 +1,8 @@
 """The engine metrics of every live scheduler, for the gateway's /metrics.
 
 Each scheduler writes its Prometheus text to `tf:metrics:{scheduler_id}` at every heartbeat,
-with the heartbeat's TTL (service/telemetry.py). Here the texts are read and merged into
+with the heartbeat's TTL (service/telemetry.py); the schedulers are found in the registry
+(protocol/registry.py). Here the texts are read and merged into
 one exposition: samples of one metric family from all schedulers under one HELP/TYPE header
 (Prometheus refuses a family declared twice), told apart by their `scheduler` label.
 """
@@ -14,6 +15,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+from protocol import registry
 from protocol.keys import Keys
 from shared.logging import get_logger
 
@@ -52,9 +54,13 @@ def merge_expositions(texts: list[bytes]) -> bytes:
 
 
 async def read_fleet_metrics(client: aioredis.Redis, keys: Keys) -> bytes:
-    """The merged metrics of every scheduler whose key has not expired."""
-    names = [key async for key in client.scan_iter(match=keys.scheduler_metrics_pattern, count=500)]
+    """The merged metrics of every live scheduler (the registry's) whose key has not expired.
+    One GET each in a pipeline: on a cluster the keys lie in different slots."""
+    names = (await registry.live_members_async(client, keys, [registry.SCHEDULERS]))[registry.SCHEDULERS]
     if not names:
         return b""
-    texts = await client.mget(names)
-    return merge_expositions([text for text in texts if text])
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.get(keys.scheduler_metrics(name))
+    texts = await pipe.execute(raise_on_error=False)
+    return merge_expositions([text for text in texts if isinstance(text, bytes) and text])

@@ -1,14 +1,17 @@
 """The fleet at a glance, read from Redis alone: what `tokenfleet status` prints and what the
 gateway's status page (`/` and `/fleet.json`) shows. One function makes it for both.
 
-    schedulers   tf:sched:{id} heartbeats: model, TP, load, KV use, tok/s, heartbeat age
-    queues       each tf:req:{model}:{kind} stream: length, taken by a scheduler and not yet
-                 acknowledged (pending), queued (length - pending), schedulers in its group
+    schedulers   tf:sched:{id} heartbeats of the registry's live schedulers (protocol/registry.py):
+                 model, TP, load, KV use, tok/s, heartbeat age
+    queues       each tf:req:{model}:{kind} stream of the models they serve and the gateways
+                 front: length, taken by a scheduler and not yet acknowledged (pending), queued
+                 (length - pending), schedulers in its group
     dead letters tf:dead: how many, and the newest few
     batch jobs   the newest few of tf:batch:jobs: status and progress (and the first error of
                  a failed one, a corrupt record's included)
-    gateways     tf:gw:{id} heartbeats
+    gateways     tf:gw:{id} heartbeats of the registry's live gateways
     totals       sums over the live schedulers, and their prefix-cache hit rate
+Nothing here scans the keyspace: its cost follows the fleet's size, not the number of keys.
     throughput_history
                  the fleet's generated tokens in each of the last 120 s (summed from the
                  per-second counts each scheduler puts in its heartbeat)
@@ -20,10 +23,10 @@ import json
 import time
 
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
 
 from gateway.batch.jobs import JobStore
 from gateway.redis_shards import collect_shards
+from protocol import registry
 from protocol.keys import CONSUMER_GROUP, REQUEST_KINDS, Keys
 from protocol.messages import DeadLetter, MessageDecodeError
 
@@ -44,19 +47,6 @@ def _num(fields: dict[str, str], name: str, kind=float, default=0):
         return kind(fields[name])
     except (KeyError, ValueError):
         return default
-
-
-async def _hashes(client: aioredis.Redis, pattern: str) -> dict[str, dict[str, str]]:
-    """key -> fields of every hash whose key matches."""
-    keys = [key async for key in client.scan_iter(match=pattern, count=500)]
-    if not keys:
-        return {}
-    pipe = client.pipeline(transaction=False)
-    for key in keys:
-        pipe.hgetall(key)
-    raws = await pipe.execute(raise_on_error=False)
-    return {key.decode(): _text(raw) for key, raw in zip(keys, raws, strict=True)
-            if isinstance(raw, dict) and raw}
 
 
 def _scheduler(scheduler_id: str, f: dict[str, str], now: float) -> dict:
@@ -80,27 +70,39 @@ def _scheduler(scheduler_id: str, f: dict[str, str], now: float) -> dict:
     }
 
 
+async def _streams(client: aioredis.Redis, keys: Keys, model: str) -> dict[str, list[str]]:
+    """kind -> the model's request streams: every partition's plain one, each tenant's (its
+    tenants set) and each replica's own one (its routed set), named from those sets, never
+    found by a scan."""
+    pipe = client.pipeline(transaction=False)
+    pipe.smembers(keys.tenants(model))
+    pipe.smembers(keys.replica_streams(model))
+    tenants, replicas = await pipe.execute()
+    streams = {}
+    for kind in REQUEST_KINDS:
+        streams[kind] = [stream for tenant in [None, *sorted(t.decode() for t in tenants)]
+                         for stream in keys.request_streams(model, kind, tenant)]
+    streams["interactive"] += [keys.replica_stream(model, r.decode()) for r in sorted(replicas)]
+    return streams
+
+
 async def _queues(client: aioredis.Redis, keys: Keys, models: set[str]) -> list[dict]:
     """One row per model and kind; every partition's stream, a tenant's (..:{kind}:t:{tenant})
     and a replica's own one (..:interactive:r:{id}) count in their kind."""
-    streams: dict[tuple[str, str], list[str]] = {}
-    for key in [k.decode() async for k in client.scan_iter(match=keys.request_stream_pattern, count=500)]:
-        name = keys.parse_request_stream(key)
-        if name is not None:
-            models.add(name.model)
-            streams.setdefault((name.model, name.kind), []).append(key)
     queues = []
     for model in sorted(models):
+        streams = await _streams(client, keys, model)
         for kind in REQUEST_KINDS:
             row = {"model": model, "kind": kind, "length": 0, "pending": 0, "queued": 0, "consumers": 0}
-            for stream in sorted(streams.get((model, kind), [])):
-                pipe = client.pipeline(transaction=False)
+            pipe = client.pipeline(transaction=False)
+            for stream in streams[kind]:
                 pipe.xlen(stream)
                 pipe.xinfo_groups(stream)
-                length, groups = await pipe.execute(raise_on_error=False)
+            replies = await pipe.execute(raise_on_error=False)
+            for length, groups in zip(replies[::2], replies[1::2], strict=True):
                 length = 0 if isinstance(length, Exception) else int(length)
                 group = {}
-                if not isinstance(groups, ResponseError):  # (no such stream yet)
+                if not isinstance(groups, Exception):  # (no such stream yet)
                     group = next((g for g in groups if _decoded(g.get("name")) == CONSUMER_GROUP), {})
                 pending = int(group.get("pending", 0))
                 row["length"] += length
@@ -153,6 +155,8 @@ def _gateway(gateway_id: str, f: dict[str, str], now: float) -> dict:
         models = json.loads(f.get("models", "[]"))
     except json.JSONDecodeError:
         models = []
+    if not isinstance(models, list):
+        models = []
     return {"id": gateway_id, "host": f.get("host"), "port": _num(f, "port", int, None),
             "hostname": f.get("hostname"), "pid": _num(f, "pid", int, None), "models": models,
             "heartbeat_age_s": round(max(0.0, now - _num(f, "updated_at", float, now)), 2)}
@@ -182,16 +186,17 @@ def _hit_rate(schedulers: list[dict]) -> float | None:
 async def collect_fleet_view(client: aioredis.Redis, keys: Keys) -> dict:
     """Everything above as one JSON-able dict (sorted, so two reads compare)."""
     now = time.time()
-    scheduler_prefix = len(keys.scheduler(""))
-    hashes = await _hashes(client, keys.scheduler_pattern)
-    heartbeats = {key[scheduler_prefix:]: fields for key, fields in hashes.items() if "model" in fields}
+    live = await registry.read_live_async(client, keys)
+    heartbeats = {name: fields for name, raw in live[registry.SCHEDULERS].items()
+                  if "model" in (fields := _text(raw))}
     schedulers = sorted((_scheduler(name, fields, now) for name, fields in heartbeats.items()),
                         key=lambda s: (s["model"], s["id"]))
-    gateway_prefix = len(keys.gateway(""))
-    gateways = sorted((_gateway(key[gateway_prefix:], fields, now)
-                       for key, fields in (await _hashes(client, keys.gateway_pattern)).items()),
+    gateways = sorted((_gateway(name, _text(raw), now) for name, raw in live[registry.GATEWAYS].items()),
                       key=lambda g: g["id"])
-    queues = await _queues(client, keys, {s["model"] for s in schedulers})
+    # The queues of every model a live scheduler serves or a live gateway fronts.
+    models = {s["model"] for s in schedulers}
+    models |= {m for g in gateways for m in g["models"] if isinstance(m, str)}
+    queues = await _queues(client, keys, models)
     totals = {
         "schedulers": len(schedulers), "gateways": len(gateways),
         "num_running": sum(s["num_running"] for s in schedulers),

@@ -27,12 +27,21 @@ from shared.redis_client import redis_away
 
 log = get_logger("tokenfleet.gateway")
 _CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
-# No API key needed: probes, metrics, the API's description, the status page and its data.
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json", "/", "/fleet.json"})
-# The fleet-wide views: open without tenants; with tenants they name every tenant's work (batch
-# jobs, refusals by tenant), so they need an admin tenant's key. The page at / stays open: its
-# data comes from /fleet.json.
+# No API key needed: probes, the API's description, the status page (its data comes from
+# /fleet.json, which it asks a key for when refused).
+OPEN_PATHS = frozenset({"/health", "/ready", "/openapi.json", "/"})
+# The fleet-wide views name hosts, pids, jobs and errors: open only on an open gateway (no
+# --api-key, no tenants) or with --public-metrics; with --api-key they need one of its keys, and
+# with tenants an admin tenant's key (they name every tenant's work).
 ADMIN_PATHS = frozenset({"/metrics", "/fleet.json"})
+
+
+def is_guarded(path: str, *, secured: bool, public_views: bool) -> bool:
+    """Whether a call to `path` needs a key, on a gateway that has keys or tenants (`secured`)
+    or none, and that opens the fleet-wide views (--public-metrics) or not."""
+    if not secured or path in OPEN_PATHS:
+        return False
+    return not (public_views and path in ADMIN_PATHS)
 
 
 @web.middleware
@@ -94,10 +103,13 @@ async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
     """Authorization: Bearer <key> must be one of --api-key or a tenant's key (when any is
     configured). A tenant's key puts the tenant on the request: its limits apply, and it sees
     its own work only (gateway/tenants_access.py)."""
-    keys = request.app[SETTINGS].api_keys
+    settings = request.app[SETTINGS]
+    keys = settings.api_keys
     tenants = request.app[TENANTS]
-    is_admin_view = tenants.is_enabled and request.path in ADMIN_PATHS
-    if (keys or tenants.is_enabled) and (request.path not in OPEN_PATHS or is_admin_view):
+    guarded = is_guarded(request.path, secured=bool(keys) or tenants.is_enabled,
+                         public_views=settings.public_metrics)
+    is_admin_view = guarded and tenants.is_enabled and request.path in ADMIN_PATHS
+    if guarded:
         given = _api_key(request)
         if given is None:
             raise AuthenticationFailed("missing API key: send Authorization: Bearer <key>")

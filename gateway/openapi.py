@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, TypeAdapter
 
-from gateway.middlewares import OPEN_PATHS
+from gateway.middlewares import ADMIN_PATHS, is_guarded
 from gateway.responses import ErrorResponse
 from gateway.routes import ROUTES, Route
 
@@ -51,17 +51,36 @@ def _operation(route: Route, components: _Components) -> dict:
     error = {"content": {"application/json": {"schema": components.ref(ErrorResponse)}}}
     for status in route.errors:
         op["responses"][str(status)] = {"description": "error", **error}
-    if route.path in OPEN_PATHS:
-        op["security"] = []
     return op
 
 
-def openapi_document(*, secured: bool, title: str = "tokenfleet gateway", version: str = "0.1.0") -> dict:
-    """secured: API keys are configured (Authorization: Bearer on every route but the open ones)."""
+def _access(op: dict, path: str, components: _Components, *, secured: bool, public_views: bool,
+            tenants: bool) -> None:
+    """Who may call it, as the auth middleware decides (gateway/middlewares.py)."""
+    if not is_guarded(path, secured=secured, public_views=public_views):
+        op["security"] = []
+    elif path in ADMIN_PATHS:
+        op["security"] = [{"bearer": []}]
+        who = "an admin tenant's API key" if tenants else "one of the gateway's API keys"
+        op["description"] = (f"Needs {who}: it names the fleet's hosts, processes, jobs and errors "
+                             "(`--public-metrics` opens it).")
+        error = {"content": {"application/json": {"schema": components.ref(ErrorResponse)}}}
+        op["responses"].setdefault("401", {"description": "no API key, or not one of the gateway's", **error})
+        if tenants:
+            op["responses"].setdefault("403", {"description": "the key is not an admin tenant's", **error})
+
+
+def openapi_document(*, secured: bool, public_views: bool = False, tenants: bool = False,
+                     title: str = "tokenfleet gateway", version: str = "0.1.0") -> dict:
+    """secured: API keys or tenants are configured (Authorization: Bearer on every route but the
+    open ones); tenants: the fleet-wide views need an admin tenant's key; public_views:
+    --public-metrics opens them."""
     components = _Components()
     paths: dict[str, dict] = {}
     for route in ROUTES:
-        paths.setdefault(route.path, {})[route.method.lower()] = _operation(route, components)
+        op = _operation(route, components)
+        _access(op, route.path, components, secured=secured, public_views=public_views, tenants=tenants)
+        paths.setdefault(route.path, {})[route.method.lower()] = op
     paths["/openapi.json"] = {"get": {"summary": "This document", "operationId": "openapi", "security": [],
                                       "responses": {"200": {"description": "OK", "content": {
                                           "application/json": {"schema": {"type": "object"}}}}}}}

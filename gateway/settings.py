@@ -27,6 +27,9 @@ class GatewaySettings:
     api_keys: tuple[str, ...] = ()  # none (and no tenants): the gateway is open
     tenants: TenantDirectory = field(default_factory=TenantDirectory.empty)  # their keys are accepted too
     tenants_from_redis: bool = False  # also look keys and limits up in Redis (gateway/tenant_registry.py)
+    # /metrics and /fleet.json open to anyone even with API keys or tenants (--public-metrics),
+    # e.g. for a Prometheus that scrapes without a key; off: they need a key (an admin's with tenants)
+    public_metrics: bool = False
     tenant_lease_s: float = 3600.0  # a concurrency lease nothing ended (the request lost) lapses after this
     tenant_pending_lease_s: float = 60.0  # a lease taken, never queued (its gateway died), lapses after this
     key_prefix: str = "tf:"

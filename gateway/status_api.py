@@ -1,8 +1,8 @@
 """GET / (the live status page) and GET /fleet.json (the fleet view it polls, the same JSON as
-`tokenfleet status --json`). Without tenants both are open like /metrics: they show the
-fleet's state, no request content. With tenants, /fleet.json names every tenant's batch jobs,
-so it needs an admin tenant's key (the auth middleware's ADMIN_PATHS); the page stays open and
-asks for that key when /fleet.json refuses it. The page is one self-contained file
+`tokenfleet status --json`). The page is open (it holds no data); /fleet.json names hosts,
+pids, jobs and errors, so with --api-key it needs a key, and with tenants an admin tenant's
+(the auth middleware's ADMIN_PATHS; --public-metrics opens it): the page asks for that key
+when /fleet.json refuses it. The page is one self-contained file
 (gateway/status_page.html): no build step, nothing fetched from elsewhere."""
 
 from __future__ import annotations

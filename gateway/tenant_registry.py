@@ -4,24 +4,28 @@
     HSET tf:tenant:<tenant> requests_per_minute 600 ...     # its limits (fields of TenantLimits)
     HSET tf:tenant:<tenant> admin 1                         # an admin tenant (gateway/tenants_access.py)
 
-(`tokenfleet tenants set` writes both.) A gateway started with `--tenants-from-redis` looks up
-a key the keys file does not know there, and remembers the answer for `cache_s`, so a key
-costs one Redis round trip every few seconds, not one per request. The keys file wins over
-Redis for a key both know.
+(`tokenfleet tenants set` writes both.) A tenant written by hand with its key alone (no
+`tf:tenant:<tenant>` hash, or an empty one) is a tenant with no limits, not an unknown key; a
+name that could not be part of a key (TENANT_PATTERN) is refused, and said in the log. A
+gateway started with `--tenants-from-redis` looks up a key the keys file does not know there,
+and remembers the answer for `cache_s`, so a key costs one Redis round trip every few
+seconds, not one per request. The keys file wins over Redis for a key both know.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import fields
 
 import redis.asyncio as aioredis
 
 from gateway.tenants import Tenant, TenantDirectory, TenantLimits, key_digest
-from protocol.keys import Keys
+from protocol.keys import TENANT_PATTERN, Keys
 from shared.logging import get_logger
 
 log = get_logger("tokenfleet.gateway.tenants")
+_TENANT = re.compile(TENANT_PATTERN)
 
 
 class TenantRegistry:
@@ -48,12 +52,20 @@ class TenantRegistry:
         if cached is not None and cached[0] > time.monotonic():
             return cached[1]
         name = await self.client.hget(self.keys.api_keys, digest)
-        tenant = await self.get(name.decode()) if name is not None else None
+        tenant = None
+        if name is not None:
+            text = name.decode(errors="replace")
+            if _TENANT.match(text):
+                # (its key names it: a tenant, with its limits or with none)
+                tenant = await self.get(text) or Tenant(text, TenantLimits())
+            else:
+                log.warning("tenant_name_unusable", tenant=text[:80], pattern=TENANT_PATTERN)
         self._remember(self._by_digest, digest, tenant)
         return tenant
 
     async def get(self, name: str) -> Tenant | None:
-        """The tenant of that name, with its current limits."""
+        """The tenant of that name, with its current limits (None: no such tenant in the keys
+        file, and no hash of its limits in Redis)."""
         tenant = self.directory.get(name)
         if tenant is not None or self.client is None:
             return tenant

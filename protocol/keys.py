@@ -16,6 +16,7 @@
 | {p}resp:{P}:{req_id}                  | hash with TTL | gateway (/v1/responses) | gateway               |
 | {p}cancel                             | pub/sub       | gateway                 | schedulers            |
 | {p}cancelled:{P}:{req_id}             | string + TTL  | gateway                 | schedulers            |
+| {p}registry:{fleet}:{kind}            | zset          | schedulers, gateways    | gateway, status, etc. |
 | {p}sched:{scheduler_id}               | hash with TTL | scheduler (heartbeat)   | gateway, metrics      |
 | {p}metrics:{scheduler_id}             | string + TTL  | scheduler (heartbeat)   | gateway /metrics      |
 | {p}gw:{gateway_id}                    | hash with TTL | gateway (heartbeat)     | status (CLI, page)    |
@@ -40,6 +41,10 @@ request id (crc32 over `partitions`): 1 on one server (every tag is {p0}), 16 on
 the key's kind, before any name, so it is always the key's first `{...}` (a model name with
 braces in it cannot move a key to another slot). A request with an Idempotency-Key gets an id in
 that key's partition (`request_id`).
+
+The processes are found through the registries `{p}registry:{fleet}:schedulers` and
+`:gateways` (protocol/registry.py), never by scanning the keyspace: no key name here is a
+pattern to match.
 
 Request ids are made by the server (never client text), so they are safe inside keys; a job id
 a client chooses is checked against JOB_ID_PATTERN before it becomes part of a key.
@@ -215,28 +220,18 @@ class Keys:
     def scheduler(self, scheduler_id: str) -> str:
         return f"{self.prefix}sched:{scheduler_id}"
 
-    @property
-    def scheduler_pattern(self) -> str:
-        return f"{self.prefix}sched:*"
-
     def scheduler_metrics(self, scheduler_id: str) -> str:
         """The scheduler's engine metrics in Prometheus text format, renewed at each heartbeat."""
         return f"{self.prefix}metrics:{scheduler_id}"
 
-    @property
-    def scheduler_metrics_pattern(self) -> str:
-        return f"{self.prefix}metrics:*"
-
     def gateway(self, gateway_id: str) -> str:
         return f"{self.prefix}gw:{gateway_id}"
 
-    @property
-    def gateway_pattern(self) -> str:
-        return f"{self.prefix}gw:*"
-
-    @property
-    def request_stream_pattern(self) -> str:
-        return f"{self.prefix}req:*"
+    def registry(self, kind: str) -> str:
+        """The live processes of one kind (protocol/registry.py): member its id, score when its
+        heartbeat lapses (unix s, the server's clock). Every registry has the hash tag {fleet}:
+        one slot on a cluster, read by one script."""
+        return f"{self.prefix}registry:{{fleet}}:{kind}"
 
     def drain(self, scheduler_id: str) -> str:
         """Set (value: a deadline, unix seconds) to ask one scheduler to drain: it reads no new
@@ -247,10 +242,6 @@ class Keys:
         """The autoscaler's view of one model: desired, actual, starting, draining, min, max,
         unplaced (placements that timed out), last_event, last_event_at, updated_at."""
         return f"{self.prefix}replicas:{model}"
-
-    @property
-    def replicas_pattern(self) -> str:
-        return f"{self.prefix}replicas:*"
 
     @property
     def dead(self) -> str:

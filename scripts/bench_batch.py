@@ -31,6 +31,7 @@ import redis
 
 from gateway.models import ServedModel
 from gateway.settings import ModelSpec
+from protocol import registry
 from protocol.keys import Keys
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
@@ -124,8 +125,8 @@ def wait_job(client: redis.Redis, job_id: str, started: float) -> tuple[float, i
 def wait_saturated(client: redis.Redis, max_num_seqs: int, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        for key in client.scan_iter("tf:sched:*"):
-            if int(client.hget(key, "num_running") or 0) >= max_num_seqs:
+        for beat in registry.read_live(client, Keys(), [registry.SCHEDULERS])[registry.SCHEDULERS].values():
+            if int(beat.get(b"num_running") or 0) >= max_num_seqs:
                 return
         time.sleep(0.05)
     raise SystemExit("the batch job never filled the scheduler's sequence slots")

@@ -18,7 +18,7 @@ user turn of 150-400 words, 256 greedy output tokens each.
 3. The batch job alone again (a third job of the same lines), metered over --seconds from --lead-s
    after it went in, then cancelled.
 
-The fleet's output is metered from its scheduler's heartbeats (tf:sched:*, num_generation_tokens):
+The fleet's output is metered from its scheduler's heartbeats (tf:sched:{id}, num_generation_tokens):
 while the chats run in step 2, and over the same window of step 3. Every job's output lines are
 checked: each line written exactly once (answered with its 256 tokens, or cancelled). Prints the
 command line first and the table last; exits 1 when a goal is missed.
@@ -37,13 +37,13 @@ from pathlib import Path
 
 import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import redis
-from bench_fleet_gpu import prepare_model
-from bench_serve_gpu import MODEL_NAME, bench_args, redis_url_of
 
 from shared.net import free_port
 from testkit import mixed_traffic as mixed
+from testkit.fleet_paths import prepare_model
 from testkit.processes import Children, wait_ready
 from testkit.runs import log, print_command, raise_fd_limit
+from testkit.serve_runs import MODEL_NAME, bench_args, redis_url_of
 from tokenfleet import bench as fleet_bench
 
 

@@ -37,6 +37,7 @@ import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import aiohttp
 import redis
 
+from protocol import registry
 from protocol.keys import Keys
 from shared.net import free_port
 from testkit.processes import Children, wait_ready
@@ -75,11 +76,9 @@ def workload(args) -> list[dict]:
 def counters(client: redis.Redis) -> dict[str, dict[str, int]]:
     """scheduler id -> its cumulative counters, from the heartbeats."""
     out = {}
-    for key in client.scan_iter(match=KEYS.scheduler_pattern):
-        fields = client.hgetall(key)
+    for name, fields in registry.read_live(client, KEYS, [registry.SCHEDULERS])[registry.SCHEDULERS].items():
         if b"model" in fields:
-            out[key.decode()[len(KEYS.scheduler("")):]] = {c: int(float(fields.get(c.encode(), 0)))
-                                                           for c in COUNTERS}
+            out[name] = {c: int(float(fields.get(c.encode(), 0))) for c in COUNTERS}
     return out
 
 

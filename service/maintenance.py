@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 
+from protocol import registry
 from protocol.keys import CONSUMER_GROUP
 from protocol.result_record import EXPIRED_MESSAGE
 from scheduler.request import RequestStatus
@@ -52,6 +53,7 @@ class Maintenance:
             return False
         self.flush_and_wait()
         self._drop_lost_requests()
+        registry.leave(self.client, self.keys, registry.SCHEDULERS, self.settings.scheduler_id)
         self.client.delete(self.keys.scheduler(self.settings.scheduler_id),
                            self.keys.drain(self.settings.scheduler_id))
         # (entries the reader read as the drain began are pending too: never started here)
@@ -86,6 +88,8 @@ class Maintenance:
         metrics_key = self.keys.scheduler_metrics(self.settings.scheduler_id)
         pipe.set(metrics_key, self.telemetry.exposition(), ex=ttl_s)
         pipe.execute()
+        # Listed after its hash is written: a reader that finds it in the registry finds its hash.
+        registry.beat(self.client, self.keys, registry.SCHEDULERS, self.settings.scheduler_id, ttl_s)
 
     def _renew_claims(self) -> None:
         """Reset the idle time of every entry we own, so nobody takes it over (the renewer's

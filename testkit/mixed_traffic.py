@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import redis
 
+from protocol import registry
 from protocol.keys import Keys
 from testkit.runs import percentile
 from tokenfleet.bench import prompt_text
@@ -167,9 +168,9 @@ def check_job(client: redis.Redis, job_id: str, num_lines: int, *, cancelled: bo
 
 
 class TokenMeter:
-    """The fleet's generated tokens over time, from its schedulers' heartbeats (tf:sched:*'s
-    num_generation_tokens, written every --heartbeat-s): polled every `interval_s`, each change
-    kept with the time it was seen."""
+    """The fleet's generated tokens over time, from its schedulers' heartbeats (the registry's
+    live schedulers' num_generation_tokens, written every --heartbeat-s): polled every
+    `interval_s`, each change kept with the time it was seen."""
 
     def __init__(self, redis_url: str, interval_s: float = 0.05) -> None:
         self.client = redis.Redis.from_url(redis_url)
@@ -188,12 +189,9 @@ class TokenMeter:
         self.client.close()
 
     def _total(self) -> int:
-        keys = list(self.client.scan_iter(match=Keys().scheduler_pattern))
-        pipe = self.client.pipeline(transaction=False)
-        for key in keys:
-            pipe.hget(key, "num_generation_tokens")
-        return sum(int(float(value)) for value in pipe.execute(raise_on_error=False)
-                   if isinstance(value, (bytes, str)))
+        live = registry.read_live(self.client, Keys(), [registry.SCHEDULERS])[registry.SCHEDULERS]
+        return sum(int(float(beat[b"num_generation_tokens"])) for beat in live.values()
+                   if b"num_generation_tokens" in beat)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -213,15 +211,9 @@ class TokenMeter:
 
 def step_costs(client: redis.Redis) -> list[list[list[float]]]:
     """Each scheduler's step cost model as its heartbeat carries it: [tokens, ms] points."""
-    costs = []
-    for key in client.scan_iter(match=Keys().scheduler_pattern):
-        try:
-            value = client.hget(key, "step_cost_ms")
-        except redis.ResponseError:
-            continue
-        if value:
-            costs.append(json.loads(value))
-    return costs
+    live = registry.read_live(client, Keys(), [registry.SCHEDULERS])[registry.SCHEDULERS]
+    return [json.loads(beat[b"step_cost_ms"]) for _, beat in sorted(live.items())
+            if beat.get(b"step_cost_ms")]
 
 
 @dataclass

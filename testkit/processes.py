@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 import redis
 
+from protocol import registry
 from protocol.keys import Keys
 from shared.net import free_port
 from tokenfleet.supervise import NEVER_RESTART, Supervisor, tail_lines
@@ -140,7 +141,7 @@ def start_scheduler(children: Children, redis_url: str, model: str | Path, *flag
         return
     client = redis.Redis.from_url(redis_url)
     deadline = time.monotonic() + ready_s
-    while not client.exists(Keys().scheduler(scheduler_id)):
+    while scheduler_id not in registry.live_members(client, Keys())[registry.SCHEDULERS]:
         children.check()
         if time.monotonic() > deadline:
             raise RuntimeError(f"the scheduler was not up within {ready_s:.0f} s")

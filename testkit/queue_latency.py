@@ -20,6 +20,7 @@ from pathlib import Path
 import aiohttp
 import redis
 
+from protocol import registry
 from protocol.keys import Keys
 from protocol.messages import RequestMessage
 
@@ -53,6 +54,7 @@ def fake_heartbeat(client: redis.Redis, keys: Keys, model: str) -> None:
     """A scheduler's heartbeat hash (gateway/fleet.py reads it): the gateway then serves the model."""
     client.hset(keys.scheduler("bench-queue-1"), mapping={"model": model, "updated_at": time.time(),
                                                           "max_num_seqs": 256})
+    registry.beat(client, keys, registry.SCHEDULERS, "bench-queue-1", 24 * 3600)
 
 
 def _listen(port: int, stream: str, out_path: str, ready, stop) -> None:

@@ -15,6 +15,7 @@ import time
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
+from protocol import registry
 from protocol.keys import Keys
 
 COUNTER = "tokenfleet:engine_result_wait_seconds_total"
@@ -47,10 +48,11 @@ class ResultWaitProbe:
         self.client.close()
 
     def _run(self) -> None:
-        pattern, last = Keys().scheduler_metrics_pattern, None
+        keys, last = Keys(), None
         while not self._stop.wait(self.poll_s):
-            names = sorted(self.client.scan_iter(match=pattern, count=500))
-            texts = [t for t in self.client.mget(names) if t] if names else []
+            names = sorted(registry.live_members(self.client, keys)[registry.SCHEDULERS])
+            metrics = [keys.scheduler_metrics(n) for n in names]
+            texts = [t for t in self.client.mget(metrics) if t] if names else []
             if texts and texts != last:
                 self.samples.append((time.monotonic(), total_wait(texts)))
                 last = texts

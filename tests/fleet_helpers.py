@@ -15,6 +15,7 @@ from pathlib import Path
 
 import psutil
 
+from protocol import registry
 from protocol.keys import Keys
 from tokenfleet.supervise import spawn, stop_group
 
@@ -82,9 +83,10 @@ def start_scheduler(url: str, model: Path, scheduler_id: str, *args: str, model_
 
 
 def wait_heartbeat(client, scheduler_id: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:
-    """Until the scheduler's heartbeat is in Redis (it reads its streams from then on)."""
+    """Until the scheduler is listed in the registry with its heartbeat (it reads its streams
+    from then on, and the gateways see it)."""
     deadline = time.monotonic() + timeout_s
-    while not client.exists(KEYS.scheduler(scheduler_id)):
+    while scheduler_id not in registry.read_live(client, KEYS, [registry.SCHEDULERS])[registry.SCHEDULERS]:
         assert proc.poll() is None, f"scheduler {scheduler_id} exited with {proc.returncode}"
         assert time.monotonic() < deadline, f"scheduler {scheduler_id} never sent a heartbeat"
         time.sleep(0.1)

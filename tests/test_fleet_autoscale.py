@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from protocol import registry
 from protocol.keys import Keys
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
@@ -69,8 +70,8 @@ class FleetWatch:
 
     def _run(self) -> None:
         while not self._stop.wait(0.1):
-            beats = {k.decode()[len(KEYS.scheduler("")):]: self.client.hget(k, "draining")
-                     for k in self.client.scan_iter(match=KEYS.scheduler_pattern)}
+            live = registry.read_live(self.client, KEYS, [registry.SCHEDULERS])[registry.SCHEDULERS]
+            beats = {name: fields.get(b"draining") for name, fields in live.items()}
             replicas = {k.decode(): v.decode() for k, v in self.client.hgetall(KEYS.replicas(MODEL)).items()}
             self.samples.append({"at": time.time(), "schedulers": sorted(beats),
                                  "draining": sorted(s for s, d in beats.items() if d == b"1"),

@@ -131,8 +131,6 @@ class BatchCommands:
 
 def run_batch_command(args) -> int:
     action = args.batch_command
-    if action == "ingester":
-        return _run_ingester(args)
 
     async def go() -> int:
         commands = BatchCommands(args.redis_url or recorded_redis_url(), args.key_prefix)
@@ -154,30 +152,23 @@ def run_batch_command(args) -> int:
     return asyncio.run(go())
 
 
-def _run_ingester(args) -> int:
+def run_ingester(settings) -> int:
+    """`tokenfleet batch ingester`: a BatchIngester alone, with the settings its flags made
+    (tokenfleet/cli.py's ingester_settings, from the same flags as the gateway's own ingester)."""
     import signal
 
     from gateway.batch.ingester import BatchIngester
     from gateway.models import ModelRegistry
-    from gateway.settings import GatewaySettings, ModelSpec
-    from gateway.tenants import TenantDirectory
-
-    specs = [ModelSpec.from_path(path) for path in args.model_paths]
-    tenants = TenantDirectory.from_file(args.tenants_file) if args.tenants_file else TenantDirectory.empty()
-    settings = GatewaySettings(redis_url=args.redis_url or recorded_redis_url(), models=specs,
-                               key_prefix=args.key_prefix, batch_max_inflight=args.max_inflight,
-                               batch_lease_s=args.lease_s, tenants=tenants,
-                               tenants_from_redis=args.tenants_from_redis)
 
     async def go() -> int:
-        models = await asyncio.to_thread(ModelRegistry.load, specs)
+        models = await asyncio.to_thread(ModelRegistry.load, settings.models)
         client = connect_async(settings.redis_url, socket_connect_timeout=5, socket_timeout=30)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         try:
-            keys = keys_for(settings.redis_url, args.key_prefix)
+            keys = keys_for(settings.redis_url, settings.key_prefix)
             await BatchIngester(client, keys, models, settings).run(stop)
         finally:
             await client.aclose()

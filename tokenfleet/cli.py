@@ -147,6 +147,8 @@ def _add_batch_parser(commands) -> None:
     ingester = actions.add_parser("ingester", help="a batch ingester alone (the gateway runs one too)")
     _list_flag(ingester, "model",
                help="model folder whose jobs it takes (repeatable; default: the default model)")
+    _list_flag(ingester, "model-name", help="served name of the --model at the same position "
+                                            "(default: its folder's name; as the gateway's)")
     _flag(ingester, "max-inflight", type=int, default=1024, help="per job: queued lines not yet written")
     _flag(ingester, "lease-s", type=float, default=10.0,
           help="work a dead ingester left is taken over after this")
@@ -182,10 +184,10 @@ def _cmd_tenants(args: argparse.Namespace) -> int:
 
 
 def _cmd_batch(args: argparse.Namespace) -> int:
-    from tokenfleet.batch_cli import run_batch_command
+    from tokenfleet.batch_cli import run_batch_command, run_ingester
 
     if args.batch_command == "ingester":
-        args.model_paths = _list_value(args, "model") or [resolve_model(None)]
+        return run_ingester(ingester_settings(args))
     return run_batch_command(args)
 
 
@@ -261,6 +263,9 @@ def _add_gateway_parser(commands) -> None:
     _list_flag(gw, "api-key", help="accepted Bearer key (repeatable; none: the gateway is open)")
     _flag(gw, "tenants-from-redis", action="store_true",
           help="also look API keys and tenant limits up in Redis (`tokenfleet tenants set`)")
+    _flag(gw, "public-metrics", action="store_true",
+          help="serve /metrics and /fleet.json to anyone even with --api-key or tenants (they name hosts, "
+               "pids, jobs and errors; by default they need a key, an admin tenant's with tenants)")
     _flag(gw, "tenants-file", help="JSON file of tenants: their API keys and limits (requests and tokens per "
                                    "minute, concurrent requests, batch lines in flight); see the README")
     _flag(gw, "max-queue", type=int, default=1024, help="waiting requests per model before 429 (0: no limit)")
@@ -294,15 +299,39 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
-def gateway_settings(args: argparse.Namespace):
-    """`tokenfleet gateway`'s flags -> its GatewaySettings (InvalidRequestError naming a bad flag)."""
-    from gateway.settings import GatewaySettings, ModelSpec
+def _batch_settings(args: argparse.Namespace) -> dict:
+    """What every batch ingester takes from its flags, the gateway's own and `tokenfleet batch
+    ingester`'s alike: the models (folders and served names), the key prefix and the tenants
+    (whose max_batch_lines_in_flight it keeps). GatewaySettings' fields."""
+    from gateway.settings import ModelSpec
     from gateway.tenants import TenantDirectory
 
     paths = _list_value(args, "model") or [resolve_model(None)]
     names = _list_value(args, "model-name")
     if len(names) > len(paths):
         raise InvalidRequestError(f"{len(names)} --model-name for {len(paths)} --model", param="model-name")
+    return {"models": [ModelSpec.from_path(path, names[i] if i < len(names) else None)
+                       for i, path in enumerate(paths)],
+            "key_prefix": args.key_prefix,
+            "tenants": (TenantDirectory.from_file(args.tenants_file) if args.tenants_file
+                        else TenantDirectory.empty()),
+            "tenants_from_redis": args.tenants_from_redis}
+
+
+def ingester_settings(args: argparse.Namespace):
+    """`tokenfleet batch ingester`'s flags -> the GatewaySettings its BatchIngester runs with."""
+    from gateway.settings import GatewaySettings
+    from tokenfleet.up import recorded_redis_url
+
+    return GatewaySettings(redis_url=args.redis_url or recorded_redis_url(),
+                           batch_max_inflight=args.max_inflight, batch_lease_s=args.lease_s,
+                           **_batch_settings(args))
+
+
+def gateway_settings(args: argparse.Namespace):
+    """`tokenfleet gateway`'s flags -> its GatewaySettings (InvalidRequestError naming a bad flag)."""
+    from gateway.settings import GatewaySettings
+
     for name, value in (("port", args.port), ("max-n", args.max_n), ("max-body-bytes", args.max_body_bytes),
                         ("workers", args.workers)):
         if value < 1:
@@ -312,15 +341,13 @@ def gateway_settings(args: argparse.Namespace):
                                   param="max-queue")
     if args.routing not in ROUTING_MODES:  # (a TOKENFLEET_ROUTING value skips argparse's check)
         raise InvalidRequestError(f"--routing must be prefix or none, got {args.routing!r}", param="routing")
-    models = [ModelSpec.from_path(path, names[i] if i < len(names) else None) for i, path in enumerate(paths)]
     return GatewaySettings(
-        redis_url=args.redis_url, models=models, host=args.host, port=args.port,
-        api_keys=tuple(_list_value(args, "api-key")), key_prefix=args.key_prefix, max_queue=args.max_queue,
+        redis_url=args.redis_url, host=args.host, port=args.port,
+        api_keys=tuple(_list_value(args, "api-key")), max_queue=args.max_queue,
         max_n=args.max_n, max_body_bytes=args.max_body_bytes, batch_ingester=not args.no_batch_ingester,
-        batch_max_inflight=args.batch_max_inflight, batch_lease_s=args.batch_lease_s,
-        tenants=(TenantDirectory.from_file(args.tenants_file) if args.tenants_file
-                 else TenantDirectory.empty()),
-        tenants_from_redis=args.tenants_from_redis, routing=args.routing,
+        batch_max_inflight=args.batch_max_inflight, batch_lease_s=args.batch_lease_s, routing=args.routing,
+        public_metrics=args.public_metrics,
+        **_batch_settings(args),
     )
 
 

@@ -56,6 +56,8 @@ def add_up_parser(commands) -> None:
     _flag(up, "tenants-from-redis", action="store_true",
           help="the gateway also looks API keys and tenant limits up in Redis (`tokenfleet tenants set`)")
     _list_flag(up, "api-key", help="a Bearer key the gateway accepts (repeatable; none: the gateway is open)")
+    _flag(up, "public-metrics", action="store_true",
+          help="the gateway serves /metrics and /fleet.json without a key (see `tokenfleet gateway --help`)")
     _flag(up, "max-queue", type=int, help="the gateway's waiting requests per model before 429 "
                                           "(default 1024; 0: no limit)")
     _flag(up, "max-n", type=int, help="the gateway's cap on n, choices per request (default 8)")
@@ -202,22 +204,25 @@ def fleet_options(args: argparse.Namespace):
 
 
 def _up_gateway_flags(args: argparse.Namespace) -> dict:
-    """The gateway's flags `up` passes on: gateway_args, and gateway_env for the API keys (an
-    environment variable, as `tokenfleet gateway` reads them, keeps them out of `ps`)."""
+    """The gateway's flags `up` passes on: batch_args (what every batch ingester takes too:
+    the tenants), gateway_args, and gateway_env for the API keys (an environment variable, as
+    `tokenfleet gateway` reads them, keeps them out of `ps`)."""
     if args.max_queue is not None and args.max_queue < 0:
         raise InvalidRequestError(f"--max-queue must be >= 0 (0: no limit), got {args.max_queue}",
                                   param="max-queue")
-    gateway_args = ["--tenants-file", os.path.abspath(args.tenants_file)] if args.tenants_file else []
-    gateway_args += ["--routing", args.routing]
+    batch_args = ["--tenants-file", os.path.abspath(args.tenants_file)] if args.tenants_file else []
     if args.tenants_from_redis:
-        gateway_args.append("--tenants-from-redis")
+        batch_args.append("--tenants-from-redis")
+    gateway_args = ["--routing", args.routing]
+    if args.public_metrics:
+        gateway_args.append("--public-metrics")
     for name, value in (("max-queue", args.max_queue), ("max-n", args.max_n)):
         if value is not None:
             gateway_args += [f"--{name}", str(value)]
     api_keys = _list_value(args, "api-key")
     if any("," in key or not key for key in api_keys):
         raise InvalidRequestError("an --api-key must be non-empty and hold no comma", param="api-key")
-    return {"gateway_args": gateway_args,
+    return {"batch_args": batch_args, "gateway_args": gateway_args,
             "gateway_env": {"TOKENFLEET_API_KEY": ",".join(api_keys)} if api_keys else {}}
 
 

@@ -80,6 +80,8 @@ class FleetOptions:
     # Every other engine flag given to `up`, for each scheduler (tokenfleet/engine_flags.py's engine_argv).
     scheduler_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)  # extra gateway flags
+    # Flags of every batch ingester, the gateway's own and the standalone ones (the tenants).
+    batch_args: list[str] = field(default_factory=list)
     gateway_env: dict[str, str] = field(default_factory=dict)  # the gateway's besides ours (keys: not argv)
     gateway_workers: int = 1  # gateway processes on the one port
     autoscale: AutoscaleOptions | None = None  # set: replicas come and go with the load, not `replicas`
@@ -125,21 +127,29 @@ class Fleet:
             self._start_autoscaler(uses_ray(self.options.executor, self.options.tp, self.options.pp))
         for index in range(self.options.replicas if self.options.autoscale is None else 0):
             self._spawn(f"scheduler-{index}", *self.scheduler_command(index))
-        cli = [sys.executable, "-m", "tokenfleet.cli"]
         self._spawn("gateway", *self.gateway_command())
         for index in range(self.options.batch_ingesters):
-            self._spawn(f"batch-ingester-{index}", [
-                *cli, "batch", "ingester", "--redis-url", self.redis_url, "--model", self.options.model])
+            self._spawn(f"batch-ingester-{index}", *self.ingester_command())
         self._wait_ready()
         self._write_fleet_file()
 
+    def batch_argv(self) -> list[str]:
+        """What every batch ingester is told, the gateway's own and each `tokenfleet batch
+        ingester` alike (one list, so no ingester lacks a flag): Redis, the model and its served
+        name, the tenants whose batch lines in flight it caps."""
+        return ["--redis-url", self.redis_url, "--model", self.options.model,
+                "--model-name", self.options.model_name, *self.options.batch_args]
+
     def gateway_command(self) -> tuple[list[str], dict[str, str]]:
         """argv and environment of the gateway (its API keys travel in the environment, out of `ps`)."""
-        argv = [sys.executable, "-m", "tokenfleet.cli", "gateway", "--redis-url", self.redis_url,
-                "--host", self.options.host, "--port", str(self.options.port), "--model", self.options.model,
-                "--model-name", self.options.model_name, "--workers", str(self.options.gateway_workers),
-                *self.options.gateway_args]
+        argv = [sys.executable, "-m", "tokenfleet.cli", "gateway", *self.batch_argv(),
+                "--host", self.options.host, "--port", str(self.options.port),
+                "--workers", str(self.options.gateway_workers), *self.options.gateway_args]
         return argv, {**self.env, **self.options.gateway_env}
+
+    def ingester_command(self) -> tuple[list[str], dict[str, str]]:
+        """argv and environment of a standalone batch ingester (`--batch-ingesters`)."""
+        return [sys.executable, "-m", "tokenfleet.cli", "batch", "ingester", *self.batch_argv()], self.env
 
     def scheduler_argv(self, scheduler_id: str, placement_group: str | None = None) -> list[str]:
         """The command line of one replica's scheduler."""

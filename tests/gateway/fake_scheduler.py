@@ -13,6 +13,7 @@ import time
 import msgpack
 import redis
 
+from protocol import registry
 from protocol.keys import CONSUMER_GROUP, Keys
 from protocol.messages import TERMINAL_STATES, RequestMessage, TokenEvent
 from protocol.result_record import progress_fields, running_fields, terminal_fields
@@ -60,6 +61,7 @@ class FakeScheduler:
         self._stop.set()
         self._thread.join(timeout=10)
         try:
+            registry.leave(self.client, self.keys, registry.SCHEDULERS, self.scheduler_id)
             self.client.delete(self.keys.scheduler(self.scheduler_id))
         except redis.ConnectionError:
             pass
@@ -69,6 +71,7 @@ class FakeScheduler:
         self.client.hset(key, mapping={"model": self.model, "num_running": 0, "num_waiting": 0,
                                        "kv_usage": 0.0, "max_num_seqs": 8, "updated_at": time.time()})
         self.client.expire(key, 3)
+        registry.beat(self.client, self.keys, registry.SCHEDULERS, self.scheduler_id, 3)
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -137,7 +137,7 @@ async def test_body_over_the_limit_is_a_413(make_client, fake_scheduler):
     assert_error(await response.json(), None)
 
 
-async def test_api_keys_guard_everything_but_health(make_client, fake_scheduler):
+async def test_api_keys_guard_everything_but_the_probes_and_the_description(make_client, fake_scheduler):
     client = await make_client(api_keys=("k1", "k2"))
     assert (await client.post("/v1/chat/completions", json=CHAT)).status == 401
     wrong = await client.post("/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer nope"})
@@ -146,8 +146,21 @@ async def test_api_keys_guard_everything_but_health(make_client, fake_scheduler)
     right = await client.post("/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer k2"})
     assert right.status == 200
     assert (await client.get("/v1/models")).status == 401
-    for path in ("/health", "/metrics", "/openapi.json"):
+    for path in ("/health", "/ready", "/openapi.json", "/"):
         assert (await client.get(path)).status == 200, path
+    for path in ("/metrics", "/fleet.json"):  # they name hosts, pids, jobs and errors
+        assert (await client.get(path)).status == 401, path
+        assert (await client.get(path, headers={"Authorization": "Bearer nope"})).status == 401, path
+        assert (await client.get(path, headers={"Authorization": "Bearer k1"})).status == 200, path
+
+
+async def test_public_metrics_opens_the_fleet_views_and_only_them(make_client, fake_scheduler):
+    client = await make_client(api_keys=("k1",), public_metrics=True)
+    for path in ("/metrics", "/fleet.json"):
+        assert (await client.get(path)).status == 200, path
+    assert (await client.get("/v1/models")).status == 401
+    document = await (await client.get("/openapi.json")).json()
+    assert document["paths"]["/metrics"]["get"]["security"] == []
 
 
 async def test_no_live_scheduler_is_a_503(make_client):

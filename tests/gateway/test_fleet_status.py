@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.fleet_metrics import merge_expositions
 from gateway.presence import gateway_id
+from protocol import registry
 from protocol.keys import Keys
 from protocol.messages import DeadLetter
 from scheduler.engine_metrics import EngineMetrics
@@ -56,6 +57,8 @@ async def test_metrics_serve_the_live_schedulers_engine_metrics_until_their_key_
     redis = redis_server.client()
     redis.set(KEYS.scheduler_metrics("s0"), _metrics_after_one_prefill("s0", 5).exposition())
     redis.set(KEYS.scheduler_metrics("s1"), _metrics_after_one_prefill("s1", 7).exposition(), px=300)
+    for name in ("s0", "s1"):  # (listed in the registry for longer than s1 reports)
+        registry.beat(redis, KEYS, registry.SCHEDULERS, name, 60)
     text = await (await client.get("/metrics")).text()
     assert "tokenfleet_gateway_http_requests_total" in text  # the gateway's own are still there
     samples = _samples(text)
@@ -69,7 +72,7 @@ async def test_metrics_serve_the_live_schedulers_engine_metrics_until_their_key_
 
 
 @pytest.mark.asyncio
-async def test_status_page_and_fleet_json_are_served_without_an_api_key(make_client, fake_scheduler):
+async def test_status_page_is_open_and_fleet_json_answers_an_api_key(make_client, fake_scheduler):
     client = await make_client(api_keys=("secret",))
     page = await client.get("/")
     assert page.status == 200 and page.content_type == "text/html"
@@ -77,8 +80,9 @@ async def test_status_page_and_fleet_json_are_served_without_an_api_key(make_cli
     assert 'fetch(SOURCE' in html and "fleet.json" in html
     assert "http://" not in html and "https://" not in html  # nothing fetched from elsewhere
     assert (await client.get("/v1/models")).status == 401  # the rest still needs the key
+    assert (await client.get("/fleet.json")).status == 401  # the page asks for the key
     for _ in range(50):  # the gateway's first heartbeat is written as it starts
-        view = await (await client.get("/fleet.json")).json()
+        view = await (await client.get("/fleet.json", headers={"Authorization": "Bearer secret"})).json()
         if view["gateways"]:
             break
         await asyncio.sleep(0.05)
@@ -99,7 +103,8 @@ async def test_status_page_and_fleet_json_are_served_without_an_api_key(make_cli
     for name, counts in (("h1", [[end - 1, 5], [end, 7]]), ("h2", [[end, 3], [end - 500, 99]])):
         fake_scheduler.client.hset(KEYS.scheduler(name), mapping={"model": MODEL,
                                                                    "generation_history": json.dumps(counts)})
-    view = await (await client.get("/fleet.json")).json()
+        registry.beat(fake_scheduler.client, KEYS, registry.SCHEDULERS, name, 60)
+    view = await (await client.get("/fleet.json", headers={"Authorization": "Bearer secret"})).json()
     history = view["throughput_history"]
     if history["end"] == end + 1:  # (a second ticked over)
         history["generation_tokens"] = history["generation_tokens"][1:] + [0]

@@ -78,6 +78,26 @@ async def test_openapi_describes_every_route(make_client):
     assert "security" not in document  # no API key configured
 
 
+def test_openapi_says_the_fleet_views_need_a_key_as_the_gateway_does():
+    from gateway.openapi import openapi_document
+
+    def access(**config) -> dict:
+        paths = openapi_document(**config)["paths"]
+        return {path: paths[path]["get"] for path in ("/metrics", "/fleet.json", "/ready")}
+
+    for path, op in access(secured=True, tenants=True).items():
+        if path == "/ready":
+            assert op["security"] == []
+            continue
+        assert op["security"] == [{"bearer": []}] and "admin tenant" in op["description"], path
+        assert {"401", "403"} <= set(op["responses"]), path
+    keys_only = access(secured=True)
+    assert keys_only["/metrics"]["security"] == [{"bearer": []}]
+    assert "403" not in keys_only["/metrics"]["responses"]
+    assert access(secured=True, tenants=True, public_views=True)["/fleet.json"]["security"] == []
+    assert "security" not in access(secured=False)["/metrics"]  # an open gateway: nothing to say
+
+
 @pytest.mark.asyncio
 async def test_request_ids_come_back_and_sane_client_ones_are_kept(make_client):
     client = await make_client()

@@ -169,8 +169,8 @@ async def test_a_fleet_without_tenants_shows_everything_to_every_key(make_client
     assert (await client.get(f"/v1/files/{file_id}/content", headers=auth("k2"))).status == 200
     listed = await (await client.get("/v1/files", headers=auth("k2"))).json()
     assert file_id in [f["id"] for f in listed["data"]]
-    assert (await client.get("/fleet.json")).status == 200  # open, as before
-    assert (await client.get("/metrics")).status == 200
+    assert (await client.get("/fleet.json", headers=auth("k2"))).status == 200  # any key, no admin
+    assert (await client.get("/metrics", headers=auth("k1"))).status == 200
     open_client = await make_client()
     assert (await open_client.get(f"/v1/requests/{req_id}")).status == 200
     assert (await open_client.get("/v1/files")).status == 200
@@ -213,6 +213,20 @@ async def test_a_tenant_kept_in_redis_is_an_admin_with_admin_1(make_client, fake
     client = await make_client(tenants_from_redis=True)
     assert (await client.get("/fleet.json", headers=auth("key-ops-r"))).status == 200
     assert (await client.get("/fleet.json", headers=auth("key-r"))).status == 403
+
+
+async def test_a_tenant_added_by_hand_with_its_key_alone_is_served_with_no_limits(make_client, fake_scheduler,
+                                                                                 redis_server):
+    plain = redis_server.client()
+    plain.hset(KEYS.api_keys, key_digest("key-hand"), "team-hand")  # no tf:tenant:team-hand hash
+    plain.hset(KEYS.api_keys, key_digest("key-odd"), "no good: a space")  # not a usable name
+    client = await make_client(tenants_from_redis=True)
+    for _ in range(3):
+        served = await client.post("/v1/requests", json=SUBMIT, headers=auth("key-hand"))
+        assert served.status == 202, await served.text()
+    assert fake_scheduler.client.sismember(KEYS.tenants(MODEL), "team-hand")  # queued as that tenant's
+    assert (await client.post("/v1/requests", json=SUBMIT, headers=auth("key-odd"))).status == 401
+    assert (await client.get("/fleet.json", headers=auth("key-hand"))).status == 403  # not an admin
 
 
 async def test_a_page_of_ones_own_ids_reads_past_other_tenants_chunks(redis_server):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from protocol import registry
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
@@ -56,6 +57,7 @@ def test_drained_scheduler_stops_reading_and_exits_and_no_stream_is_cut(tiny_cha
     try:
         wait_heartbeat(client, "a", a)
         wait_heartbeat(client, "b", b)
+        assert sorted(registry.live_members(client, KEYS)[registry.SCHEDULERS]) == ["a", "b"]
         # The four go to `a`'s own stream, as the gateway routes a prefix `a` holds, with `b`
         # already up: the drain then comes while `a` generates however fast it is. (Started
         # after them, `b` once took longer to come up than `a` took over 4 x 600 tokens.)
@@ -73,6 +75,7 @@ def test_drained_scheduler_stops_reading_and_exits_and_no_stream_is_cut(tiny_cha
         ids += [submit(client, MODEL, p, SAMPLING) for p in prompts[4:]]
         assert a.wait(timeout=300) == 0  # a loaded machine takes minutes over 4 x 600 tokens
         assert not client.exists(KEYS.scheduler("a"), KEYS.drain("a"))
+        assert registry.live_members(client, KEYS)[registry.SCHEDULERS] == ["b"]  # it left the registry
         records = wait_terminal(client, ids, timeout_s=300)
     finally:
         stop_schedulers(a, b)

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from protocol import registry
 from protocol.keys import CONSUMER_GROUP, Keys
 from tokenfleet.autoscale.controller import AutoscaleController
 from tokenfleet.autoscale.launcher import PlacementTimeout
@@ -50,6 +51,7 @@ def _beat(client, replica_id: str, running: int = 0, waiting: int = 0, draining:
     client.hset(KEYS.scheduler(replica_id), mapping={"model": MODEL, "num_running": running,
                                                      "num_waiting": waiting, "max_num_seqs": 4,
                                                      "draining": int(draining)})
+    registry.beat(client, KEYS, registry.SCHEDULERS, replica_id, 60)
 
 
 def _queue(client, n: int, *, read: int = 0) -> None:
@@ -66,6 +68,7 @@ def test_signals_count_unread_entries_and_the_oldest_ones_age(redis_server):
     _queue(client, 5, read=2)
     _beat(client, "m-r0", running=2, waiting=1)
     client.hset(KEYS.scheduler("other"), mapping={"model": "another-model", "num_running": 9})
+    registry.beat(client, KEYS, registry.SCHEDULERS, "other", 60)
     signals = read_signals(client, KEYS, MODEL, now=time.time() + 10)
     assert signals.num_queued == 3 and signals.num_waiting == 4
     assert 9 < signals.oldest_queued_age_s < 20

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from protocol import registry
 from shared.net import free_port
 from shared.sampling import SamplingParams
 from tests.scheduler.service_client import KEYS, submit, wait_terminal
@@ -125,8 +126,8 @@ def test_second_replica_goes_to_the_node_with_room_and_a_third_is_reported_unpla
             assert time.monotonic() < deadline, (replicas, log_path.read_text()[-3000:])
             time.sleep(0.5)
         assert replicas["desired"] == "3" and replicas["min"] == "3"  # wanted, not placed: visible
-        assert sorted(k.decode() for k in client.scan_iter(match=KEYS.scheduler_pattern)) == \
-            [KEYS.scheduler("tiny-r0"), KEYS.scheduler("tiny-r1")]
+        assert sorted(registry.read_live(client, KEYS, [registry.SCHEDULERS])[registry.SCHEDULERS]) == \
+            ["tiny-r0", "tiny-r1"]
         names = [f"tokenfleet-replica-tiny-r{i}" for i in range(3)]
         placed = _placements(address, env, names)
         [node2] = placed["node2"]

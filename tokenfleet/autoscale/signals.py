@@ -12,6 +12,7 @@ import time
 
 import redis
 
+from protocol import registry
 from protocol.keys import CONSUMER_GROUP, REQUEST_KINDS, Keys
 from tokenfleet.autoscale.policy import FleetSignals, ReplicaLoad
 
@@ -74,19 +75,19 @@ def _entry_ms(entry_id: bytes | str) -> int:
 
 
 def read_heartbeats(client: redis.Redis, keys: Keys, model: str) -> list[ReplicaLoad]:
-    """The live schedulers of `model` (a heartbeat expires a few seconds after its scheduler)."""
-    names = sorted(client.scan_iter(match=keys.scheduler_pattern, count=1000))
-    pipe = client.pipeline(transaction=False)
-    for name in names:
-        pipe.hgetall(name)
+    """The live schedulers of `model`, from the registry (a heartbeat expires a few seconds
+    after its scheduler)."""
+    live = registry.read_live(client, keys, [registry.SCHEDULERS])[registry.SCHEDULERS]
     replicas = []
-    prefix_len = len(keys.scheduler(""))
-    for name, beat in zip(names, pipe.execute(), strict=True):
-        if beat.get(b"model", b"").decode() != model:
+    for name, beat in sorted(live.items()):
+        if beat.get(b"model", b"") != model.encode():
             continue
-        replicas.append(ReplicaLoad(
-            replica_id=name.decode()[prefix_len:], num_running=int(beat.get(b"num_running", 0)),
-            num_waiting=int(beat.get(b"num_waiting", 0)), max_num_seqs=int(beat.get(b"max_num_seqs", 1)),
-            is_draining=beat.get(b"draining", b"0") == b"1",
-        ))
+        try:
+            replicas.append(ReplicaLoad(
+                replica_id=name, num_running=int(beat.get(b"num_running", 0)),
+                num_waiting=int(beat.get(b"num_waiting", 0)), max_num_seqs=int(beat.get(b"max_num_seqs", 1)),
+                is_draining=beat.get(b"draining", b"0") == b"1",
+            ))
+        except ValueError:
+            continue  # a half-written or foreign hash: not a replica we can count
     return replicas
