@@ -8,7 +8,9 @@
   that long); queueing it makes it last `lease_s`. It ends when the request ends: the
   scheduler's terminal write removes it (service/result_store.py), whoever's client
   waited, left or never waited; the gateway removes it at once when it cancels a request
-  nobody has claimed, or when its own client leaves. A lease nobody ended lapses.
+  nobody has claimed, or when its own client leaves. A lease nobody ended lapses. The set's
+  TTL is kept past its latest lease wherever a lease is taken or renewed (the scripts
+  acquire_leases and extend_leases), so the set never expires with a lease in it.
 
 Over a limit: 429 with Retry-After, and the limit's name as the error's code.
 """

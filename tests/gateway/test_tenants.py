@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -151,3 +152,42 @@ async def test_tenants_kept_in_redis_are_served_and_limited(make_client, fake_sc
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["keys_removed"] == 1  # (after log lines)
     assert main(["tenants", "show", "team-r", *url]) == 1
     assert "no tenant 'team-r'" in capsys.readouterr().err
+
+
+async def test_a_queued_requests_lease_outlives_the_lease_sets_first_ttl(make_client, redis_server,
+                                                                         tokenizer):
+    """A lease lasts until its request ends or its own term lapses, however old the lease set is:
+    the set taken for the short pending lease (1 s here) must not expire with renewed leases in it."""
+    leases = KEYS.tenant_leases("team-a")
+    plain = redis_server.client()
+    submit = {**CHAT, "kind": "chat"}
+    with FakeScheduler(redis_server.url, MODEL, tokenizer, consume=False):  # alive, takes nothing
+        client = await make_client(tenants=tenants(max_concurrent_requests=2), tenant_pending_lease_s=1.0,
+                                   tenant_lease_s=6.0)
+        ids = []
+        for _ in range(2):
+            response = await client.post("/v1/requests", json=submit, headers=auth("key-a"))
+            assert response.status == 202
+            ids.append((await response.json())["id"])
+        # Past the set's first TTL (pending lease + 1 s): both requests still hold their leases.
+        await asyncio.sleep(2.5)
+        assert plain.zcard(leases) == 2
+        for _ in range(2):
+            refused = await client.post("/v1/requests", json=submit, headers=auth("key-a"))
+            assert refused.status == 429
+            assert (await refused.json())["error"]["code"] == "max_concurrent_requests"
+        # A request that ends ends its lease; the new one's (short) lease leaves the others' TTL alone.
+        assert (await client.delete(f"/v1/requests/{ids[0]}", headers=auth("key-a"))).status == 200
+        assert (await client.post("/v1/requests", json=submit, headers=auth("key-a"))).status == 202
+        assert plain.pttl(leases) / 1000 >= plain.zscore(leases, ids[1]) - time.time()
+        await asyncio.sleep(2.5)
+        assert plain.zcard(leases) == 2
+        assert (await client.post("/v1/requests", json=submit, headers=auth("key-a"))).status == 429
+        # A lease nobody ends lapses after its own term (6 s from its queueing).
+        for _ in range(200):
+            if (await client.post("/v1/requests", json=submit, headers=auth("key-a"))).status == 202:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the leases never lapsed")
+        assert plain.zscore(leases, ids[1]) is None
