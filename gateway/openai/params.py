@@ -89,7 +89,7 @@ def _check_length(model: ServedModel, num_prompt: int, max_tokens: int | None, *
 
 
 def _sampling(body: SamplingFields, max_tokens: int, logprobs: int | None,
-              seed: int | None) -> SamplingParams:
+              seed: int | None, stop_token_ids: list[int]) -> SamplingParams:
     top_k = body.top_k if body.top_k is not None and body.top_k > 0 else None
     return SamplingParams(
         max_tokens=max_tokens,
@@ -99,7 +99,7 @@ def _sampling(body: SamplingFields, max_tokens: int, logprobs: int | None,
         min_p=body.min_p or 0.0,
         seed=seed,
         stop=body.stop_strings,
-        stop_token_ids=list(body.stop_token_ids or []),
+        stop_token_ids=stop_token_ids,
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
@@ -111,10 +111,11 @@ def _sampling(body: SamplingFields, max_tokens: int, logprobs: int | None,
 def _choices(body: SamplingFields, prompts: list[list[int]], max_tokens: list[int],
              logprobs: int | None) -> list[ChoicePlan]:
     choices = []
+    stop_token_ids = list(body.stop_token_ids or [])  # (one list for all choices: none changes it)
     for p, ids in enumerate(prompts):
         for i in range(body.n):
             index = p * body.n + i
-            sampling = _sampling(body, max_tokens[p], logprobs, _choice_seed(body.seed, i))
+            sampling = _sampling(body, max_tokens[p], logprobs, _choice_seed(body.seed, i), stop_token_ids)
             choices.append(ChoicePlan(index, p, ids, sampling))
     return choices
 
@@ -172,9 +173,6 @@ def plan_completion(body: CompletionRequest, model: ServedModel, settings: Gatew
     prompts = _prompt_list(body.prompt)
     if not prompts:
         raise BadRequest("the prompt is empty", param="prompt")
-    if len(prompts) > settings.max_prompts:
-        raise BadRequest(f"at most {settings.max_prompts} prompts per request, got {len(prompts)}",
-                         param="prompt")
     if body.echo and body.logprobs is not None:
         raise BadRequest("echo with logprobs needs prompt logprobs, which this server does not compute",
                          param="echo")
