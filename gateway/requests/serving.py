@@ -12,7 +12,18 @@ from typing import TypeVar
 from aiohttp import web
 from pydantic import TypeAdapter
 
-from gateway.appkeys import FLEET, LIMITER, METRICS, QUEUE_DEPTHS, ROUTER, SETTINGS, STORE, TASKS, TENANT
+from gateway.appkeys import (
+    FLEET,
+    LIMITER,
+    METRICS,
+    QUEUE_DEPTHS,
+    REQUEST_ID,
+    ROUTER,
+    SETTINGS,
+    STORE,
+    TASKS,
+    TENANT,
+)
 from gateway.errors import BadRequest, RateLimited
 from gateway.models import ServedModel
 from gateway.openai.params import Plan
@@ -128,7 +139,7 @@ class EventStream:
         self.request = request
         self.response = web.StreamResponse(headers={
             "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no", "X-Request-Id": request.get("request_id", ""),
+            "X-Accel-Buffering": "no", "X-Request-Id": request.get(REQUEST_ID, ""),
         })
         self._metrics = request.app[METRICS]
         self._is_open = False

@@ -236,3 +236,14 @@ async def test_a_chat_stream_carries_event_ids_and_its_request_id_to_resume_from
     assert rest == "".join(texts[3:])
     several = await client.post("/v1/chat/completions", json={**CHAT, "n": 2})
     assert len(several.headers["tokenfleet-request-id"].split(",")) == 2
+
+
+async def test_an_event_stream_carries_the_request_id(make_client, fake_scheduler):
+    client = await make_client()
+    mine = await client.post("/v1/chat/completions", json={**CHAT, "stream": True},
+                             headers={"X-Request-Id": "abc-123"})
+    assert mine.headers["X-Request-Id"] == "abc-123"
+    await mine.read()
+    ours = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "stream": True})
+    assert len(ours.headers["X-Request-Id"]) == 32
+    await ours.read()
