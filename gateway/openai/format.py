@@ -21,6 +21,18 @@ _UNSET = object()
 MISSING_LOGPROB = -9999.0  # what vLLM reports for -inf or an unknown logprob (JSON has no -inf)
 
 
+def finish_reason_of(delta: Delta) -> str | None:
+    """A choice's finish_reason in OpenAI's values (the SDK's types know no other): its own
+    when it completed; "length" when it was cancelled (its text is cut short, as by max_tokens:
+    the record keeps status "cancelled"); None when it failed or expired with an error, which
+    the call reports instead (an error answer, or an error event on a stream)."""
+    if delta.state == "completed":
+        return delta.finish_reason or "stop"
+    if delta.state in ("failed", "expired") and delta.error is not None:
+        return None
+    return "length"
+
+
 def _logprob(value: float | None) -> float:
     return MISSING_LOGPROB if value is None or not math.isfinite(value) else float(value)
 
@@ -80,7 +92,7 @@ class ChoiceOutput:
             self.state = delta.state
             self.error = delta.error
             self.cached_tokens = cached_tokens_of(delta.usage)
-            self.finish_reason = delta.finish_reason or ("abort" if delta.state != "completed" else "stop")
+            self.finish_reason = finish_reason_of(delta)
 
 
 def cached_tokens_of(usage: dict | None) -> int:
@@ -189,9 +201,7 @@ class ChunkMaker:
 
     def delta(self, index: int, delta: Delta) -> dict | None:
         """The chunk of one delta; None when it carries nothing a client would see."""
-        finish = None
-        if delta.is_final:
-            finish = delta.finish_reason or ("abort" if delta.state != "completed" else "stop")
+        finish = finish_reason_of(delta) if delta.is_final else None
         wants_logprobs = self.plan.logprobs is not None and bool(delta.logprobs)
         if not delta.text and finish is None and not wants_logprobs:
             return None
@@ -236,7 +246,7 @@ class ChunkMaker:
         if delta.is_final:
             rest, more = stream.finish()
             content, calls = content + rest, calls + more
-            finish = delta.finish_reason or ("abort" if delta.state != "completed" else "stop")
+            finish = finish_reason_of(delta)
         chunks = []
         if content and not self.plan.is_tool_choice_forced:  # forced: leftovers are a cut call
             chunks.append({"content": content})

@@ -247,3 +247,27 @@ async def test_an_event_stream_carries_the_request_id(make_client, fake_schedule
     ours = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "stream": True})
     assert len(ours.headers["X-Request-Id"]) == 32
     await ours.read()
+
+
+async def test_a_cancelled_choice_reports_an_openai_finish_reason(make_client, redis_server, tokenizer):
+    """A choice cancelled mid-way (DELETE on its id) ends with "length" (cut short), never a value
+    the SDK's types lack ("abort"), streamed or not; its own record says "cancelled"."""
+    with FakeScheduler(redis_server.url, MODEL, tokenizer, token_delay_s=0.05):
+        client = await make_client()
+        response = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 200, "stream": True})
+        req_id = response.headers["tokenfleet-request-id"]
+        await response.content.readline()
+        assert (await (await client.delete(f"/v1/requests/{req_id}")).json())["status"] == "cancelled"
+        chunks = [json.loads(c) for c in data_fields(await response.text()) if c != DONE]
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+        assert "abort" not in json.dumps(chunks)
+
+        calling = asyncio.ensure_future(client.post("/v1/completions",
+                                                    json={"model": MODEL, "prompt": "hi", "max_tokens": 200}))
+        records = Keys().result("*")
+        while not (found := list(redis_server.client().scan_iter(match=records))) or len(found) < 2:
+            await asyncio.sleep(0.02)
+        other = next(k.decode().rsplit(":", 1)[-1] for k in found if req_id not in k.decode())
+        await client.delete(f"/v1/requests/{other}")
+        answer = await (await calling).json()
+        assert answer["choices"][0]["finish_reason"] == "length"
