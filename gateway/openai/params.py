@@ -48,6 +48,7 @@ class Plan:
     tool_format: str | None = None  # chat with tools: the format calls are read in (gateway/openai/tools.py)
     parallel_tool_calls: bool = True  # False: an answer's first call only
     is_tool_choice_forced: bool = False  # required or named: the answer is calls, never content
+    max_tokens_given: bool = True  # False: a chat without max_tokens (its choices run to a default)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -143,6 +144,7 @@ def plan_chat(body: ChatCompletionRequest, model: ServedModel, settings: Gateway
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         logprobs=logprobs, tool_format=tools.format, parallel_tool_calls=tools.is_parallel,
         is_tool_choice_forced=tools.forced_names is not None,
+        max_tokens_given=(body.max_completion_tokens or body.max_tokens) is not None,
     )
 
 

@@ -25,6 +25,7 @@ from gateway.appkeys import (
     TENANT,
 )
 from gateway.errors import BadRequest, RateLimited
+from gateway.limits import OUTPUT_ESTIMATE_TOKENS
 from gateway.models import ServedModel
 from gateway.openai.params import Plan
 from gateway.requests.follow import Watch
@@ -67,12 +68,24 @@ async def admit(request: web.Request, model: str, num_requests: int) -> None:
                 "retry later", code="queue_full", headers={"Retry-After": str(settings.retry_after_s)})
 
 
-async def admit_tenant(request: web.Request, plan: Plan, req_ids: list[str]) -> Tenant | None:
-    """The caller's tenant, once its limits allow these requests (429 naming the limit else).
-    Whoever admits must end the leases of requests it then fails to queue."""
+def charged_output_tokens(plan: Plan, *, settles: bool) -> int:
+    """The output tokens a call is charged when admitted (tokens_per_minute): its choices'
+    max_tokens; for a call that gave none and settles on its actual use when it ends
+    (TenantLimiter.settle), an estimate per choice (gateway/limits.py) instead of the rest of
+    the context window, which alone may pass the tenant's limit."""
+    if settles and not plan.max_tokens_given:
+        return sum(min(choice.sampling.max_tokens, OUTPUT_ESTIMATE_TOKENS) for choice in plan.choices)
+    return sum(choice.sampling.max_tokens for choice in plan.choices)
+
+
+async def admit_tenant(request: web.Request, plan: Plan, req_ids: list[str],
+                       output_tokens: int) -> Tenant | None:
+    """The caller's tenant, once its limits allow these requests (429 naming the limit else),
+    charged their prompts and `output_tokens` (charged_output_tokens). Whoever admits must end
+    the leases of requests it then fails to queue."""
     tenant = request.get(TENANT)
     if tenant is not None:
-        num_tokens = sum(len(choice.prompt_ids) + choice.sampling.max_tokens for choice in plan.choices)
+        num_tokens = sum(len(choice.prompt_ids) for choice in plan.choices) + output_tokens
         try:
             await request.app[LIMITER].admit(tenant, req_ids, num_tokens)
         except RateLimited as exc:

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from gateway.limits import OUTPUT_ESTIMATE_TOKENS
 from gateway.tenants import TenantDirectory
 from protocol.keys import Keys
 from tests.gateway.conftest import MODEL
@@ -191,3 +192,31 @@ async def test_a_queued_requests_lease_outlives_the_lease_sets_first_ttl(make_cl
         else:
             raise AssertionError("the leases never lapsed")
         assert plain.zscore(leases, ids[1]) is None
+
+
+async def test_a_call_without_max_tokens_is_charged_an_estimate_and_settled_on_its_use(
+        make_client, redis_server, tokenizer):
+    """tokens_per_minute below the context window: an SDK call without max_tokens is admitted
+    (charged the prompt and an estimate, not the window), then charged what it really used:
+    the unused estimate refunded, or the tokens past it charged."""
+    plain = {**CHAT}
+    del plain["max_tokens"]
+    with FakeScheduler(redis_server.url, MODEL, tokenizer, max_reply_tokens=4):
+        probe = await make_client(api_keys=("plain",))
+        reply = await (await probe.post("/v1/chat/completions", json=plain, headers=auth("plain"))).json()
+        prompt = reply["usage"]["prompt_tokens"]
+        assert reply["usage"]["completion_tokens"] == 4
+        # Two calls fit only if the first one's unused estimate came back.
+        limit = 2 * (prompt + OUTPUT_ESTIMATE_TOKENS) - 50
+        client = await make_client(tenants=tenants(tokens_per_minute=limit))
+        for _ in range(2):
+            response = await client.post("/v1/chat/completions", json=plain, headers=auth("key-a"))
+            assert response.status == 200, await response.text()
+    with FakeScheduler(redis_server.url, MODEL, tokenizer, max_reply_tokens=OUTPUT_ESTIMATE_TOKENS + 94):
+        # A call that used more than its estimate is charged the rest: the next one no longer fits.
+        limit = (prompt + OUTPUT_ESTIMATE_TOKENS + 94) + (prompt + OUTPUT_ESTIMATE_TOKENS) - 30
+        client = await make_client(tenants=tenants(tokens_per_minute=limit))
+        first = await client.post("/v1/chat/completions", json=plain, headers=auth("key-a"))
+        assert (await first.json())["usage"]["completion_tokens"] == OUTPUT_ESTIMATE_TOKENS + 94
+        second = await client.post("/v1/chat/completions", json=plain, headers=auth("key-a"))
+        assert second.status == 429 and (await second.json())["error"]["code"] == "tokens_per_minute"
