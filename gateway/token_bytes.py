@@ -2,7 +2,8 @@
 text's UTF-8, even where one character is split over several tokens (each piece of it has
 part of the character's bytes; decoding the piece alone would give U+FFFD).
 
-Read from the tokenizer's vocabulary: a byte-level BPE (GPT-2's byte-to-character table:
+Read from the tokenizer's vocabulary: a tokenizer that lists its tokens' bytes itself (Qwen v1's
+tiktoken one, shared/qwen_tokenizer.py) is asked; a byte-level BPE (GPT-2's byte-to-character table:
 SmolLM2, Llama 3, Qwen) maps each character of a token back to its byte; a SentencePiece-style
 vocabulary spells a space "▁" and a lone byte "<0xNN>". A special or added token, and any
 vocabulary of another kind, is its decoded text's UTF-8.
@@ -45,6 +46,10 @@ def _decoder_types(tokenizer: Any) -> set[str]:
 
 def token_bytes_reader(tokenizer: Any) -> Callable[[int], bytes]:
     """token id -> its bytes, for this tokenizer's kind of vocabulary."""
+    if callable(getattr(tokenizer, "token_bytes", None)):
+        listed = tokenizer.token_bytes()  # (a special token's is empty: its text is used)
+        return lambda token_id: (listed[token_id] if 0 <= token_id < len(listed) and listed[token_id]
+                                 else tokenizer.decode([token_id]).encode())
     kinds = _decoder_types(tokenizer)
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
     special |= set(getattr(tokenizer, "added_tokens_decoder", {}) or {})

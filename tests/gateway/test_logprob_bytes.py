@@ -52,3 +52,20 @@ def test_completion_text_offsets_count_characters_across_deltas(served, split: i
     # The token that ends 😀 (its last byte alone) starts where 😀 does.
     last_byte_of_smiley = next(i for i, (t, _, _) in enumerate(entries) if served.token_bytes(t) == b"\x80")
     assert got[last_byte_of_smiley] == len("echo: ") + TEXT.index("😀")
+
+
+def test_a_tokenizer_that_lists_its_bytes_is_asked(tmp_path) -> None:
+    """Qwen v1's tiktoken tokenizer (no byte-level table): bytes from its own list; a special
+    token's are its text's."""
+    from shared.tokenizer import load_tokenizer
+    from testkit.qwen_checkpoints import synthetic_ranks, write_tiktoken
+
+    write_tiktoken(tmp_path / "qwen.tiktoken", synthetic_ranks(900))
+    (tmp_path / "tokenizer_config.json").write_text(
+        '{"auto_map": {"AutoTokenizer": ["tokenization_qwen.QWenTokenizer", null]}}')
+    model = ServedModel("qwen", str(tmp_path), load_tokenizer(tmp_path), 2048, 1108)
+    ids = model.tokenizer.encode_plain(TEXT)
+    assert any("\ufffd" in model.token_text(token_id) for token_id in ids)
+    items = chat_logprobs(model, [[token_id, -0.5, None] for token_id in ids], 0)
+    assert b"".join(bytes(item["bytes"]) for item in items) == TEXT.encode()
+    assert model.token_bytes(900) == b"<|endoftext|>"
