@@ -215,7 +215,7 @@ class LLMEngine:
         # or from its submission (when the device had nothing before it) to its own result.
         step_ms = (collected - max(self._last_collected_at, submitted)) * 1000
         self._last_collected_at = collected
-        self.scheduler.step_cost.observe(output.batch.num_tokens, step_ms)
+        self.scheduler.observe_step(output, step_ms)
         self._num_failed_steps = 0
         self.num_steps += 1
         done = self.scheduler.update_from_output(output, result)

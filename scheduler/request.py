@@ -94,6 +94,9 @@ class Request:
     # One entry per output token, only when sampling.logprobs is not None.
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_preemptions: int = 0
+    # The step that last computed a token of it: a step's latency budget leaves out the less
+    # important decodes that ran most recently first (scheduler._less_important_order).
+    last_scheduled_step: int = -1
     # What the workers need of `sampling` (sent with every step of this request): without the
     # grammar, stop strings and stop token ids, which only the scheduler reads and which can be
     # kilobytes.

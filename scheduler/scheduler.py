@@ -1,12 +1,12 @@
 """Iteration-level scheduler: which requests compute how many tokens in each step.
 
-Every step, running decodes go first, then the prefill of the most important requests present
-(lowest priority number: interactive requests beside batch items): the next chunk of those
-running, then waiting ones in order (tenants taking turns, fair_share.py), as long as the token
-budget, the sequence cap and the KV cache allow; a waiting one takes the slot or the blocks of a
-less important running one (preempted). The prefill of everyone else (running chunks, then
-admissions, most important first) only fills the step up to its latency budget
-(step_budget.py), so that batch prompts never stretch a chat's step; with nothing more important
+Every step, the running decodes of the most important requests present (lowest priority
+number: interactive requests beside batch items) go first, then their prefill: the next chunk of
+those running, then waiting ones in order (tenants taking turns, fair_share.py), as long as the
+token budget, the sequence cap and the KV cache allow; a waiting one takes the slot or the blocks
+of a less important running one (preempted). The work of everyone else (decodes, running chunks,
+then admissions, most important first) only fills the step up to its latency budget
+(step_budget.py), so that batch items never stretch a chat's step; with nothing more important
 present, they get the whole budget. When the cache runs out, the least important running
 request is preempted: its blocks are freed and it later recomputes its prompt and output from
 scratch (num_computed_tokens back to 0), its output so far kept.
@@ -59,6 +59,14 @@ logger = get_logger(__name__)
 def _importance(request: Request) -> tuple[int, float]:
     """Sort key: most important first (lower priority number, then earlier arrival)."""
     return (request.priority, request.arrival_time)
+
+
+def _less_important_order(request: Request) -> tuple[int, bool, float]:
+    """Sort key of the work a step's budget caps: by priority, decodes first (they hold their
+    KV blocks already; finishing them frees slots), the decode that ran longest ago first (a
+    decode the cap left out goes first next time), prompts in arrival order."""
+    is_prefill = request.num_tokens - request.num_computed_tokens > 1
+    return (request.priority, is_prefill, request.arrival_time if is_prefill else request.last_scheduled_step)
 
 
 class Scheduler:
@@ -200,12 +208,19 @@ class Scheduler:
             batch.mask_filler = self.grammars.mask_filler(works)
         self._next_step_id += 1
         for request, work in zip(scheduled, works, strict=True):
+            request.last_scheduled_step = batch.step_id
             request.num_in_flight_tokens += len(work.token_ids)
             request.num_pending_tokens += work.is_sampled
         self._computing_in_flight.update(plan.computing_block_hashes)
         return SchedulerOutput(batch, plan.num_scheduled_tokens, plan.preempted_req_ids,
                                [(request, request.num_preemptions) for request in scheduled],
-                               plan.computing_block_hashes, plan.step_token_cap)
+                               plan.computing_block_hashes, plan.step_token_cap,
+                               plan.num_top_tokens, plan.was_capped)
+
+    def observe_step(self, output: SchedulerOutput, ms: float) -> None:
+        """What a step took (from the engine), for the latency budget (step_budget.py)."""
+        self.latency_budget.observe(output.batch.num_tokens, output.num_top_tokens, ms,
+                                    was_capped=output.was_capped, limit=self.config.max_num_batched_tokens)
 
     def _most_important_priority(self) -> int | None:
         """The lowest priority number among running and waiting requests (None: there are none):
@@ -240,28 +255,32 @@ class Scheduler:
                 continue  # preempted for another request earlier in this loop
             if request.num_in_flight_tokens and not self._can_schedule_ahead(request):
                 continue  # in a step in flight: its next step waits for that one's token
-            if request.priority != top and self._num_new_tokens(request, plan.token_budget) > 1:
-                less_important.append(request)  # a prefill chunk: within the step's budget, later
+            if request.priority != top:
+                less_important.append(request)  # within the step's budget, later
                 continue
             self._schedule_running_request(request, plan, plan.token_budget)
-        less_important.sort(key=_importance)
+        less_important.sort(key=_less_important_order)
         return less_important
 
     def _schedule_less_important(self, plan: StepPlan, prefills: list[Request], admits: bool) -> None:
-        """Within the step's cap, in priority order: the running requests' prefill chunks (most
-        important first), each after the waiting requests more important than it; then the rest
-        of the waiting ones. No admission once this step preempted (admitting would only preempt
+        """Within the step's cap, in priority order: the running requests' decodes and prefill
+        chunks (`_less_important_order`), each after the waiting requests more important than it;
+        then the rest of the waiting ones. No admission once this step preempted (admitting would only preempt
         again) or a waiting request is stuck (strict order)."""
+        admitted_until: int | None = None  # the priority up to which waiting ones were admitted
         for request in prefills:
-            if admits:
+            if admits and request.priority != admitted_until:
+                admitted_until = request.priority
                 admits = not plan.preempted_req_ids and self._schedule_waiting(
                     plan, request.priority - 1, capped=True)
             if not plan.has_seq_room or plan.capped_budget <= 0:
+                plan.was_capped = True
                 return
             if request.status is RequestStatus.RUNNING:  # (not preempted for a newcomer meanwhile)
                 self._schedule_running_request(request, plan, plan.capped_budget)
         if admits and not plan.preempted_req_ids:
             self._schedule_waiting(plan, None, capped=True)
+        plan.was_capped = plan.was_capped or plan.capped_budget <= 0
 
     def _schedule_running_request(self, request: Request, plan: StepPlan, token_budget: int) -> None:
         num_new_tokens = self._num_new_tokens(request, token_budget)

@@ -75,6 +75,8 @@ class SchedulerOutput:
     # The most tokens the step could hold once less important prefill joined (step_budget.py);
     # None: nothing less important to cap.
     step_token_cap: int | None = None
+    num_top_tokens: int = 0  # tokens of the most important priority present
+    was_capped: bool = False  # the cap held less important work back
 
     @property
     def scheduled_req_ids(self) -> list[str]:
@@ -107,6 +109,7 @@ class StepPlan:
     num_tokens: int = 0  # scheduled so far
     top_priority: int | None = None  # the most important priority present
     num_top_tokens: int = 0  # scheduled so far for requests of top_priority
+    was_capped: bool = False  # the cap held less important work back
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # req_id -> tokens
     preempted_req_ids: list[str] = field(default_factory=list)
     # Hashes of the full blocks this step's prefills compute: cached from the next step on.

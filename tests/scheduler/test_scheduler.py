@@ -224,14 +224,27 @@ def test_preempted_request_frees_blocks_and_resumes_first_by_recomputing_everyth
 def test_no_waiting_request_is_admitted_in_a_step_that_had_to_preempt() -> None:
     scheduler = make_scheduler(block_size=2, num_kv_blocks=4)
     runner = FakeRunner(block_size=2)
+    scheduler.add_request(make_request("a", 3, arrival_time=0.0))
+    scheduler.add_request(make_request("b", 3, 60, arrival_time=1.0))
+    step(scheduler, runner, {})
+    step(scheduler, runner, {})
+    scheduler.add_request(make_request("later", 1, arrival_time=2.0))
+    out = step(scheduler, runner, {})  # "a" needs a block: "b" is preempted, 1 block left
+    assert out.preempted_req_ids == ["b"] and out.scheduled_req_ids == ["a"]
+
+
+def test_a_more_important_arrival_goes_before_less_important_decodes_which_yield_it_room() -> None:
+    scheduler = make_scheduler(block_size=2, num_kv_blocks=4)
+    runner = FakeRunner(block_size=2)
     scheduler.add_request(make_request("a", 3, priority=1, arrival_time=0.0))
     scheduler.add_request(make_request("b", 3, 60, priority=1, arrival_time=1.0))
     step(scheduler, runner, {})
     step(scheduler, runner, {})
     scheduler.add_request(make_request("urgent", 1, priority=0, arrival_time=2.0))
-    out = step(scheduler, runner, {})  # "a" needs a block: "b" is preempted, 1 block left
-    assert out.preempted_req_ids == ["b"] and out.scheduled_req_ids == ["a"]
-    assert step(scheduler, runner, {}).scheduled_req_ids == ["a", "urgent"]
+    # The urgent request takes the free block; "a"'s decode then needs one: "b" (the least
+    # important, latest) is preempted for it.
+    out = step(scheduler, runner, {})
+    assert out.preempted_req_ids == ["b"] and out.scheduled_req_ids == ["urgent", "a"]
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import pytest
 
 from scheduler.request import BATCH_PRIORITY
 from scheduler.scheduler import Scheduler
-from scheduler.step_budget import FALLBACK_STEP_TOKENS, LatencyBudget
+from scheduler.step_budget import FALLBACK_STEP_TOKENS, MIN_ALLOWANCE_TOKENS, LatencyBudget
 from scheduler.step_cost import StepCost
 from tests.scheduler.test_scheduler import (
     Collected,
@@ -127,8 +127,8 @@ def test_without_interactive_work_batch_items_fill_the_whole_budget() -> None:
     assert outs[0].batch.num_tokens == 256 and outs[0].step_token_cap is None
 
 
-def test_decodes_of_batch_items_always_run_beside_a_chat_even_past_the_cap() -> None:
-    scheduler = budgeted_scheduler(itl_target_ms=2.0, max_num_seqs=16)  # 10 tokens a step
+def test_batch_decodes_past_the_cap_skip_the_step_and_go_first_in_the_next() -> None:
+    scheduler = budgeted_scheduler(itl_target_ms=6.0, max_num_seqs=16)  # 50 tokens a step
     runner = FakeRunner()
     for i in range(12):
         scheduler.add_request(make_request(f"b{i}", num_prompt=4, first_token=i, priority=BATCH_PRIORITY,
@@ -137,7 +137,46 @@ def test_decodes_of_batch_items_always_run_beside_a_chat_even_past_the_cap() -> 
     scheduler.add_request(make_request("chat", num_prompt=40, first_token=500, arrival_time=20.0))
     out = step(scheduler, runner, {})
     assert out.num_scheduled_tokens["chat"] == 40  # the chat's prefill is never capped
-    assert all(out.num_scheduled_tokens[f"b{i}"] == 1 for i in range(12))  # every decode runs
+    ran = {f"b{i}" for i in range(12)} & set(out.num_scheduled_tokens)
+    assert len(ran) == 10 and out.batch.num_tokens == 50 and out.was_capped  # 2 decodes wait
+    out = step(scheduler, runner, {})  # the chat decodes: 1 + 12 batch decodes fit in 50
+    left_out = {f"b{i}" for i in range(12)} - ran
+    assert left_out <= set(out.num_scheduled_tokens) and out.batch.num_tokens == 13
+
+
+def test_the_decodes_left_out_longest_go_first() -> None:
+    scheduler = budgeted_scheduler(itl_target_ms=1.7, max_num_seqs=16)  # 7 tokens a step
+    runner = FakeRunner()
+    for i in range(12):
+        scheduler.add_request(make_request(f"b{i}", num_prompt=4, first_token=i, priority=BATCH_PRIORITY,
+                                           arrival_time=float(i), max_tokens=30))
+    step(scheduler, runner, {})
+    scheduler.add_request(make_request("chat", num_prompt=2, first_token=500, arrival_time=20.0))
+    first = set(step(scheduler, runner, {}).num_scheduled_tokens) - {"chat"}  # 2 + 5 batch decodes
+    second = set(step(scheduler, runner, {}).num_scheduled_tokens) - {"chat"}  # 1 + 6
+    assert len(first) == 5 and len(second) == 6 and first.isdisjoint(second)
+    third = set(step(scheduler, runner, {}).num_scheduled_tokens) - {"chat"}
+    assert third >= {f"b{i}" for i in range(12)} - first - second  # every decode runs within three steps
+
+
+def test_the_auto_allowance_shrinks_after_slow_steps_and_grows_back_after_fast_capped_ones() -> None:
+    budget = LatencyBudget(slowdown=1.5, cost=linear_cost())
+    for _ in range(5):  # the chats alone: 40 tokens in 5 ms
+        budget.observe(40, 40, 5.0, was_capped=False, limit=8192)
+    assert budget.step_tokens(40, 8192) == 65  # 7.5 ms by the cost curve, before any step beside
+    budget.observe(100, 40, 20.0, was_capped=True, limit=8192)  # 20 ms: far over 7.5
+    first = budget.allowance
+    assert first is not None and budget.step_tokens(40, 8192) == 40 + int(first)
+    for _ in range(10):
+        budget.observe(100, 40, 20.0, was_capped=True, limit=8192)
+    assert budget.allowance == MIN_ALLOWANCE_TOKENS  # never below: batch items keep moving
+    shrunk = budget.allowance
+    for _ in range(10):  # within 1.5 x 5 ms, and the cap held work back: it grows again
+        budget.observe(40 + int(budget.allowance), 40, 7.0, was_capped=True, limit=8192)
+    assert budget.allowance > shrunk * 1.5
+    grown = budget.allowance
+    budget.observe(60, 40, 7.0, was_capped=False, limit=8192)  # nothing held back: no reason to grow
+    assert budget.allowance == grown
 
 
 def test_interactive_prefill_goes_before_a_running_batch_prefill() -> None:
@@ -278,7 +317,7 @@ def test_batch_decodes_count_against_the_auto_budget_and_do_not_raise_it() -> No
     scheduler.add_request(make_request("late", num_prompt=100, priority=BATCH_PRIORITY, arrival_time=50.0))
     scheduler.add_request(make_request("chat", num_prompt=40, first_token=500, arrival_time=60.0))
     out = step(scheduler, runner, {})
-    # The chat alone: 40 tokens, 5 ms; the step may hold 65, 40 of which are the batch's decodes
-    # already: no room for the late batch prompt.
+    # The chat alone: 40 tokens, 5 ms; the step may hold 65: 25 of the batch's 40 decodes, and no
+    # room for the late batch prompt.
     assert out.num_scheduled_tokens["chat"] == 40 and out.step_token_cap == 65
-    assert "late" not in out.num_scheduled_tokens and out.batch.num_tokens == 80
+    assert "late" not in out.num_scheduled_tokens and out.batch.num_tokens == 65
