@@ -30,7 +30,6 @@ from gateway.requests.serving import (
     EventStream,
     admit,
     admit_tenant,
-    charged_output_tokens,
     following,
     read_body,
     submissions,
@@ -88,7 +87,7 @@ async def submit(request: web.Request) -> web.Response:
     # (in its Idempotency-Key's partition: one script writes both, on one slot)
     req_id = store.keys.request_id(idempotency[0] if idempotency is not None else None)
     await admit(request, plan.model.name, 1)
-    tenant = await admit_tenant(request, plan, [req_id], charged_output_tokens(plan, settles=False))
+    tenant = await admit_tenant(request, plan, [req_id])
     # No call waits for it: its lease lasts until the scheduler writes its end (or it lapses).
     lease_until = request.app[LIMITER].lease_for_queue(tenant) if tenant is not None else None
     (submission,) = submissions(plan, [req_id], deadline, tenant=tenant, lease_until=lease_until)

@@ -79,12 +79,15 @@ def charged_output_tokens(plan: Plan, *, settles: bool) -> int:
 
 
 async def admit_tenant(request: web.Request, plan: Plan, req_ids: list[str],
-                       output_tokens: int) -> Tenant | None:
+                       output_tokens: int | None = None) -> Tenant | None:
     """The caller's tenant, once its limits allow these requests (429 naming the limit else),
-    charged their prompts and `output_tokens` (charged_output_tokens). Whoever admits must end
-    the leases of requests it then fails to queue."""
+    charged their prompts and `output_tokens` (charged_output_tokens; None: their max_tokens,
+    for a caller that does not settle). Whoever admits must end the leases of requests it then
+    fails to queue."""
     tenant = request.get(TENANT)
     if tenant is not None:
+        if output_tokens is None:
+            output_tokens = charged_output_tokens(plan, settles=False)
         num_tokens = sum(len(choice.prompt_ids) for choice in plan.choices) + output_tokens
         try:
             await request.app[LIMITER].admit(tenant, req_ids, num_tokens)
