@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.errors import BadRequest, ModelNotFound
 from gateway.settings import ModelSpec
+from gateway.token_bytes import token_bytes_reader
 from gateway.token_pieces import PieceEncoder
 from shared.errors import ModelLoadError
 from shared.model_config import load_model_config
@@ -37,6 +39,8 @@ class ServedModel:
     vocab_size: int
     created: int = field(default_factory=lambda: int(time.time()))
     _token_texts: dict[int, str] = field(default_factory=dict)  # token id -> its text (logprobs)
+    _token_bytes: dict[int, bytes] = field(default_factory=dict)  # token id -> its own bytes (logprobs)
+    _read_token_bytes: Callable[[int], bytes] | None = field(default=None, repr=False)
     # A chat template's text, encoded from its pieces' cached ids (None: this tokenizer's
     # encodings are not its pieces', gateway/token_pieces.py): a shared system prompt once.
     _pieces: PieceEncoder | None = field(default=None, repr=False)
@@ -112,6 +116,16 @@ class ServedModel:
         if text is None:
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
         return text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes (gateway/token_bytes.py): part of a character's for a token
+        that splits one, where its text alone would be U+FFFD."""
+        data = self._token_bytes.get(token_id)
+        if data is None:
+            if self._read_token_bytes is None:
+                self._read_token_bytes = token_bytes_reader(self.tokenizer)
+            data = self._token_bytes[token_id] = self._read_token_bytes(token_id)
+        return data
 
 
 class ModelRegistry:

@@ -35,7 +35,6 @@ class GatewaySettings:
     key_prefix: str = "tf:"
     max_queue: int = 1024  # per model: waiting entries beyond this answer 429
     max_n: int = 8  # cap on "n" (choices per request)
-    max_prompts: int = 16  # cap on prompts in one /v1/completions call
     max_body_bytes: int = 4 << 20
     redis_max_connections: int = 64  # commands beyond this many at once wait for a connection
     retry_after_s: int = 1  # Retry-After of a 429

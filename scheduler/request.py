@@ -98,13 +98,18 @@ class Request:
     # important decodes that ran most recently first (scheduler._less_important_order).
     last_scheduled_step: int = -1
     # What the workers need of `sampling` (sent with every step of this request): without the
-    # grammar and stop strings, which only the scheduler reads and which can be kilobytes.
+    # grammar, stop strings and stop token ids, which only the scheduler reads and which can be
+    # kilobytes.
     worker_sampling: SamplingParams = field(init=False)
+    # sampling.stop_token_ids as a set, built once: looked up for every token of the request.
+    stop_token_set: frozenset[int] = field(init=False)
 
     def __post_init__(self) -> None:
-        scheduler_only = self.sampling.grammar is not None or bool(self.sampling.stop)
-        self.worker_sampling = (dataclasses.replace(self.sampling, grammar=None, stop=[]) if scheduler_only
-                                else self.sampling)
+        sampling = self.sampling
+        scheduler_only = sampling.grammar is not None or bool(sampling.stop) or bool(sampling.stop_token_ids)
+        self.worker_sampling = (dataclasses.replace(sampling, grammar=None, stop=[], stop_token_ids=[])
+                                if scheduler_only else sampling)
+        self.stop_token_set = frozenset(sampling.stop_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

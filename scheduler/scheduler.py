@@ -569,7 +569,7 @@ class Scheduler:
             # As in vLLM: EOS and stop tokens stay in the token ids but add no text. A grammar
             # ends only on one of its stop tokens (the EOS ids), with or without ignore_eos.
             request.finish(RequestStatus.FINISHED_STOPPED)
-        elif token_id in sampling.stop_token_ids:
+        elif token_id in request.stop_token_set:
             request.finish(RequestStatus.FINISHED_STOPPED, stop_reason=token_id)
         elif detokenizer is not None:
             text_delta = detokenizer.add_token(token_id)

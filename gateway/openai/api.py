@@ -3,6 +3,7 @@ as one JSON object or as SSE chunks ending with `data: [DONE]`."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from aiohttp import web
@@ -19,6 +20,7 @@ from gateway.requests.serving import (
     EventStream,
     admit,
     admit_tenant,
+    charged_output_tokens,
     client_gone,
     following,
     new_req_id,
@@ -98,7 +100,8 @@ async def _serve(request: web.Request, plan: Plan, id_prefix: str) -> web.Stream
     try:
         await admit(request, plan.model.name, len(plan.choices))
         req_ids = [new_req_id() for _ in plan.choices]
-        tenant = await admit_tenant(request, plan, req_ids)
+        charged = charged_output_tokens(plan, settles=True)
+        tenant = await admit_tenant(request, plan, req_ids, charged)
     except (RateLimited, Unavailable):
         timer.count_ends("rejected")
         raise
@@ -114,6 +117,9 @@ async def _serve(request: web.Request, plan: Plan, id_prefix: str) -> web.Stream
                 response = await _collect(request, plan, response_id, watch, timer, req_ids)
     finally:  # a call that did not see all its choices end: its client left, or it broke
         timer.count_ends("disconnected" if timer.is_client_gone or client_gone(request) else "failed")
+        if tenant is not None and not plan.max_tokens_given:  # charged an estimate: settle on what it used
+            used = sum(out.num_tokens for out in timer.outputs)
+            await asyncio.shield(request.app[LIMITER].settle(tenant, used - charged))
     request.app[QUEUE_TIMES].add(plan.model.name, req_ids)
     return response
 

@@ -8,6 +8,7 @@ without building and encoding a dict per token.
 
 from __future__ import annotations
 
+import codecs
 import math
 from dataclasses import dataclass, field
 
@@ -21,37 +22,66 @@ _UNSET = object()
 MISSING_LOGPROB = -9999.0  # what vLLM reports for -inf or an unknown logprob (JSON has no -inf)
 
 
+def finish_reason_of(delta: Delta) -> str | None:
+    """A choice's finish_reason in OpenAI's values (the SDK's types know no other): its own
+    when it completed; "length" when it was cancelled (its text is cut short, as by max_tokens:
+    the record keeps status "cancelled"); None when it failed or expired with an error, which
+    the call reports instead (an error answer, or an error event on a stream)."""
+    if delta.state == "completed":
+        return delta.finish_reason or "stop"
+    if delta.state in ("failed", "expired") and delta.error is not None:
+        return None
+    return "length"
+
+
 def _logprob(value: float | None) -> float:
     return MISSING_LOGPROB if value is None or not math.isfinite(value) else float(value)
 
 
 def chat_logprobs(model: ServedModel, entries: list, top_n: int) -> list[dict]:
-    """Wire entries [token_id, logprob, [[id, logprob], ...]] -> chat "content" items."""
+    """Wire entries [token_id, logprob, [[id, logprob], ...]] -> chat "content" items. `bytes`
+    are the token's own (a choice's concatenated bytes are its text's UTF-8)."""
     items = []
     for token_id, logprob, top in entries:
-        token = model.token_text(token_id)
         items.append({
-            "token": token, "logprob": _logprob(logprob), "bytes": list(token.encode()),
+            "token": model.token_text(token_id), "logprob": _logprob(logprob),
+            "bytes": list(model.token_bytes(token_id)),
             "top_logprobs": [
-                {"token": (t := model.token_text(tid)), "logprob": _logprob(lp), "bytes": list(t.encode())}
+                {"token": model.token_text(tid), "logprob": _logprob(lp),
+                 "bytes": list(model.token_bytes(tid))}
                 for tid, lp in (top or [])[:top_n]
             ],
         })
     return items
 
 
-def completion_logprobs(model: ServedModel, entries: list, top_n: int, text_offset: int) -> dict:
-    """The legacy completions shape; text_offset is where the first token's text starts."""
-    tokens, token_logprobs, tops, offsets = [], [], [], []
+class TextOffsets:
+    """Where each token's text starts in its choice's text, in characters (completions'
+    `text_offset`), counted from the tokens' own bytes: a token that ends inside a character
+    adds no character; the token that completes it adds the character."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.chars = start
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def next(self, data: bytes) -> int:
+        """The offset of the token of these bytes; then counts its characters."""
+        offset = self.chars
+        self.chars += len(self._decoder.decode(data))
+        return offset
+
+
+def completion_logprobs(model: ServedModel, entries: list, top_n: int, offsets: TextOffsets) -> dict:
+    """The legacy completions shape; `offsets` goes on from the choice's earlier tokens."""
+    tokens, token_logprobs, tops, text_offsets = [], [], [], []
     for token_id, logprob, top in entries:
-        token = model.token_text(token_id)
-        tokens.append(token)
+        tokens.append(model.token_text(token_id))
         token_logprobs.append(_logprob(logprob))
         tops.append({model.token_text(tid): _logprob(lp) for tid, lp in (top or [])[:top_n]}
                     if top_n else None)
-        offsets.append(text_offset)
-        text_offset += len(token)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+        text_offsets.append(offsets.next(model.token_bytes(token_id)))
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
+            "text_offset": text_offsets}
 
 
 @dataclass
@@ -80,7 +110,7 @@ class ChoiceOutput:
             self.state = delta.state
             self.error = delta.error
             self.cached_tokens = cached_tokens_of(delta.usage)
-            self.finish_reason = delta.finish_reason or ("abort" if delta.state != "completed" else "stop")
+            self.finish_reason = finish_reason_of(delta)
 
 
 def cached_tokens_of(usage: dict | None) -> int:
@@ -142,7 +172,7 @@ def text_completion(plan: Plan, response_id: str, outputs: list[ChoiceOutput]) -
         prefix = plan.prompt_texts[plan.choices[out.index].prompt_index] if plan.echo else ""
         logprobs = None
         if plan.logprobs is not None:
-            logprobs = completion_logprobs(plan.model, out.logprobs, plan.logprobs, len(prefix))
+            logprobs = completion_logprobs(plan.model, out.logprobs, plan.logprobs, TextOffsets(len(prefix)))
         choices.append({"index": out.index, "text": prefix + out.text, "logprobs": logprobs,
                         "finish_reason": out.finish_reason})
     return {"id": response_id, "object": "text_completion", "created": plan.created, "model": plan.model.name,
@@ -158,7 +188,7 @@ class ChunkMaker:
         self.response_id = response_id
         self.is_chat = plan.api == "chat"
         self.object = "chat.completion.chunk" if self.is_chat else "text_completion"
-        self.text_offsets = [0] * len(plan.choices)  # choice -> characters sent (completions logprobs)
+        self.text_offsets = [TextOffsets() for _ in plan.choices]  # choice -> its tokens' (logprobs)
         self._templates: dict[int, Template | None] = {}  # choice -> frame of a plain text delta
         # With tools in play: choice -> its text split into content and calls, calls sent so far.
         self._tool_streams = None
@@ -183,15 +213,13 @@ class ChunkMaker:
                                 "logprobs": None, "finish_reason": None})
         if self.plan.echo:
             prefix = self.plan.prompt_texts[self.plan.choices[index].prompt_index]
-            self.text_offsets[index] = len(prefix)
+            self.text_offsets[index] = TextOffsets(len(prefix))
             return self._chunk({"index": index, "text": prefix, "logprobs": None, "finish_reason": None})
         return None
 
     def delta(self, index: int, delta: Delta) -> dict | None:
         """The chunk of one delta; None when it carries nothing a client would see."""
-        finish = None
-        if delta.is_final:
-            finish = delta.finish_reason or ("abort" if delta.state != "completed" else "stop")
+        finish = finish_reason_of(delta) if delta.is_final else None
         wants_logprobs = self.plan.logprobs is not None and bool(delta.logprobs)
         if not delta.text and finish is None and not wants_logprobs:
             return None
@@ -205,7 +233,6 @@ class ChunkMaker:
         if wants_logprobs:
             logprobs = completion_logprobs(self.plan.model, delta.logprobs, self.plan.logprobs,
                                            self.text_offsets[index])
-        self.text_offsets[index] += len(delta.text)
         return self._chunk({"index": index, "text": delta.text, "logprobs": logprobs,
                             "finish_reason": finish})
 
@@ -220,8 +247,6 @@ class ChunkMaker:
                 template = Template.make(lambda marker: self._frame_of_text(index, marker))
                 self._templates[index] = template
             if template is not None:
-                if not self.is_chat:
-                    self.text_offsets[index] += len(delta.text)
                 return template.fill(encode_basestring(delta.text))
         chunk = self.delta(index, delta)
         return None if chunk is None else frame(chunk)
@@ -236,7 +261,7 @@ class ChunkMaker:
         if delta.is_final:
             rest, more = stream.finish()
             content, calls = content + rest, calls + more
-            finish = delta.finish_reason or ("abort" if delta.state != "completed" else "stop")
+            finish = finish_reason_of(delta)
         chunks = []
         if content and not self.plan.is_tool_choice_forced:  # forced: leftovers are a cut call
             chunks.append({"content": content})
@@ -265,10 +290,7 @@ class ChunkMaker:
         return b"".join(frames) if frames else None
 
     def _frame_of_text(self, index: int, text: str) -> bytes:
-        offset = self.text_offsets[index]
-        chunk = self.delta(index, Delta(0, [], text))
-        self.text_offsets[index] = offset  # rendering a template sends nothing
-        return frame(chunk)
+        return frame(self.delta(index, Delta(0, [], text)))
 
     def usage(self, outputs: list[ChoiceOutput]) -> dict:
         return {"id": self.response_id, "object": self.object, "created": self.plan.created,

@@ -48,6 +48,7 @@ class Plan:
     tool_format: str | None = None  # chat with tools: the format calls are read in (gateway/openai/tools.py)
     parallel_tool_calls: bool = True  # False: an answer's first call only
     is_tool_choice_forced: bool = False  # required or named: the answer is calls, never content
+    max_tokens_given: bool = True  # False: a chat without max_tokens (its choices run to a default)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -89,7 +90,7 @@ def _check_length(model: ServedModel, num_prompt: int, max_tokens: int | None, *
 
 
 def _sampling(body: SamplingFields, max_tokens: int, logprobs: int | None,
-              seed: int | None) -> SamplingParams:
+              seed: int | None, stop_token_ids: list[int]) -> SamplingParams:
     top_k = body.top_k if body.top_k is not None and body.top_k > 0 else None
     return SamplingParams(
         max_tokens=max_tokens,
@@ -99,7 +100,7 @@ def _sampling(body: SamplingFields, max_tokens: int, logprobs: int | None,
         min_p=body.min_p or 0.0,
         seed=seed,
         stop=body.stop_strings,
-        stop_token_ids=list(body.stop_token_ids or []),
+        stop_token_ids=stop_token_ids,
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
@@ -111,10 +112,11 @@ def _sampling(body: SamplingFields, max_tokens: int, logprobs: int | None,
 def _choices(body: SamplingFields, prompts: list[list[int]], max_tokens: list[int],
              logprobs: int | None) -> list[ChoicePlan]:
     choices = []
+    stop_token_ids = list(body.stop_token_ids or [])  # (one list for all choices: none changes it)
     for p, ids in enumerate(prompts):
         for i in range(body.n):
             index = p * body.n + i
-            sampling = _sampling(body, max_tokens[p], logprobs, _choice_seed(body.seed, i))
+            sampling = _sampling(body, max_tokens[p], logprobs, _choice_seed(body.seed, i), stop_token_ids)
             choices.append(ChoicePlan(index, p, ids, sampling))
     return choices
 
@@ -142,6 +144,7 @@ def plan_chat(body: ChatCompletionRequest, model: ServedModel, settings: Gateway
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         logprobs=logprobs, tool_format=tools.format, parallel_tool_calls=tools.is_parallel,
         is_tool_choice_forced=tools.forced_names is not None,
+        max_tokens_given=(body.max_completion_tokens or body.max_tokens) is not None,
     )
 
 
@@ -172,9 +175,6 @@ def plan_completion(body: CompletionRequest, model: ServedModel, settings: Gatew
     prompts = _prompt_list(body.prompt)
     if not prompts:
         raise BadRequest("the prompt is empty", param="prompt")
-    if len(prompts) > settings.max_prompts:
-        raise BadRequest(f"at most {settings.max_prompts} prompts per request, got {len(prompts)}",
-                         param="prompt")
     if body.echo and body.logprobs is not None:
         raise BadRequest("echo with logprobs needs prompt logprobs, which this server does not compute",
                          param="echo")

@@ -4,20 +4,25 @@ Every OpenAI parameter we run is declared; a parameter we do not run is either a
 unknown field is rejected by extra="forbid") or declared so that only its no-op value is
 accepted (`tools: []`, `logit_bias: {}`...), so nothing a client asks for is silently ignored.
 Cross-field rules raise BadRequest (which pydantic lets through) to name their field.
-Rules that need the model (context window, vocabulary) live in gateway/params.py.
+Every list- and string-valued field has a bound (gateway/openai/bounds.py): past it, a 400
+naming the field. Rules that need the model (context window, vocabulary) live in
+gateway/openai/params.py.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gateway.errors import BadRequest
+from gateway.openai import bounds
 from shared.sampling import MAX_TOP_LOGPROBS
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-MAX_STOP_STRINGS = 16
+Name = Annotated[str, Field(max_length=bounds.MAX_NAME_CHARS)]
+Description = Annotated[str, Field(max_length=bounds.MAX_DESCRIPTION_CHARS)]
 
 
 class StrictModel(BaseModel):
@@ -26,6 +31,17 @@ class StrictModel(BaseModel):
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
+
+
+def _check_schema_size(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A JSON schema of at most bounds.MAX_SCHEMA_BYTES (as compact JSON): the scheduler
+    compiles it into a grammar, which a huge one would keep busy."""
+    if value is not None:
+        size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
+        if size > bounds.MAX_SCHEMA_BYTES:
+            raise ValueError(f"the schema is {size} bytes as JSON, more than the {bounds.MAX_SCHEMA_BYTES} "
+                             "this server takes")
+    return value
 
 
 def _only_default(name: str, value: Any, allowed: tuple = (None,)) -> Any:
@@ -38,35 +54,42 @@ def _only_default(name: str, value: Any, allowed: tuple = (None,)) -> Any:
 class SamplingFields(StrictModel):
     """What /v1/completions and /v1/chat/completions share."""
 
-    model: str | None = Field(None, description="served model name; may be omitted when only one is served")
+    model: Name | None = Field(None, description="served model name; may be omitted when only one is served")
     temperature: float | None = Field(None, ge=0, le=2, description="0 is greedy; default 1")
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int = Field(1, ge=1, description="choices to generate (capped by the gateway's --max-n)")
+    n: int = Field(1, ge=1, le=bounds.MAX_N,
+                   description="choices to generate (capped by the gateway's --max-n)")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = Field(None, description="up to 16 strings; the text ends before them")
+    stop: str | list[str] | None = Field(
+        None, description=f"up to {bounds.MAX_STOP_STRINGS} strings of up to {bounds.MAX_STOP_STRING_CHARS} "
+        "characters; the text ends before them")
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = Field(None, description="only {} (not supported)",
                                                 json_schema_extra={"maxProperties": 0})
-    user: str | None = Field(None, description="an end-user tag, for logs")
+    user: Name | None = Field(None, description="an end-user tag (accepted, not used)")
     # Extras that vLLM users know.
-    top_k: int | None = Field(None, ge=-1, description="-1 or 0: no top-k cut")
+    top_k: int | None = Field(None, ge=-1, le=bounds.MAX_TOP_K, description="-1 or 0: no top-k cut")
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, max_length=bounds.MAX_STOP_TOKEN_IDS,
+        description="token ids that end a choice (not in its text)")
     priority: int = Field(0, ge=-(2**31), lt=2**31, description="lower runs first")
 
     @field_validator("stop")
     @classmethod
     def _stop(cls, value: str | list[str] | None) -> str | list[str] | None:
         strings = [value] if isinstance(value, str) else value or []
-        if len(strings) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if len(strings) > bounds.MAX_STOP_STRINGS:
+            raise ValueError(f"at most {bounds.MAX_STOP_STRINGS} stop strings, got {len(strings)}")
         if any(not s for s in strings):
             raise ValueError("stop strings must not be empty")
+        if any(len(s) > bounds.MAX_STOP_STRING_CHARS for s in strings):
+            raise ValueError(f"a stop string may have at most {bounds.MAX_STOP_STRING_CHARS} characters")
         return value
 
     @field_validator("logit_bias")
@@ -91,23 +114,25 @@ class TextPart(StrictModel):
 
 
 class FunctionCall(StrictModel):
-    name: str = Field(min_length=1)
+    name: Name = Field(min_length=1)
     arguments: str = Field(description="the arguments as JSON text")
 
 
 class ToolCall(StrictModel):
-    id: str
+    id: Name
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = Field(description="null or absent only in an assistant message "
-                                                 "with tool_calls")
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = Field(None, description="an assistant's earlier calls")
-    tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
+    content: str | list[TextPart] | None = Field(
+        description="null or absent only in an assistant message with tool_calls; at most "
+        f"{bounds.MAX_CONTENT_PARTS} text parts")
+    name: Name | None = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=bounds.MAX_TOOL_CALLS,
+                                              description="an assistant's earlier calls")
+    tool_call_id: Name | None = Field(None, description="a tool message: the call it answers")
     # What the SDK's message.model_dump() echoes back from a reply: accepted as null (an answer
     # of ours never has them); a value we would have to honour is a 400 naming it.
     refusal: str | None = Field(None, description="only null", json_schema_extra={"maxLength": 0})
@@ -126,6 +151,9 @@ class ChatMessage(StrictModel):
     @classmethod
     def _text_parts_only(cls, data: Any) -> Any:
         if isinstance(data, dict) and isinstance(data.get("content"), list):
+            if len(data["content"]) > bounds.MAX_CONTENT_PARTS:
+                raise ValueError(f"content has {len(data['content'])} parts, more than "
+                                 f"{bounds.MAX_CONTENT_PARTS}")
             for part in data["content"]:
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind != "text":
@@ -155,10 +183,12 @@ class ChatMessage(StrictModel):
 
 class JsonSchemaFormat(StrictModel):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
-    description: str | None = None
+    description: Description | None = None
     # "schema" shadows a BaseModel attribute, hence the alias.
     schema_: dict[str, Any] | None = Field(None, alias="schema", description="a JSON schema")
     strict: bool | None = None
+
+    _schema_size = field_validator("schema_")(_check_schema_size)
 
 
 class ResponseFormat(StrictModel):
@@ -175,9 +205,11 @@ class ResponseFormat(StrictModel):
 
 class FunctionDefinition(StrictModel):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
-    description: str | None = None
+    description: Description | None = None
     parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments")
     strict: bool | None = None
+
+    _schema_size = field_validator("parameters")(_check_schema_size)
 
 
 class Tool(StrictModel):
@@ -186,7 +218,7 @@ class Tool(StrictModel):
 
 
 class NamedFunction(StrictModel):
-    name: str
+    name: Name
 
 
 class NamedToolChoice(StrictModel):
@@ -195,13 +227,13 @@ class NamedToolChoice(StrictModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=bounds.MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=1, description="deprecated name of max_completion_tokens")
     max_completion_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: ResponseFormat | None = None
-    tools: list[Tool] | None = None
+    tools: list[Tool] | None = Field(None, max_length=bounds.MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="default: auto with tools, none without")
     functions: list[dict[str, Any]] | None = Field(None, description="only [] (deprecated: use tools)",
@@ -223,7 +255,8 @@ class ChatCompletionRequest(SamplingFields):
 
 PromptType = Annotated[
     str | list[Annotated[int, Field(ge=0)]] | list[str] | list[list[Annotated[int, Field(ge=0)]]],
-    Field(description="a string, a list of token ids, or a list of either (one choice set each)"),
+    Field(description="a string, a list of token ids, or a list of up to "
+          f"{bounds.MAX_PROMPTS} of either (one choice set each)"),
 ]
 
 
@@ -234,6 +267,14 @@ class CompletionRequest(SamplingFields):
     echo: bool = Field(False, description="prepend the prompt text to each choice's text")
     best_of: int | None = Field(None, ge=1, description="only equal to n (no server-side ranking)")
     suffix: str | None = Field(None, description="not supported: only null")
+
+    @field_validator("prompt")
+    @classmethod
+    def _few_prompts(cls, value: str | list) -> str | list:
+        is_list_of_prompts = isinstance(value, list) and bool(value) and not isinstance(value[0], int)
+        if is_list_of_prompts and len(value) > bounds.MAX_PROMPTS:
+            raise ValueError(f"at most {bounds.MAX_PROMPTS} prompts per request, got {len(value)}")
+        return value
 
     @field_validator("suffix")
     @classmethod

@@ -12,8 +12,20 @@ from typing import TypeVar
 from aiohttp import web
 from pydantic import TypeAdapter
 
-from gateway.appkeys import FLEET, LIMITER, METRICS, QUEUE_DEPTHS, ROUTER, SETTINGS, STORE, TASKS, TENANT
+from gateway.appkeys import (
+    FLEET,
+    LIMITER,
+    METRICS,
+    QUEUE_DEPTHS,
+    REQUEST_ID,
+    ROUTER,
+    SETTINGS,
+    STORE,
+    TASKS,
+    TENANT,
+)
 from gateway.errors import BadRequest, RateLimited
+from gateway.limits import OUTPUT_ESTIMATE_TOKENS
 from gateway.models import ServedModel
 from gateway.openai.params import Plan
 from gateway.requests.follow import Watch
@@ -56,12 +68,27 @@ async def admit(request: web.Request, model: str, num_requests: int) -> None:
                 "retry later", code="queue_full", headers={"Retry-After": str(settings.retry_after_s)})
 
 
-async def admit_tenant(request: web.Request, plan: Plan, req_ids: list[str]) -> Tenant | None:
-    """The caller's tenant, once its limits allow these requests (429 naming the limit else).
-    Whoever admits must end the leases of requests it then fails to queue."""
+def charged_output_tokens(plan: Plan, *, settles: bool) -> int:
+    """The output tokens a call is charged when admitted (tokens_per_minute): its choices'
+    max_tokens; for a call that gave none and settles on its actual use when it ends
+    (TenantLimiter.settle), an estimate per choice (gateway/limits.py) instead of the rest of
+    the context window, which alone may pass the tenant's limit."""
+    if settles and not plan.max_tokens_given:
+        return sum(min(choice.sampling.max_tokens, OUTPUT_ESTIMATE_TOKENS) for choice in plan.choices)
+    return sum(choice.sampling.max_tokens for choice in plan.choices)
+
+
+async def admit_tenant(request: web.Request, plan: Plan, req_ids: list[str],
+                       output_tokens: int | None = None) -> Tenant | None:
+    """The caller's tenant, once its limits allow these requests (429 naming the limit else),
+    charged their prompts and `output_tokens` (charged_output_tokens; None: their max_tokens,
+    for a caller that does not settle). Whoever admits must end the leases of requests it then
+    fails to queue."""
     tenant = request.get(TENANT)
     if tenant is not None:
-        num_tokens = sum(len(choice.prompt_ids) + choice.sampling.max_tokens for choice in plan.choices)
+        if output_tokens is None:
+            output_tokens = charged_output_tokens(plan, settles=False)
+        num_tokens = sum(len(choice.prompt_ids) for choice in plan.choices) + output_tokens
         try:
             await request.app[LIMITER].admit(tenant, req_ids, num_tokens)
         except RateLimited as exc:
@@ -128,7 +155,7 @@ class EventStream:
         self.request = request
         self.response = web.StreamResponse(headers={
             "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no", "X-Request-Id": request.get("request_id", ""),
+            "X-Accel-Buffering": "no", "X-Request-Id": request.get(REQUEST_ID, ""),
         })
         self._metrics = request.app[METRICS]
         self._is_open = False

@@ -11,8 +11,9 @@ a command of its own, and Redis or the gateway dying before the script, left the
 request that was never queued: the client's retry got that id back, and a 404 for it).
 
 A tenant's request also adds the tenant to the model's tenant set (before the call: schedulers
-then find its stream) and makes its lease last its full term (after: `ZADD XX` only renews a
-lease the gateway took, gateway/limits.py, and that a fast terminal write has not ended yet).
+then find its stream) and makes its lease last its full term (after: protocol/lua/extend_leases.lua
+renews only a lease the gateway took, gateway/limits.py, and that a fast terminal write has not
+ended yet, and keeps the lease set's TTL past its latest lease).
 On one server all of it is one pipeline, which Redis runs in order (one round trip, not three);
 on a cluster those keys live on other shards, so they are pipelines of their own, before and
 after the scripts; and a submit counts as accepted only once a replica has it (`WAIT 1`, per
@@ -75,6 +76,7 @@ class RequestStore:
         self.is_cluster = is_cluster_client(client)
         self._submit = lua.Script("submit")
         self._finish_unclaimed = lua.Script("finish_unclaimed", sharded=self.is_cluster)
+        self._extend_leases = lua.Script("extend_leases")
         self._depth_reads: dict[str, asyncio.Future] = {}  # model -> the queue-depth read on its way
         self.router: PrefixRouter | None = None  # set: requests may go to a replica's own stream
 
@@ -98,11 +100,8 @@ class RequestStore:
         answers: list[dict | None] = [None if result[0] else json.loads(result[1]) for result in results]
         leases = [sub for sub, answer in zip(submissions, answers, strict=True)
                   if answer is None and sub.lease_until is not None]
-        if leases or self.is_cluster:
-            pipe = self.client.pipeline(transaction=False)
-            for sub in leases:
-                pipe.zadd(self.keys.tenant_leases(sub.message.tenant), {sub.req_id: sub.lease_until}, xx=True)
-            await pipe.execute()
+        if leases:
+            await self._extend_leases.run_many_async(self.client, [self._lease_call(sub) for sub in leases])
         if self.is_cluster:
             await self._wait_for_replicas([call[0][0] for call in calls])
         return answers
@@ -118,21 +117,30 @@ class RequestStore:
             pipe.sadd(self.keys.tenants(sub.message.model), sub.message.tenant)
         for keys, args in calls:
             pipe.execute_command("EVALSHA", self._submit.sha, len(keys), *keys, *args)
-        for sub in submissions:
-            if sub.lease_until is not None:
-                pipe.zadd(self.keys.tenant_leases(sub.message.tenant), {sub.req_id: sub.lease_until}, xx=True)
+        lease_calls = [self._lease_call(sub) for sub in submissions if sub.lease_until is not None]
+        for keys, args in lease_calls:
+            pipe.execute_command("EVALSHA", self._extend_leases.sha, len(keys), *keys, *args)
         replies = await pipe.execute(raise_on_error=False)
         results = replies[len(tenanted):len(tenanted) + len(calls)]
         for reply in replies:
             if isinstance(reply, Exception) and not isinstance(reply, NoScriptError):
                 raise reply
         unloaded = [i for i, result in enumerate(results) if isinstance(result, NoScriptError)]
-        if unloaded:  # (Redis lost its scripts: a restart) the set and the leases are written already
+        if unloaded:  # (Redis lost its scripts: a restart) the set is written already
             for i, result in zip(unloaded, await self._submit.run_many_async(self.client,
                                                                              [calls[i] for i in unloaded]),
                                  strict=True):
                 results[i] = result
+        lease_replies = replies[len(tenanted) + len(calls):]
+        unrenewed = [call for call, reply in zip(lease_calls, lease_replies, strict=True)
+                     if isinstance(reply, NoScriptError)]
+        if unrenewed:  # (after the entries, as in the pipeline)
+            await self._extend_leases.run_many_async(self.client, unrenewed)
         return [None if result[0] else json.loads(result[1]) for result in results]
+
+    def _lease_call(self, sub: Submission) -> tuple[list[str], list[object]]:
+        """protocol/lua/extend_leases.lua's KEYS and ARGV: the request's lease for its full term."""
+        return [self.keys.tenant_leases(sub.message.tenant)], [time.time(), sub.lease_until, sub.req_id]
 
     async def _wait_for_replicas(self, record_keys: list[str]) -> None:
         """Accepted only once on a replica: WAIT 1 on each shard the submit wrote to. A shard

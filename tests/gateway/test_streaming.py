@@ -236,3 +236,38 @@ async def test_a_chat_stream_carries_event_ids_and_its_request_id_to_resume_from
     assert rest == "".join(texts[3:])
     several = await client.post("/v1/chat/completions", json={**CHAT, "n": 2})
     assert len(several.headers["tokenfleet-request-id"].split(",")) == 2
+
+
+async def test_an_event_stream_carries_the_request_id(make_client, fake_scheduler):
+    client = await make_client()
+    mine = await client.post("/v1/chat/completions", json={**CHAT, "stream": True},
+                             headers={"X-Request-Id": "abc-123"})
+    assert mine.headers["X-Request-Id"] == "abc-123"
+    await mine.read()
+    ours = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "stream": True})
+    assert len(ours.headers["X-Request-Id"]) == 32
+    await ours.read()
+
+
+async def test_a_cancelled_choice_reports_an_openai_finish_reason(make_client, redis_server, tokenizer):
+    """A choice cancelled mid-way (DELETE on its id) ends with "length" (cut short), never a value
+    the SDK's types lack ("abort"), streamed or not; its own record says "cancelled"."""
+    with FakeScheduler(redis_server.url, MODEL, tokenizer, token_delay_s=0.05):
+        client = await make_client()
+        response = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 200, "stream": True})
+        req_id = response.headers["tokenfleet-request-id"]
+        await response.content.readline()
+        assert (await (await client.delete(f"/v1/requests/{req_id}")).json())["status"] == "cancelled"
+        chunks = [json.loads(c) for c in data_fields(await response.text()) if c != DONE]
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+        assert "abort" not in json.dumps(chunks)
+
+        calling = asyncio.ensure_future(client.post("/v1/completions",
+                                                    json={"model": MODEL, "prompt": "hi", "max_tokens": 200}))
+        records = Keys().result("*")
+        while not (found := list(redis_server.client().scan_iter(match=records))) or len(found) < 2:
+            await asyncio.sleep(0.02)
+        other = next(k.decode().rsplit(":", 1)[-1] for k in found if req_id not in k.decode())
+        await client.delete(f"/v1/requests/{other}")
+        answer = await (await calling).json()
+        assert answer["choices"][0]["finish_reason"] == "length"

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
+from gateway.limits import OUTPUT_ESTIMATE_TOKENS
 from gateway.tenants import TenantDirectory
 from protocol.keys import Keys
 from tests.gateway.conftest import MODEL
@@ -151,3 +153,70 @@ async def test_tenants_kept_in_redis_are_served_and_limited(make_client, fake_sc
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["keys_removed"] == 1  # (after log lines)
     assert main(["tenants", "show", "team-r", *url]) == 1
     assert "no tenant 'team-r'" in capsys.readouterr().err
+
+
+async def test_a_queued_requests_lease_outlives_the_lease_sets_first_ttl(make_client, redis_server,
+                                                                         tokenizer):
+    """A lease lasts until its request ends or its own term lapses, however old the lease set is:
+    the set taken for the short pending lease (1 s here) must not expire with renewed leases in it."""
+    leases = KEYS.tenant_leases("team-a")
+    plain = redis_server.client()
+    submit = {**CHAT, "kind": "chat"}
+    with FakeScheduler(redis_server.url, MODEL, tokenizer, consume=False):  # alive, takes nothing
+        client = await make_client(tenants=tenants(max_concurrent_requests=2), tenant_pending_lease_s=1.0,
+                                   tenant_lease_s=6.0)
+        ids = []
+        for _ in range(2):
+            response = await client.post("/v1/requests", json=submit, headers=auth("key-a"))
+            assert response.status == 202
+            ids.append((await response.json())["id"])
+        # Past the set's first TTL (pending lease + 1 s): both requests still hold their leases.
+        await asyncio.sleep(2.5)
+        assert plain.zcard(leases) == 2
+        for _ in range(2):
+            refused = await client.post("/v1/requests", json=submit, headers=auth("key-a"))
+            assert refused.status == 429
+            assert (await refused.json())["error"]["code"] == "max_concurrent_requests"
+        # A request that ends ends its lease; the new one's (short) lease leaves the others' TTL alone.
+        assert (await client.delete(f"/v1/requests/{ids[0]}", headers=auth("key-a"))).status == 200
+        assert (await client.post("/v1/requests", json=submit, headers=auth("key-a"))).status == 202
+        assert plain.pttl(leases) / 1000 >= plain.zscore(leases, ids[1]) - time.time()
+        await asyncio.sleep(2.5)
+        assert plain.zcard(leases) == 2
+        assert (await client.post("/v1/requests", json=submit, headers=auth("key-a"))).status == 429
+        # A lease nobody ends lapses after its own term (6 s from its queueing).
+        for _ in range(200):
+            if (await client.post("/v1/requests", json=submit, headers=auth("key-a"))).status == 202:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the leases never lapsed")
+        assert plain.zscore(leases, ids[1]) is None
+
+
+async def test_a_call_without_max_tokens_is_charged_an_estimate_and_settled_on_its_use(
+        make_client, redis_server, tokenizer):
+    """tokens_per_minute below the context window: an SDK call without max_tokens is admitted
+    (charged the prompt and an estimate, not the window), then charged what it really used:
+    the unused estimate refunded, or the tokens past it charged."""
+    plain = {**CHAT}
+    del plain["max_tokens"]
+    with FakeScheduler(redis_server.url, MODEL, tokenizer, max_reply_tokens=4):
+        probe = await make_client(api_keys=("plain",))
+        reply = await (await probe.post("/v1/chat/completions", json=plain, headers=auth("plain"))).json()
+        prompt = reply["usage"]["prompt_tokens"]
+        assert reply["usage"]["completion_tokens"] == 4
+        # Two calls fit only if the first one's unused estimate came back.
+        limit = 2 * (prompt + OUTPUT_ESTIMATE_TOKENS) - 50
+        client = await make_client(tenants=tenants(tokens_per_minute=limit))
+        for _ in range(2):
+            response = await client.post("/v1/chat/completions", json=plain, headers=auth("key-a"))
+            assert response.status == 200, await response.text()
+    with FakeScheduler(redis_server.url, MODEL, tokenizer, max_reply_tokens=OUTPUT_ESTIMATE_TOKENS + 94):
+        # A call that used more than its estimate is charged the rest: the next one no longer fits.
+        limit = (prompt + OUTPUT_ESTIMATE_TOKENS + 94) + (prompt + OUTPUT_ESTIMATE_TOKENS) - 30
+        client = await make_client(tenants=tenants(tokens_per_minute=limit))
+        first = await client.post("/v1/chat/completions", json=plain, headers=auth("key-a"))
+        assert (await first.json())["usage"]["completion_tokens"] == OUTPUT_ESTIMATE_TOKENS + 94
+        second = await client.post("/v1/chat/completions", json=plain, headers=auth("key-a"))
+        assert second.status == 429 and (await second.json())["error"]["code"] == "tokens_per_minute"

@@ -374,6 +374,17 @@ def test_stop_condition_sets_finish_reason_and_text(
     assert collected["r"].stop_reason == stop_reason
 
 
+def test_stop_token_ids_stay_in_the_scheduler_and_stop_the_request() -> None:
+    """The workers' steps carry no stop token ids (only the scheduler reads them, from a set built
+    once); a stop token among many still ends the request."""
+    scheduler = make_scheduler(CharTokenizer())
+    stops = [100 + i for i in range(200)] + [16]
+    collected, outs = run_all(scheduler, [make_request("r", stop_token_ids=stops)])
+    assert collected["r"].token_ids == [14, 15, 16] and collected["r"].stop_reason == 16
+    works = [work for out in outs for work in out.batch.works]
+    assert works and all(work.sampling.stop_token_ids == [] for work in works)
+
+
 def test_request_outgrowing_the_whole_cache_finishes_with_length() -> None:
     scheduler = make_scheduler(num_kv_blocks=2)  # 8 token slots in all
     collected, _ = run_all(scheduler, [make_request("r", num_prompt=6, max_tokens=100)])
