@@ -370,10 +370,16 @@ async def test_an_intake_longer_than_the_lease_is_not_done_twice(redis_server, t
         while await client.hget(Keys().batch_job("big"), "status") != b"in_progress":
             assert time.monotonic() < deadline, await client.hgetall(Keys().batch_job("big"))
             await asyncio.sleep(0.1)
-        job = {k.decode(): v.decode() for k, v in (await client.hgetall(Keys().batch_job("big"))).items()}
+        # The job and its staged lines read in one MULTI: a feeder moves lines from the list to
+        # the stream (and next_index on) meanwhile, atomically, so only one snapshot agrees.
+        pipe = client.pipeline(transaction=True)
+        pipe.hgetall(Keys().batch_job("big"))
+        pipe.lrange(Keys().batch_lines("big"), 0, -1)
+        fields, raw_lines = await pipe.execute()
+        job = {k.decode(): v.decode() for k, v in fields.items()}
         # The intake really outlasted the lease (else this test would show nothing).
         assert float(job["in_progress_at"]) - float(job["created_at"]) > 3 * settings.batch_lease_s
-        staged = [LineItem.unpack(raw).index for raw in await client.lrange(Keys().batch_lines("big"), 0, -1)]
+        staged = [LineItem.unpack(raw).index for raw in raw_lines]
         assert int(job["total"]) == NUM_BIG
         assert staged == list(range(int(job["next_index"]), NUM_BIG)), "a line staged twice or missing"
         assert await client.xlen("tf:batch:in") == 0

@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from protocol.keys import Keys
-from protocol.messages import decode_event, unpack_list_chunks
+from protocol.messages import decode_event, pack_list_chunk, unpack_list_chunks
 from scheduler.request import FinishReason
 from scheduler.scheduler import RequestOutput
 from service.delivery import Delivery
@@ -214,3 +214,34 @@ def test_a_start_of_a_request_still_live_in_the_publisher_is_logged(redis_server
         publisher.handle([(START, Delivery("r", STREAM, "1-0", 3), None)])
     [warning] = [e for e in logs if e["event"] == "request_started_while_live"]
     assert (warning["req_id"], warning["live_seq"], warning["new_seq"]) == ("r", 1, 0)
+
+
+def test_a_request_taken_back_is_not_given_its_previous_runs_outputs(redis_server) -> None:
+    """A scheduler lost a request to a successor, then took it back, while its publisher was
+    still behind (a Redis outage holds everything up): one batch holds the first run's last
+    output, then the new run's start and its output. The start must not go ahead of the old
+    output, which would then count as the new run's and store that token twice."""
+    from multiprocessing import Pipe
+
+    from service.delivery import StepOutput
+    from service.publisher_process import START, STEP, Publisher
+    from service.result_store import ResultStore
+
+    client = redis_server.client()
+    client.xgroup_create(STREAM, "schedulers", id="0", mkstream=True)
+    _, outbox = Pipe()
+    publisher = Publisher(ResultStore(client, KEYS, "s1", 60), None, outbox, "s1")
+    record = KEYS.result("r")
+    publisher.handle([(START, Delivery("r", STREAM, "1-0", 3), None)])
+    publisher.handle([(STEP, [StepOutput.of(_out("r", 7))], 0.0)])
+    client.hset(record, "owner", "s2")  # a successor claimed it
+    publisher.handle([(STEP, [StepOutput.of(_out("r", 8))], 1.0)])  # refused: lost
+    client.hset(record, mapping={"seq": 2, "token_ids": client.hget(record, "token_ids") + pack_list_chunk([8])})
+    assert unpack_list_chunks(client.hget(record, "token_ids")) == [7, 8]  # what s2 wrote
+    client.hset(record, "owner", "s1")  # taken back (s2 died): resumed from [7, 8]
+    resumed = Delivery("r", STREAM, "1-0", 3, seq=2, token_ids=[7, 8], offsets=[[1, 0], [2, 0]])
+    publisher.handle([(STEP, [StepOutput.of(_out("r", 9))], 2.0),  # the first run's, made before its abort
+                      (START, resumed, None),
+                      (STEP, [StepOutput.of(_out("r", 9))], 3.0)])  # the new run's
+    assert unpack_list_chunks(client.hget(record, "token_ids")) == [7, 8, 9]
+    assert client.hget(record, "seq") == b"3"
