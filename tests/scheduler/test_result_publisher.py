@@ -236,7 +236,8 @@ def test_a_request_taken_back_is_not_given_its_previous_runs_outputs(redis_serve
     publisher.handle([(STEP, [StepOutput.of(_out("r", 7))], 0.0)])
     client.hset(record, "owner", "s2")  # a successor claimed it
     publisher.handle([(STEP, [StepOutput.of(_out("r", 8))], 1.0)])  # refused: lost
-    client.hset(record, mapping={"seq": 2, "token_ids": client.hget(record, "token_ids") + pack_list_chunk([8])})
+    stored = client.hget(record, "token_ids") + pack_list_chunk([8])
+    client.hset(record, mapping={"seq": 2, "token_ids": stored})
     assert unpack_list_chunks(client.hget(record, "token_ids")) == [7, 8]  # what s2 wrote
     client.hset(record, "owner", "s1")  # taken back (s2 died): resumed from [7, 8]
     resumed = Delivery("r", STREAM, "1-0", 3, seq=2, token_ids=[7, 8], offsets=[[1, 0], [2, 0]])

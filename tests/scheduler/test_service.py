@@ -142,7 +142,7 @@ def test_redis_restart_mid_run_and_the_run_completes(tiny_checkpoints, redis_ser
     folder = tiny_checkpoints["qwen3"]
     prompts = _prompts(30, seed=3)
     sampling = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    with _engine(folder) as engine:
+    with _engine(folder, max_num_seqs=8) as engine:  # (the service's engine, batch sizes alike)
         expected = [r.token_ids for r in engine.generate(prompts, sampling)]
     client = redis_server.client()
     engine = _engine(folder, max_num_seqs=8)
