@@ -359,7 +359,9 @@ async def test_an_intake_longer_than_the_lease_is_not_done_twice(redis_server, t
     settings = GatewaySettings(redis_url=redis_server.url, models=[ModelSpec.from_path(str(tiny_chat))],
                                batch_lease_s=0.3, batch_max_inflight=1)
     models = ModelRegistry.load(settings.models)
-    client = aioredis.Redis.from_url(redis_server.url)
+    # Staging 200k lines keeps Redis busy; on a loaded machine a reply can take longer than
+    # redis-py's 5 s default read timeout (the ingesters ride that out; this test's reads wait).
+    client = aioredis.Redis.from_url(redis_server.url, socket_timeout=60)
     stop = asyncio.Event()
     ingesters = [BatchIngester(client, Keys(), models, settings, consumer=f"i{i}") for i in range(2)]
     tasks = [asyncio.create_task(ingester.run(stop)) for ingester in ingesters]

@@ -210,8 +210,8 @@ def test_an_interactive_arrival_preempts_batch_items_holding_every_slot(tiny_che
         assert all(len(token_ids(records[r])) == 40 for r in batch_ids)
         notices = client.xrange(KEYS.batch_done)
         assert sorted(f[b"req"].decode() for _, f in notices) == sorted(batch_ids)  # one each
-        time.sleep(0.3)
-        assert interactive in recorder.events and not set(batch_ids) & set(recorder.events)
+        recorder.wait_for_end(interactive)  # (batch items, ended before it or not, publish nothing)
+        assert not set(batch_ids) & set(recorder.events)
     finally:
         recorder.close()
         engine.close()
