@@ -246,3 +246,41 @@ def test_a_request_taken_back_is_not_given_its_previous_runs_outputs(redis_serve
                       (STEP, [StepOutput.of(_out("r", 9))], 3.0)])  # the new run's
     assert unpack_list_chunks(client.hget(record, "token_ids")) == [7, 8, 9]
     assert client.hget(record, "seq") == b"3"
+
+
+def test_a_write_whose_reply_was_lost_is_retried_without_storing_a_token_twice(redis_server) -> None:
+    """Redis ran a write of two steps of one request, and the connection went before its reply
+    came (Redis stopping at that moment): the publisher sends the same write again. It must
+    change nothing: the first update's fields once set the record's seq back, and the second
+    then appended its token a second time."""
+    from multiprocessing import Pipe
+
+    from service.delivery import StepOutput
+    from service.publisher_process import START, STEP, Publisher
+    from service.result_store import ResultStore
+    from shared.redis_client import connect
+    from tests.reply_dropper import ReplyDropper
+
+    client = redis_server.client()
+    client.xgroup_create(STREAM, "schedulers", id="0", mkstream=True)
+    pubsub = client.pubsub()
+    pubsub.subscribe(KEYS.events("r"))
+    with ReplyDropper(redis_server.port) as relay:
+        _, outbox = Pipe()
+        store = ResultStore(connect(relay.url, socket_timeout=10), KEYS, "s1", 60)
+        publisher = Publisher(store, None, outbox, "s1")
+        publisher.handle([(START, Delivery("r", STREAM, "1-0", 3), None)])
+        publisher.handle([(STEP, [StepOutput.of(_out("r", 7))], 0.0)])
+        relay.armed.set()
+        publisher.handle([(STEP, [StepOutput.of(_out("r", 8))], 1.0),
+                          (STEP, [StepOutput.of(_out("r", 9, finished=True))], 2.0)])
+        assert relay.num_dropped == 1  # (the write ran, and was sent again)
+    record = client.hgetall(KEYS.result("r"))
+    assert unpack_list_chunks(record[b"token_ids"]) == [7, 8, 9]
+    assert unpack_list_chunks(record[b"offsets"]) == [[1, 0], [2, 0], [3, 0]]
+    assert record[b"seq"] == b"3" and record[b"state"] == b"completed"
+    events = []
+    while (message := pubsub.get_message(timeout=1.0)) is not None:
+        if message["type"] == "message":
+            events.append(decode_event(message["data"]))
+    assert [e.seq for e in events] == [1, 2, 3]  # each event published once
