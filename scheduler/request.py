@@ -64,6 +64,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     eos_token_ids: set[int] = field(default_factory=set)
     tenant: str | None = None  # whose request: tenants take turns inside a priority
+    # Rotary table row offset of this request (SequenceWork.rope_offset; 0 for most models).
+    rope_offset: int = 0
 
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens of all_token_ids whose K/V sit in the cache. What to compute next is always
