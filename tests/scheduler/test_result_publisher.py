@@ -192,8 +192,8 @@ def test_a_first_token_is_published_before_the_rest_of_its_step(redis_server) ->
 
 def test_a_start_of_a_request_still_live_in_the_publisher_is_logged(redis_server) -> None:
     """The engine thread never starts a request twice while its first run's writes are live; if
-    it ever did, the two runs would share one seq count (a token could be stored twice, as one
-    Redis-restart run once did), so the publisher says so."""
+    it ever did, the two runs would share one seq count (a token could be stored twice), so the
+    publisher says so."""
     from multiprocessing import Pipe
 
     from structlog.testing import capture_logs
