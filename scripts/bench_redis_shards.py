@@ -24,13 +24,12 @@ import time
 from pathlib import Path
 
 import _repo  # noqa: F401 - first: it puts the repository on sys.path
-import redis
 
 from protocol.keys import keys_for
 from protocol.messages import TokenEvent, pack_list_chunk
 from protocol.result_record import step_appends, step_fields
 from service.result_store import ResultStore, ResultUpdate
-from shared.redis_client import connect
+from shared.redis_client import connect, connect_node
 from testkit.runs import print_command
 from tokenfleet.redis_cluster import RedisCluster
 
@@ -77,7 +76,7 @@ def drive(url: str, driver: int, batch: int, seconds: float, counts) -> None:
 def cpu_seconds(cluster: RedisCluster) -> dict[int, float]:
     out = {}
     for port in cluster.ports:
-        info = redis.Redis(cluster.host, port, socket_timeout=5).info("cpu")
+        info = connect_node(cluster.host, port, socket_timeout=5).info("cpu")
         out[port] = float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
     return out
 

@@ -89,7 +89,7 @@ class Publisher:
     def _split_first_tokens(self, batch: list[tuple]) -> tuple[list[tuple], list[tuple]]:
         """(what leads to a first token, everything else), each in order: a START, and the step
         output that brings its request's first token, go to the first, unless something of
-        that request is already in the second (STEP messages are split by output)."""
+        that request came before it in the batch (STEP messages are split by output)."""
         first: list[tuple] = []
         rest: list[tuple] = []
         starting: set[str] = set()  # started in this batch, no token yet
@@ -98,7 +98,11 @@ class Publisher:
             kind = message[0]
             if kind == START:
                 delivery = message[1]
-                is_new = delivery.first_token_at is None and not delivery.is_batch
+                # Never ahead of an earlier message of its request (the last outputs of a run
+                # lost to a successor, then taken back while this process was behind): built
+                # after this start, they would count as the new run's, and a token be stored twice.
+                is_new = (delivery.first_token_at is None and not delivery.is_batch
+                          and delivery.req_id not in later and delivery.req_id not in starting)
                 (starting.add if is_new else later.add)(delivery.req_id)
                 (first if is_new else rest).append(message)
             elif kind == STEP:

@@ -10,6 +10,14 @@ one works for all.
 On a cluster, the fleet splits each request's keys over `CLUSTER_PARTITIONS` hash tags (several
 per shard, so slots can move: protocol/keys.py), publishes tokens with sharded pub/sub
 (SPUBLISH, Redis >= 7), and a submit counts as accepted once a replica has it (WAIT).
+
+Retries are ours, never redis-py's: a single-server client is made with no retry of its own
+(redis-py's `Redis()` retries a failed command up to 10 times by default, a write whose reply
+was lost included, and its defaults have changed between versions), so every ConnectionError
+or TimeoutError reaches the caller, whose retry is written to be safe to repeat: the result
+write skips appends its record's seq already has, a submit of a request already queued queues
+nothing, a claim or XCLAIM only sets what it set before. A cluster client keeps its retries
+through a failover (FAILOVER_RETRIES), which the same guards make safe.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.asyncio.retry import Retry as AsyncRetry
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
@@ -102,10 +110,18 @@ def node_url(url: str, host: str, port: int) -> str:
     return f"{scheme}://{auth}{host}:{port}{query}"
 
 
+def _without_implicit_retry(options: dict, retry_class) -> dict:
+    """A single server's client options: no retry of redis-py's own (see the module's doc)."""
+    options.setdefault("retry", retry_class(NoBackoff(), 0))
+    options.setdefault("retry_on_error", [])
+    options.setdefault("retry_on_timeout", False)
+    return options
+
+
 def connect(url: str, **options) -> redis.Redis | RedisCluster:
     """A sync client for a single server or a cluster (options: redis-py's, e.g. socket_timeout)."""
     if not is_cluster_url(url):
-        return redis.Redis.from_url(url, **options)
+        return redis.Redis.from_url(url, **_without_implicit_retry(options, Retry))
     options.pop("health_check_interval", None)
     options.setdefault("retry", Retry(ExponentialBackoff(*FAILOVER_BACKOFF), FAILOVER_RETRIES))
     return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in cluster_nodes(url)],
@@ -124,12 +140,18 @@ def connect_async(url: str, *, max_connections: int | None = None, blocking_pool
         options.setdefault("retry", AsyncRetry(ExponentialBackoff(*FAILOVER_BACKOFF), FAILOVER_RETRIES))
         return AsyncRedisCluster(startup_nodes=[AsyncClusterNode(h, p) for h, p in cluster_nodes(url)],
                                  **cluster_options(url), **options)
+    _without_implicit_retry(options, AsyncRetry)
     if blocking_pool:
         pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, **options)
         return aioredis.Redis.from_pool(pool)  # (the client owns the pool: closing it closes both)
     if max_connections is not None:
         options["max_connections"] = max_connections
     return aioredis.Redis.from_url(url, **options)
+
+
+def connect_node(host: str, port: int, **options) -> redis.Redis:
+    """A sync client for one server by its address (a cluster's node, for its admin commands)."""
+    return connect(f"redis://{f'[{host}]' if ':' in host else host}:{port}", **options)
 
 
 def get_many(client, keys: list[str]) -> list:

@@ -23,6 +23,7 @@ import redis
 from protocol import registry
 from protocol.keys import Keys
 from protocol.messages import RequestMessage
+from shared.redis_client import connect_node
 
 REQUEST_IDS_HEADER = "tokenfleet-request-id"
 STEPS = ("validate body", "plan_chat (thread)", "admit", "following (SUBSCRIBE)", "submit")
@@ -58,7 +59,7 @@ def fake_heartbeat(client: redis.Redis, keys: Keys, model: str) -> None:
 
 
 def _listen(port: int, stream: str, out_path: str, ready, stop) -> None:
-    client = redis.Redis(port=port)
+    client = connect_node("127.0.0.1", port)
     seen: list[tuple[str, float]] = []
     last = "$"
     ready.set()

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import redis
 
+from shared.redis_client import connect_node
 from tokenfleet.redis_server import wait_for_redis
 
 NODE_TIMEOUT_MS = 2000
@@ -93,7 +94,7 @@ class RedisCluster:
     def _create_by_hand(self, timeout_s: float) -> None:
         """What `redis-cli --cluster create` does, for the 1 or 2 primaries it refuses: the
         slots split over the primaries, every node met, each replica following its primary."""
-        nodes = {p: redis.Redis(self.host, p, socket_timeout=5, decode_responses=True) for p in self.ports}
+        nodes = {p: connect_node(self.host, p, socket_timeout=5, decode_responses=True) for p in self.ports}
         primaries, replicas = self.ports[:self.num_primaries], self.ports[self.num_primaries:]
         step = 16384 // len(primaries)
         for i, port in enumerate(primaries):
@@ -131,7 +132,7 @@ class RedisCluster:
             return True
         for port in self.primaries():
             try:
-                info = redis.Redis(self.host, port, socket_timeout=2).info("replication")
+                info = connect_node(self.host, port, socket_timeout=2).info("replication")
             except redis.RedisError:
                 return False
             if not any(isinstance(v, dict) and v.get("state") == "online" for k, v in info.items()
@@ -141,7 +142,7 @@ class RedisCluster:
 
     def cluster_info(self, port: int) -> dict[str, str]:
         try:
-            info = redis.Redis(self.host, port, socket_timeout=2, decode_responses=True).cluster("INFO")
+            info = connect_node(self.host, port, socket_timeout=2, decode_responses=True).cluster("INFO")
         except redis.RedisError:
             return {}
         return {name: str(value) for name, value in info.items()}
@@ -157,7 +158,7 @@ class RedisCluster:
         out = []
         for port in self.live_ports():
             try:
-                role = redis.Redis(self.host, port, socket_timeout=2).execute_command("ROLE")[0]
+                role = connect_node(self.host, port, socket_timeout=2).execute_command("ROLE")[0]
             except redis.RedisError:
                 continue
             if role in (b"master", "master"):

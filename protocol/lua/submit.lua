@@ -16,6 +16,11 @@
 -- else {1, entry id}. A routed request goes to the replica's own stream only while its heartbeat
 -- lives and no drain was asked for, checked here, atomically (nothing lands in a stream its
 -- peers took over already); else to KEYS[2]. The record keeps a routed request's stream.
+-- A request already queued (its record names its entry: the same call sent again after its reply
+-- was lost, e.g. by a cluster client retrying through a failover) queues nothing more: {1, that
+-- entry}, so a retried submit never makes a second entry of one request.
+local queued = redis.call('HGET', KEYS[1], 'entry_id')
+if queued then return {1, queued} end
 if ARGV[3] ~= '' and not redis.call('SET', KEYS[3], ARGV[3], 'NX', 'EX', tonumber(ARGV[4])) then
   return {0, redis.call('GET', KEYS[3])}
 end

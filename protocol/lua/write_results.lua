@@ -13,9 +13,11 @@
 -- One slot: the records, streams and channels carry one partition tag (the notice stream too,
 -- on a cluster). The GROUP, TERMINAL and PUBLISH placeholders are filled in by the loader.
 --
--- Per update: refused (0) when another scheduler owns the request; the appends are skipped when
--- the record's seq has reached this update's (a write retried after a lost connection must not
--- append a chunk twice); a batch notice goes out only on the first terminal write.
+-- Per update: refused (0) when another scheduler owns the request; an update with appends whose
+-- seq the record has reached landed already (a write retried after its reply was lost): neither
+-- its appends, nor its sets, nor its event are done again. Its sets too: they hold its seq, and
+-- setting it back would let the call's next update of the request append its chunk twice. A
+-- batch notice goes out only on the first terminal write.
 -- Returns, per update, 0 (refused), 1 (written), or the tenant its record names when the write
 -- acknowledged its entry: that request's tenant lease ends (gateway/limits.py; the caller
 -- removes it, from the tenant's own key).
@@ -38,17 +40,16 @@ for i = 1, #updates do
       notify = not ({TERMINAL})
     end
     local appends = u[8]
-    if #appends > 0 then
-      local applied = u[7] ~= '' and tonumber(redis.call('HGET', key, 'seq') or '0') >= tonumber(u[7])
-      if not applied then
-        for j = 1, #appends, 2 do
-          redis.call('HSET', key, appends[j], (redis.call('HGET', key, appends[j]) or '') .. appends[j + 1])
-        end
+    local applied = #appends > 0 and u[7] ~= ''
+      and tonumber(redis.call('HGET', key, 'seq') or '0') >= tonumber(u[7])
+    if not applied then
+      for j = 1, #appends, 2 do
+        redis.call('HSET', key, appends[j], (redis.call('HGET', key, appends[j]) or '') .. appends[j + 1])
       end
+      redis.call('HSET', key, 'owner', owner, unpack(u[9]))
+      if u[1] ~= '' then redis.call('{PUBLISH}', u[1], u[2]) end
     end
-    redis.call('HSET', key, 'owner', owner, unpack(u[9]))
     redis.call('EXPIRE', key, ttl)
-    if u[1] ~= '' then redis.call('{PUBLISH}', u[1], u[2]) end
     if u[3] ~= '' then
       redis.call('XACK', KEYS[2 * i], '{GROUP}', u[3])
       redis.call('XDEL', KEYS[2 * i], u[3])

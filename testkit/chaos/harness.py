@@ -47,7 +47,7 @@ from protocol.keys import keys_for
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
 from shared.net import free_port
-from shared.redis_client import connect
+from shared.redis_client import connect, connect_node
 from shared.sampling import SamplingParams
 from testkit.chaos.checks import (
     Report,
@@ -104,7 +104,7 @@ def _is_primary(proc: psutil.Process) -> bool:
         address = re.search(r"(\d+\.\d+\.\d+\.\d+):(\d+)", " ".join(proc.cmdline()))
         if address is None:
             return False
-        role = redis.Redis(address[1], int(address[2]), socket_timeout=2).execute_command("ROLE")[0]
+        role = connect_node(address[1], int(address[2]), socket_timeout=2).execute_command("ROLE")[0]
         return role in (b"master", "master")
     except (psutil.Error, redis.RedisError):
         return False

@@ -359,7 +359,9 @@ async def test_an_intake_longer_than_the_lease_is_not_done_twice(redis_server, t
     settings = GatewaySettings(redis_url=redis_server.url, models=[ModelSpec.from_path(str(tiny_chat))],
                                batch_lease_s=0.3, batch_max_inflight=1)
     models = ModelRegistry.load(settings.models)
-    client = aioredis.Redis.from_url(redis_server.url)
+    # Staging 200k lines keeps Redis busy; on a loaded machine a reply can take longer than
+    # redis-py's 5 s default read timeout (the ingesters ride that out; this test's reads wait).
+    client = aioredis.Redis.from_url(redis_server.url, socket_timeout=60)
     stop = asyncio.Event()
     ingesters = [BatchIngester(client, Keys(), models, settings, consumer=f"i{i}") for i in range(2)]
     tasks = [asyncio.create_task(ingester.run(stop)) for ingester in ingesters]
@@ -370,10 +372,16 @@ async def test_an_intake_longer_than_the_lease_is_not_done_twice(redis_server, t
         while await client.hget(Keys().batch_job("big"), "status") != b"in_progress":
             assert time.monotonic() < deadline, await client.hgetall(Keys().batch_job("big"))
             await asyncio.sleep(0.1)
-        job = {k.decode(): v.decode() for k, v in (await client.hgetall(Keys().batch_job("big"))).items()}
+        # The job and its staged lines read in one MULTI: a feeder moves lines from the list to
+        # the stream (and next_index on) meanwhile, atomically, so only one snapshot agrees.
+        pipe = client.pipeline(transaction=True)
+        pipe.hgetall(Keys().batch_job("big"))
+        pipe.lrange(Keys().batch_lines("big"), 0, -1)
+        fields, raw_lines = await pipe.execute()
+        job = {k.decode(): v.decode() for k, v in fields.items()}
         # The intake really outlasted the lease (else this test would show nothing).
         assert float(job["in_progress_at"]) - float(job["created_at"]) > 3 * settings.batch_lease_s
-        staged = [LineItem.unpack(raw).index for raw in await client.lrange(Keys().batch_lines("big"), 0, -1)]
+        staged = [LineItem.unpack(raw).index for raw in raw_lines]
         assert int(job["total"]) == NUM_BIG
         assert staged == list(range(int(job["next_index"]), NUM_BIG)), "a line staged twice or missing"
         assert await client.xlen("tf:batch:in") == 0

@@ -56,3 +56,25 @@ async def test_an_idempotency_key_taken_by_another_request_queues_nothing(redis_
         assert 0 < await client.ttl(idem) <= 60
     finally:
         await client.aclose()
+
+
+async def test_a_submit_sent_twice_queues_its_request_once(redis_server) -> None:
+    """The same submit call sent again (its reply was lost; a cluster client retries through a
+    failover by itself) must not queue a second entry of the request, nor set its record back to
+    queued once a scheduler has started it."""
+    client = aioredis.Redis.from_url(redis_server.url)
+    keys = GatewayKeys()
+    store = RequestStore(client, keys, result_ttl_s=60, cancel_ttl_s=60, idempotency_ttl_s=60)
+    req_id = "c" * 32
+    message = RequestMessage.make(req_id, "m", [1, 2, 3], SamplingParams(max_tokens=2))
+    try:
+        assert await store.submit([Submission(req_id, message, "completion")]) == [None]
+        stream = keys.request_stream("m", "interactive")
+        [(entry_id, _)] = await client.xrange(stream)
+        await client.hset(keys.result(req_id), "state", "running")  # a scheduler started it
+        assert await store.submit([Submission(req_id, message, "completion")]) == [None]
+        assert await client.xlen(stream) == 1
+        record = await client.hgetall(keys.result(req_id))
+        assert record[b"state"] == b"running" and record[b"entry_id"] == entry_id
+    finally:
+        await client.aclose()

@@ -12,7 +12,7 @@ import uuid
 import redis
 
 from protocol.keys import Keys
-from protocol.messages import RequestMessage, decode_event, unpack_list_chunks
+from protocol.messages import ErrorEvent, RequestMessage, decode_event, unpack_list_chunks
 from shared.sampling import SamplingParams
 
 KEYS = Keys()
@@ -65,6 +65,20 @@ class EventRecorder:
             if message is not None:
                 event = decode_event(message["data"])
                 self.events.setdefault(event.req_id, []).append(event)
+
+    def wait_until(self, is_done, timeout_s: float = 60) -> None:
+        """Until is_done(events) holds: a published event reaches this thread when the machine
+        gets to it (on a loaded one, much later than it was published)."""
+        deadline = time.monotonic() + timeout_s
+        while not is_done(self.events):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the recorder did not get the events awaited: {dict(self.events)}")
+            time.sleep(0.02)
+
+    def wait_for_end(self, req_id: str, timeout_s: float = 60) -> None:
+        """Until the request's last event (its finish, or an error) has been received."""
+        self.wait_until(lambda events: any(isinstance(e, ErrorEvent) or e.finish_reason is not None
+                                           for e in events.get(req_id, [])), timeout_s)
 
     def close(self) -> None:
         self._stop.set()

@@ -53,9 +53,10 @@ def test_a_draining_or_drain_asked_peers_unread_entries_are_taken_at_once_up_to_
 
 def test_a_live_peers_entries_are_stolen_only_when_idle_and_once_they_waited_the_bound(client) -> None:
     stream = _peer(client, "busy", heartbeat={"model": MODEL, "draining": 0}, entries=2)
-    me = _me(client, steal_after_s=0.3)
+    # (a bound wide enough that a loaded machine's pauses between these lines stay well under it)
+    me = _me(client, steal_after_s=2.0)
     assert me.find_work(10, idle=True) == []  # too young
-    time.sleep(0.4)
+    time.sleep(2.1)
     client.xadd(stream, {"m": "young"})
     assert me.find_work(10, idle=False) == []  # not idle
     got = me.find_work(10, idle=True)

@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from protocol.keys import Keys
-from protocol.messages import decode_event, unpack_list_chunks
+from protocol.messages import decode_event, pack_list_chunk, unpack_list_chunks
 from scheduler.request import FinishReason
 from scheduler.scheduler import RequestOutput
 from service.delivery import Delivery
@@ -192,8 +192,8 @@ def test_a_first_token_is_published_before_the_rest_of_its_step(redis_server) ->
 
 def test_a_start_of_a_request_still_live_in_the_publisher_is_logged(redis_server) -> None:
     """The engine thread never starts a request twice while its first run's writes are live; if
-    it ever did, the two runs would share one seq count (a token could be stored twice, as one
-    Redis-restart run once did), so the publisher says so."""
+    it ever did, the two runs would share one seq count (a token could be stored twice), so the
+    publisher says so."""
     from multiprocessing import Pipe
 
     from structlog.testing import capture_logs
@@ -214,3 +214,73 @@ def test_a_start_of_a_request_still_live_in_the_publisher_is_logged(redis_server
         publisher.handle([(START, Delivery("r", STREAM, "1-0", 3), None)])
     [warning] = [e for e in logs if e["event"] == "request_started_while_live"]
     assert (warning["req_id"], warning["live_seq"], warning["new_seq"]) == ("r", 1, 0)
+
+
+def test_a_request_taken_back_is_not_given_its_previous_runs_outputs(redis_server) -> None:
+    """A scheduler lost a request to a successor, then took it back, while its publisher was
+    still behind (a Redis outage holds everything up): one batch holds the first run's last
+    output, then the new run's start and its output. The start must not go ahead of the old
+    output, which would then count as the new run's and store that token twice."""
+    from multiprocessing import Pipe
+
+    from service.delivery import StepOutput
+    from service.publisher_process import START, STEP, Publisher
+    from service.result_store import ResultStore
+
+    client = redis_server.client()
+    client.xgroup_create(STREAM, "schedulers", id="0", mkstream=True)
+    _, outbox = Pipe()
+    publisher = Publisher(ResultStore(client, KEYS, "s1", 60), None, outbox, "s1")
+    record = KEYS.result("r")
+    publisher.handle([(START, Delivery("r", STREAM, "1-0", 3), None)])
+    publisher.handle([(STEP, [StepOutput.of(_out("r", 7))], 0.0)])
+    client.hset(record, "owner", "s2")  # a successor claimed it
+    publisher.handle([(STEP, [StepOutput.of(_out("r", 8))], 1.0)])  # refused: lost
+    stored = client.hget(record, "token_ids") + pack_list_chunk([8])
+    client.hset(record, mapping={"seq": 2, "token_ids": stored})
+    assert unpack_list_chunks(client.hget(record, "token_ids")) == [7, 8]  # what s2 wrote
+    client.hset(record, "owner", "s1")  # taken back (s2 died): resumed from [7, 8]
+    resumed = Delivery("r", STREAM, "1-0", 3, seq=2, token_ids=[7, 8], offsets=[[1, 0], [2, 0]])
+    publisher.handle([(STEP, [StepOutput.of(_out("r", 9))], 2.0),  # the first run's, made before its abort
+                      (START, resumed, None),
+                      (STEP, [StepOutput.of(_out("r", 9))], 3.0)])  # the new run's
+    assert unpack_list_chunks(client.hget(record, "token_ids")) == [7, 8, 9]
+    assert client.hget(record, "seq") == b"3"
+
+
+def test_a_write_whose_reply_was_lost_is_retried_without_storing_a_token_twice(redis_server) -> None:
+    """Redis ran a write of two steps of one request, and the connection went before its reply
+    came (Redis stopping at that moment): the publisher sends the same write again. It must
+    change nothing: the first update's fields once set the record's seq back, and the second
+    then appended its token a second time."""
+    from multiprocessing import Pipe
+
+    from service.delivery import StepOutput
+    from service.publisher_process import START, STEP, Publisher
+    from service.result_store import ResultStore
+    from shared.redis_client import connect
+    from tests.reply_dropper import ReplyDropper
+
+    client = redis_server.client()
+    client.xgroup_create(STREAM, "schedulers", id="0", mkstream=True)
+    pubsub = client.pubsub()
+    pubsub.subscribe(KEYS.events("r"))
+    with ReplyDropper(redis_server.port) as relay:
+        _, outbox = Pipe()
+        store = ResultStore(connect(relay.url, socket_timeout=10), KEYS, "s1", 60)
+        publisher = Publisher(store, None, outbox, "s1")
+        publisher.handle([(START, Delivery("r", STREAM, "1-0", 3), None)])
+        publisher.handle([(STEP, [StepOutput.of(_out("r", 7))], 0.0)])
+        relay.armed.set()
+        publisher.handle([(STEP, [StepOutput.of(_out("r", 8))], 1.0),
+                          (STEP, [StepOutput.of(_out("r", 9, finished=True))], 2.0)])
+        assert relay.num_dropped == 1  # (the write ran, and was sent again)
+    record = client.hgetall(KEYS.result("r"))
+    assert unpack_list_chunks(record[b"token_ids"]) == [7, 8, 9]
+    assert unpack_list_chunks(record[b"offsets"]) == [[1, 0], [2, 0], [3, 0]]
+    assert record[b"seq"] == b"3" and record[b"state"] == b"completed"
+    events = []
+    while (message := pubsub.get_message(timeout=1.0)) is not None:
+        if message["type"] == "message":
+            events.append(decode_event(message["data"]))
+    assert [e.seq for e in events] == [1, 2, 3]  # each event published once

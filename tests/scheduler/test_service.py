@@ -142,7 +142,7 @@ def test_redis_restart_mid_run_and_the_run_completes(tiny_checkpoints, redis_ser
     folder = tiny_checkpoints["qwen3"]
     prompts = _prompts(30, seed=3)
     sampling = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    with _engine(folder) as engine:
+    with _engine(folder, max_num_seqs=8) as engine:  # (the service's engine, batch sizes alike)
         expected = [r.token_ids for r in engine.generate(prompts, sampling)]
     client = redis_server.client()
     engine = _engine(folder, max_num_seqs=8)
@@ -210,8 +210,8 @@ def test_an_interactive_arrival_preempts_batch_items_holding_every_slot(tiny_che
         assert all(len(token_ids(records[r])) == 40 for r in batch_ids)
         notices = client.xrange(KEYS.batch_done)
         assert sorted(f[b"req"].decode() for _, f in notices) == sorted(batch_ids)  # one each
-        time.sleep(0.3)
-        assert interactive in recorder.events and not set(batch_ids) & set(recorder.events)
+        recorder.wait_for_end(interactive)  # (batch items, ended before it or not, publish nothing)
+        assert not set(batch_ids) & set(recorder.events)
     finally:
         recorder.close()
         engine.close()

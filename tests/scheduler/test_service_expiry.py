@@ -38,7 +38,7 @@ def test_a_request_that_expires_waiting_in_the_engine_says_expired_in_record_and
         while client.hget(KEYS.result(long_run), "state") != b"completed":
             service.tick()
             service.flush_and_wait()
-        time.sleep(0.2)  # the last events reach the recorder
+        recorder.wait_for_end(waiting)
         raw = client.hgetall(KEYS.result(waiting))
     finally:
         recorder.close()

@@ -71,7 +71,7 @@ def _check_served_once(a: SchedulerService, b: SchedulerService, client, recorde
                        req_id: str, record: dict, want: list[int]) -> None:
     assert record[b"state"] == b"completed", record
     assert token_ids(record) == want
-    time.sleep(0.2)  # the last events reach the recorder
+    recorder.wait_for_end(req_id)
     events = recorder.events[req_id]
     assert not [e for e in events if isinstance(e, ErrorEvent)]
     assert [e.seq for e in events] == list(range(1, len(events) + 1))  # no gap, no repeat

@@ -78,14 +78,20 @@ def test_repeated_fast_failures_give_up_naming_the_child_and_its_last_lines(tmp_
 
 def test_children_are_added_and_stopped_at_runtime_and_a_stopped_one_stays_stopped(tmp_path) -> None:
     supervisor = Supervisor(tmp_path)
-    argv = [sys.executable, "-c", "import signal, sys, time; "
-            "signal.signal(signal.SIGTERM, lambda *_: sys.exit(7)); time.sleep(60)"]
+    def argv(name: str) -> list[str]:  # (says when its handler is installed: a file appears)
+        return [sys.executable, "-c", "import signal, sys, time; "
+                "signal.signal(signal.SIGTERM, lambda *_: sys.exit(7)); open(sys.argv[1], 'w').close(); "
+                "time.sleep(60)", str(tmp_path / f"{name}.ready")]
+
     try:
-        supervisor.add("a", argv)
-        supervisor.add("b", argv)
+        supervisor.add("a", argv("a"))
+        supervisor.add("b", argv("b"))
         with pytest.raises(ValueError, match="'a' is already supervised"):
-            supervisor.add("a", argv)
-        time.sleep(0.5)  # the handler is installed
+            supervisor.add("a", argv("a"))
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "a.ready").exists():  # (a loaded machine starts Python slowly)
+            assert time.monotonic() < deadline, "the child never installed its handler"
+            time.sleep(0.02)
         assert supervisor.stop("a", graceful=True) == 7  # SIGTERM reached it
         supervisor.poll()
         assert supervisor.names() == ["b"]
