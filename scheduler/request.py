@@ -91,6 +91,10 @@ class Request:
     output_text: str = ""  # text streamed so far (stop strings and held-back text excluded)
     # One entry per output token, only when sampling.logprobs is not None.
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # sampling.prompt_logprobs set: entry i scores prompt token i + 1 ([token_id, logprob, top]),
+    # filled chunk by chunk as the prefill's steps come back; sent with the first output token.
+    prompt_logprobs: list[list] = field(default_factory=list)
+    is_prompt_logprobs_sent: bool = False
     num_preemptions: int = 0
     # What the workers need of `sampling` (sent with every step of this request): without the
     # grammar and stop strings, which only the scheduler reads and which can be kilobytes.
