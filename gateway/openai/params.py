@@ -131,7 +131,7 @@ def plan_chat(body: ChatCompletionRequest, model: ServedModel, settings: Gateway
     max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     tools = chat_tools(body, model)
     grammar = chat_grammar(body, tools)
-    messages, template_tools = prompt_messages(_message_dicts(body), tools.definitions, model.chat_template)
+    messages, template_tools = prompt_messages(message_dicts(body), tools.definitions, model.chat_template)
     text, ids = model.encode_chat(messages, tools=template_tools)
     max_tokens = _check_length(model, len(ids), body.max_completion_tokens or body.max_tokens,
                                prompt_param="messages", max_param=max_param,
@@ -154,7 +154,7 @@ def _continuous_usage(body: SamplingFields) -> bool:
     return bool(body.stream_options and body.stream_options.continuous_usage_stats)
 
 
-def _message_dicts(body: ChatCompletionRequest) -> list[dict]:
+def message_dicts(body: ChatCompletionRequest) -> list[dict]:
     messages = []
     for message in body.messages:
         entry: dict = {"role": message.role, "content": message.text}
