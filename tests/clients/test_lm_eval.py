@@ -37,6 +37,7 @@ TEXTS = [
     "Water boils at one hundred degrees Celsius at sea level, and freezes at zero degrees.",
     "A library is a quiet place where people read books, study, and borrow stories to take home.",
 ]
+# The model answers in a sentence ("The capital of France is Paris."): its last capitalised word.
 QA = [("What is the capital of France? Answer with one word.", "Paris"),
       ("What is the capital of Italy? Answer with one word.", "Rome"),
       ("What is the capital of Germany? Answer with one word.", "Berlin")]
@@ -65,8 +66,8 @@ def write_tasks(root: Path) -> Path:
         f"task: tf_gen\n{common}dataset_kwargs:\n  data_files:\n    test: {root / 'qa.jsonl'}\n"
         "output_type: generate_until\ndoc_to_text: \"{{question}}\"\ndoc_to_target: \"{{answer}}\"\n"
         "generation_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: 12\n  do_sample: false\n  temperature: 0\n"
-        "filter_list:\n  - name: first_word\n    filter:\n      - function: regex\n"
-        "        regex_pattern: \"([A-Z][a-z]+)\"\n      - function: take_first\n"
+        "filter_list:\n  - name: last_word\n    filter:\n      - function: regex\n"
+        "        regex_pattern: \"([A-Z][a-z]+)\"\n        group_select: -1\n      - function: take_first\n"
         "metric_list:\n  - metric: exact_match\n")
     return root
 
@@ -120,5 +121,5 @@ def test_generation_through_local_chat_completions(client_fleet, tasks):
     args = (f"model={client_fleet.model},base_url={client_fleet.url}/v1/chat/completions,"
             "num_concurrent=1,max_retries=1")
     result = evaluate(tasks, ["tf_gen"], "local-chat-completions", args, apply_chat_template=True)["tf_gen"]
-    print(f"tf_gen exact_match: {result['exact_match,first_word']:.4f}")
-    assert result["exact_match,first_word"] >= 2 / 3
+    print(f"tf_gen exact_match: {result['exact_match,last_word']:.4f}")
+    assert result["exact_match,last_word"] >= 2 / 3
