@@ -173,12 +173,16 @@ def _result(record: ResultRecord, model: ServedModel) -> dict | None:
 
 
 def _view(record: ResultRecord, model: ServedModel) -> dict:
+    output = {"text": record.text, "num_tokens": len(record.token_ids), "finish_reason": record.finish_reason}
+    usage = record.final_usage() if record.is_terminal else None
+    if record.echo is not None and record.echo[1]:  # max_tokens 0: the token made to score the prompt
+        # is not the client's
+        output = {"text": "", "num_tokens": 0, "finish_reason": "length" if record.is_terminal else None}
+        usage = usage and {**usage, "completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}
     return {
         "id": record.req_id, "object": "request", "kind": record.api, "model": record.model,
         "status": record.state, "created": _created(record.queued_at), "deadline": record.deadline,
-        "output": {"text": record.text, "num_tokens": len(record.token_ids),
-                   "finish_reason": record.finish_reason},
-        "usage": record.final_usage() if record.is_terminal else None,
+        "output": output, "usage": usage,
         "error": record.error, "timings": _timings(record), "last_event_id": record.seq,
         "result": _result(record, model), "links": _links(record.req_id),
     }
