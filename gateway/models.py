@@ -82,6 +82,8 @@ class ServedModel:
         if not self.has_chat_template:
             raise BadRequest(f"model {self.name!r} has no chat template; use /v1/completions",
                              param="messages")
+        if hasattr(self.tokenizer, "chat_ids"):  # a chat built as ids (shared/qwen_tokenizer.py)
+            return self._encode_chat_ids(messages)
         try:
             text = self.tokenizer.apply_chat_template(messages, tools=tools,
                                                       add_generation_prompt=add_generation_prompt,
@@ -95,6 +97,15 @@ class ServedModel:
         if not ids:
             raise BadRequest("the messages make an empty prompt", param="messages")
         return text, ids
+
+    def _encode_chat_ids(self, messages: list[dict]) -> tuple[str, list[int]]:
+        """Qwen's ChatML: each message's text encoded with special tokens as plain text, so no
+        message can close its turn early (a text template would encode them as specials)."""
+        try:
+            ids = self.tokenizer.chat_ids(messages)
+        except ValueError as exc:
+            raise BadRequest(str(exc), param="messages") from None
+        return self.tokenizer.decode(ids), ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)

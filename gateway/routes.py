@@ -14,6 +14,8 @@ from gateway.openai import tokenize_api
 from gateway.openai.api import chat_completions, completions
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.requests import api as requests_api
+from gateway.responses_api import api as responses_api
+from gateway.responses_api.schemas import ResponseCreate
 from protocol.keys import JOB_ID_PATTERN
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -22,6 +24,15 @@ REQ_ID_PARAM = {"name": "req_id", "in": "path", "required": True,
 
 FILE_ID_PARAM = {"name": "file_id", "in": "path", "required": True,
                  "schema": {"type": "string", "pattern": files_api.FILE_ID_PATTERN}}
+RESPONSE_ID_PARAM = {"name": "response_id", "in": "path", "required": True,
+                     "schema": {"type": "string", "pattern": "^resp_[0-9a-f]{32}$"}}
+
+
+def _object(*required: str) -> dict:
+    return {"application/json": {"schema": {"type": "object", "required": list(required)}}}
+
+
+RESPONSE_OBJECT = _object("id", "object", "status")
 BATCH_ID_PARAM = {"name": "batch_id", "in": "path", "required": True,
                   "schema": {"type": "string", "pattern": JOB_ID_PATTERN}}
 UPLOAD_FORM = {"type": "object", "required": ["file", "purpose"], "properties": {
@@ -76,6 +87,33 @@ ROUTES = [
           errors=(400, 401, 404, 503),
           parameters=[REQ_ID_PARAM, {"name": "Last-Event-ID", "in": "header", "required": False,
                                      "schema": {"type": "string", "pattern": "^[0-9]+$"}}]),
+    Route("POST", "/v1/responses", responses_api.create,
+          "Create a response (Responses API; SSE with stream: true, no client needed with background: true)",
+          ResponseCreate, sse=True, errors=(400, 401, 404, 413, 429, 500, 503),
+          content=RESPONSE_OBJECT),
+    Route("GET", "/v1/responses/{response_id}", responses_api.retrieve,
+          "A stored response; with stream=true its events after starting_after (a resumed stream)", sse=True,
+          errors=(400, 401, 404, 503), parameters=[
+              RESPONSE_ID_PARAM,
+              {"name": "stream", "in": "query", "required": False, "schema": {"type": "boolean"}},
+              {"name": "starting_after", "in": "query", "required": False, "schema": {"type": "integer"}}],
+          content=RESPONSE_OBJECT),
+    Route("POST", "/v1/responses/{response_id}/cancel", responses_api.cancel, "Cancel a background response",
+          errors=(400, 401, 404, 503), parameters=[RESPONSE_ID_PARAM],
+          content=RESPONSE_OBJECT),
+    Route("DELETE", "/v1/responses/{response_id}", responses_api.delete, "Delete a stored response",
+          errors=(401, 404, 503), parameters=[RESPONSE_ID_PARAM],
+          content=_object("id", "object", "deleted")),
+    Route("GET", "/v1/responses/{response_id}/input_items", responses_api.input_items,
+          "The items a response was given (its chained context first), newest first unless order=asc",
+          errors=(400, 401, 404, 503), parameters=[
+              RESPONSE_ID_PARAM,
+              {"name": "order", "in": "query", "required": False, "schema": {"type": "string",
+                                                                              "enum": ["asc", "desc"]}},
+              {"name": "limit", "in": "query", "required": False,
+               "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
+              {"name": "after", "in": "query", "required": False, "schema": {"type": "string"}}],
+          content=_object("object", "data")),
     Route("POST", "/v1/files", files_api.upload, "Upload a batch job's input (JSONL, purpose 'batch')",
           response=files_api.FileObject, form=UPLOAD_FORM, errors=(400, 401, 413, 503)),
     Route("GET", "/v1/files", files_api.list_files, "Uploaded files, newest first",

@@ -13,6 +13,7 @@
 | {p}ev:{P}:{req_id}                    | pub/sub       | scheduler               | gateway               |
 | {p}res:{P}:{req_id}                   | hash with TTL | scheduler               | gateway, a successor  |
 | {p}idem:{P}:{digest}                  | string + TTL  | gateway                 | gateway               |
+| {p}resp:{P}:{req_id}                  | hash with TTL | gateway (/v1/responses) | gateway               |
 | {p}cancel                             | pub/sub       | gateway                 | schedulers            |
 | {p}cancelled:{P}:{req_id}             | string + TTL  | gateway                 | schedulers            |
 | {p}sched:{scheduler_id}               | hash with TTL | scheduler (heartbeat)   | gateway, metrics      |
@@ -198,6 +199,11 @@ class Keys:
 
     def result(self, req_id: str) -> str:
         return self._of("res", req_id)
+
+    def response(self, req_id: str) -> str:
+        """A stored Responses-API response: what was asked (its input, tools, format...), beside
+        the request's own record in the same partition; its output is read from that record."""
+        return self._of("resp", req_id)
 
     @property
     def cancel_channel(self) -> str:

@@ -25,14 +25,23 @@ ROOT_HASH: BlockHash = hashlib.sha256(b"tokenfleet-kv-block").digest()
 SUMMARY_HASH_BYTES = 8
 
 
+def rope_root(rope_offset: int) -> BlockHash:
+    """The root of the chains of sequences whose rotary table is another (rope_offset != 0:
+    Qwen's dynamic NTK past its training context): the same tokens give other K/V there."""
+    if not rope_offset:
+        return ROOT_HASH
+    return hashlib.sha256(ROOT_HASH + b"rope" + array("q", [rope_offset]).tobytes()).digest()
+
+
 def hash_block(parent_hash: BlockHash, token_ids: Sequence[int]) -> BlockHash:
     return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
 
 
-def extend_block_hashes(hashes: list[BlockHash], blocks: Iterable[Sequence[int]]) -> list[BlockHash]:
+def extend_block_hashes(hashes: list[BlockHash], blocks: Iterable[Sequence[int]],
+                        root: BlockHash = ROOT_HASH) -> list[BlockHash]:
     """Append the hash of each block (the token ids of the blocks after those already hashed,
-    in order), chained after the last hash in `hashes` (or the root); returns `hashes`."""
-    parent = hashes[-1] if hashes else ROOT_HASH
+    in order), chained after the last hash in `hashes` (or `root`); returns `hashes`."""
+    parent = hashes[-1] if hashes else root
     for token_ids in blocks:
         parent = hash_block(parent, token_ids)
         hashes.append(parent)

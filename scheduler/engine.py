@@ -35,6 +35,7 @@ from scheduler.scheduler import RequestOutput, Scheduler, SchedulerConfig, Sched
 from shared.config import EngineConfig
 from shared.errors import InvalidRequestError, ModelLoadError, WorkerError
 from shared.logging import get_logger
+from shared.long_context import rope_offset
 from shared.model_config import load_model_config
 from shared.sampling import SamplingParams
 from shared.step import StepResult
@@ -90,6 +91,8 @@ class LLMEngine:
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        # A tokenizer that knows its model's stop set (Qwen's ChatML: <|im_end|>, <|im_start|>).
+        self.eos_token_ids.update(getattr(self.tokenizer, "stop_token_ids", ()))
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_model_len=self.executor.max_model_len,
@@ -100,6 +103,8 @@ class LLMEngine:
                 enable_prefix_caching=config.enable_prefix_caching,
                 pipeline_depth=self.executor.pipeline_depth,
                 async_scheduling=self.async_scheduling,
+                itl_target_ms=config.itl_target_ms,
+                itl_slowdown=config.itl_slowdown,
             ),
             self.tokenizer,
             Grammars(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),
@@ -107,8 +112,10 @@ class LLMEngine:
         )
         self._req_counter = itertools.count()
         self._num_failed_steps = 0  # consecutive, reset by a good step
-        # Steps submitted and not yet collected, oldest first: (output, executor handle, submitted at).
-        self._in_flight: collections.deque[tuple[SchedulerOutput, object, float]] = collections.deque()
+        # Steps submitted and not yet collected, oldest first: (output, executor handle, scheduled at,
+        # submitted at).
+        self._in_flight: collections.deque[tuple[SchedulerOutput, object, float, float]] = collections.deque()
+        self._last_collected_at = 0.0  # when the last step's result came back (perf_counter)
         self.num_group_restarts = 0
         self.num_steps = 0  # steps that ran on the workers
         self.step_observer: StepObserver | None = None
@@ -129,9 +136,10 @@ class LLMEngine:
         if chat:
             if not getattr(self.tokenizer, "chat_template", None):
                 raise InvalidRequestError("this model's tokenizer has no chat template", param="chat")
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-            )
+            messages = [{"role": "user", "content": prompt}]
+            if hasattr(self.tokenizer, "chat_ids"):  # built as ids (shared/qwen_tokenizer.py)
+                return self.tokenizer.chat_ids(messages)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             return self.tokenizer(text, add_special_tokens=False).input_ids
         return self.tokenizer(prompt).input_ids
 
@@ -153,9 +161,13 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})", param="prompt"
             )
+        cfg = self.model_config
         request = Request(req_id, list(prompt_token_ids), sampling, priority=priority,
                           eos_token_ids=set(self.eos_token_ids), tenant=tenant,
-                          output_token_ids=list(output_token_ids or []))
+                          output_token_ids=list(output_token_ids or []),
+                          rope_offset=rope_offset(len(prompt_token_ids), seq_length=cfg.seq_length,
+                                                  use_dynamic_ntk=cfg.use_dynamic_ntk,
+                                                  stride=self.executor.max_model_len))
         if arrival_time is not None:
             request.arrival_time = arrival_time
         request.output_text = output_text
@@ -187,16 +199,23 @@ class LLMEngine:
                         self._observe(output, done, started)
                     outputs += done
                     break
-                self._in_flight.append((output, self.executor.submit(output.batch), started))
+                submitted = time.perf_counter()
+                self._in_flight.append((output, self.executor.submit(output.batch), started, submitted))
             if not self._in_flight:
                 return outputs
-            output, handle, started = self._in_flight.popleft()
+            output, handle, started, submitted = self._in_flight.popleft()
             waiting = time.perf_counter()
             result = self.executor.collect(handle)
-            result_wait_s = time.perf_counter() - waiting
+            collected = time.perf_counter()
+            result_wait_s = collected - waiting
         except WorkerError as exc:
             self._recover(exc)
             return outputs
+        # What the step cost its tokens: from the previous result (the device went on from there)
+        # or from its submission (when the device had nothing before it) to its own result.
+        step_ms = (collected - max(self._last_collected_at, submitted)) * 1000
+        self._last_collected_at = collected
+        self.scheduler.observe_step(output, step_ms)
         self._num_failed_steps = 0
         self.num_steps += 1
         done = self.scheduler.update_from_output(output, result)
@@ -251,6 +270,23 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
         self.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        self.calibrate_step_cost(rng)
+
+    def calibrate_step_cost(self, rng: random.Random | None = None) -> None:
+        """Time steps of 16, 32, ... up to max_num_batched_tokens tokens (one prompt each, with its
+        first decode) for the step cost model (scheduler/step_cost.py), after the warm-up's first
+        steps, whose times are compilation's. Serving then refines the model with every step."""
+        rng = rng or random.Random(0)
+        vocab = self.model_config.vocab_size
+        self.scheduler.step_cost.reset()
+        limit = min(self.max_model_len - 8, self.config.max_num_batched_tokens)
+        num_tokens = 16
+        while num_tokens <= limit:
+            prompt = [rng.randrange(vocab) for _ in range(num_tokens)]  # (no prefix in the cache)
+            self.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+            num_tokens *= 2
+        self.log.info("step_cost_calibrated", points=[
+            (round(point.num_tokens), round(point.ms, 2)) for point in self.scheduler.step_cost.points()])
 
     def close(self) -> None:
         """Stop the worker group and give its device memory back (graphs, KV cache, weights),

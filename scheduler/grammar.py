@@ -241,7 +241,12 @@ class Grammars:
                                           param="response_format")
             import xgrammar as xgr
 
-            info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
-                                                      stop_token_ids=self._stop_token_ids or None)
+            token_bytes = getattr(self._tokenizer, "token_bytes", None)
+            if token_bytes is not None:  # a byte-level BPE without a Hugging Face tokenizer (Qwen v1)
+                info = xgr.TokenizerInfo(token_bytes(), xgr.VocabType.RAW, vocab_size=self._vocab_size,
+                                         stop_token_ids=self._stop_token_ids or None)
+            else:
+                info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
+                                                          stop_token_ids=self._stop_token_ids or None)
             self._compiler = xgr.GrammarCompiler(info)
         return self._compiler

@@ -64,6 +64,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     eos_token_ids: set[int] = field(default_factory=set)
     tenant: str | None = None  # whose request: tenants take turns inside a priority
+    # Rotary table row offset of this request (SequenceWork.rope_offset; 0 for most models).
+    rope_offset: int = 0
 
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens of all_token_ids whose K/V sit in the cache. What to compute next is always
@@ -96,6 +98,9 @@ class Request:
     prompt_logprobs: list[list] = field(default_factory=list)
     is_prompt_logprobs_sent: bool = False
     num_preemptions: int = 0
+    # The step that last computed a token of it: a step's latency budget leaves out the less
+    # important decodes that ran most recently first (scheduler._less_important_order).
+    last_scheduled_step: int = -1
     # What the workers need of `sampling` (sent with every step of this request): without the
     # grammar and stop strings, which only the scheduler reads and which can be kilobytes.
     worker_sampling: SamplingParams = field(init=False)

@@ -1,10 +1,15 @@
 """Iteration-level scheduler: which requests compute how many tokens in each step.
 
-Every step, running requests go first (decodes, then the next chunk of those still
-prefilling), then waiting requests in order of importance, as long as the token budget,
-the sequence cap and the KV cache allow. When the cache runs out, the least important
-running request is preempted: its blocks are freed and it later recomputes its prompt
-and output from scratch (num_computed_tokens back to 0).
+Every step, the running decodes of the most important requests present (lowest priority
+number: interactive requests beside batch items) go first, then their prefill: the next chunk of
+those running, then waiting ones in order (tenants taking turns, fair_share.py), as long as the
+token budget, the sequence cap and the KV cache allow; a waiting one takes the slot or the blocks
+of a less important running one (preempted). The work of everyone else (decodes, running chunks,
+then admissions, most important first) only fills the step up to its latency budget
+(step_budget.py), so that batch items never stretch a chat's step; with nothing more important
+present, they get the whole budget. When the cache runs out, the least important running
+request is preempted: its blocks are freed and it later recomputes its prompt and output from
+scratch (num_computed_tokens back to 0), its output so far kept.
 
 With prefix caching, a request admitted from the waiting queue starts after the longest
 prefix of its tokens whose full blocks are in the cache (block_manager.py); blocks are made
@@ -40,7 +45,8 @@ from scheduler.detokenizer import IncrementalDetokenizer, Tokenizer
 from scheduler.fair_share import FairShare
 from scheduler.grammar import Grammars
 from scheduler.prompt_logprobs import prompt_logprob_targets, prompt_logprobs_to_send, take_prompt_logprobs
-from scheduler.request import BATCH_PRIORITY, FinishReason, Request, RequestStatus, TokenLogprobs
+from scheduler.request import FinishReason, Request, RequestStatus, TokenLogprobs
+from scheduler.step_budget import LatencyBudget
 from scheduler.step_plan import RequestOutput, SchedulerConfig, SchedulerOutput, StepPlan
 from shared.errors import InvalidRequestError, WorkerError
 from shared.logging import get_logger
@@ -54,6 +60,14 @@ logger = get_logger(__name__)
 def _importance(request: Request) -> tuple[int, float]:
     """Sort key: most important first (lower priority number, then earlier arrival)."""
     return (request.priority, request.arrival_time)
+
+
+def _less_important_order(request: Request) -> tuple[int, bool, float]:
+    """Sort key of the work a step's budget caps: by priority, decodes first (they hold their
+    KV blocks already; finishing them frees slots), the decode that ran longest ago first (a
+    decode the cap left out goes first next time), prompts in arrival order."""
+    is_prefill = request.num_tokens - request.num_computed_tokens > 1
+    return (request.priority, is_prefill, request.arrival_time if is_prefill else request.last_scheduled_step)
 
 
 class Scheduler:
@@ -82,6 +96,10 @@ class Scheduler:
         self._aborted: list[Request] = []  # aborted since the last update_from_output
         self._freed_req_ids: list[str] = []  # blocks freed since the last batch: the next one says so
         self._next_step_id = 0
+        # How long a step may be beside more important work, from what steps cost (step_budget.py);
+        # the engine feeds `step_cost` the time of every step it runs.
+        self.latency_budget = LatencyBudget(config.itl_target_ms, config.itl_slowdown)
+        self.step_cost = self.latency_budget.cost
         # When set, only requests with stop strings are detokenized here (their text decides when
         # they stop); the caller turns the others' tokens into text off the step's critical path.
         self.text_for_stop_strings_only = False
@@ -166,13 +184,22 @@ class Scheduler:
     # -- one step: schedule ----------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """The next step: running decodes, then the prefill of the most important requests present
+        (running, then waiting ones admitted, preempting less important ones for room), then the
+        prefill of the others, within the step's latency budget (scheduler/step_budget.py)."""
         plan = StepPlan(token_budget=self.config.max_num_batched_tokens,
                         max_num_seqs=self._step_seq_budget())
-        self._schedule_running(plan)
+        plan.top_priority = top = self._most_important_priority()
+        less_important = self._schedule_running(plan, top)
         # Blocks just freed by preemption are for the running requests that needed them;
         # admitting new ones now would only preempt again.
-        if not plan.preempted_req_ids:
-            self._schedule_waiting(plan)
+        admits = not plan.preempted_req_ids and self._schedule_waiting(plan, top, capped=False)
+        if less_important or (admits and self._waiting):
+            # Relative to the most important work alone: less important decodes (already in
+            # the step) take their share of the budget rather than raise it.
+            plan.step_token_cap = self.latency_budget.step_tokens(
+                plan.num_top_tokens, self.config.max_num_batched_tokens)
+            self._schedule_less_important(plan, less_important, admits)
         scheduled = [self._requests[req_id] for req_id in plan.num_scheduled_tokens]
         works = [self._make_work(request, plan.num_scheduled_tokens[request.req_id]) for request in scheduled]
         batch = StepBatch(step_id=self._next_step_id, works=works)
@@ -182,12 +209,27 @@ class Scheduler:
             batch.mask_filler = self.grammars.mask_filler(works)
         self._next_step_id += 1
         for request, work in zip(scheduled, works, strict=True):
+            request.last_scheduled_step = batch.step_id
             request.num_in_flight_tokens += len(work.token_ids)
             request.num_pending_tokens += work.is_sampled
         self._computing_in_flight.update(plan.computing_block_hashes)
         return SchedulerOutput(batch, plan.num_scheduled_tokens, plan.preempted_req_ids,
                                [(request, request.num_preemptions) for request in scheduled],
-                               plan.computing_block_hashes)
+                               plan.computing_block_hashes, plan.step_token_cap,
+                               plan.num_top_tokens, plan.was_capped)
+
+    def observe_step(self, output: SchedulerOutput, ms: float) -> None:
+        """What a step took (from the engine), for the latency budget (step_budget.py)."""
+        self.latency_budget.observe(output.batch.num_tokens, output.num_top_tokens, ms,
+                                    was_capped=output.was_capped, limit=self.config.max_num_batched_tokens)
+
+    def _most_important_priority(self) -> int | None:
+        """The lowest priority number among running and waiting requests (None: there are none):
+        their prefill goes first and uncapped; everyone else's within the latency budget."""
+        top = min((request.priority for request in self._running), default=None)
+        if self._waiting and (top is None or self._waiting[0].priority < top):
+            top = self._waiting[0].priority
+        return top
 
     def _step_seq_budget(self) -> int:
         """Sequences this step may take: all of max_num_seqs, but for a pipeline a 1/depth share
@@ -198,12 +240,15 @@ class Scheduler:
         num_requests = len(self._running) + len(self._waiting)
         return max(1, min(self.config.max_num_seqs, -(-num_requests // depth)))
 
-    def _schedule_running(self, plan: StepPlan) -> None:
+    def _schedule_running(self, plan: StepPlan, top: int | None) -> list[Request]:
+        """Every running decode, and the prefill chunks of the running requests of priority
+        `top`; returns the others still prefilling, most important first, for later in the step."""
         # Decodes first: a request still prefilling gets what they leave, so a long prompt
         # never holds back the decodes of others for more than its current chunk.
         by_decodes_first = sorted(
             self._running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1
         )
+        less_important: list[Request] = []
         for request in by_decodes_first:
             if not plan.has_seq_room:
                 break  # the rest go with the next step (a pipeline's share)
@@ -211,20 +256,47 @@ class Scheduler:
                 continue  # preempted for another request earlier in this loop
             if request.num_in_flight_tokens and not self._can_schedule_ahead(request):
                 continue  # in a step in flight: its next step waits for that one's token
-            num_new_tokens = self._num_new_tokens(request, plan.token_budget)
-            if num_new_tokens == 0:
+            if request.priority != top:
+                less_important.append(request)  # within the step's budget, later
                 continue
-            # Blocks for every planned position: those of the step in flight, then these.
-            num_slots = request.num_in_flight_tokens + num_new_tokens
-            while not self.block_manager.allocate_slots(request, num_slots):
-                victim = max((r for r in self._running if self._can_preempt(r)),
-                             key=_importance)  # `request` itself at worst
-                self._preempt(victim, plan)
-                if victim is request:
-                    break
-            else:
-                plan.add(request, num_new_tokens)
-                self._note_computing(request, num_new_tokens, plan)
+            self._schedule_running_request(request, plan, plan.token_budget)
+        less_important.sort(key=_less_important_order)
+        return less_important
+
+    def _schedule_less_important(self, plan: StepPlan, prefills: list[Request], admits: bool) -> None:
+        """Within the step's cap, in priority order: the running requests' decodes and prefill
+        chunks (`_less_important_order`), each after the waiting requests more important than it;
+        then the rest of the waiting ones. No admission once this step preempted (admitting would only preempt
+        again) or a waiting request is stuck (strict order)."""
+        admitted_until: int | None = None  # the priority up to which waiting ones were admitted
+        for request in prefills:
+            if admits and request.priority != admitted_until:
+                admitted_until = request.priority
+                admits = not plan.preempted_req_ids and self._schedule_waiting(
+                    plan, request.priority - 1, capped=True)
+            if not plan.has_seq_room or plan.capped_budget <= 0:
+                plan.was_capped = True
+                return
+            if request.status is RequestStatus.RUNNING:  # (not preempted for a newcomer meanwhile)
+                self._schedule_running_request(request, plan, plan.capped_budget)
+        if admits and not plan.preempted_req_ids:
+            self._schedule_waiting(plan, None, capped=True)
+        plan.was_capped = plan.was_capped or plan.capped_budget <= 0
+
+    def _schedule_running_request(self, request: Request, plan: StepPlan, token_budget: int) -> None:
+        num_new_tokens = self._num_new_tokens(request, token_budget)
+        if num_new_tokens == 0:
+            return
+        # Blocks for every planned position: those of the step in flight, then these.
+        num_slots = request.num_in_flight_tokens + num_new_tokens
+        while not self.block_manager.allocate_slots(request, num_slots):
+            victim = max((r for r in self._running if self._can_preempt(r)),
+                         key=_importance)  # `request` itself at worst
+            self._preempt(victim, plan)
+            if victim is request:
+                return
+        plan.add(request, num_new_tokens)
+        self._note_computing(request, num_new_tokens, plan)
 
     def has_requests_needing_their_token(self) -> bool:
         """Whether a running request cannot be scheduled ahead (a grammar: its mask needs its
@@ -250,20 +322,21 @@ class Scheduler:
         K/V); under async scheduling the step in flight's result is dropped, as for an abort."""
         return self.config.async_scheduling or not request.num_in_flight_tokens
 
-    def _schedule_waiting(self, plan: StepPlan) -> None:
-        admits_interactive = False
+    def _schedule_waiting(self, plan: StepPlan, until: int | None, *, capped: bool) -> bool:
+        """Admit waiting requests in order, those of priority `until` or more important (None:
+        all), their prefill within the step's cap when `capped`. True when every one of them was
+        admitted (none is stuck: less important ones may follow)."""
         # Strict priorities; tenants take turns inside one (scheduler/fair_share.py).
         for request in self._fair_share.order(self._waiting):
-            if plan.token_budget <= 0:
-                break
+            if until is not None and request.priority > until:
+                return True
+            token_budget = plan.capped_budget if capped else plan.token_budget
+            if token_budget <= 0:
+                return False
             if self.config.pipeline_depth > 1 and not plan.has_seq_room:
-                break  # this step's share is taken; the next step in flight takes the next ones
+                return False  # this step's share is taken; the next step in flight takes the next ones
             if request.req_id in plan.preempted_req_ids:
-                break  # just made room for a more important one; not back in this step
-            if admits_interactive and request.priority >= BATCH_PRIORITY:
-                # Batch prompts do not share a step with an interactive prompt: the step that
-                # gives an interactive request its first token stays as short as its own prefill.
-                break
+                return False  # just made room for a more important one; not back in this step
             if request.sampling.prompt_logprobs is not None:
                 cached_block_ids = []  # cached positions have no logits: it computes its whole prompt
             else:
@@ -271,19 +344,19 @@ class Scheduler:
                 if self._prefix_is_being_computed(request, len(cached_block_ids), plan):
                     # Wait one step and take those blocks from the cache, rather than compute them
                     # twice (a burst of chats with one system prompt computes it once).
-                    break
+                    return False
             num_new_tokens = self._num_new_tokens(
-                request, plan.token_budget, len(cached_block_ids) * self.config.block_size)
+                request, token_budget, len(cached_block_ids) * self.config.block_size)
             if not self._make_room(request, num_new_tokens, plan, cached_block_ids):
-                break  # strict order: later requests do not jump ahead of a stuck one
+                return False  # strict order: later requests do not jump ahead of a stuck one
             self.block_manager.record_first_admission(request)
             self._waiting.remove(request)
             self._fair_share.started(request)
-            admits_interactive = admits_interactive or request.priority < BATCH_PRIORITY
             request.status = RequestStatus.RUNNING
             self._running.append(request)
             plan.add(request, num_new_tokens)
             self._note_computing(request, num_new_tokens, plan)
+        return True
 
     def _note_computing(self, request: Request, num_new_tokens: int, plan: StepPlan) -> None:
         if num_new_tokens <= 1 or not self.config.enable_prefix_caching:
@@ -394,6 +467,7 @@ class Scheduler:
             prompt_token_ids=list(request.prompt_token_ids) if needs_history else [],
             output_token_ids=list(request.output_token_ids) if needs_history else [],
             is_token_pending=is_token_pending,
+            rope_offset=request.rope_offset,
             prompt_logprob_ids=prompt_logprob_targets(request, start, end),
         )
 

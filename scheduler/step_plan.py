@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scheduler.request import FinishReason, Request, TokenLogprobs
+from scheduler.step_budget import DEFAULT_SLOWDOWN
 from shared.step import StepBatch
 
 
@@ -33,6 +34,12 @@ class SchedulerConfig:
     # in flight is scheduled again, its next input the token that step samples (still on the
     # device). Only with pipeline_depth 1: a pipeline's steps in flight hold different requests.
     async_scheduling: bool = False
+    # Beside more important work (an interactive request beside batch items, a higher priority
+    # beside a lower one), a step's less important prefill fills it only up to a latency budget
+    # (scheduler/step_budget.py): this many milliseconds; None: itl_slowdown times a step of the
+    # most important work alone, as the step cost model predicts it; 0: no budget.
+    itl_target_ms: float | None = None
+    itl_slowdown: float = DEFAULT_SLOWDOWN
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "num_kv_blocks", "block_size", "max_num_seqs",
@@ -47,6 +54,10 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs})"
             )
+        if self.itl_target_ms is not None and self.itl_target_ms < 0:
+            raise ValueError(f"itl_target_ms must be >= 0, got {self.itl_target_ms}")
+        if not self.itl_slowdown >= 1:
+            raise ValueError(f"itl_slowdown must be >= 1, got {self.itl_slowdown}")
         if self.async_scheduling and self.pipeline_depth > 1:
             raise ValueError("async_scheduling needs pipeline_depth 1 (a pipeline overlaps its steps)")
 
@@ -61,6 +72,11 @@ class SchedulerOutput:
     scheduled_requests: list[tuple[Request, int]] = field(default_factory=list)
     # Hashes of the full blocks this step's prefills compute, findable once it is taken back.
     computing_block_hashes: set[bytes] = field(default_factory=set)
+    # The most tokens the step could hold once less important prefill joined (step_budget.py);
+    # None: nothing less important to cap.
+    step_token_cap: int | None = None
+    num_top_tokens: int = 0  # tokens of the most important priority present
+    was_capped: bool = False  # the cap held less important work back
 
     @property
     def scheduled_req_ids(self) -> list[str]:
@@ -90,6 +106,13 @@ class StepPlan:
 
     token_budget: int
     max_num_seqs: int  # sequences this step may take
+    # The most tokens the step may hold once less important prefill joins (step_budget.py);
+    # None: no such cap (nothing more important present, or not yet computed).
+    step_token_cap: int | None = None
+    num_tokens: int = 0  # scheduled so far
+    top_priority: int | None = None  # the most important priority present
+    num_top_tokens: int = 0  # scheduled so far for requests of top_priority
+    was_capped: bool = False  # the cap held less important work back
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # req_id -> tokens
     preempted_req_ids: list[str] = field(default_factory=list)
     # Hashes of the full blocks this step's prefills compute: cached from the next step on.
@@ -98,10 +121,24 @@ class StepPlan:
     def add(self, request: Request, num_tokens: int) -> None:
         self.num_scheduled_tokens[request.req_id] = num_tokens
         self.token_budget -= num_tokens
+        self.num_tokens += num_tokens
+        if request.priority == self.top_priority:
+            self.num_top_tokens += num_tokens
 
     @property
     def has_seq_room(self) -> bool:
         return len(self.num_scheduled_tokens) < self.max_num_seqs
 
     def remove(self, request: Request) -> None:
-        self.token_budget += self.num_scheduled_tokens.pop(request.req_id, 0)
+        num_tokens = self.num_scheduled_tokens.pop(request.req_id, 0)
+        self.token_budget += num_tokens
+        self.num_tokens -= num_tokens
+        if request.priority == self.top_priority:
+            self.num_top_tokens -= num_tokens
+
+    @property
+    def capped_budget(self) -> int:
+        """Tokens left for a less important request's prefill: within the step's cap, if any."""
+        if self.step_token_cap is None:
+            return self.token_budget
+        return max(0, min(self.token_budget, self.step_token_cap - self.num_tokens))

@@ -4,9 +4,15 @@ engine fed the same arrivals, at several rates, in one run (issue 27's table; do
     python3 scripts/bench_serve_gpu.py --tokenizer DIR          # one H200, ~6 min
     python3 scripts/bench_serve_gpu.py --tokenizer DIR --quantization fp8   # the same with fp8 weights
     .venv/bin/python scripts/bench_serve_gpu.py --smoke         # this CPU, tiny model: checks the script
+    python3 scripts/bench_serve_gpu.py --model-kind qwen14b --rates 4,8   # Qwen-14B's shape, bf16
+    python3 scripts/bench_serve_gpu.py --model-kind qwen14b --rates 4,8 --quantization fp8 \
+        --max-weight-bytes-per-rank 24e9                        # the same under a 24 GB card's budget
 
 Model: Llama-3-8B's shape with SmolLM2's vocabulary and tokenizer, random bf16 weights (as
-scripts/bench_fleet_gpu.py builds it). Workload, at each --rates for --seconds of Poisson arrivals
+scripts/bench_fleet_gpu.py builds it); with --model-kind qwen14b, Qwen-14B-Chat's shape as a
+QWenLMHeadModel folder with random bf16 weights and a synthetic qwen.tiktoken of the real size
+(testkit/qwen_checkpoints.py; the bench's words are a token each, so the prompts are as long in
+tokens as with the real vocabulary). Workload, at each --rates for --seconds of Poisson arrivals
 (`tokenfleet bench`'s plan, seed 0): chats with one shared system prompt of --prefix-tokens (about
 800 tokens, prefix-cached after the first), a user turn of 40-300 words, 16-512 output tokens
 (lognormal, mean 150), greedy, EOS ignored.
@@ -187,9 +193,26 @@ AB_RUNS = {"graphs": {"graphs": [], "eager": ["--cuda-graph-max-tokens", "0"]},
 
 
 def quant_flags(args: argparse.Namespace) -> list[str]:
-    """--quantization and --kv-cache-dtype, given to the fleet's `up` and to the engine alike."""
+    """--quantization, --kv-cache-dtype and --max-weight-bytes-per-rank, given to the fleet's `up`
+    and to the engine alike."""
     flags = ["--quantization", args.quantization] if args.quantization else []
+    if args.max_weight_bytes_per_rank:
+        flags += ["--max-weight-bytes-per-rank", args.max_weight_bytes_per_rank]
     return flags + (["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype != "auto" else [])
+
+
+def write_model(args: argparse.Namespace, folder: Path) -> str:
+    """The checkpoint of --model-kind into folder; returns its description."""
+    if args.model_kind == "llama8b":
+        return prepare_model(args, folder)
+    from testkit.qwen_checkpoints import make_qwen_checkpoint, write_qwen_14b
+
+    if args.smoke:  # a window of 2048 holds the smoke's chats; past seq_length 64, logn and NTK work
+        make_qwen_checkpoint(folder, max_position_embeddings=2048)
+        return "tiny random Qwen (v1) (3 layers, hidden 64, seq_length 64), float32"
+    num_params = write_qwen_14b(folder, args.device)
+    return (f"Qwen-14B shape (QWenLMHeadModel, {num_params / 1e9:.2f} B params, vocab 152,064, synthetic "
+            "qwen.tiktoken of the real size), random bf16 weights")
 
 
 def engine_rows(args: argparse.Namespace, folder: Path, rates: list[float], *,
@@ -249,6 +272,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--logs", type=Path, help="folder for the fleet's logs (default: a temp folder)")
     parser.add_argument("--quantization", choices=("fp8",), help="fp8 weights (fleet and engine alike)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
+    parser.add_argument("--model-kind", default="llama8b", choices=("llama8b", "qwen14b"),
+                        help="llama8b: Llama-3-8B's shape with SmolLM2's tokenizer; qwen14b: Qwen-14B-Chat's "
+                             "shape as a QWenLMHeadModel folder (testkit/qwen_checkpoints.py)")
+    parser.add_argument("--max-weight-bytes-per-rank", help="e.g. 24e9: the 24 GB card's budget, refused "
+                                                            "when one rank's weights need more")
     parser.add_argument("--engine-ab", nargs="?", const="graphs", choices=tuple(AB_RUNS),
                         help="no fleet: the engine with mixed-step graphs against every mixed step eager "
                              "(graphs, the default), or with async scheduling on against off (async)")
@@ -263,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     out = args.logs or Path(tempfile.mkdtemp(prefix="tokenfleet-serve-logs-"))
     out.mkdir(parents=True, exist_ok=True)
     try:
-        description = prepare_model(args, folder)
+        description = write_model(args, folder)
         if args.engine_ab:
             runs = {label: engine_rows(args, folder, rates, flags=tuple(flags))
                     for label, flags in AB_RUNS[args.engine_ab].items()}

@@ -60,6 +60,9 @@ class SchedulerTelemetry:
             "num_finished": self.metrics.num_finished,
             "num_kv_blocks": self.engine.scheduler.block_manager.num_blocks,
             "generation_history": json.dumps(history, separators=(",", ":")),
+            # The step cost model the step budget uses (scheduler/step_cost.py): [tokens, ms] points.
+            "step_cost_ms": json.dumps([[round(p.num_tokens), round(p.ms, 2)]
+                                        for p in self.engine.scheduler.step_cost.points()]),
         }
 
     def exposition(self) -> bytes:

@@ -21,6 +21,9 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 QUANTIZATIONS = ("fp8", "int8")  # what --quantization takes (workers/layers/quantization.py)
 # What --kv-cache-dtype takes: "auto" (the serving dtype) or "fp8" (e4m3, docs/quantization.md).
 KV_CACHE_DTYPES = ("auto", "fp8")
+# Beside batch work (or any less important), a step takes at most this times what its more
+# important work alone would (scheduler/step_budget.py), unless itl_target_ms says otherwise.
+DEFAULT_ITL_SLOWDOWN = 1.4
 # NVLink multicast (NVLS) off unless the environment says otherwise: on shared multi-GPU
 # hosts a program that uses it can take every GPU of the host out of service. Set before
 # NCCL (or PyTorch's symmetric memory) reads them, i.e. before a process group exists.
@@ -81,6 +84,12 @@ class EngineConfig:
     # step's inputs; stop checks act one step late (scheduler/scheduler.py). Ignored under
     # pipeline parallelism, whose steps in flight already overlap.
     async_scheduling: bool = _CPU.async_scheduling
+    # Beside more important work (chats beside batch items; a higher priority beside a lower),
+    # less important prefill fills a step only up to a latency budget (scheduler/step_budget.py):
+    # this many ms per step; None: itl_slowdown times a step of the more important work alone, as
+    # the engine's step cost model predicts; 0: no budget (batch prompts share steps with chats as they fit).
+    itl_target_ms: float | None = None
+    itl_slowdown: float = DEFAULT_ITL_SLOWDOWN
     num_threads: int | None = None  # torch threads per rank on CPU
     # Structured outputs: append the text a grammar forces (a key, a closing brace) without
     # sampling it (scheduler/grammar.py says how that can change a request's tokens).

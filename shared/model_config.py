@@ -8,7 +8,7 @@ from pathlib import Path
 
 from shared.errors import ModelLoadError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen", "qwen2", "qwen3")
 
 
 @dataclass
@@ -32,6 +32,12 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     # "fp8" when the checkpoint's linear weights are stored quantized (compressed-tensors).
     checkpoint_quantization: str | None = None
+    # Qwen (v1) past its training context: `seq_length` is that context; logn attention scales
+    # the queries past it, dynamic NTK raises the rotary base by the prompt's length
+    # (shared/long_context.py).
+    seq_length: int | None = None
+    use_logn_attn: bool = False
+    use_dynamic_ntk: bool = False
 
     @property
     def context_window(self) -> int:
@@ -59,6 +65,8 @@ def load_model_config(folder: str | Path) -> ModelConfig:
             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
     try:
+        if model_type == "qwen":
+            return _from_qwen_dict(raw, folder, path)
         return _from_dict(raw, model_type, folder)
     except KeyError as exc:
         raise ModelLoadError(f"{path} lacks the field {exc.args[0]!r}") from None
@@ -94,6 +102,43 @@ def _from_dict(raw: dict, model_type: str, folder: Path) -> ModelConfig:
         sliding_window=raw.get("sliding_window") if use_sliding else None,
         eos_token_ids=_eos_token_ids(raw, folder),
         checkpoint_quantization=_checkpoint_quantization(raw.get("quantization_config")),
+    )
+
+
+def _from_qwen_dict(raw: dict, folder: Path, path: Path) -> ModelConfig:
+    """Qwen (v1, `QWenLMHeadModel`): its own field names. `intermediate_size` is twice the MLP
+    width (w1 and w2 together); `kv_channels` is the head dim; no GQA; RMSNorm; q/k/v carry a
+    bias (c_attn) whatever `no_bias` says, which covers the other projections only."""
+    rotary_pct = float(raw["rotary_pct"])
+    if rotary_pct != 1.0:
+        raise ModelLoadError(f"{path}: rotary_pct {rotary_pct} is not supported (only 1.0)")
+    if raw["intermediate_size"] % 2:
+        raise ModelLoadError(f"{path}: intermediate_size {raw['intermediate_size']} is not even "
+                             "(it is twice the MLP width)")
+    if raw.get("no_bias", True) is not True:
+        raise ModelLoadError(f"{path}: no_bias false is not supported (only c_attn carries a bias)")
+    num_heads = raw["num_attention_heads"]
+    seq_length = raw["seq_length"]
+    return ModelConfig(
+        model_type="qwen",
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"] // 2,
+        num_layers=raw["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=num_heads,
+        head_dim=raw["kv_channels"],
+        vocab_size=raw["vocab_size"],
+        max_position_embeddings=raw["max_position_embeddings"],
+        rms_norm_eps=float(raw["layer_norm_epsilon"]),
+        rope_theta=float(raw["rotary_emb_base"]),
+        rope_scaling=None,
+        tie_word_embeddings=raw.get("tie_word_embeddings", False),
+        attention_bias=True,
+        eos_token_ids=_eos_token_ids(raw, folder),
+        checkpoint_quantization=_checkpoint_quantization(raw.get("quantization_config")),
+        seq_length=int(seq_length),
+        use_logn_attn=bool(raw["use_logn_attn"]),
+        use_dynamic_ntk=bool(raw["use_dynamic_ntk"]),
     )
 
 

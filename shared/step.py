@@ -38,6 +38,10 @@ class SequenceWork:
     # scheduler does not know yet (its value here means nothing); the runner takes it from that
     # step's sampled ids on the device.
     is_token_pending: bool = False
+    # Added to the positions the model's rotary embedding reads (not to the KV slots): a model
+    # with one rotary table per sequence class (Qwen's dynamic NTK, shared/long_context.py)
+    # stacks them, and a sequence reads its own. 0 for every other model.
+    rope_offset: int = 0
     # Prompt logprobs (sampling.prompt_logprobs set): the prompt tokens that this chunk's first
     # rows predict, row i predicting prompt token start_pos + 1 + i (workers/prompt_logprobs.py).
     # Empty for every other work.
@@ -88,7 +92,8 @@ class StepBatch:
         # sets them so): SamplingParams(*values) rebuilds it, and fails loudly if that changes.
         works = [(w.req_id, w.token_ids, w.start_pos, w.block_ids, w.is_sampled,
                   tuple(vars(w.sampling).values()), w.num_output_tokens,
-                  w.prompt_token_ids, w.output_token_ids, w.is_token_pending, w.prompt_logprob_ids)
+                  w.prompt_token_ids, w.output_token_ids, w.is_token_pending, w.rope_offset,
+                  w.prompt_logprob_ids)
                  for w in self.works]
         return _batch_from_wire, (self.step_id, works, self.token_mask, self.freed_req_ids)
 
@@ -119,10 +124,10 @@ def _batch_from_wire(step_id: int, works: list[tuple], token_mask: TokenBitmask 
                      freed_req_ids: list[str]) -> StepBatch:
     return StepBatch(step_id, [
         SequenceWork(req_id, token_ids, start_pos, block_ids, is_sampled, SamplingParams(*sampling),
-                     num_output_tokens, prompt_token_ids, output_token_ids, is_token_pending,
+                     num_output_tokens, prompt_token_ids, output_token_ids, is_token_pending, rope_offset,
                      prompt_logprob_ids)
         for (req_id, token_ids, start_pos, block_ids, is_sampled, sampling, num_output_tokens,
-             prompt_token_ids, output_token_ids, is_token_pending, prompt_logprob_ids) in works
+             prompt_token_ids, output_token_ids, is_token_pending, rope_offset, prompt_logprob_ids) in works
     ], token_mask, freed_req_ids=freed_req_ids)
 
 

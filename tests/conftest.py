@@ -43,3 +43,20 @@ def redis_server(tmp_path: Path):
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen (v1) folder laid out as the published ones (testkit/qwen_checkpoints.py),
+    logn attention and dynamic NTK on, seq_length 64. Built once per session."""
+    from testkit.qwen_checkpoints import make_qwen_checkpoint
+
+    return make_qwen_checkpoint(tmp_path_factory.mktemp("qwen") / "tiny-qwen")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_as_qwen2(tiny_qwen: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny_qwen's weights as a transformers Qwen2ForCausalLM folder (the reference inside seq_length)."""
+    from testkit.qwen_checkpoints import qwen_to_qwen2
+
+    return qwen_to_qwen2(tiny_qwen, tmp_path_factory.mktemp("qwen2") / "tiny-qwen-as-qwen2")

@@ -19,7 +19,14 @@ import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from shared.config import DEVICE_DEFAULTS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, uses_ray
+from shared.config import (
+    DEFAULT_ITL_SLOWDOWN,
+    DEVICE_DEFAULTS,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    EngineConfig,
+    uses_ray,
+)
 from shared.errors import InvalidRequestError
 from tokenfleet.flags import flag
 
@@ -32,6 +39,45 @@ def on_off(text: str) -> bool:
     if text.lower() not in words:
         raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
     return words[text.lower()]
+
+
+def itl_target(text: str) -> float | None:
+    """--itl-target-ms auto|off|MS: None (auto), 0.0 (off) or a positive number of ms."""
+    if text.lower() in ("auto", "none"):
+        return None
+    if text.lower() == "off":
+        return 0.0
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto, off or milliseconds, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected auto, off or milliseconds >= 0, got {text!r}")
+    return value
+
+
+def slowdown(text: str) -> float:
+    """--itl-slowdown: a factor >= 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {text!r}") from None
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {text!r}")
+    return value
+
+
+def byte_count(text: str) -> int:
+    """--max-weight-bytes-per-rank 24e9 (or 24000000000): a positive number of bytes."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of bytes such as 24e9, got {text!r}") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of bytes, got {text!r}")
+    return int(value)
+
+
 _CUDA, _CPU = DEVICE_DEFAULTS["cuda"], DEVICE_DEFAULTS["cpu"]
 
 
@@ -70,6 +116,9 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("quantization", "quantize linear weights at load: fp8 (Hopper's FP8 GEMMs) or int8 "
                                "(weight-only); default: as the checkpoint stores them",
                choices=QUANTIZATIONS),
+    EngineFlag("max-weight-bytes-per-rank", "refuse to load when one rank's share of the weights needs "
+                                            "more bytes than this (24e9 on 24 GB cards), before allocating",
+               byte_count),
     EngineFlag("kv-cache-dtype", "K/V cache storage: auto (the serving dtype) or fp8 (e4m3, twice the blocks "
                                  "of bf16)", default="auto", choices=KV_CACHE_DTYPES),
     EngineFlag("max-num-seqs", "cap on running sequences (default: "
@@ -92,6 +141,12 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("async-scheduling", "plan step n+1 while the device runs step n: on or off (default: on "
                                    "on CUDA, off on CPU, where a step runs as it is submitted)",
                on_off),
+    EngineFlag("itl-target-ms", "while interactive (or more important) requests run or wait, less important "
+                                "prefill (batch items) fills a step only up to this many ms: auto (the step "
+                                "takes at most --itl-slowdown times what it would without it, from the "
+                                "step times the engine measures), off, or a number", itl_target),
+    EngineFlag("itl-slowdown", "with --itl-target-ms auto: how much longer a step may get beside less "
+                               "important prefill (>= 1)", slowdown, DEFAULT_ITL_SLOWDOWN),
     EngineFlag("no-prefix-caching", "recompute every prompt instead of reusing the KV blocks of a prefix "
                                     "seen before", default=False, field="enable_prefix_caching", switch=True),
     EngineFlag("grammar-jump-forward", "structured outputs: append the text a grammar forces (keys, "

@@ -37,7 +37,7 @@ from workers.device_block_tables import DeviceBlockTables
 from workers.host_staging import HostStaging
 from workers.layers import triton_attention
 from workers.pipeline import SINGLE_STAGE
-from workers.step_inputs import num_blocks_of
+from workers.step_inputs import num_blocks_of, rope_positions
 
 
 def use_cuda_graphs(config: EngineConfig, device: torch.device) -> bool:
@@ -228,8 +228,8 @@ class DecodeGraphs(GraphSet):
         rows[:num_seqs] = plan.rows
         table_index = rows * mb + positions // bs  # padding: the pad row's first entry
 
-        parts = [token_ids, positions, context_lens, positions % bs, table_index, rows, plan.diff_index,
-                 plan.diff_blocks]
+        parts = [token_ids, rope_positions(works, positions), context_lens, positions % bs, table_index, rows,
+                 plan.diff_index, plan.diff_blocks]
         fields = torch.split(self.staging.upload(np.concatenate(parts)), [len(p) for p in parts])
         d_tokens, d_positions, d_lens, d_offsets, d_table_index, d_rows, d_diff_index, d_diff_blocks = fields
         self.token_ids[:size].copy_(d_tokens)

@@ -35,7 +35,7 @@ from workers.device_block_tables import DeviceBlockTables
 from workers.host_staging import HostStaging
 from workers.layers import triton_attention
 from workers.pipeline import SINGLE_STAGE
-from workers.step_inputs import check_covered, flat_ids, num_blocks_of
+from workers.step_inputs import check_covered, flat_ids, num_blocks_of, rope_positions
 
 MAX_PREFILL_SLOTS = 32  # prefill chunks one graph step takes; a step with more runs eagerly
 
@@ -200,8 +200,8 @@ class MixedGraphs(GraphSet):
         last_rows[order] = ends - 1  # indexed by the work's place in the batch
         sample_rows = last_rows[[i for i, w in enumerate(works) if w.is_sampled]]
 
-        parts = [token_ids, token_pos, token_pos % bs, table_index, seq_lens, query_start, slot_rows,
-                 sample_rows, plan.diff_index, plan.diff_blocks]
+        parts = [token_ids, rope_positions(ordered, token_pos, lens), token_pos % bs, table_index, seq_lens,
+                 query_start, slot_rows, sample_rows, plan.diff_index, plan.diff_blocks]
         fields = torch.split(self.staging.upload(np.concatenate(parts)), [len(p) for p in parts])
         (d_ids, d_pos, d_offsets, d_table_index, d_lens, d_qs, d_slot_rows, d_sample_rows, d_diff_index,
          d_diff_blocks) = fields

@@ -54,6 +54,19 @@ def check_covered(works: list[SequenceWork], block_index: np.ndarray, num_blocks
         raise ValueError(f"{bad.req_id}: its block table does not cover the positions of this step")
 
 
+def rope_positions(works: list[SequenceWork], positions: np.ndarray,
+                   lens: np.ndarray | None = None) -> np.ndarray:
+    """What the model gets as positions: each token's position plus its sequence's rope_offset
+    (SequenceWork says why; the KV slots are computed from the plain positions)."""
+    offsets = np.fromiter((w.rope_offset for w in works), dtype=np.int64, count=len(works))
+    if not offsets.any():
+        return positions
+    per_token = offsets if lens is None else np.repeat(offsets, lens)
+    out = positions.copy()
+    out[: len(per_token)] += per_token
+    return out
+
+
 def one_off_tables(works: list[SequenceWork], block_size: int, device: torch.device) -> DeviceBlockTables:
     """Tables for a step built outside a runner (tests, scripts): every entry is a diff."""
     seq_lens = [w.start_pos + len(w.token_ids) for w in works]
@@ -95,8 +108,8 @@ def build_step_inputs(batch: StepBatch, block_size: int, device: torch.device,
     width = int(needed.max()) if len(ordered) else 0
     query_start = np.concatenate([[0], np.cumsum(lens)])
 
-    parts = [token_ids, positions, table_index, positions % block_size, sample_rows, seq_lens, query_start,
-             plan.rows, plan.diff_index, plan.diff_blocks]
+    parts = [token_ids, rope_positions(ordered, positions, lens), table_index, positions % block_size,
+             sample_rows, seq_lens, query_start, plan.rows, plan.diff_index, plan.diff_blocks]
     fields = torch.split(staging.upload(np.concatenate(parts)), [len(p) for p in parts])
     (d_token_ids, d_positions, d_table_index, d_offsets, d_sample_rows, d_seq_lens, d_query_start, d_rows,
      d_diff_index, d_diff_blocks) = fields

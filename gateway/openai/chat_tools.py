@@ -29,6 +29,8 @@ class ChatTools:
 
 def chat_tools(body: ChatCompletionRequest, model: ServedModel) -> ChatTools:
     tools, choice = body.tools or [], body.tool_choice
+    if not getattr(model.tokenizer, "supports_tools", True):
+        _refuse_tools(body, model.name)
     if not tools:
         if choice not in (None, "none"):
             raise BadRequest("tool_choice needs tools", param="tool_choice")
@@ -55,6 +57,17 @@ def chat_tools(body: ChatCompletionRequest, model: ServedModel) -> ChatTools:
         forced, is_parallel = [choice.function.name], False  # as OpenAI: one call of that function
     return ChatTools([tool.model_dump(exclude_none=True) for tool in tools],
                      tool_format(model.chat_template), forced, is_parallel)
+
+
+def _refuse_tools(body: ChatCompletionRequest, name: str) -> None:
+    """A model whose prompt has no tool format here (Qwen v1's ChatML): tools, and the calls and
+    results of earlier turns, are refused rather than shown to it in a format it never learnt."""
+    if body.tools:
+        raise BadRequest(f"model {name!r} does not take tools; send the request without them", param="tools")
+    for i, message in enumerate(body.messages):
+        if message.role in ("tool", "function") or getattr(message, "tool_calls", None):
+            raise BadRequest(f"messages[{i}]: model {name!r} does not take tool calls or results",
+                             param="messages")
 
 
 def chat_grammar(body: ChatCompletionRequest, tools: ChatTools) -> str | None:

@@ -24,7 +24,8 @@ REPLY = "The quick brown fox jumps over the lazy dog, again and again and again.
 class FakeScheduler:
     def __init__(self, url: str, model: str, tokenizer, *, scheduler_id: str = "fake-1",
                  token_delay_s: float = 0.0, consume: bool = True, write_offsets: bool = True,
-                 max_reply_tokens: int | None = None, kinds: tuple[str, ...] = ("interactive",)) -> None:
+                 max_reply_tokens: int | None = None, kinds: tuple[str, ...] = ("interactive",),
+                 stop_after_reply: bool = False) -> None:
         self.client = redis.Redis.from_url(url)
         self.keys = Keys()
         self.model = model
@@ -37,6 +38,7 @@ class FakeScheduler:
         self.max_reply_tokens = max_reply_tokens  # ends longer requests early, as "length"
         self.results = ResultStore(self.client, self.keys, scheduler_id, 600)
         self.stream = self.keys.request_stream(model, "interactive")
+        self.stop_after_reply = stop_after_reply  # the reply once, ending "stop" (else repeated, "length")
         self.kinds = kinds  # ("interactive", "batch") serves batch lines too, as a real scheduler does
         self.seen: list[RequestMessage] = []  # every request taken, in order
         self.cancelled: list[str] = []  # requests it stopped because of a cancel
@@ -117,7 +119,9 @@ class FakeScheduler:
         prompt = len(message.prompt_token_ids)
         self.results.write([ResultUpdate(req_id, stream, running_fields(
             model=self.model, prompt_tokens=prompt, scheduler=self.scheduler_id))])
-        ids = (self.reply_ids * 50)[:min(sampling.max_tokens, self.max_reply_tokens or sampling.max_tokens)]
+        repeats = 1 if self.stop_after_reply else 50
+        num_tokens = min(sampling.max_tokens, self.max_reply_tokens or sampling.max_tokens)
+        ids = (self.reply_ids * repeats)[:num_tokens]
         tokens: list[int] = []
         text = ""
         logprobs: list = []
@@ -145,7 +149,8 @@ class FakeScheduler:
             event = TokenEvent(req_id, seq, new, delta, event_logprobs)
             ack = None
             if finished:
-                reason = "abort" if aborted else "length"
+                is_stop = self.stop_after_reply and len(ids) == len(self.reply_ids)
+                reason = "abort" if aborted else "stop" if is_stop else "length"
                 usage = {"prompt_tokens": prompt, "completion_tokens": len(tokens),
                          "total_tokens": prompt + len(tokens)}
                 event.finish_reason, event.usage = reason, usage

@@ -224,14 +224,27 @@ def test_preempted_request_frees_blocks_and_resumes_first_by_recomputing_everyth
 def test_no_waiting_request_is_admitted_in_a_step_that_had_to_preempt() -> None:
     scheduler = make_scheduler(block_size=2, num_kv_blocks=4)
     runner = FakeRunner(block_size=2)
+    scheduler.add_request(make_request("a", 3, arrival_time=0.0))
+    scheduler.add_request(make_request("b", 3, 60, arrival_time=1.0))
+    step(scheduler, runner, {})
+    step(scheduler, runner, {})
+    scheduler.add_request(make_request("later", 1, arrival_time=2.0))
+    out = step(scheduler, runner, {})  # "a" needs a block: "b" is preempted, 1 block left
+    assert out.preempted_req_ids == ["b"] and out.scheduled_req_ids == ["a"]
+
+
+def test_a_more_important_arrival_goes_before_less_important_decodes_which_yield_it_room() -> None:
+    scheduler = make_scheduler(block_size=2, num_kv_blocks=4)
+    runner = FakeRunner(block_size=2)
     scheduler.add_request(make_request("a", 3, priority=1, arrival_time=0.0))
     scheduler.add_request(make_request("b", 3, 60, priority=1, arrival_time=1.0))
     step(scheduler, runner, {})
     step(scheduler, runner, {})
     scheduler.add_request(make_request("urgent", 1, priority=0, arrival_time=2.0))
-    out = step(scheduler, runner, {})  # "a" needs a block: "b" is preempted, 1 block left
-    assert out.preempted_req_ids == ["b"] and out.scheduled_req_ids == ["a"]
-    assert step(scheduler, runner, {}).scheduled_req_ids == ["a", "urgent"]
+    # The urgent request takes the free block; "a"'s decode then needs one: "b" (the least
+    # important, latest) is preempted for it.
+    out = step(scheduler, runner, {})
+    assert out.preempted_req_ids == ["b"] and out.scheduled_req_ids == ["urgent", "a"]
 
 
 @pytest.mark.parametrize(
@@ -425,31 +438,6 @@ def test_step_result_that_does_not_match_the_batch_raises_worker_error() -> None
     out = scheduler.schedule()
     with pytest.raises(WorkerError):
         scheduler.update_from_output(out, StepResult(out.batch.step_id, []))
-
-
-def test_batch_prompts_do_not_share_a_step_with_an_interactive_prompt() -> None:
-    """The step that gives an interactive request its first token carries its prefill and the
-    running decodes, not batch prompts as well; the step after admits them again."""
-    from scheduler.request import BATCH_PRIORITY
-
-    scheduler = make_scheduler(max_num_batched_tokens=64)
-    runner = FakeRunner()
-    scheduler.add_request(make_request("b0", num_prompt=8, priority=BATCH_PRIORITY, max_tokens=20))
-    step(scheduler, runner, {})
-    for i in range(1, 4):
-        scheduler.add_request(make_request(f"b{i}", num_prompt=8, first_token=100 * i,
-                                           priority=BATCH_PRIORITY, arrival_time=1.0 + i))
-    scheduler.add_request(make_request("chat", num_prompt=8, first_token=500, priority=0, arrival_time=9.0))
-    out = step(scheduler, runner, {})
-    assert sorted(out.scheduled_req_ids) == ["b0", "chat"]  # b0's decode and the chat's prefill only
-    assert sorted(step(scheduler, runner, {}).scheduled_req_ids) == ["b0", "b1", "b2", "b3", "chat"]
-    # Batch prompts among themselves still share steps (the first step above took only b0:
-    # it was alone), and interactive prompts of any priority share steps as before.
-    scheduler = make_scheduler()
-    for i, priority in enumerate((0, 3, 7)):
-        scheduler.add_request(make_request(f"i{i}", num_prompt=8, first_token=100 * i, priority=priority,
-                                           arrival_time=float(i)))
-    assert sorted(step(scheduler, FakeRunner(), {}).scheduled_req_ids) == ["i0", "i1", "i2"]
 
 
 # -- prefix caching -------------------------------------------------------------------

@@ -21,7 +21,8 @@ SAMPLES = {
     "cuda-graph-max-tokens": "256",
     "num-threads": "2", "ray-address": "127.0.0.1:6380", "placement-strategy": "SPREAD",
     "num-cpus-per-rank": "0.5", "async-scheduling": "on", "no-prefix-caching": None,
-    "grammar-jump-forward": None,
+    "grammar-jump-forward": None, "itl-target-ms": "12.5", "itl-slowdown": "2",
+    "max-weight-bytes-per-rank": "24e9",
 }
 PLACEMENT_GROUP = "tokenfleet-replica-m-0"  # the one flag the launchers set per replica
 
@@ -100,3 +101,32 @@ def test_async_scheduling_takes_on_or_off_and_names_itself_otherwise(tmp_path, c
     with pytest.raises(SystemExit):
         parsed("--async-scheduling", "maybe")
     assert "--async-scheduling: expected on or off, got 'maybe'" in capsys.readouterr().err
+
+
+def test_itl_target_takes_auto_off_or_milliseconds_and_the_slowdown_at_least_one(tmp_path, capsys) -> None:
+    def parsed(*flags: str) -> EngineConfig:
+        return engine_config(build_parser().parse_args(["scheduler", "--model", str(tmp_path), *flags]))
+
+    assert parsed().itl_target_ms is None and parsed().itl_slowdown == 1.4  # auto
+    assert parsed("--itl-target-ms", "auto").itl_target_ms is None
+    assert parsed("--itl-target-ms", "off").itl_target_ms == 0.0
+    assert parsed("--itl-target-ms", "15").itl_target_ms == 15.0
+    assert parsed("--itl-slowdown", "1.2").itl_slowdown == 1.2
+    for flag, value, words in (("--itl-target-ms", "soon", "expected auto, off or milliseconds"),
+                               ("--itl-target-ms", "-3", "expected auto, off or milliseconds >= 0"),
+                               ("--itl-slowdown", "0.5", "expected a number >= 1")):
+        with pytest.raises(SystemExit):
+            parsed(flag, value)
+        assert f"{flag}: {words}" in capsys.readouterr().err
+
+
+def test_max_weight_bytes_per_rank_takes_a_byte_count_and_names_itself_otherwise(tmp_path, capsys) -> None:
+    def parsed(*flags: str) -> EngineConfig:
+        return engine_config(build_parser().parse_args(["scheduler", "--model", str(tmp_path), *flags]))
+
+    assert parsed("--max-weight-bytes-per-rank", "24e9").max_weight_bytes_per_rank == 24_000_000_000
+    assert parsed().max_weight_bytes_per_rank is None
+    for bad in ("lots", "-1"):
+        with pytest.raises(SystemExit):
+            parsed("--max-weight-bytes-per-rank", bad)
+        assert "--max-weight-bytes-per-rank: expected" in capsys.readouterr().err

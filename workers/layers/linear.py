@@ -134,10 +134,28 @@ class QKVParallelLinear(MergedColumnParallelLinear):
             (kv_start * head_dim, num_kv * head_dim),
         ]
         self.out_per_rank = sum(size for _, size in self.shards)
+        # whole q, k and v rows in a checkpoint that stacks them (c_attn)
+        self.full_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
         self._make_params(self.out_per_rank, hidden, bias)
 
     def weight_loader(self, param: nn.Parameter, tensor_slice: TensorSlice, shard_id: Any = None) -> None:
+        if shard_id == "qkv":  # q, k and v stacked in one tensor (Qwen v1's c_attn): each rank's rows
+            self._load_stacked(param, tensor_slice)
+            return
         super().weight_loader(param, tensor_slice, {"q": 0, "k": 1, "v": 2}[shard_id])
+
+    def _load_stacked(self, param: nn.Parameter, tensor_slice: TensorSlice) -> None:
+        shape = tensor_slice.get_shape()
+        if shape[0] != sum(self.full_sizes):
+            raise ValueError(f"stacked q/k/v: checkpoint has {shape[0]} rows, "
+                             f"expected {sum(self.full_sizes)}")
+        file_offset = 0  # where q, then k, then v start in the stacked tensor
+        our_offset = 0  # where they start in this rank's [q | k | v]
+        for (start, part), full in zip(self.shards, self.full_sizes, strict=True):
+            rows = tensor_slice[file_offset + start : file_offset + start + part]
+            self._store(param, slice(our_offset, our_offset + part), rows, "stacked q/k/v")
+            file_offset += full
+            our_offset += part
 
 
 class RowParallelLinear(LinearBase):
