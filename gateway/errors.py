@@ -102,6 +102,9 @@ def http_error_response(exc: web.HTTPException) -> web.Response:
                              headers=headers)
 
 
+_TYPE_TAGS = frozenset({"int", "str", "float", "bool", "dict", "list", "none"})
+
+
 def param_of(loc: Sequence[int | str]) -> str | None:
     """A pydantic error location as a parameter path: ("messages", 0, "content") -> messages[0].content."""
     parts: list[str] = []
@@ -110,8 +113,9 @@ def param_of(loc: Sequence[int | str]) -> str | None:
             parts.append(f"[{item}]")
         elif item in ("chat", "completion") and not parts:
             continue  # the discriminator tag of a submit body, not a field
-        elif "[" in str(item) or str(item).startswith(("function-", "union[", "list[", "int", "str")):
-            continue  # union members' type tags
+        elif "[" in str(item) or str(item).startswith(("function-", "union[", "list[")) \
+                or item in _TYPE_TAGS:
+            continue  # union members' type tags (a field may start with one: stream_options)
         else:
             parts.append(f".{item}" if parts else str(item))
     return "".join(parts) or None

@@ -78,16 +78,19 @@ class ServedModel:
             raise BadRequest(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param=param)
         return ids
 
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, list[int]]:
-        """The chat template's text (ending with the assistant's turn opening) and its ids;
-        `tools` go to a template that renders them itself (gateway/openai/tools.py)."""
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None, *,
+                    add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+        """The chat template's text (ending with the assistant's turn opening, unless
+        add_generation_prompt is False: /tokenize) and its ids; `tools` go to a template that
+        renders them itself (gateway/openai/tools.py)."""
         if not self.has_chat_template:
             raise BadRequest(f"model {self.name!r} has no chat template; use /v1/completions",
                              param="messages")
         if hasattr(self.tokenizer, "chat_ids"):  # a chat built as ids (shared/qwen_tokenizer.py)
             return self._encode_chat_ids(messages)
         try:
-            text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+            text = self.tokenizer.apply_chat_template(messages, tools=tools,
+                                                      add_generation_prompt=add_generation_prompt,
                                                       tokenize=False)
         except Exception as exc:  # noqa: BLE001 - a template may raise anything (jinja raise_exception)
             raise BadRequest(f"the chat template refused the messages: {exc}", param="messages") from None

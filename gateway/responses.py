@@ -113,6 +113,17 @@ class ModelCard(Shape):
     max_model_len: int
 
 
+class Tokenized(Shape):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None
+
+
+class Detokenized(Shape):
+    prompt: str
+
+
 class ModelList(Shape):
     object: Literal["list"]
     data: list[ModelCard]

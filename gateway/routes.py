@@ -10,6 +10,7 @@ from pydantic import BaseModel, TypeAdapter
 
 from gateway import ops_api, responses, status_api
 from gateway.batch import batches_api, files_api
+from gateway.openai import tokenize_api
 from gateway.openai.api import chat_completions, completions
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.requests import api as requests_api
@@ -61,6 +62,10 @@ ROUTES = [
           ChatCompletionRequest, responses.ChatCompletion, sse=True),
     Route("POST", "/v1/completions", completions, "Text completion (SSE with stream: true)",
           CompletionRequest, responses.Completion, sse=True),
+    Route("POST", "/tokenize", tokenize_api.tokenize, "A prompt's or a chat's token ids (vLLM's /tokenize)",
+          ("TokenizeRequest", tokenize_api.TOKENIZE_BODY), responses.Tokenized, errors=(400, 401, 404, 413)),
+    Route("POST", "/detokenize", tokenize_api.detokenize, "Token ids back to text (vLLM's /detokenize)",
+          tokenize_api.Detokenize, responses.Detokenized, errors=(400, 401, 404, 413)),
     Route("GET", "/v1/models", ops_api.list_models, "Models that a live scheduler serves",
           response=responses.ModelList, errors=(401, 503)),
     Route("GET", "/v1/models/{model}", ops_api.get_model, "One served model", response=responses.ModelCard,

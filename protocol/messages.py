@@ -182,6 +182,9 @@ class TokenEvent(_Message):
     finish_reason: str | None = None
     usage: dict | None = None
     type: str = "token"
+    # On the first token's event, when the request asked for them: per prompt token
+    # [token_id, logprob | None, [[id, logprob], ...] | None], the first one's logprob None.
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -201,7 +204,8 @@ def _is_plain_token_event(raw: dict) -> bool:
     as from_map, written out, because this runs once per token per stream."""
     ids = raw.get("token_ids")
     return (raw.keys() == _PLAIN_TOKEN_FIELDS and raw["type"] == "token" and raw["logprobs"] is None
-            and raw["finish_reason"] is None and raw["usage"] is None and type(raw["req_id"]) is str
+            and raw["prompt_logprobs"] is None and raw["finish_reason"] is None and raw["usage"] is None
+            and type(raw["req_id"]) is str
             and type(raw["seq"]) is int and type(raw["text"]) is str and type(ids) is list
             and all(type(token) is int for token in ids))
 

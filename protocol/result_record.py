@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
-from protocol.messages import REQUEST_STATES, TERMINAL_STATES, unpack_list_chunks
+from protocol.messages import REQUEST_STATES, TERMINAL_STATES, pack_list_chunk, unpack_list_chunks
 
 
 class F:
@@ -29,6 +29,8 @@ class F:
     PROMPT_TOKENS = "prompt_tokens"
     DEADLINE = "deadline"
     TOP_LOGPROBS = "top_logprobs"  # the logprobs the client asked for
+    PROMPT_TOP_LOGPROBS = "prompt_top_logprobs"  # vLLM's prompt_logprobs, as the client asked
+    ECHO = "echo"  # JSON [prompt text, prompt only (max_tokens 0)]: a completion with echo
     TOOL_FORMAT = "tool_format"  # chat with tools: how calls are read from the text
     PARALLEL_TOOL_CALLS = "parallel_tool_calls"
     TENANT = "tenant"  # the terminal write ends the request's lease on it
@@ -48,6 +50,7 @@ class F:
     TOKEN_IDS = "token_ids"  # msgpack list chunks, appended per step
     TEXT = "text"  # appended per step
     LOGPROBS = "logprobs"  # msgpack list chunks
+    PROMPT_LOGPROBS = "prompt_logprobs"  # msgpack list, set with the first token (when asked for)
     OFFSETS = "offsets"  # msgpack list chunks: per event, [num_tokens, num_chars] so far
     FIRST_TOKEN_AT = "first_token_at"
     FINISHED_AT = "finished_at"
@@ -91,6 +94,7 @@ def _value(value: object) -> object:
 
 def queued_fields(*, model: str, api: str, queued_at: float, prompt_tokens: int,
                   deadline: float | None = None, top_logprobs: int | None = None,
+                  prompt_top_logprobs: int | None = None, echo: tuple[str, bool] | None = None,
                   tool_format: str | None = None,
                   parallel_tool_calls: bool = True, tenant: str | None = None,
                   batch: tuple[str, int, int, str, str] | None = None) -> dict[str, object]:
@@ -105,6 +109,10 @@ def queued_fields(*, model: str, api: str, queued_at: float, prompt_tokens: int,
         fields[F.DEADLINE] = deadline
     if top_logprobs is not None:
         fields[F.TOP_LOGPROBS] = top_logprobs
+    if prompt_top_logprobs is not None:
+        fields[F.PROMPT_TOP_LOGPROBS] = prompt_top_logprobs
+    if echo is not None:
+        fields[F.ECHO] = json.dumps(list(echo))
     if tool_format is not None:
         fields[F.TOOL_FORMAT] = tool_format
         fields[F.PARALLEL_TOOL_CALLS] = int(parallel_tool_calls)
@@ -182,6 +190,11 @@ def progress_fields(seq: int, text: str, token_ids_chunk: bytes, offsets_chunk: 
     return fields
 
 
+def prompt_logprobs_fields(entries: list) -> dict[str, object]:
+    """The prompt's logprobs, set once with the first token: [token_id, logprob, top] each."""
+    return {F.PROMPT_LOGPROBS: pack_list_chunk(entries)}
+
+
 def is_terminal_write(fields: dict[str, object]) -> bool:
     return fields.get(F.STATE) in TERMINAL_STATES
 
@@ -240,6 +253,9 @@ class ResultRecord:
     batch_line: str | None = None  # a batch item: its input line
     custom_id: str | None = None
     stream: str | None = None  # a routed request's stream (None: its partition's, Keys.stream_for)
+    prompt_logprobs: list | None = None  # set with the first token, when the request asked for them
+    prompt_top_logprobs: int | None = None  # vLLM's prompt_logprobs as asked (written by the gateway)
+    echo: list | None = None  # [prompt text, prompt only] of a completion with echo (the gateway's)
 
     @classmethod
     def parse(cls, req_id: str, raw: dict[bytes, bytes]):
@@ -248,6 +264,7 @@ class ResultRecord:
         state = _text(raw, F.STATE) or "queued"
         top = _text(raw, F.TOP_LOGPROBS)
         usage, error, batch_n = raw.get(F.USAGE.encode()), raw.get(F.ERROR.encode()), _text(raw, F.BATCH_N)
+        prompt_top, echo = _text(raw, F.PROMPT_TOP_LOGPROBS), raw.get(F.ECHO.encode())
         return cls(
             req_id=req_id, state=state if state in REQUEST_STATES else "queued",
             seq=int(raw.get(F.SEQ.encode(), 0)), token_ids=_chunks(raw, F.TOKEN_IDS) or [],
@@ -265,6 +282,9 @@ class ResultRecord:
             deadline=_float(raw, F.DEADLINE), entry_id=_text(raw, F.ENTRY_ID), tenant=_text(raw, F.TENANT),
             batch_n=int(batch_n) if batch_n else None, batch_line=_text(raw, F.BATCH_LINE),
             custom_id=_text(raw, F.CUSTOM_ID) or None, stream=_text(raw, F.STREAM),
+            prompt_logprobs=_chunks(raw, F.PROMPT_LOGPROBS),
+            prompt_top_logprobs=int(prompt_top) if prompt_top else None,
+            echo=json.loads(echo) if echo is not None else None,
         )
 
     @property

@@ -93,6 +93,10 @@ class Request:
     output_text: str = ""  # text streamed so far (stop strings and held-back text excluded)
     # One entry per output token, only when sampling.logprobs is not None.
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # sampling.prompt_logprobs set: entry i scores prompt token i + 1 ([token_id, logprob, top]),
+    # filled chunk by chunk as the prefill's steps come back; sent with the first output token.
+    prompt_logprobs: list[list] = field(default_factory=list)
+    is_prompt_logprobs_sent: bool = False
     num_preemptions: int = 0
     # The step that last computed a token of it: a step's latency budget leaves out the less
     # important decodes that ran most recently first (scheduler._less_important_order).

@@ -50,6 +50,7 @@ from scheduler.block_manager import BlockManager, cdiv, update_block_hashes
 from scheduler.detokenizer import IncrementalDetokenizer, Tokenizer
 from scheduler.fair_share import FairShare
 from scheduler.grammar import Grammars
+from scheduler.prompt_logprobs import prompt_logprob_targets, prompt_logprobs_to_send, take_prompt_logprobs
 from scheduler.request import FinishReason, Request, RequestStatus, TokenLogprobs
 from scheduler.step_budget import LatencyBudget
 from scheduler.step_plan import RequestOutput, SchedulerConfig, SchedulerOutput, StepPlan
@@ -353,11 +354,14 @@ class Scheduler:
                 return False  # this step's share is taken; the next step in flight takes the next ones
             if request.req_id in plan.preempted_req_ids:
                 return False  # just made room for a more important one; not back in this step
-            cached_block_ids = self.block_manager.find_cached_prefix(request)
-            if self._prefix_is_being_computed(request, len(cached_block_ids), plan):
-                # Wait one step and take those blocks from the cache, rather than compute them
-                # twice (a burst of chats with one system prompt computes it once).
-                return False
+            if request.sampling.prompt_logprobs is not None:
+                cached_block_ids = []  # cached positions have no logits: it computes its whole prompt
+            else:
+                cached_block_ids = self.block_manager.find_cached_prefix(request)
+                if self._prefix_is_being_computed(request, len(cached_block_ids), plan):
+                    # Wait one step and take those blocks from the cache, rather than compute them
+                    # twice (a burst of chats with one system prompt computes it once).
+                    return False
             num_new_tokens = self._num_new_tokens(
                 request, token_budget, len(cached_block_ids) * self.config.block_size)
             if not self._make_room(request, num_new_tokens, plan, cached_block_ids):
@@ -481,6 +485,7 @@ class Scheduler:
             output_token_ids=list(request.output_token_ids) if needs_history else [],
             is_token_pending=is_token_pending,
             rope_offset=request.rope_offset,
+            prompt_logprob_ids=prompt_logprob_targets(request, start, end),
         )
 
     # -- one step: take the result back ----------------------------------------------
@@ -512,6 +517,8 @@ class Scheduler:
                 # Aborted, finished or preempted after schedule(): what the step did for it is moot
                 # (a token past a stop, an abort or max_tokens is dropped here, never counted).
                 continue
+            if work.prompt_logprob_ids:
+                take_prompt_logprobs(request, work, step_result)
             request.num_computed_tokens += len(work.token_ids)
             request.num_in_flight_tokens -= len(work.token_ids)
             self.block_manager.register_full_blocks(request)
@@ -557,7 +564,8 @@ class Scheduler:
         return RequestOutput(
             request.req_id, new_token_ids, text_delta, finished=request.is_finished,
             finish_reason=request.finish_reason, stop_reason=request.stop_reason, logprobs=logprobs,
-            num_cached_tokens=request.num_cached_tokens or 0)
+            num_cached_tokens=request.num_cached_tokens or 0,
+            prompt_logprobs=prompt_logprobs_to_send(request))
 
     def _detokenize_and_check_stop(self, request: Request, token_id: int) -> str:
         """Text the token adds; finishes the request when it meets a stop condition."""

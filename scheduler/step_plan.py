@@ -99,6 +99,9 @@ class RequestOutput:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[TokenLogprobs] | None = None  # of new_token_ids; None if not asked for
     num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
+    # The whole prompt's logprobs, on the output of the first token (sampling.prompt_logprobs
+    # set): per prompt token [token_id, logprob, top], the first one's logprob None.
+    prompt_logprobs: list[list] | None = None
 
 
 @dataclass

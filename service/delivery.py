@@ -25,6 +25,7 @@ class Delivery:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list = field(default_factory=list)
+    prompt_logprobs: list | None = None  # sent with the first token, when asked for
     # After event k: (tokens, characters) delivered so far, so a reader can replay the
     # events after any seq from the stored record (SSE resume with Last-Event-ID).
     offsets: list = field(default_factory=list)
@@ -54,6 +55,7 @@ class StepOutput(NamedTuple):
     # (token_id, logprob, top_logprobs) per new token; None if not asked for
     logprobs: list | None
     num_cached_tokens: int
+    prompt_logprobs: list | None = None  # [token_id, logprob, top] per prompt token, once
 
     @classmethod
     def of(cls, out) -> tuple:
@@ -63,4 +65,4 @@ class StepOutput(NamedTuple):
             logprobs = [[lp.token_id, lp.logprob, lp.top_logprobs] for lp in out.logprobs]
         return (out.req_id, out.new_token_ids, out.text_delta, out.finished,
                 None if out.finish_reason is None else out.finish_reason.value, out.stop_reason,
-                logprobs, out.num_cached_tokens)
+                logprobs, out.num_cached_tokens, out.prompt_logprobs)

@@ -19,6 +19,7 @@ pending: another scheduler takes it over after the lease, as after a crash.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -320,6 +321,9 @@ class SchedulerService(Maintenance):
             return
         try:
             sampling = message.sampling_params()
+            if progress.token_ids and sampling.prompt_logprobs is not None:
+                # Sent with the first token, which an earlier owner delivered: not computed again.
+                sampling = dataclasses.replace(sampling, prompt_logprobs=None)
             delivery.wants_logprobs = sampling.logprobs is not None
             # Batch items rank below every interactive request: an interactive arrival preempts
             # batch work when slots or blocks are short.

@@ -7,7 +7,13 @@ delivery's state: seq, tokens, text, offsets, logprobs.
 from __future__ import annotations
 
 from protocol.messages import ErrorEvent, TokenEvent, pack_list_chunk
-from protocol.result_record import progress_fields, step_appends, step_fields, terminal_fields
+from protocol.result_record import (
+    progress_fields,
+    prompt_logprobs_fields,
+    step_appends,
+    step_fields,
+    terminal_fields,
+)
 from protocol.usage import Usage
 from scheduler.detokenizer import IncrementalDetokenizer
 from scheduler.request import FinishReason
@@ -32,6 +38,8 @@ def step_update(delivery: Delivery, out: StepOutput, now: float) -> ResultUpdate
     logprobs = out.logprobs if delivery.wants_logprobs and out.logprobs else None
     if logprobs:
         delivery.logprobs += logprobs
+    if out.prompt_logprobs is not None:
+        delivery.prompt_logprobs = out.prompt_logprobs
     if delivery.is_batch and not out.finished:
         return None  # nobody streams a batch item: its record is written once, at the end
     if delivery.is_batch:
@@ -39,6 +47,9 @@ def step_update(delivery: Delivery, out: StepOutput, now: float) -> ResultUpdate
     else:
         fields, appends = _step_fields(delivery, out.new_token_ids, text_delta, logprobs, is_first_token)
         event = TokenEvent(out.req_id, delivery.seq, out.new_token_ids, text_delta, logprobs)
+        if out.prompt_logprobs is not None:
+            event.prompt_logprobs = out.prompt_logprobs
+            fields.update(prompt_logprobs_fields(out.prompt_logprobs))
     ack = None
     if out.finished:
         usage = Usage(delivery.num_prompt_tokens, len(delivery.token_ids), out.num_cached_tokens).to_dict()
@@ -91,6 +102,9 @@ def _step_fields(delivery: Delivery, new_token_ids: list[int], text_delta: str, 
 
 def _progress_fields(delivery: Delivery) -> dict[str, object]:
     """Everything delivered so far, as tf:res fields (a successor resumes from them)."""
-    return progress_fields(delivery.seq, delivery.text, pack_list_chunk(delivery.token_ids),
-                           pack_list_chunk(delivery.offsets), first_token_at=delivery.first_token_at,
-                           logprobs_chunk=pack_list_chunk(delivery.logprobs) if delivery.logprobs else None)
+    fields = progress_fields(delivery.seq, delivery.text, pack_list_chunk(delivery.token_ids),
+                             pack_list_chunk(delivery.offsets), first_token_at=delivery.first_token_at,
+                             logprobs_chunk=pack_list_chunk(delivery.logprobs) if delivery.logprobs else None)
+    if delivery.prompt_logprobs is not None:
+        fields.update(prompt_logprobs_fields(delivery.prompt_logprobs))
+    return fields

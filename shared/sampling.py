@@ -31,6 +31,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF/CTRL semantics, over prompt + generated tokens
     logprobs: int | None = None  # None: none; 0: the chosen token's; N: also the top N
     ignore_eos: bool = False
+    # Logprobs of the prompt's own tokens (each given the ones before it; the first has none),
+    # computed from the prefill's logits: None: none; 0: each token's; N: also the top N.
+    # Such a request does not start from the prefix cache (cached positions have no logits).
+    prompt_logprobs: int | None = None
     # Grammar-constrained decoding: a JSON text {"type": one of GRAMMAR_TYPES, ...}; None: free.
     # Read by the scheduler only: the workers get the token mask it computes (StepBatch.token_mask),
     # and a copy of the params without it (Request.worker_sampling).
@@ -85,6 +89,13 @@ class SamplingParams:
             or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS
         ):
             raise bad("logprobs", f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int)
+            or isinstance(self.prompt_logprobs, bool)
+            or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise bad("prompt_logprobs",
+                      f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
         if self.grammar is not None:

@@ -42,6 +42,10 @@ class SequenceWork:
     # with one rotary table per sequence class (Qwen's dynamic NTK, shared/long_context.py)
     # stacks them, and a sequence reads its own. 0 for every other model.
     rope_offset: int = 0
+    # Prompt logprobs (sampling.prompt_logprobs set): the prompt tokens that this chunk's first
+    # rows predict, row i predicting prompt token start_pos + 1 + i (workers/prompt_logprobs.py).
+    # Empty for every other work.
+    prompt_logprob_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -96,7 +100,8 @@ class StepBatch:
         # sets them so): SamplingParams(*values) rebuilds it, and fails loudly if that changes.
         works = [(w.req_id, w.token_ids, w.start_pos, w.block_ids, w.is_sampled,
                   tuple(vars(w.sampling).values()), w.num_output_tokens,
-                  w.prompt_token_ids, w.output_token_ids, w.is_token_pending, w.rope_offset)
+                  w.prompt_token_ids, w.output_token_ids, w.is_token_pending, w.rope_offset,
+                  w.prompt_logprob_ids)
                  for w in self.works]
         return _batch_from_wire, (self.step_id, works, self.token_mask, self.freed_req_ids)
 
@@ -114,21 +119,25 @@ class SampledToken:
 class StepResult:
     step_id: int
     sampled: list[SampledToken]  # one per work with is_sampled, in the batch's order
+    # req_id -> one entry per SequenceWork.prompt_logprob_ids of its work, in order:
+    # [token_id, logprob, [[id, logprob], ...] | None] (the top N when sampling.prompt_logprobs > 0)
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)
 
     def __reduce__(self):
         sampled = [(s.req_id, s.token_id, s.logprob, s.top_logprobs) for s in self.sampled]
-        return _result_from_wire, (self.step_id, sampled)
+        return _result_from_wire, (self.step_id, sampled, self.prompt_logprobs)
 
 
 def _batch_from_wire(step_id: int, works: list[tuple], token_mask: TokenBitmask | None,
                      freed_req_ids: list[str]) -> StepBatch:
     return StepBatch(step_id, [
         SequenceWork(req_id, token_ids, start_pos, block_ids, is_sampled, SamplingParams(*sampling),
-                     num_output_tokens, prompt_token_ids, output_token_ids, is_token_pending, rope_offset)
+                     num_output_tokens, prompt_token_ids, output_token_ids, is_token_pending, rope_offset,
+                     prompt_logprob_ids)
         for (req_id, token_ids, start_pos, block_ids, is_sampled, sampling, num_output_tokens,
-             prompt_token_ids, output_token_ids, is_token_pending, rope_offset) in works
+             prompt_token_ids, output_token_ids, is_token_pending, rope_offset, prompt_logprob_ids) in works
     ], token_mask, freed_req_ids=freed_req_ids)
 
 
-def _result_from_wire(step_id: int, sampled: list[tuple]) -> StepResult:
-    return StepResult(step_id, [SampledToken(*fields) for fields in sampled])
+def _result_from_wire(step_id: int, sampled: list[tuple], prompt_logprobs: dict[str, list]) -> StepResult:
+    return StepResult(step_id, [SampledToken(*fields) for fields in sampled], prompt_logprobs)

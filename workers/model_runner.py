@@ -31,6 +31,7 @@ from shared.errors import ModelLoadError
 from shared.logging import get_logger
 from shared.model_config import ModelConfig, load_model_config
 from shared.step import SequenceWork, StepBatch, StepResult
+from workers import prompt_logprobs
 from workers.cuda_graphs import DecodeGraphs, use_cuda_graphs
 from workers.device import resolve_device, resolve_dtype
 from workers.device_block_tables import DeviceBlockTables
@@ -45,6 +46,7 @@ from workers.models.registry import MODEL_CLASSES
 from workers.parallel import TensorParallel, all_reduce_min
 from workers.pending_tokens import PendingTokens, share
 from workers.pipeline import SINGLE_STAGE, PipelineStage
+from workers.prompt_logprobs import DevicePromptLogprobs
 from workers.sampler import Sampler
 from workers.step_inputs import build_step_inputs
 from workers.weight_loader import load_weights, resident_weight_bytes
@@ -58,6 +60,7 @@ class LaunchedStep:
     host: HostSample | None  # the sampled ids on their way to the host (driver); None: no row sampled
     # A step that samples late, until `ModelRunner.sample`: its batch, logits and sampled works.
     late: tuple[StepBatch, torch.Tensor, list[SequenceWork]] | None = None
+    prompt_logprobs: DevicePromptLogprobs | None = None  # the driver's, when a work asked for them
 
 
 def format_bytes(num_bytes: int) -> str:
@@ -296,6 +299,12 @@ class ModelRunner:
         the model's dtype; None when no row samples) and the works they belong to. A captured
         CUDA graph runs it when one fits and `use_graphs`; otherwise it runs eagerly. A stage
         before the last sends its activation on and returns (None, [])."""
+        logits, works, _ = self._forward(batch, use_graphs)
+        return logits, works
+
+    def _forward(self, batch: StepBatch, use_graphs: bool = True,
+                 ) -> tuple[torch.Tensor | None, list[SequenceWork], DevicePromptLogprobs | None]:
+        """forward(), and the step's prompt logprobs (the driver's; None when no work asks)."""
         if self.is_closed:
             raise RuntimeError("this model runner is closed; it runs no more steps")
         hidden_in = None
@@ -309,32 +318,37 @@ class ModelRunner:
         elif any(w.is_token_pending for w in batch.works):
             raise RuntimeError("a pending input token, but this runner does not keep sampled ids "
                                "(async_scheduling is off, or pipeline stages)")
+        # Prompt logprobs need every row's hidden state, which the eager step keeps in batch order.
+        use_graphs = use_graphs and not prompt_logprobs.wanted(batch.works)
         if use_graphs and self.decode_graphs is not None and self.decode_graphs.can_run(batch.works):
             out = self.decode_graphs.run(batch.works, hidden_in, fill_tokens, batch.freed_req_ids)
             if not self.stage.is_last:
                 self.stage.send(out)
-                return None, []
-            return out, batch.works  # every decode row samples
+                return None, [], None
+            return out, batch.works, None  # every decode row samples
         if use_graphs and self.mixed_graphs is not None and self.mixed_graphs.can_run(batch.works):
             hidden, sample_rows = self.mixed_graphs.run(batch.works, hidden_in, fill_tokens,
                                                         batch.freed_req_ids)
             if not self.stage.is_last:
                 self.stage.send(hidden)
-                return None, []
+                return None, [], None
             sampled_works = [w for w in batch.works if w.is_sampled]
             if not sampled_works:
-                return None, []
-            return self.model.compute_logits(hidden[sample_rows]), sampled_works
+                return None, [], None
+            return self.model.compute_logits(hidden[sample_rows]), sampled_works, None
         inputs = build_step_inputs(batch, self.block_size, self.device, self.block_tables, self.staging)
         if fill_tokens is not None:
             fill_tokens(inputs.token_ids)
         hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, inputs.meta, hidden_in)
         if not self.stage.is_last:
             self.stage.send(hidden)
-            return None, []
+            return None, [], None
+        prompt = None
+        if prompt_logprobs.wanted(batch.works):
+            prompt = prompt_logprobs.compute(self.model.compute_logits, hidden, batch.works, self.is_driver)
         if not inputs.sampled_works:
-            return None, []
-        return self.model.compute_logits(hidden[inputs.sample_rows]), inputs.sampled_works
+            return None, [], prompt
+        return self.model.compute_logits(hidden[inputs.sample_rows]), inputs.sampled_works, prompt
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> StepResult | None:
@@ -347,10 +361,10 @@ class ModelRunner:
         waits for nothing on CUDA."""
         timer = self.tp.timer
         start = timer.start(self.device) if timer else None
-        logits, sampled_works = self.forward(batch)
+        logits, sampled_works, prompt = self._forward(batch)
         if timer:
             timer.stop("step", start)
-        launched = LaunchedStep(batch.step_id, None)
+        launched = LaunchedStep(batch.step_id, None, prompt_logprobs=prompt)
         if batch.samples_late and logits is not None and self.is_driver:
             launched.late = (batch, logits, sampled_works)  # until `sample`
         else:
@@ -392,9 +406,10 @@ class ModelRunner:
         self.sample(launched)  # a late step not sampled yet (run to its end by `execute`)
         if not self.is_driver:
             return None
+        prompt = launched.prompt_logprobs.to_host() if launched.prompt_logprobs is not None else {}
         if launched.host is None:
-            return StepResult(launched.step_id, [])
-        return StepResult(launched.step_id, launched.host.tokens())
+            return StepResult(launched.step_id, [], prompt)
+        return StepResult(launched.step_id, launched.host.tokens(), prompt)
 
     def close(self) -> None:
         """Give back everything this runner took on its device: the CUDA graphs and their memory

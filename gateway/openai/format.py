@@ -71,17 +71,44 @@ class TextOffsets:
         return offset
 
 
-def completion_logprobs(model: ServedModel, entries: list, top_n: int, offsets: TextOffsets) -> dict:
-    """The legacy completions shape; `offsets` goes on from the choice's earlier tokens."""
+def completion_logprobs(model: ServedModel, entries: list, top_n: int, offsets: TextOffsets,
+                        num_unscored: int = 0) -> dict:
+    """The legacy completions shape; `offsets` goes on from the choice's earlier tokens. The first
+    `num_unscored` entries (an echoed prompt's first token) have a null logprob and top."""
     tokens, token_logprobs, tops, text_offsets = [], [], [], []
-    for token_id, logprob, top in entries:
+    for i, (token_id, logprob, top) in enumerate(entries):
         tokens.append(model.token_text(token_id))
-        token_logprobs.append(_logprob(logprob))
-        tops.append({model.token_text(tid): _logprob(lp) for tid, lp in (top or [])[:top_n]}
-                    if top_n else None)
+        if i < num_unscored:
+            token_logprobs.append(None)
+            tops.append(None)
+        else:
+            token_logprobs.append(_logprob(logprob))
+            tops.append({model.token_text(tid): _logprob(lp) for tid, lp in (top or [])[:top_n]}
+                        if top_n else None)
         text_offsets.append(offsets.next(model.token_bytes(token_id)))
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
             "text_offset": text_offsets}
+
+
+def vllm_prompt_logprobs(model: ServedModel, entries: list | None, top_n: int) -> list | None:
+    """vLLM's `prompt_logprobs`: per prompt token null (the first) or {token id: {logprob, rank,
+    decoded_token}} holding the token itself and the top N (ranked 1..N)."""
+    if entries is None:
+        return None
+    out: list = []
+    for i, (token_id, logprob, top) in enumerate(entries):
+        if i == 0:
+            out.append(None)
+            continue
+        ranked = (top or [])[:top_n]
+        rank = next((r for r, (tid, _) in enumerate(ranked, start=1) if tid == token_id), None)
+        item = {str(token_id): {"logprob": _logprob(logprob), "rank": rank,
+                                "decoded_token": model.token_text(token_id)}}
+        for r, (tid, lp) in enumerate(ranked, start=1):
+            item.setdefault(str(tid), {"logprob": _logprob(lp), "rank": r,
+                                       "decoded_token": model.token_text(tid)})
+        out.append(item)
+    return out
 
 
 @dataclass
@@ -96,6 +123,7 @@ class ChoiceOutput:
     error: dict | None = None
     state: str | None = None
     cached_tokens: int = 0  # prompt tokens its scheduler found in the prefix cache
+    prompt_logprobs: list | None = None  # [token_id, logprob, top] per prompt token, when asked for
 
     def add(self, delta: Delta) -> None:
         self.text += delta.text
@@ -105,6 +133,8 @@ class ChoiceOutput:
 
     def count(self, delta: Delta) -> None:
         """What a stream keeps of a delta (its text and logprobs went to the client already)."""
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.num_tokens += len(delta.token_ids)
         if delta.is_final:
             self.state = delta.state
@@ -124,7 +154,7 @@ def usage(plan: Plan, outputs: list[ChoiceOutput]) -> dict:
     """Each prompt counted once however many choices it has (as OpenAI does); its cached
     tokens are the fewest any of its choices got, so none claims more than it had."""
     prompt = sum(plan.num_prompt_tokens)
-    completion = sum(o.num_tokens for o in outputs)
+    completion = 0 if plan.is_prompt_only else sum(o.num_tokens for o in outputs)
     prompt_index_of = {choice.index: choice.prompt_index for choice in plan.choices}
     cached_per_prompt: dict[int, int] = {}
     for out in outputs:
@@ -147,9 +177,13 @@ def chat_completion(plan: Plan, response_id: str, outputs: list[ChoiceOutput]) -
             finish_reason = "tool_calls"
         choices.append({"index": out.index, "message": message, "logprobs": logprobs,
                         "finish_reason": finish_reason})
-    return {"id": response_id, "object": "chat.completion", "created": plan.created, "model": plan.model.name,
+    body = {"id": response_id, "object": "chat.completion", "created": plan.created, "model": plan.model.name,
             "system_fingerprint": None, "choices": choices,
             "usage": usage(plan, outputs)}
+    if plan.prompt_logprobs is not None and outputs:  # vLLM's: one prompt, on the response
+        body["prompt_logprobs"] = vllm_prompt_logprobs(plan.model, outputs[0].prompt_logprobs,
+                                                       plan.prompt_logprobs)
+    return body
 
 
 def chat_message(plan: Plan, text: str) -> dict:
@@ -170,14 +204,31 @@ def text_completion(plan: Plan, response_id: str, outputs: list[ChoiceOutput]) -
     choices = []
     for out in outputs:
         prefix = plan.prompt_texts[plan.choices[out.index].prompt_index] if plan.echo else ""
+        text, entries, finish_reason = out.text, out.logprobs, out.finish_reason
+        if plan.is_prompt_only:  # the token made to score the prompt is not the client's
+            text, entries = "", []
+            finish_reason = "length" if out.finish_reason in ("stop", "length") else out.finish_reason
         logprobs = None
-        if plan.logprobs is not None:
-            logprobs = completion_logprobs(plan.model, out.logprobs, plan.logprobs, TextOffsets(len(prefix)))
-        choices.append({"index": out.index, "text": prefix + out.text, "logprobs": logprobs,
-                        "finish_reason": out.finish_reason})
+        if plan.logprobs is not None and plan.echo:  # the prompt's tokens, then the output's
+            logprobs = completion_logprobs(plan.model, (out.prompt_logprobs or []) + entries, plan.logprobs,
+                                           TextOffsets(0), num_unscored=1)
+        elif plan.logprobs is not None:
+            logprobs = completion_logprobs(plan.model, entries, plan.logprobs, TextOffsets(len(prefix)))
+        choice = {"index": out.index, "text": prefix + text, "logprobs": logprobs,
+                  "finish_reason": finish_reason}
+        if plan.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(plan.model, out.prompt_logprobs,
+                                                             plan.prompt_logprobs)
+        choices.append(choice)
     return {"id": response_id, "object": "text_completion", "created": plan.created, "model": plan.model.name,
             "system_fingerprint": None, "choices": choices,
             "usage": usage(plan, outputs)}
+
+
+def _without_output(delta: Delta) -> Delta:
+    """A delta of an echo with max_tokens 0: its end only, as a length finish."""
+    finish = "length" if delta.finish_reason in ("stop", "length") else delta.finish_reason
+    return Delta(delta.seq, [], "", None, finish, delta.usage, delta.error, delta.state)
 
 
 class ChunkMaker:
@@ -195,11 +246,18 @@ class ChunkMaker:
         if plan.tool_format is not None:
             self._tool_streams = [ToolCallStream(plan.tool_format) for _ in plan.choices]
             self._num_calls_sent = [0] * len(plan.choices)
+        # Echo with logprobs: the prompt's chunk waits for its logprobs (on the first token's delta).
+        self._is_echo_deferred = [plan.echo and plan.logprobs is not None] * len(plan.choices)
+        self.num_completion_tokens = 0  # so far, all choices: continuous usage
 
     def _chunk(self, choice: dict) -> dict:
         chunk = {"id": self.response_id, "object": self.object, "created": self.plan.created,
                  "model": self.plan.model.name, "system_fingerprint": None, "choices": [choice]}
-        if self.plan.include_usage:
+        if self.plan.continuous_usage:
+            prompt = sum(self.plan.num_prompt_tokens)
+            chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": self.num_completion_tokens,
+                              "total_tokens": prompt + self.num_completion_tokens}
+        elif self.plan.include_usage:
             chunk["usage"] = None
         return chunk
 
@@ -211,11 +269,22 @@ class ChunkMaker:
             content = None if self.plan.tool_format is not None else ""
             return self._chunk({"index": index, "delta": {"role": "assistant", "content": content},
                                 "logprobs": None, "finish_reason": None})
-        if self.plan.echo:
+        if self.plan.echo and not self._is_echo_deferred[index]:
             prefix = self.plan.prompt_texts[self.plan.choices[index].prompt_index]
             self.text_offsets[index] = TextOffsets(len(prefix))
             return self._chunk({"index": index, "text": prefix, "logprobs": None, "finish_reason": None})
         return None
+
+    def _echo_with_logprobs(self, index: int, prompt_entries: list) -> bytes:
+        """The echoed prompt's chunk, its tokens' logprobs with it (the first one's null)."""
+        self._is_echo_deferred[index] = False
+        prefix = self.plan.prompt_texts[self.plan.choices[index].prompt_index]
+        offsets = TextOffsets(0)
+        logprobs = completion_logprobs(self.plan.model, prompt_entries, self.plan.logprobs, offsets,
+                                       num_unscored=1)
+        self.text_offsets[index] = offsets  # the output's tokens go on from the prompt's
+        return frame(self._chunk({"index": index, "text": prefix, "logprobs": logprobs,
+                                  "finish_reason": None}))
 
     def delta(self, index: int, delta: Delta) -> dict | None:
         """The chunk of one delta; None when it carries nothing a client would see."""
@@ -237,11 +306,25 @@ class ChunkMaker:
                             "finish_reason": finish})
 
     def delta_frame(self, index: int, delta: Delta) -> bytes | None:
+        """delta()'s chunk as an SSE frame, after the echoed prompt's when it waited for this
+        delta's prompt logprobs. With max_tokens 0 the delta's output is dropped (the token made
+        to score the prompt is not the client's)."""
+        echo = b""
+        if self._is_echo_deferred[index] and (delta.prompt_logprobs is not None or delta.is_final):
+            echo = self._echo_with_logprobs(index, delta.prompt_logprobs or [])
+        if self.plan.is_prompt_only:
+            delta = _without_output(delta)
+        self.num_completion_tokens += len(delta.token_ids)
+        body = self._delta_frame(index, delta)
+        return echo + body if body is not None else (echo or None)
+
+    def _delta_frame(self, index: int, delta: Delta) -> bytes | None:
         """delta()'s chunk as an SSE frame. A plain text delta (not the last, no logprobs to
         show) is the choice's template with the text put in: the same bytes, built faster."""
         if self._tool_streams is not None:
             return self._tool_frames(index, delta)
-        if delta.text and delta.state is None and (self.plan.logprobs is None or not delta.logprobs):
+        if delta.text and delta.state is None and (self.plan.logprobs is None or not delta.logprobs) \
+                and not self.plan.continuous_usage:  # (usage changes with every chunk)
             template = self._templates.get(index, _UNSET)
             if template is _UNSET:
                 template = Template.make(lambda marker: self._frame_of_text(index, marker))

@@ -45,6 +45,9 @@ class Plan:
     include_usage: bool = False
     logprobs: int | None = None  # None: none; N: the chosen token's and the top N
     echo: bool = False
+    is_prompt_only: bool = False  # echo with max_tokens 0: the prompt alone (one token made, dropped)
+    prompt_logprobs: int | None = None  # vLLM's parameter: its shape, with the top N, on each choice
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
     tool_format: str | None = None  # chat with tools: the format calls are read in (gateway/openai/tools.py)
     parallel_tool_calls: bool = True  # False: an answer's first call only
     is_tool_choice_forced: bool = False  # required or named: the answer is calls, never content
@@ -90,7 +93,7 @@ def _check_length(model: ServedModel, num_prompt: int, max_tokens: int | None, *
 
 
 def _sampling(body: SamplingFields, max_tokens: int, logprobs: int | None,
-              seed: int | None, stop_token_ids: list[int]) -> SamplingParams:
+              seed: int | None, stop_token_ids: list[int], prompt_logprobs: int | None) -> SamplingParams:
     top_k = body.top_k if body.top_k is not None and body.top_k > 0 else None
     return SamplingParams(
         max_tokens=max_tokens,
@@ -106,17 +109,19 @@ def _sampling(body: SamplingFields, max_tokens: int, logprobs: int | None,
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         logprobs=logprobs,
         ignore_eos=body.ignore_eos,
+        prompt_logprobs=prompt_logprobs,
     ).validate()
 
 
 def _choices(body: SamplingFields, prompts: list[list[int]], max_tokens: list[int],
-             logprobs: int | None) -> list[ChoicePlan]:
+             logprobs: int | None, prompt_logprobs: int | None) -> list[ChoicePlan]:
     choices = []
     stop_token_ids = list(body.stop_token_ids or [])  # (one list for all choices: none changes it)
     for p, ids in enumerate(prompts):
         for i in range(body.n):
             index = p * body.n + i
-            sampling = _sampling(body, max_tokens[p], logprobs, _choice_seed(body.seed, i), stop_token_ids)
+            sampling = _sampling(body, max_tokens[p], logprobs, _choice_seed(body.seed, i), stop_token_ids,
+                                 prompt_logprobs)
             choices.append(ChoicePlan(index, p, ids, sampling))
     return choices
 
@@ -129,13 +134,13 @@ def plan_chat(body: ChatCompletionRequest, model: ServedModel, settings: Gateway
     max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     tools = chat_tools(body, model)
     grammar = chat_grammar(body, tools)
-    messages, template_tools = prompt_messages(_message_dicts(body), tools.definitions, model.chat_template)
+    messages, template_tools = prompt_messages(message_dicts(body), tools.definitions, model.chat_template)
     text, ids = model.encode_chat(messages, tools=template_tools)
     max_tokens = _check_length(model, len(ids), body.max_completion_tokens or body.max_tokens,
                                prompt_param="messages", max_param=max_param,
                                default=DEFAULT_CONSTRAINED_MAX_TOKENS if grammar is not None else None)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    choices = _choices(body, [ids], [max_tokens], logprobs)
+    choices = _choices(body, [ids], [max_tokens], logprobs, body.prompt_logprobs)
     for choice in choices:
         choice.sampling.grammar = grammar
     return Plan(
@@ -145,10 +150,15 @@ def plan_chat(body: ChatCompletionRequest, model: ServedModel, settings: Gateway
         logprobs=logprobs, tool_format=tools.format, parallel_tool_calls=tools.is_parallel,
         is_tool_choice_forced=tools.forced_names is not None,
         max_tokens_given=(body.max_completion_tokens or body.max_tokens) is not None,
+        prompt_logprobs=body.prompt_logprobs, continuous_usage=_continuous_usage(body),
     )
 
 
-def _message_dicts(body: ChatCompletionRequest) -> list[dict]:
+def _continuous_usage(body: SamplingFields) -> bool:
+    return bool(body.stream_options and body.stream_options.continuous_usage_stats)
+
+
+def message_dicts(body: ChatCompletionRequest) -> list[dict]:
     messages = []
     for message in body.messages:
         entry: dict = {"role": message.role, "content": message.text}
@@ -175,9 +185,9 @@ def plan_completion(body: CompletionRequest, model: ServedModel, settings: Gatew
     prompts = _prompt_list(body.prompt)
     if not prompts:
         raise BadRequest("the prompt is empty", param="prompt")
-    if body.echo and body.logprobs is not None:
-        raise BadRequest("echo with logprobs needs prompt logprobs, which this server does not compute",
-                         param="echo")
+    is_prompt_only = body.echo and body.max_tokens == 0
+    # One token is made and dropped: it costs no forward of its own (the prefill's last row).
+    requested_max_tokens = 1 if is_prompt_only else body.max_tokens
     prompt_ids, texts, max_tokens = [], [], []
     for p, prompt in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt[{p}]"
@@ -187,13 +197,18 @@ def plan_completion(body: CompletionRequest, model: ServedModel, settings: Gatew
         else:
             ids = model.check_token_ids(list(prompt), param=param)
             text = model.decode(ids) if body.echo else ""
-        max_tokens.append(_check_length(model, len(ids), body.max_tokens, prompt_param=param,
+        max_tokens.append(_check_length(model, len(ids), requested_max_tokens, prompt_param=param,
                                         max_param="max_tokens"))
         prompt_ids.append(ids)
         texts.append(text)
+    # The workers score the prompt for vLLM's prompt_logprobs, and for echo with logprobs (the
+    # prompt's tokens lead the choice's logprobs); top N: the larger of the two asked for.
+    wanted = [n for n in (body.prompt_logprobs, body.logprobs if body.echo else None) if n is not None]
     return Plan(
-        "completion", model, _choices(body, prompt_ids, max_tokens, body.logprobs), texts,
+        "completion", model,
+        _choices(body, prompt_ids, max_tokens, body.logprobs, max(wanted) if wanted else None), texts,
         [len(ids) for ids in prompt_ids], priority=body.priority, stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
-        logprobs=body.logprobs, echo=body.echo,
+        logprobs=body.logprobs, echo=body.echo, is_prompt_only=is_prompt_only,
+        prompt_logprobs=body.prompt_logprobs, continuous_usage=_continuous_usage(body),
     )

@@ -31,6 +31,8 @@ class StrictModel(BaseModel):
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
+    # vLLM's: the usage so far on every chunk (load tools read each request's token count from it).
+    continuous_usage_stats: bool = False
 
 
 def _check_schema_size(value: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -79,6 +81,8 @@ class SamplingFields(StrictModel):
         None, max_length=bounds.MAX_STOP_TOKEN_IDS,
         description="token ids that end a choice (not in its text)")
     priority: int = Field(0, ge=-(2**31), lt=2**31, description="lower runs first")
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+                                        description="vLLM's: each prompt token's logprob and the top N")
 
     @field_validator("stop")
     @classmethod
@@ -101,6 +105,8 @@ class SamplingFields(StrictModel):
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options is only allowed when stream is true", param="stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise BadRequest("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
         return self
 
     @property
@@ -262,9 +268,10 @@ PromptType = Annotated[
 
 class CompletionRequest(SamplingFields):
     prompt: PromptType
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=0, description="0 only with echo: the prompt alone")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="top-N logprobs per token")
-    echo: bool = Field(False, description="prepend the prompt text to each choice's text")
+    echo: bool = Field(False, description="prepend the prompt text to each choice's text (and, with "
+                       "logprobs, the prompt tokens' logprobs to its logprobs)")
     best_of: int | None = Field(None, ge=1, description="only equal to n (no server-side ranking)")
     suffix: str | None = Field(None, description="not supported: only null")
 
@@ -285,6 +292,9 @@ class CompletionRequest(SamplingFields):
     def _best_of_is_n(self):
         if self.best_of is not None and self.best_of != self.n:
             raise BadRequest("best_of must equal n (choices are not ranked on the server)", param="best_of")
+        if self.max_tokens == 0 and not self.echo:
+            raise BadRequest("max_tokens must be at least 1 (0 only with echo: the prompt alone)",
+                             param="max_tokens")
         return self
 
 

@@ -22,7 +22,7 @@ from gateway.openai.format import (
     chat_logprobs,
     text_completion,
 )
-from gateway.openai.params import Plan, plan_chat, plan_completion
+from gateway.openai.params import ChoicePlan, Plan, plan_chat, plan_completion
 from gateway.openai.schemas import SubmitChat, SubmitRequest
 from gateway.requests.follow import EXPIRED_MESSAGE
 from gateway.requests.records import Delta, ResultRecord
@@ -52,8 +52,6 @@ def _plan(request: web.Request, body: SubmitChat | object) -> tuple[Plan, float 
     if isinstance(body, SubmitChat):
         plan = plan_chat(body, model, settings)
     else:
-        if body.echo:
-            raise BadRequest("echo is not available on /v1/requests", param="echo")
         plan = plan_completion(body, model, settings)
         if len(plan.choices) != 1:
             raise BadRequest("one prompt per request on /v1/requests", param="prompt")
@@ -159,23 +157,32 @@ def _result(record: ResultRecord, model: ServedModel) -> dict | None:
     """The finished request in the shape its OpenAI endpoint would have answered."""
     if record.state != "completed":
         return None
-    plan = Plan(record.api or "completion", model, [], [""], [record.prompt_tokens],
-                logprobs=record.top_logprobs, created=_created(record.queued_at) or int(time.time()),
-                tool_format=record.tool_format, parallel_tool_calls=record.parallel_tool_calls)
+    echo_text, is_prompt_only = record.echo if record.echo is not None else ("", False)
+    plan = Plan(record.api or "completion", model, [ChoicePlan(0, 0, [], None)], [echo_text],
+                [record.prompt_tokens], logprobs=record.top_logprobs,
+                created=_created(record.queued_at) or int(time.time()),
+                tool_format=record.tool_format, parallel_tool_calls=record.parallel_tool_calls,
+                echo=record.echo is not None, is_prompt_only=is_prompt_only,
+                prompt_logprobs=record.prompt_top_logprobs)
     out = ChoiceOutput(0, record.text, len(record.token_ids), record.logprobs or [], record.finish_reason,
-                       state=record.state, cached_tokens=cached_tokens_of(record.usage))
+                       state=record.state, cached_tokens=cached_tokens_of(record.usage),
+                       prompt_logprobs=record.prompt_logprobs)
     if plan.api == "chat":
         return chat_completion(plan, "chatcmpl-" + record.req_id, [out])
     return text_completion(plan, "cmpl-" + record.req_id, [out])
 
 
 def _view(record: ResultRecord, model: ServedModel) -> dict:
+    output = {"text": record.text, "num_tokens": len(record.token_ids), "finish_reason": record.finish_reason}
+    usage = record.final_usage() if record.is_terminal else None
+    if record.echo is not None and record.echo[1]:  # max_tokens 0: the token made to score the prompt
+        # is not the client's
+        output = {"text": "", "num_tokens": 0, "finish_reason": "length" if record.is_terminal else None}
+        usage = usage and {**usage, "completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}
     return {
         "id": record.req_id, "object": "request", "kind": record.api, "model": record.model,
         "status": record.state, "created": _created(record.queued_at), "deadline": record.deadline,
-        "output": {"text": record.text, "num_tokens": len(record.token_ids),
-                   "finish_reason": record.finish_reason},
-        "usage": record.final_usage() if record.is_terminal else None,
+        "output": output, "usage": usage,
         "error": record.error, "timings": _timings(record), "last_event_id": record.seq,
         "result": _result(record, model), "links": _links(record.req_id),
     }

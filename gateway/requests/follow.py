@@ -34,7 +34,7 @@ log = get_logger("tokenfleet.gateway.requests.follow")
 # building a TokenEvent first. Anything else, or a wire format that has moved on, takes
 # protocol.messages.decode_event, which checks it strictly.
 _PLAIN_EVENT_KEYS = frozenset({"v", "req_id", "seq", "token_ids", "text", "logprobs", "finish_reason",
-                               "usage", "type"})
+                               "usage", "type", "prompt_logprobs"})
 
 
 def decode_delta(data: bytes) -> Delta:
@@ -45,7 +45,8 @@ def decode_delta(data: bytes) -> Delta:
         raw = None
     if type(raw) is dict and raw.keys() == _PLAIN_EVENT_KEYS and raw["v"] == WIRE_VERSION \
             and raw["type"] == "token" and raw["logprobs"] is None and raw["finish_reason"] is None \
-            and raw["usage"] is None and type(raw["req_id"]) is str and type(raw["text"]) is str:
+            and raw["usage"] is None and raw["prompt_logprobs"] is None and type(raw["req_id"]) is str \
+            and type(raw["text"]) is str:
         seq, ids = raw["seq"], raw["token_ids"]
         if type(seq) is int and type(ids) is list and all(type(token) is int for token in ids):
             return Delta(seq, ids, raw["text"])

@@ -30,6 +30,8 @@ class Delta:
     usage: dict | None = None
     error: dict | None = None  # {"code", "message"} when the request ended without finishing
     state: str | None = None  # the terminal state, on the last delta only
+    # The prompt's logprobs (asked for), on the delta of the first token: see TokenEvent.
+    prompt_logprobs: list | None = None
 
     @property
     def is_final(self) -> bool:
@@ -44,7 +46,7 @@ class Delta:
         if event.finish_reason is not None:
             state = "cancelled" if event.finish_reason == "abort" else "completed"
         return cls(event.seq, event.token_ids, event.text, event.logprobs, event.finish_reason,
-                   event.usage, state=state)
+                   event.usage, state=state, prompt_logprobs=event.prompt_logprobs)
 
 
 class ResultRecord(result_record.ResultRecord):
@@ -80,6 +82,8 @@ class ResultRecord(result_record.ResultRecord):
         num_tokens, num_chars = self.position(after_seq, decode)
         logprobs = self.logprobs[num_tokens:] if self.logprobs is not None else None
         delta = Delta(self.seq, self.token_ids[num_tokens:], self.text[num_chars:], logprobs)
+        if num_tokens == 0:  # (they came with the first token)
+            delta.prompt_logprobs = self.prompt_logprobs
         if self.is_terminal:
             delta.state = self.state
             delta.finish_reason = self.finish_reason

@@ -118,8 +118,10 @@ def submissions(plan: Plan, req_ids: list[str], deadline: float | None = None, *
         Submission(req_id, RequestMessage.make(req_id, plan.model.name, choice.prompt_ids, choice.sampling,
                                                priority=plan.priority, arrival_time=now, deadline=deadline,
                                                tenant=name),
-                   plan.api, plan.logprobs, plan.tool_format, plan.parallel_tool_calls,
-                   lease_until=lease_until)
+                   plan.api, plan.logprobs, tool_format=plan.tool_format,
+                   parallel_tool_calls=plan.parallel_tool_calls, lease_until=lease_until,
+                   prompt_top_logprobs=plan.prompt_logprobs,
+                   echo=(plan.prompt_texts[choice.prompt_index], plan.is_prompt_only) if plan.echo else None)
         for req_id, choice in zip(req_ids, plan.choices, strict=True)
     ]
 

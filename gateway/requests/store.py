@@ -58,6 +58,8 @@ class Submission:
     message: RequestMessage
     api: str  # "chat" or "completion"
     top_logprobs: int | None = None
+    prompt_top_logprobs: int | None = None  # vLLM's prompt_logprobs, as asked
+    echo: tuple[str, bool] | None = None  # a completion with echo: (prompt text, prompt only)
     tool_format: str | None = None  # chat with tools: how to read calls from its text
     parallel_tool_calls: bool = True
     lease_until: float | None = None  # when its tenant lease lapses (None: it holds none)
@@ -159,6 +161,7 @@ class RequestStore:
         fields = queued_fields(model=message.model, api=sub.api, queued_at=message.arrival_time,
                                prompt_tokens=len(message.prompt_token_ids), deadline=message.deadline,
                                top_logprobs=sub.top_logprobs, tool_format=sub.tool_format,
+                               prompt_top_logprobs=sub.prompt_top_logprobs, echo=sub.echo,
                                parallel_tool_calls=sub.parallel_tool_calls, tenant=tenant)
         idempotency = "" if sub.idempotency_key is None else json.dumps(
             {"id": sub.req_id, "fingerprint": sub.fingerprint})

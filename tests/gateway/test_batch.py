@@ -389,3 +389,42 @@ async def test_an_intake_longer_than_the_lease_is_not_done_twice(redis_server, t
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
         await client.aclose()
+
+
+@pytest.mark.asyncio
+async def test_batch_lines_score_prompts_as_the_completions_route_does(scheduler, gateway, plain):
+    """Echo with logprobs (max_tokens 0 included) and vLLM's prompt_logprobs in batch lines: each
+    line's body is what /v1/completions answers for the same body (greedy, same model)."""
+    bodies = [{"model": TINY_CHAT, "prompt": "The quick brown fox", "max_tokens": 0, "echo": True,
+               "logprobs": 2},
+              {"model": TINY_CHAT, "prompt": [5, 6, 7, 8], "max_tokens": 2, "temperature": 0, "echo": True,
+               "logprobs": 1, "prompt_logprobs": 1}]
+    lines = [json.dumps({"custom_id": f"score-{i}", "method": "POST", "url": "/v1/completions", "body": body})
+             for i, body in enumerate(bodies)]
+    sdk = openai.AsyncOpenAI(base_url=str(gateway.make_url("/v1")), api_key="unused", max_retries=0)
+    try:
+        uploaded = await sdk.files.create(file=("score.jsonl", "\n".join(lines).encode()), purpose="batch")
+        batch = await sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions",
+                                         completion_window="24h")
+        deadline = time.monotonic() + 180
+        while batch.status not in ("completed", "failed", "cancelled", "expired"):
+            assert time.monotonic() < deadline, batch
+            await asyncio.sleep(0.3)
+            batch = await sdk.batches.retrieve(batch.id)
+        assert batch.status == "completed", batch
+        outputs = {o["custom_id"]: o["response"]["body"] for o in
+                   map(json.loads, (await sdk.files.content(batch.output_file_id)).text.splitlines())}
+    finally:
+        await sdk.close()
+    for i, body in enumerate(bodies):
+        direct = await (await gateway.post("/v1/completions", json=body)).json()
+        line = outputs[f"score-{i}"]
+        for key in ("text", "finish_reason"):
+            assert line["choices"][0][key] == direct["choices"][0][key]
+        ours, theirs = line["choices"][0]["logprobs"], direct["choices"][0]["logprobs"]
+        assert ours["tokens"] == theirs["tokens"] and ours["token_logprobs"][0] is None
+        # (batched with other work or alone: float32 sums in another order)
+        assert ours["token_logprobs"][1:] == pytest.approx(theirs["token_logprobs"][1:], rel=1e-5, abs=1e-5)
+        assert line["usage"]["completion_tokens"] == direct["usage"]["completion_tokens"]
+        if "prompt_logprobs" in body:
+            assert len(line["choices"][0]["prompt_logprobs"]) == len(body["prompt"])
