@@ -106,7 +106,7 @@ def test_the_mask_of_a_step_ahead_is_filled_after_the_step_in_flights_tokens_are
                 return fn(*args, **kwargs)
             return wrapper
 
-        runner.forward = spy("F", runner.forward)
+        runner._forward = spy("F", runner._forward)  # (what launch calls)
         runner.sampler.sample_on_device = spy("s", runner.sampler.sample_on_device)
         grammars._fill = spy("f", grammars._fill)
         grammars.accept = spy("a", grammars.accept)
