@@ -42,8 +42,8 @@ from shared.net import free_port
 from testkit import mixed_traffic as mixed
 from testkit.fleet_paths import prepare_model
 from testkit.processes import Children, wait_ready
-from testkit.runs import log, print_command, raise_fd_limit
-from testkit.serve_runs import MODEL_NAME, bench_args, redis_url_of
+from testkit.runs import log, percentile, print_command, raise_fd_limit
+from testkit.serve_runs import MODEL_NAME, TTFT_PARTS, bench_args, redis_url_of, ttft_parts
 from tokenfleet import bench as fleet_bench
 
 
@@ -59,6 +59,15 @@ def run_chats(args: argparse.Namespace, url: str) -> tuple[list, float, float]:
     started = time.perf_counter()
     results, _, _ = asyncio.run(fleet_bench.run(chat_args(args, url, args.rate)))
     return results, started, time.perf_counter()
+
+
+def log_ttft_parts(label: str, redis_url: str, results: list) -> None:
+    """The chats' TTFT cut at their records' timestamps (gateway, queue, engine, delivery): where
+    a tail comes from."""
+    parts = ttft_parts(redis_url, results)
+    log(f"TTFT parts, {label}, p50 / p99 ms: " + ", ".join(
+        f"{name} {1e3 * percentile(parts[name], 50):.1f} / {1e3 * percentile(parts[name], 99):.1f}"
+        for name in TTFT_PARTS if parts[name]))
 
 
 def run(args: argparse.Namespace, folder: Path, out: Path) -> bool:
@@ -80,8 +89,10 @@ def run(args: argparse.Namespace, folder: Path, out: Path) -> bool:
         client = redis.Redis.from_url(redis_url)
         log("fleet ready and warm")
 
-        alone = mixed.ChatLatency.of(run_chats(args, url)[0])
+        alone_results = run_chats(args, url)[0]
+        alone = mixed.ChatLatency.of(alone_results)
         log(f"chats alone: {alone}")
+        log_ttft_parts("alone", redis_url, alone_results)
 
         with mixed.TokenMeter(redis_url) as meter:
             mixed.submit_job(client, "mixed-1", lines)
@@ -97,6 +108,7 @@ def run(args: argparse.Namespace, folder: Path, out: Path) -> bool:
             beside = mixed.ChatLatency.of(results)
             both_tok_s = meter.rate(started, ended)
             log(f"chats beside the batch: {beside}; the fleet's output {both_tok_s:,.0f} tok/s")
+            log_ttft_parts("beside the batch job", redis_url, results)
             canceller.join()
             log(f"second job cancelled with {canceller.num_written_at_cancel} of its lines written"
                 if canceller.cancelled else "second job ended before its cancel")
