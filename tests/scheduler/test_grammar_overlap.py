@@ -33,7 +33,7 @@ def test_the_mask_is_filled_after_the_forward_is_launched_and_before_sampling(ti
                 return fn(*args, **kwargs)
             return wrapper
 
-        runner.forward = spy("forward", runner.forward)
+        runner._forward = spy("forward", runner._forward)  # (what launch calls)
         runner.sampler.sample_on_device = spy("sample", runner.sampler.sample_on_device)
         grammars._fill = spy("fill", grammars._fill)
         # The constrained request outlives the free one: every step has a row to mask.
