@@ -24,5 +24,6 @@ MAX_SCHEMA_BYTES = 64 << 10  # a tool's `parameters`, `response_format`'s schema
 MAX_N = 128  # `n`, as OpenAI; the gateway's `--max-n` (default 8) is the working cap
 MAX_TOP_K = 2**31 - 1  # `top_k` (an int32 on the wire; any value past the vocabulary means no cut)
 MAX_PROMPTS = 16  # prompts in one `prompt` list (of strings or of id lists)
+MAX_DETOKENIZE_IDS = 1 << 18  # `tokens` of one /detokenize call: past any context window served
 MAX_NAME_CHARS = 256  # `model`, `user`, a message's `name`, a tool call's `id` and `tool_call_id`
 MAX_DESCRIPTION_CHARS = 16 << 10  # a tool's or a schema's `description`

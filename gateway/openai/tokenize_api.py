@@ -17,6 +17,7 @@ from pydantic import Field, TypeAdapter
 
 from gateway.appkeys import MODELS, TOKENIZE
 from gateway.models import ServedModel
+from gateway.openai import bounds
 from gateway.openai.params import message_dicts
 from gateway.openai.schemas import ChatMessage, StrictModel, Tool
 from gateway.openai.tools import prompt_messages
@@ -33,12 +34,12 @@ class TokenizePrompt(StrictModel):
 
 class TokenizeChat(StrictModel):
     model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=bounds.MAX_MESSAGES)
     add_generation_prompt: bool = True
     continue_final_message: Literal[False] = Field(False, description="only false")
     add_special_tokens: bool = False  # the template writes the special tokens itself
     return_token_strs: bool = False
-    tools: list[Tool] | None = None
+    tools: list[Tool] | None = Field(None, max_length=bounds.MAX_TOOLS)
 
 
 # For /openapi.json; a body is read as a chat when it has messages, else as a prompt.
@@ -47,7 +48,7 @@ TOKENIZE_BODY = TypeAdapter(TokenizeChat | TokenizePrompt)
 
 class Detokenize(StrictModel):
     model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0)]]
+    tokens: list[Annotated[int, Field(ge=0)]] = Field(max_length=bounds.MAX_DETOKENIZE_IDS)
 
 
 def _token_ids(body: TokenizeChat | TokenizePrompt, model: ServedModel) -> list[int]:

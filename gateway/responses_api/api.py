@@ -281,7 +281,7 @@ async def delete(request: web.Request) -> web.Response:
 
 def _limit(request: web.Request) -> int:
     raw = request.query.get("limit", "20")
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIST_LIMIT:
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_LIST_LIMIT:
         raise BadRequest(f"limit must be 1 to {MAX_LIST_LIMIT}, got {raw!r}", param="limit")
     return int(raw)
 

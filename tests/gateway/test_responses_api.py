@@ -273,3 +273,10 @@ async def test_an_unknown_response_is_a_404(gateway):
     for path in ("/v1/responses/resp_" + "0" * 32, "/v1/responses/nope", "/v1/responses/resp_" + "0" * 32
                  + "/input_items"):
         assert (await gateway.get(path)).status == 404
+
+
+async def test_a_limit_that_is_not_a_plain_number_is_a_400_naming_it(gateway, sdk, fake_scheduler):
+    response = await sdk.responses.create(model=MODEL, input="Hello")
+    for limit in ("0", "101", "x", "²"):  # ("²".isdigit() is true, int("²") raises)
+        answer = await gateway.get(f"/v1/responses/{response.id}/input_items", params={"limit": limit})
+        assert answer.status == 400 and (await answer.json())["error"]["param"] == "limit"

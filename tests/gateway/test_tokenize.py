@@ -50,6 +50,8 @@ async def test_tokenize_a_chat_gives_the_ids_chat_completions_queues(make_client
      "continue_final_message"),
     ("/detokenize", {"model": MODEL, "tokens": [10**7]}, "tokens"),
     ("/detokenize", {"model": MODEL, "tokens": [-1]}, "tokens[0]"),
+    ("/detokenize", {"model": MODEL, "tokens": [1] * ((1 << 18) + 1)}, "tokens"),
+    ("/tokenize", {"model": MODEL, "messages": MESSAGES * 2049}, "messages"),
 ])
 async def test_bad_tokenize_input_is_a_400_naming_the_field(make_client, path, body, param):
     client = await make_client()
