@@ -295,7 +295,7 @@ class LLMEngine:
         steps, whose times are compilation's. Serving then refines the model with every step."""
         rng = rng or random.Random(0)
         vocab = self.model_config.vocab_size
-        self.scheduler.step_cost.reset()
+        self.scheduler.latency_budget.reset()
         limit = min(self.max_model_len - 8, self.config.max_num_batched_tokens)
         num_tokens = 16
         while num_tokens <= limit:

@@ -77,7 +77,17 @@ class LatencyBudget:
                 return min(limit, max(FALLBACK_STEP_TOKENS, num_protected_tokens))
             target_ms = self.slowdown * base_ms
         within = self.cost.max_tokens_within(target_ms, limit)
-        return min(limit, FALLBACK_STEP_TOKENS) if within is None else within
+        if within is None:
+            return min(limit, FALLBACK_STEP_TOKENS)
+        if within <= num_protected_tokens:  # the most important work alone is over the target:
+            within = num_protected_tokens + MIN_ALLOWANCE_TOKENS  # less important work still moves
+        return min(limit, within)
+
+    def reset(self) -> None:
+        """Forget every step timed (the warm-up's, whose first steps compile)."""
+        self.cost.reset()
+        self.alone_cost.reset()
+        self.allowance = None
 
     def _alone_ms(self, num_tokens: int) -> float | None:
         """A step of only the most important work: from such steps, else from every step."""

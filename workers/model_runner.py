@@ -318,7 +318,7 @@ class ModelRunner:
         elif any(w.is_token_pending for w in batch.works):
             raise RuntimeError("a pending input token, but this runner does not keep sampled ids "
                                "(async_scheduling is off, or pipeline stages)")
-        # Prompt logprobs need every row's hidden state, which the eager step keeps in batch order.
+        # Prompt logprobs need every row's hidden state, which the eager step keeps (in eager_order).
         use_graphs = use_graphs and not prompt_logprobs.wanted(batch.works)
         if use_graphs and self.decode_graphs is not None and self.decode_graphs.can_run(batch.works):
             out = self.decode_graphs.run(batch.works, hidden_in, fill_tokens, batch.freed_req_ids)

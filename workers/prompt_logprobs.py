@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.step import SequenceWork
+from workers.step_inputs import eager_order
 
 # Rows turned into logits at once: [rows, vocab] float32 is 200 MB at 1024 rows of a 49k vocab.
 _ROWS_PER_SLICE = 1024
@@ -63,13 +64,14 @@ class DevicePromptLogprobs:
 def compute(compute_logits, hidden: torch.Tensor, works: list[SequenceWork],
             is_driver: bool) -> DevicePromptLogprobs | None:
     """The prompt logprobs of the step's scored works, from the eager step's hidden states
-    ([num_tokens, hidden], the works' tokens concatenated in batch order). Every rank of the last
-    stage calls this (compute_logits may be collective); the driver gets the result, others None."""
+    ([num_tokens, hidden], the works' tokens concatenated in the eager step's order: decodes
+    first, `eager_order`). Every rank of the last stage calls this (compute_logits may be
+    collective); the driver gets the result, others None."""
     rows: list[int] = []
     targets: list[int] = []
     req_ids, counts, top_n = [], [], []
     offset = 0
-    for work in works:
+    for work in (works[i] for i in eager_order(works)):
         ids = work.prompt_logprob_ids
         if ids:
             rows += range(offset, offset + len(ids))

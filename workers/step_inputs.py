@@ -74,15 +74,22 @@ def one_off_tables(works: list[SequenceWork], block_size: int, device: torch.dev
     return DeviceBlockTables(max(len(works), 1), max(width, 1), pad_block=0, device=device)
 
 
+def eager_order(works: list[SequenceWork]) -> list[int]:
+    """The eager step's row order, as indices into `works`: the one-token works (decodes) first,
+    then the others, each in batch order. Whatever reads the eager step's hidden states by work
+    (prompt logprobs) walks them in this order."""
+    is_decode = [len(w.token_ids) == 1 for w in works]
+    return [i for i, d in enumerate(is_decode) if d] + [i for i, d in enumerate(is_decode) if not d]
+
+
 def build_step_inputs(batch: StepBatch, block_size: int, device: torch.device,
                       tables: DeviceBlockTables | None = None,
                       staging: HostStaging | None = None) -> StepInputs:
     """The eager step's inputs. `tables`, `staging`: the runner's (None: one-off ones)."""
     works = batch.works
-    is_decode = [len(w.token_ids) == 1 for w in works]
-    order = [i for i, d in enumerate(is_decode) if d] + [i for i, d in enumerate(is_decode) if not d]
+    order = eager_order(works)
     ordered = [works[i] for i in order]
-    num_decodes = sum(is_decode)
+    num_decodes = sum(len(w.token_ids) == 1 for w in works)
     tables = tables or one_off_tables(ordered, block_size, device)
     staging = staging or HostStaging(device, num_buffers=1)  # one step: one buffer
     mb = tables.max_blocks

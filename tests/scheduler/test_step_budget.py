@@ -321,3 +321,18 @@ def test_batch_decodes_count_against_the_auto_budget_and_do_not_raise_it() -> No
     # room for the late batch prompt.
     assert out.num_scheduled_tokens["chat"] == 40 and out.step_token_cap == 65
     assert "late" not in out.num_scheduled_tokens and out.batch.num_tokens == 65
+
+
+def test_with_an_absolute_target_below_the_chats_own_step_batch_work_still_moves() -> None:
+    budget = LatencyBudget(itl_target_ms=2.0, cost=linear_cost())  # 10 tokens fit in 2 ms
+    assert budget.step_tokens(40, 8192) == 40 + MIN_ALLOWANCE_TOKENS  # not 10: nothing would move
+    assert budget.step_tokens(4, 8192) == 10
+
+
+def test_a_reset_forgets_the_alone_curve_and_the_allowance_too() -> None:
+    budget = LatencyBudget(cost=linear_cost())
+    budget.observe(40, 40, 500.0, was_capped=False, limit=8192)  # a compiling warm-up step
+    budget.observe(100, 40, 5.0, was_capped=True, limit=8192)
+    assert budget.alone_cost.is_known and budget.allowance is not None
+    budget.reset()
+    assert not budget.cost.is_known and not budget.alone_cost.is_known and budget.allowance is None
