@@ -53,6 +53,7 @@ from scheduler.grammar import Grammars
 from scheduler.prompt_logprobs import prompt_logprob_targets, prompt_logprobs_to_send, take_prompt_logprobs
 from scheduler.request import FinishReason, Request, RequestStatus, TokenLogprobs
 from scheduler.step_budget import LatencyBudget
+from scheduler.step_cost import StepCost
 from scheduler.step_plan import RequestOutput, SchedulerConfig, SchedulerOutput, StepPlan
 from shared.errors import InvalidRequestError, WorkerError
 from shared.logging import get_logger
@@ -103,9 +104,8 @@ class Scheduler:
         self._freed_req_ids: list[str] = []  # blocks freed since the last batch: the next one says so
         self._next_step_id = 0
         # How long a step may be beside more important work, from what steps cost (step_budget.py);
-        # the engine feeds `step_cost` the time of every step it runs.
+        # the engine feeds it the time of every step it runs (observe_step).
         self.latency_budget = LatencyBudget(config.itl_target_ms, config.itl_slowdown)
-        self.step_cost = self.latency_budget.cost
         # When set, only requests with stop strings are detokenized here (their text decides when
         # they stop); the caller turns the others' tokens into text off the step's critical path.
         self.text_for_stop_strings_only = False
@@ -227,6 +227,11 @@ class Scheduler:
                                [(request, request.num_preemptions) for request in scheduled],
                                plan.computing_block_hashes, plan.step_token_cap,
                                plan.num_top_tokens, plan.was_capped)
+
+    @property
+    def step_cost(self) -> StepCost:
+        """The step cost model the latency budget learns (one object: the budget's own)."""
+        return self.latency_budget.cost
 
     def observe_step(self, output: SchedulerOutput, ms: float) -> None:
         """What a step took (from the engine), for the latency budget (step_budget.py)."""

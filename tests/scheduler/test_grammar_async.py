@@ -17,6 +17,7 @@ from scheduler.request import Request
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
+from tests.scheduler.spies import spy
 from tests.scheduler.test_grammar import PET_GRAMMAR, PROMPTS, Pet
 
 ANY_JSON = json.dumps({"type": "json_object"})
@@ -100,16 +101,10 @@ def test_the_mask_of_a_step_ahead_is_filled_after_the_step_in_flights_tokens_are
         runner, grammars = engine.executor.runner, engine.scheduler.grammars
         events: list[str] = []
 
-        def spy(name, fn):
-            def wrapper(*args, **kwargs):
-                events.append(name)
-                return fn(*args, **kwargs)
-            return wrapper
-
-        runner._forward = spy("F", runner._forward)  # (what launch calls)
-        runner.sampler.sample_on_device = spy("s", runner.sampler.sample_on_device)
-        grammars._fill = spy("f", grammars._fill)
-        grammars.accept = spy("a", grammars.accept)
+        runner._forward = spy(events, "F", runner._forward)  # (what launch calls)
+        runner.sampler.sample_on_device = spy(events, "s", runner.sampler.sample_on_device)
+        grammars._fill = spy(events, "f", grammars._fill)
+        grammars.accept = spy(events, "a", grammars.accept)
         [constrained] = engine.generate(PROMPTS[:1], SamplingParams(max_tokens=40, temperature=0.0,
                                                                     grammar=PET_GRAMMAR), chat=True)
     steps = "".join(events)

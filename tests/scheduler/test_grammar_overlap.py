@@ -14,6 +14,7 @@ from scheduler.grammar import Grammars, fill_threads
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
 from shared.step import SequenceWork, TokenBitmask
+from tests.scheduler.spies import spy
 from tests.scheduler.test_grammar import PET_GRAMMAR, PROMPTS, Pet
 from tests.workers.triton_interpreter import run_interpreted
 from workers.grammar_mask import apply_token_mask
@@ -27,15 +28,9 @@ def test_the_mask_is_filled_after_the_forward_is_launched_and_before_sampling(ti
         runner, grammars = engine.executor.runner, engine.scheduler.grammars
         events: list[str] = []
 
-        def spy(name, fn):
-            def wrapper(*args, **kwargs):
-                events.append(name)
-                return fn(*args, **kwargs)
-            return wrapper
-
-        runner._forward = spy("forward", runner._forward)  # (what launch calls)
-        runner.sampler.sample_on_device = spy("sample", runner.sampler.sample_on_device)
-        grammars._fill = spy("fill", grammars._fill)
+        runner._forward = spy(events, "forward", runner._forward)  # (what launch calls)
+        runner.sampler.sample_on_device = spy(events, "sample", runner.sampler.sample_on_device)
+        grammars._fill = spy(events, "fill", grammars._fill)
         # The constrained request outlives the free one: every step has a row to mask.
         sampling = [SamplingParams(max_tokens=40, temperature=0.0, grammar=PET_GRAMMAR),
                     SamplingParams(max_tokens=4, temperature=0.0)]

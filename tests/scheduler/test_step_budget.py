@@ -35,7 +35,7 @@ def budgeted_scheduler(**overrides) -> Scheduler:
     overrides.setdefault("max_num_batched_tokens", 256)
     overrides.setdefault("max_num_seqs", 16)
     scheduler = make_scheduler(**overrides)
-    scheduler.latency_budget.cost = scheduler.step_cost = linear_cost()
+    scheduler.latency_budget.cost = linear_cost()
     return scheduler
 
 
