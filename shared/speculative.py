@@ -1,0 +1,98 @@
+"""Speculative decoding's settings (`--speculative-config`), parsed and checked once.
+
+Spelled as vLLM spells them, a JSON object:
+
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+`method` names the proposer (scheduler/speculative/): "ngram" (prompt lookup: proposals copied
+from the request's own tokens) is built; "draft_model" is a known method that this engine refuses
+(not built yet); anything else, or a key that is not below, is an error naming it.
+
+Two keys say when speculation backs off (docs/speculative-decoding.md):
+- `disable_by_batch_size` (vLLM's key): no request speculates in a step while more than this many
+  requests run (a large batch is compute-bound: verifying drafts would cost more than it saves);
+- `min_acceptance_rate` (ours): a request whose recent drafts were accepted at a lower rate stops
+  proposing for `backoff_steps` decodes, then tries again.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+METHODS = ("ngram",)  # built
+NOT_BUILT = ("draft_model", "eagle", "eagle3", "medusa", "mtp", "suffix")  # known, refused
+MAX_SPECULATIVE_TOKENS = 16  # bounds a verify step's shape (and each request's wasted slots)
+
+
+class SpeculativeConfigError(ValueError):
+    """A --speculative-config that this engine cannot run; the message names the key."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # K: drafts proposed (and verified) per step, at most
+    prompt_lookup_max: int = 4  # longest suffix n-gram looked up in the request's tokens
+    prompt_lookup_min: int = 2  # shortest
+    disable_by_batch_size: int = 16  # no speculation in a step while more requests than this run
+    min_acceptance_rate: float = 0.2  # a request's recent acceptance below this: it backs off
+    backoff_steps: int = 16  # decodes a backed-off request makes without proposing
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            if self.method in NOT_BUILT:
+                raise SpeculativeConfigError(
+                    f"speculative method {self.method!r} is not built in this engine; use \"ngram\"")
+            raise SpeculativeConfigError(
+                f"unknown speculative method {self.method!r}; choose one of {list(METHODS)}")
+        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                    "disable_by_batch_size", "backoff_steps"):
+            value, least = getattr(self, key), 0 if key == "backoff_steps" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise SpeculativeConfigError(f"{key} must be an integer >= {least}, got {value!r}")
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise SpeculativeConfigError(
+                f"num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}, "
+                f"got {self.num_speculative_tokens}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise SpeculativeConfigError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                f"({self.prompt_lookup_max})")
+        rate = self.min_acceptance_rate
+        if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate <= 1:
+            raise SpeculativeConfigError(f"min_acceptance_rate must be a number in [0, 1], got {rate!r}")
+
+    def __str__(self) -> str:
+        """The JSON that parse_speculative_config reads back (a scheduler's command line)."""
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+
+def parse_speculative_config(text: str | dict) -> SpeculativeConfig:
+    """The config of a JSON object (text or parsed); SpeculativeConfigError naming what is wrong."""
+    if isinstance(text, str):
+        try:
+            fields = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise SpeculativeConfigError(f"--speculative-config is not JSON: {exc}") from None
+    else:
+        fields = dict(text)
+    if not isinstance(fields, dict):
+        raise SpeculativeConfigError("--speculative-config must be a JSON object")
+    if "method" not in fields:
+        raise SpeculativeConfigError('--speculative-config needs a "method" (e.g. "ngram")')
+    method = fields["method"]
+    if method in NOT_BUILT or method not in METHODS:
+        SpeculativeConfig(method=method)  # raises the method's error
+    known = set(SpeculativeConfig.__dataclass_fields__)
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise SpeculativeConfigError(
+            f"unknown key {unknown[0]!r} in --speculative-config; known keys: {sorted(known)}")
+    # One lookup bound given alone: the other default is moved so that min <= max still holds.
+    lo, hi = fields.get("prompt_lookup_min"), fields.get("prompt_lookup_max")
+    if isinstance(hi, int) and lo is None:
+        fields["prompt_lookup_min"] = min(hi, SpeculativeConfig.prompt_lookup_min)
+    if isinstance(lo, int) and hi is None:
+        fields["prompt_lookup_max"] = max(lo, SpeculativeConfig.prompt_lookup_max)
+    return SpeculativeConfig(**fields)
