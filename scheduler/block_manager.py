@@ -216,6 +216,18 @@ class BlockManager:
         request.block_ids = []
         request.num_registered_blocks = 0
 
+    def free_tail(self, request: Request, num_slots: int) -> None:
+        """Give back the request's blocks past its first `num_slots` slots (speculative decoding's
+        rejected drafts). Such blocks hold no computed token, so none is registered or shared."""
+        keep = cdiv(num_slots, self.block_size)
+        if keep < request.num_registered_blocks:
+            raise ValueError(f"{request.req_id}: would free registered blocks")
+        while len(request.block_ids) > keep:
+            block_id = request.block_ids.pop()
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                self._empty_block_ids.append(block_id)
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (the K/V behind them is gone: a worker group was rebuilt).
         Blocks that requests still hold stay theirs, but can no longer be found by hash."""

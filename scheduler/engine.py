@@ -109,6 +109,7 @@ class LLMEngine:
                 samples_late=self.async_scheduling and self.executor.samples_late,
                 itl_target_ms=config.itl_target_ms,
                 itl_slowdown=config.itl_slowdown,
+                speculative=config.speculative_config,
             ),
             self.tokenizer,
             Grammars(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),

@@ -52,6 +52,7 @@ from scheduler.fair_share import FairShare
 from scheduler.grammar import Grammars
 from scheduler.prompt_logprobs import prompt_logprob_targets, prompt_logprobs_to_send, take_prompt_logprobs
 from scheduler.request import FinishReason, Request, RequestStatus, TokenLogprobs
+from scheduler.speculative.speculator import Speculator
 from scheduler.step_budget import LatencyBudget
 from scheduler.step_cost import StepCost
 from scheduler.step_plan import RequestOutput, SchedulerConfig, SchedulerOutput, StepPlan
@@ -109,6 +110,9 @@ class Scheduler:
         # When set, only requests with stop strings are detokenized here (their text decides when
         # they stop); the caller turns the others' tokens into text off the step's critical path.
         self.text_for_stop_strings_only = False
+        # Speculative decoding: decodes may carry drafts that the step verifies (_drafts).
+        self.speculator = Speculator(config.speculative) if config.speculative is not None else None
+        self._drafting: set[str] = set()  # requests whose step in flight carries drafts
 
     # -- requests in and out ---------------------------------------------------------
 
@@ -196,6 +200,7 @@ class Scheduler:
         plan = StepPlan(token_budget=self.config.max_num_batched_tokens,
                         max_num_seqs=self._step_seq_budget())
         plan.top_priority = top = self._most_important_priority()
+        plan.can_speculate = self.speculator is not None and self.speculator.step_allows(len(self._running))
         less_important = self._schedule_running(plan, top)
         # Blocks just freed by preemption are for the running requests that needed them;
         # admitting new ones now would only preempt again.
@@ -207,7 +212,9 @@ class Scheduler:
                 plan.num_top_tokens, self.config.max_num_batched_tokens)
             self._schedule_less_important(plan, less_important, admits)
         scheduled = [self._requests[req_id] for req_id in plan.num_scheduled_tokens]
-        works = [self._make_work(request, plan.num_scheduled_tokens[request.req_id]) for request in scheduled]
+        works = [self._make_work(request, plan.num_scheduled_tokens[request.req_id],
+                                 plan.draft_token_ids.get(request.req_id, ())) for request in scheduled]
+        self._drafting.update(plan.draft_token_ids)
         batch = StepBatch(step_id=self._next_step_id, works=works)
         if works:  # a batch without works never reaches the runners: its frees wait for the next
             batch.freed_req_ids, self._freed_req_ids = self._freed_req_ids, []
@@ -302,6 +309,12 @@ class Scheduler:
         num_new_tokens = self._num_new_tokens(request, token_budget)
         if num_new_tokens == 0:
             return
+        drafts = self._drafts(request, num_new_tokens, token_budget, plan)
+        # Drafts only where their slots are free: never a preemption for a guess.
+        if drafts and self.block_manager.allocate_slots(request, 1 + len(drafts)):
+            plan.add(request, 1 + len(drafts))  # drafted tokens count as the step's tokens
+            plan.draft_token_ids[request.req_id] = drafts
+            return
         # Blocks for every planned position: those of the step in flight, then these.
         num_slots = request.num_in_flight_tokens + num_new_tokens
         while not self.block_manager.allocate_slots(request, num_slots):
@@ -313,11 +326,25 @@ class Scheduler:
         plan.add(request, num_new_tokens)
         self._note_computing(request, num_new_tokens, plan)
 
+    def _drafts(self, request: Request, num_new_tokens: int, token_budget: int, plan: StepPlan) -> list[int]:
+        """Drafts for a decode whose tokens are all on the host (none pending nor in flight), when
+        this step allows speculation; never past max_tokens, the model's window or the budget."""
+        if (not plan.can_speculate or num_new_tokens != 1 or request.num_in_flight_tokens
+                or request.num_pending_tokens or request.num_computed_tokens != request.num_tokens - 1):
+            return []
+        max_drafts = min(token_budget - 1, request.sampling.max_tokens - request.num_output_tokens - 1,
+                         self._max_num_tokens - request.num_tokens - 1)
+        return self.speculator.propose(request, max_drafts)
+
     def has_requests_needing_their_token(self) -> bool:
         """Whether a running request cannot be scheduled ahead (a grammar whose mask needs its
-        token on the host before the step launches: `_needs_its_token`). The engine then plans
+        token on the host before the step launches: `_needs_its_token`; a request that would
+        speculate, whose drafts come from its tokens on the host). The engine then plans
         the next step only once this one's tokens are back, so such a request runs in every
         step, not every other one."""
+        if self._drafting or (self.speculator is not None and self.speculator.step_allows(len(self._running))
+                              and any(self.speculator.wants_to_speculate(r) for r in self._running)):
+            return True
         return any(self._needs_its_token(r) for r in self._running if r.sampling.grammar is not None)
 
     def _needs_its_token(self, request: Request) -> bool:
@@ -332,6 +359,8 @@ class Scheduler:
         """Whether a request in the step in flight can be in the next one too (async scheduling)."""
         if not self.config.async_scheduling or self._needs_its_token(request):
             return False
+        if request.req_id in self._drafting:
+            return False  # its next input is the verify's outcome, known on the host only
         if not request.num_pending_tokens:
             return True  # a prefill's next chunk: its tokens are known
         # The pending token may already be its last: a step for the one after would be wasted,
@@ -469,9 +498,9 @@ class Scheduler:
             num_new_tokens = min(num_new_tokens, self.config.long_prefill_chunk)
         return min(num_new_tokens, token_budget)
 
-    def _make_work(self, request: Request, num_tokens: int) -> SequenceWork:
+    def _make_work(self, request: Request, num_tokens: int, drafts: list[int] | tuple = ()) -> SequenceWork:
         start = request.num_planned_tokens
-        end = start + num_tokens
+        end = start + num_tokens - len(drafts)  # drafts follow the known tokens
         # A step ahead of a pending token computes that token alone (the schedule allows one).
         is_token_pending = end > request.num_tokens
         is_sampled = end == request.num_tokens + request.num_pending_tokens
@@ -479,7 +508,7 @@ class Scheduler:
         needs_history = is_sampled and request.sampling.has_penalties
         return SequenceWork(
             req_id=request.req_id,
-            token_ids=[0] if is_token_pending else request.token_ids_slice(start, end),
+            token_ids=[0] if is_token_pending else request.token_ids_slice(start, end) + list(drafts),
             start_pos=start,
             block_ids=list(request.block_ids),
             is_sampled=is_sampled,
@@ -491,6 +520,7 @@ class Scheduler:
             is_token_pending=is_token_pending,
             rope_offset=request.rope_offset,
             prompt_logprob_ids=prompt_logprob_targets(request, start, end),
+            num_draft_tokens=len(drafts),
         )
 
     # -- one step: take the result back ----------------------------------------------
@@ -517,10 +547,15 @@ class Scheduler:
             sampled = next(sampled_tokens, None) if work.is_sampled else None
             if work.is_sampled and (sampled is None or sampled.req_id != work.req_id):
                 raise WorkerError(f"step {batch.step_id}: no sampled token for {work.req_id!r}")
+            if work.num_draft_tokens:
+                self._drafting.discard(work.req_id)
             if request is None or request.status is not RequestStatus.RUNNING or (
                     num_preemptions is not None and request.num_preemptions != num_preemptions):
                 # Aborted, finished or preempted after schedule(): what the step did for it is moot
                 # (a token past a stop, an abort or max_tokens is dropped here, never counted).
+                continue
+            if work.num_draft_tokens:
+                outputs.append(self._take_verified(request, work, sampled))
                 continue
             if work.prompt_logprob_ids:
                 take_prompt_logprobs(request, work, step_result)
@@ -541,20 +576,55 @@ class Scheduler:
             num_cached_tokens=request.num_cached_tokens or 0,
         )
 
+    def _take_verified(self, request: Request, work: SequenceWork, sampled: SampledToken) -> RequestOutput:
+        """A decode with drafts: its known token and the accepted drafts are computed; those
+        drafts, then the target's own next token, are its output (cut at a stop or max_tokens)."""
+        num_drafts, num_accepted = work.num_draft_tokens, sampled.num_accepted_drafts
+        if not 0 <= num_accepted <= num_drafts:
+            raise WorkerError(f"{work.req_id!r}: {num_accepted} of {num_drafts} drafts accepted")
+        request.num_in_flight_tokens -= len(work.token_ids)
+        request.num_pending_tokens -= 1
+        request.num_computed_tokens += len(work.token_ids) - num_drafts + num_accepted
+        accepted = work.token_ids[len(work.token_ids) - num_drafts:][:num_accepted]
+        self.speculator.record(request, num_drafts, num_accepted)
+        num_before = request.num_output_tokens
+        output = self._append_token(request, sampled, accepted)
+        self.speculator.num_emitted_tokens += request.num_output_tokens - num_before
+        if not request.is_finished:
+            # The rejected drafts' slots: blocks past the next input's are given back. The blocks
+            # registered for the prefix cache are those of computed (accepted) tokens only.
+            self.block_manager.free_tail(request, request.num_tokens)
+            self.block_manager.register_full_blocks(request)
+        return output
+
     def _forget(self, req_id: str) -> None:
         del self._requests[req_id]
         self._detokenizers.pop(req_id, None)
+        if self.speculator is not None:
+            self.speculator.forget(req_id)
         if self.grammars is not None:
             self.grammars.discard(req_id)
 
-    def _append_token(self, request: Request, sampled: SampledToken) -> RequestOutput:
-        request.output_token_ids.append(sampled.token_id)
+    def _append_token(self, request: Request, sampled: SampledToken,
+                      accepted: list[int] | tuple = ()) -> RequestOutput:
+        """`accepted`: speculative decoding's accepted drafts, which come before the sampled
+        token; a stop among them ends the output there (nothing past it is returned)."""
+        new_token_ids: list[int] = []
+        text_delta = ""
+        for token_id in accepted:
+            request.output_token_ids.append(token_id)
+            new_token_ids.append(token_id)
+            text_delta += self._detokenize_and_check_stop(request, token_id)
+            if request.is_finished:
+                break
         logprobs = None
-        if request.sampling.logprobs is not None:
-            logprobs = [TokenLogprobs(sampled.token_id, sampled.logprob, sampled.top_logprobs)]
-            request.output_logprobs.extend(logprobs)
-        text_delta = self._detokenize_and_check_stop(request, sampled.token_id)
-        new_token_ids = [sampled.token_id]
+        if not request.is_finished:
+            request.output_token_ids.append(sampled.token_id)
+            if request.sampling.logprobs is not None:
+                logprobs = [TokenLogprobs(sampled.token_id, sampled.logprob, sampled.top_logprobs)]
+                request.output_logprobs.extend(logprobs)
+            text_delta += self._detokenize_and_check_stop(request, sampled.token_id)
+            new_token_ids.append(sampled.token_id)
         # Jump-forward (scheduler/grammar.py): text the grammar forces now, appended unsampled.
         forced = self.grammars.forced_tokens(request.req_id) if self.grammars and logprobs is None else []
         for token_id in itertools.takewhile(lambda _: not request.is_finished, forced):

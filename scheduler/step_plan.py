@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from scheduler.request import FinishReason, Request, TokenLogprobs
 from scheduler.step_budget import DEFAULT_SLOWDOWN
+from shared.speculative import SpeculativeConfig
 from shared.step import StepBatch
 
 
@@ -44,6 +45,8 @@ class SchedulerConfig:
     # most important work alone, as the step cost model predicts it; 0: no budget.
     itl_target_ms: float | None = None
     itl_slowdown: float = DEFAULT_SLOWDOWN
+    # Speculative decoding (scheduler/speculative/): None: no request speculates.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "num_kv_blocks", "block_size", "max_num_seqs",
@@ -121,6 +124,8 @@ class StepPlan:
     preempted_req_ids: list[str] = field(default_factory=list)
     # Hashes of the full blocks this step's prefills compute: cached from the next step on.
     computing_block_hashes: set[bytes] = field(default_factory=set)
+    can_speculate: bool = False  # whether decodes may carry drafts in this step
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # req_id -> its drafts, if any
 
     def add(self, request: Request, num_tokens: int) -> None:
         self.num_scheduled_tokens[request.req_id] = num_tokens
@@ -135,6 +140,7 @@ class StepPlan:
 
     def remove(self, request: Request) -> None:
         num_tokens = self.num_scheduled_tokens.pop(request.req_id, 0)
+        self.draft_token_ids.pop(request.req_id, None)
         self.token_budget += num_tokens
         self.num_tokens -= num_tokens
         if request.priority == self.top_priority:

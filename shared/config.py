@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared.speculative import SpeculativeConfig
+
 ENV_PREFIX = "TOKENFLEET_"
 # Where schedulers, gateways and the batch tools look for Redis when no --redis-url says otherwise.
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -94,6 +96,8 @@ class EngineConfig:
     # Structured outputs: append the text a grammar forces (a key, a closing brace) without
     # sampling it (scheduler/grammar.py says how that can change a request's tokens).
     grammar_jump_forward: bool = False
+    # Speculative decoding (--speculative-config, shared/speculative.py); None: off.
+    speculative_config: SpeculativeConfig | None = None
     # CUDA graphs of decode-only steps (CUDA with Triton only; CPU always runs eagerly).
     cuda_graphs: bool = True
     cuda_graph_max_batch_size: int = _CPU.max_num_seqs  # decode batches above this run eagerly

@@ -46,6 +46,10 @@ class SequenceWork:
     # rows predict, row i predicting prompt token start_pos + 1 + i (workers/prompt_logprobs.py).
     # Empty for every other work.
     prompt_logprob_ids: list[int] = field(default_factory=list)
+    # Speculative decoding: the last num_draft_tokens of token_ids are proposed tokens, not known
+    # ones. The runner scores every one of them in this forward and returns how many it accepted
+    # (SampledToken.num_accepted_drafts; workers/spec_verify.py). 0 for every other work.
+    num_draft_tokens: int = 0
 
 
 @dataclass
@@ -101,7 +105,7 @@ class StepBatch:
         works = [(w.req_id, w.token_ids, w.start_pos, w.block_ids, w.is_sampled,
                   tuple(vars(w.sampling).values()), w.num_output_tokens,
                   w.prompt_token_ids, w.output_token_ids, w.is_token_pending, w.rope_offset,
-                  w.prompt_logprob_ids)
+                  w.prompt_logprob_ids, w.num_draft_tokens)
                  for w in self.works]
         return _batch_from_wire, (self.step_id, works, self.token_mask, self.freed_req_ids)
 
@@ -113,6 +117,9 @@ class SampledToken:
     logprob: float | None = None  # of the chosen token, when sampling.logprobs is not None
     # (token_id, logprob) of the top N, best first, when sampling.logprobs > 0
     top_logprobs: list[tuple[int, float]] | None = None
+    # Work with drafts: how many of them were accepted; they come before token_id, which is the
+    # target's own token after them (at the first rejected position, or after the last draft).
+    num_accepted_drafts: int = 0
 
 
 @dataclass
@@ -124,7 +131,8 @@ class StepResult:
     prompt_logprobs: dict[str, list] = field(default_factory=dict)
 
     def __reduce__(self):
-        sampled = [(s.req_id, s.token_id, s.logprob, s.top_logprobs) for s in self.sampled]
+        sampled = [(s.req_id, s.token_id, s.logprob, s.top_logprobs, s.num_accepted_drafts)
+                   for s in self.sampled]
         return _result_from_wire, (self.step_id, sampled, self.prompt_logprobs)
 
 
@@ -133,9 +141,10 @@ def _batch_from_wire(step_id: int, works: list[tuple], token_mask: TokenBitmask 
     return StepBatch(step_id, [
         SequenceWork(req_id, token_ids, start_pos, block_ids, is_sampled, SamplingParams(*sampling),
                      num_output_tokens, prompt_token_ids, output_token_ids, is_token_pending, rope_offset,
-                     prompt_logprob_ids)
+                     prompt_logprob_ids, num_draft_tokens)
         for (req_id, token_ids, start_pos, block_ids, is_sampled, sampling, num_output_tokens,
-             prompt_token_ids, output_token_ids, is_token_pending, rope_offset, prompt_logprob_ids) in works
+             prompt_token_ids, output_token_ids, is_token_pending, rope_offset, prompt_logprob_ids,
+             num_draft_tokens) in works
     ], token_mask, freed_req_ids=freed_req_ids)
 
 

@@ -31,7 +31,7 @@ from shared.errors import ModelLoadError
 from shared.logging import get_logger
 from shared.model_config import ModelConfig, load_model_config
 from shared.step import SequenceWork, StepBatch, StepResult
-from workers import prompt_logprobs
+from workers import prompt_logprobs, spec_verify
 from workers.cuda_graphs import DecodeGraphs, use_cuda_graphs
 from workers.device import resolve_device, resolve_dtype
 from workers.device_block_tables import DeviceBlockTables
@@ -61,6 +61,10 @@ class LaunchedStep:
     # A step that samples late, until `ModelRunner.sample`: its batch, logits and sampled works.
     late: tuple[StepBatch, torch.Tensor, list[SequenceWork]] | None = None
     prompt_logprobs: DevicePromptLogprobs | None = None  # the driver's, when a work asked for them
+    # Speculative decoding (workers/spec_verify.py): the logits scoring the step's drafts, until
+    # sampled, then their verification (the driver's).
+    draft_logits: torch.Tensor | None = None
+    verify: spec_verify.DeviceVerify | None = None
 
 
 def format_bytes(num_bytes: int) -> str:
@@ -299,12 +303,13 @@ class ModelRunner:
         the model's dtype; None when no row samples) and the works they belong to. A captured
         CUDA graph runs it when one fits and `use_graphs`; otherwise it runs eagerly. A stage
         before the last sends its activation on and returns (None, [])."""
-        logits, works, _ = self._forward(batch, use_graphs)
+        logits, works, _, _ = self._forward(batch, use_graphs)
         return logits, works
 
-    def _forward(self, batch: StepBatch, use_graphs: bool = True,
-                 ) -> tuple[torch.Tensor | None, list[SequenceWork], DevicePromptLogprobs | None]:
-        """forward(), and the step's prompt logprobs (the driver's; None when no work asks)."""
+    def _forward(self, batch: StepBatch, use_graphs: bool = True) -> tuple[
+            torch.Tensor | None, list[SequenceWork], DevicePromptLogprobs | None, torch.Tensor | None]:
+        """forward(), the step's prompt logprobs (the driver's; None when no work asks), and the
+        logits that score its drafts (None when no work has drafts)."""
         if self.is_closed:
             raise RuntimeError("this model runner is closed; it runs no more steps")
         hidden_in = None
@@ -318,37 +323,42 @@ class ModelRunner:
         elif any(w.is_token_pending for w in batch.works):
             raise RuntimeError("a pending input token, but this runner does not keep sampled ids "
                                "(async_scheduling is off, or pipeline stages)")
-        # Prompt logprobs need every row's hidden state, which the eager step keeps (in eager_order).
-        use_graphs = use_graphs and not prompt_logprobs.wanted(batch.works)
+        # Prompt logprobs and drafts need rows besides the last of a work, which the eager step
+        # keeps (in eager_order): such steps run eagerly.
+        has_drafts = spec_verify.wanted(batch.works)
+        use_graphs = use_graphs and not prompt_logprobs.wanted(batch.works) and not has_drafts
         if use_graphs and self.decode_graphs is not None and self.decode_graphs.can_run(batch.works):
             out = self.decode_graphs.run(batch.works, hidden_in, fill_tokens, batch.freed_req_ids)
             if not self.stage.is_last:
                 self.stage.send(out)
-                return None, [], None
-            return out, batch.works, None  # every decode row samples
+                return None, [], None, None
+            return out, batch.works, None, None  # every decode row samples
         if use_graphs and self.mixed_graphs is not None and self.mixed_graphs.can_run(batch.works):
             hidden, sample_rows = self.mixed_graphs.run(batch.works, hidden_in, fill_tokens,
                                                         batch.freed_req_ids)
             if not self.stage.is_last:
                 self.stage.send(hidden)
-                return None, [], None
+                return None, [], None, None
             sampled_works = [w for w in batch.works if w.is_sampled]
             if not sampled_works:
-                return None, [], None
-            return self.model.compute_logits(hidden[sample_rows]), sampled_works, None
+                return None, [], None, None
+            return self.model.compute_logits(hidden[sample_rows]), sampled_works, None, None
         inputs = build_step_inputs(batch, self.block_size, self.device, self.block_tables, self.staging)
         if fill_tokens is not None:
             fill_tokens(inputs.token_ids)
         hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, inputs.meta, hidden_in)
         if not self.stage.is_last:
             self.stage.send(hidden)
-            return None, [], None
+            return None, [], None, None
         prompt = None
         if prompt_logprobs.wanted(batch.works):
             prompt = prompt_logprobs.compute(self.model.compute_logits, hidden, batch.works, self.is_driver)
+        drafts = None
+        if has_drafts:
+            drafts = spec_verify.draft_logits(self.model.compute_logits, hidden, batch.works)
         if not inputs.sampled_works:
-            return None, [], prompt
-        return self.model.compute_logits(hidden[inputs.sample_rows]), inputs.sampled_works, prompt
+            return None, [], prompt, None
+        return self.model.compute_logits(hidden[inputs.sample_rows]), inputs.sampled_works, prompt, drafts
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> StepResult | None:
@@ -361,10 +371,10 @@ class ModelRunner:
         waits for nothing on CUDA."""
         timer = self.tp.timer
         start = timer.start(self.device) if timer else None
-        logits, sampled_works, prompt = self._forward(batch)
+        logits, sampled_works, prompt, drafts = self._forward(batch)
         if timer:
             timer.stop("step", start)
-        launched = LaunchedStep(batch.step_id, None, prompt_logprobs=prompt)
+        launched = LaunchedStep(batch.step_id, None, prompt_logprobs=prompt, draft_logits=drafts)
         if batch.samples_late and logits is not None and self.is_driver:
             launched.late = (batch, logits, sampled_works)  # until `sample`
         else:
@@ -395,6 +405,11 @@ class ModelRunner:
             # float32 inside, where it matters
             sample = self.sampler.sample_on_device(logits, sampled_works, pending_ids)
             token_ids, launched.host = sample.token_ids, sample.to_host()
+            if launched.draft_logits is not None:
+                # The works with drafts never have a step ahead (scheduler.py): the ids kept below
+                # for pending inputs are never read for them.
+                launched.verify = spec_verify.verify(launched.draft_logits, batch.works, self.sampler)
+                launched.draft_logits = None
         if self.pending_tokens is not None and self.stage.is_last:
             if logits is not None:
                 token_ids = share(self.tp, token_ids, len(sampled_works), self.device)
@@ -409,7 +424,10 @@ class ModelRunner:
         prompt = launched.prompt_logprobs.to_host() if launched.prompt_logprobs is not None else {}
         if launched.host is None:
             return StepResult(launched.step_id, [], prompt)
-        return StepResult(launched.step_id, launched.host.tokens(), prompt)
+        tokens = launched.host.tokens()
+        if launched.verify is not None:
+            spec_verify.apply(tokens, launched.verify)
+        return StepResult(launched.step_id, tokens, prompt)
 
     def close(self) -> None:
         """Give back everything this runner took on its device: the CUDA graphs and their memory

@@ -62,10 +62,10 @@ class Sampler:
             return logits.argmax(dim=-1)
         random_works = [works[i] for i in random_rows]
         if len(random_rows) == len(works):
-            probs = _processed_probs(logits, [w.sampling for w in random_works])
+            probs = processed_probs(logits, [w.sampling for w in random_works])
             return self._draw(probs, random_works)
         row_index = torch.tensor(random_rows, device=logits.device)
-        probs = _processed_probs(logits[row_index], [w.sampling for w in random_works])
+        probs = processed_probs(logits[row_index], [w.sampling for w in random_works])
         token_ids = logits.argmax(dim=-1)
         token_ids[row_index] = self._draw(probs, random_works)
         return token_ids
@@ -91,6 +91,10 @@ class Sampler:
         noise.clamp_min_(torch.finfo(noise.dtype).tiny)
         return (probs / noise).argmax(dim=-1)
 
+    def random_generator(self, device: torch.device) -> torch.Generator:
+        """The random stream of unseeded rows (speculative verification draws from it too)."""
+        return self._generator(device)
+
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
             generator = torch.Generator(device=device)
@@ -102,6 +106,11 @@ class Sampler:
         if device not in self._seeded_generators:
             self._seeded_generators[device] = torch.Generator(device=device)
         return self._seeded_generators[device]
+
+
+def is_random(params: SamplingParams) -> bool:
+    """Whether a row draws its token (else it takes the argmax)."""
+    return params.temperature >= _SAMPLING_EPS
 
 
 def _is_plain_greedy(params: SamplingParams) -> bool:
@@ -147,7 +156,7 @@ def apply_penalties(logits: torch.Tensor, works: list[SequenceWork],
     return logits
 
 
-def _processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p; returns unnormalized probabilities."""
     # logits: [num_rows, vocab] -> probs: [num_rows, vocab]
     device = logits.device

@@ -78,12 +78,12 @@ class Speculator:
             self._note(request, 0, 0)
         return drafts
 
-    def record(self, request: Request, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
-        """What a verify row of `num_drafted` drafts kept (from update_from_output)."""
+    def record(self, request: Request, num_drafted: int, num_accepted: int) -> None:
+        """What a verify row of `num_drafted` drafts kept (from update_from_output, which counts
+        num_emitted_tokens itself: a stop may cut the run)."""
         self.num_drafts += 1
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += num_accepted
-        self.num_emitted_tokens += num_emitted
         for pos in range(num_accepted):
             self.num_accepted_tokens_per_pos[pos] += 1
         self._note(request, num_drafted, num_accepted)

@@ -73,7 +73,7 @@ def test_request_backs_off_after_low_acceptance_then_tries_again():
     request = _request()
     assert speculator.propose(request, 4) == [3, 1, 2]
     for _ in range(8):  # every draft rejected
-        speculator.record(request, 4, 0, 1)
+        speculator.record(request, 4, 0)
     assert not speculator.wants_to_speculate(request) and speculator.propose(request, 4) == []
     assert speculator.num_backoffs == 1
     request.output_token_ids += [7, 8, 9]  # three tokens later it looks again
@@ -84,7 +84,7 @@ def test_request_with_good_acceptance_keeps_speculating():
     speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4))
     request = _request()
     for _ in range(20):
-        speculator.record(request, 4, 3, 4)
+        speculator.record(request, 4, 3)
     assert speculator.wants_to_speculate(request)
     assert speculator.acceptance_rate == 0.75 and speculator.mean_accepted_length == 4.0
     assert speculator.num_accepted_tokens_per_pos == [20, 20, 20, 0]

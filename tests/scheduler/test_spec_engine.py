@@ -1,0 +1,155 @@
+"""Speculative decoding (n-gram) through the whole in-process engine on a tiny random model:
+greedy output identical to decoding without it, in mixed batches, under preemption and async
+scheduling; and drafts really accepted (a run where none is would prove nothing). Stops and
+max_tokens inside an accepted run: tests/scheduler/test_spec_scheduler.py."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from scheduler.engine import LLMEngine
+from shared.config import EngineConfig
+from shared.sampling import SamplingParams
+from shared.speculative import SpeculativeConfig
+
+NGRAM = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=2)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+
+def _prompts(seed: int, num_repetitive: int, num_random: int = 0) -> list[list[int]]:
+    """Prompts that repeat a random phrase (so the lookup finds matches), and random ones."""
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(num_repetitive):
+        phrase = [rng.randrange(3, 512) for _ in range(8 + i)]
+        prompts.append(phrase * 3 + phrase[:3])
+    prompts += [[rng.randrange(3, 512) for _ in range(20 + 7 * i)] for i in range(num_random)]
+    return prompts
+
+
+@dataclass
+class Run:
+    tokens: dict[str, list[int]] = field(default_factory=dict)  # req_id -> output tokens
+    events: dict[str, list[list[int]]] = field(default_factory=dict)  # req_id -> each output's new tokens
+    finish: dict[str, tuple] = field(default_factory=dict)  # req_id -> (finish_reason, stop_reason)
+    num_preemptions: int = 0
+    num_mixed_steps: int = 0  # steps with a decode carrying drafts beside a plain decode
+    accepted: int = 0
+    drafted: int = 0
+
+    def outputs(self) -> list[list[int]]:
+        return list(self.tokens.values())
+
+
+class _MixedSteps:
+    def __init__(self, run: Run) -> None:
+        self.run = run
+
+    def record_step(self, output, outputs, duration_s, result_wait_s=0.0) -> None:
+        works = output.batch.works
+        if any(w.num_draft_tokens for w in works) and any(
+                len(w.token_ids) == 1 and w.is_sampled for w in works):
+            self.run.num_mixed_steps += 1
+
+
+def _run(folder, prompts, params, spec: SpeculativeConfig | None, **overrides) -> Run:
+    config = dict(model=str(folder), dtype="float32", block_size=4, num_kv_blocks=256, max_num_seqs=4,
+                  max_num_batched_tokens=32, speculative_config=spec)
+    config.update(overrides)
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    run = Run()
+    with LLMEngine(EngineConfig(**config)) as engine:
+        engine.step_observer = _MixedSteps(run)
+        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        requests = [engine.scheduler.get_request(i) for i in ids]
+        for i in ids:
+            run.tokens[i], run.events[i] = [], []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                run.tokens[out.req_id] += out.new_token_ids
+                run.events[out.req_id].append(out.new_token_ids)
+                if out.finished:
+                    run.finish[out.req_id] = (out.finish_reason, out.stop_reason)
+        run.num_preemptions = sum(r.num_preemptions for r in requests)
+        if engine.scheduler.speculator is not None:
+            run.accepted = engine.scheduler.speculator.num_accepted_tokens
+            run.drafted = engine.scheduler.speculator.num_draft_tokens
+    return run
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoints):
+    return tiny_checkpoints["llama"]
+
+
+# Four repetitive prompts, a random one that does not speculate (it asks for logprobs), and a
+# repetitive one that samples (its output is not compared: it checks that sampled requests
+# speculate and keep max_tokens; their distribution is tests/workers/test_spec_verify.py's).
+PROMPTS = _prompts(1, 4, 1) + _prompts(2, 1)
+PARAMS = [GREEDY] * 4 + [SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=0),
+                         SamplingParams(temperature=0.3, max_tokens=32, ignore_eos=True)]
+NUM_COMPARED = 5
+
+
+@pytest.fixture(scope="module")
+def plain(tiny) -> Run:
+    return _run(tiny, PROMPTS, PARAMS, None, max_num_seqs=6)
+
+
+@pytest.fixture(scope="module")
+def spec(tiny) -> Run:
+    return _run(tiny, PROMPTS, PARAMS, NGRAM, max_num_seqs=6)
+
+
+def test_greedy_identical_with_and_without_speculation_in_a_mixed_batch(plain, spec) -> None:
+    """Every greedy output equals plain decoding's, drafts were accepted, steps held speculating
+    and plain decodes together, and accepted drafts went out with the target's token as one
+    output; the sampled request ended at its max_tokens."""
+    assert spec.outputs()[:NUM_COMPARED] == plain.outputs()[:NUM_COMPARED]
+    assert spec.accepted > 0, "no draft was ever accepted"
+    assert spec.num_mixed_steps > 0
+    assert max(len(e) for events in spec.events.values() for e in events) > 1
+    assert len(spec.outputs()[-1]) == 32
+
+
+def test_greedy_identical_under_preemption_by_a_tiny_kv_cache(tiny, plain) -> None:
+    # 30 blocks of 4 = 120 slots; six running sequences need up to 6 * 62 (and drafts more).
+    spec = _run(tiny, PROMPTS, PARAMS, NGRAM, max_num_seqs=6, num_kv_blocks=30)
+    assert spec.num_preemptions > 0, "the tiny cache never forced a preemption"
+    assert spec.accepted > 0
+    assert spec.outputs()[:NUM_COMPARED] == plain.outputs()[:NUM_COMPARED]
+
+
+def test_greedy_identical_with_async_scheduling(tiny, plain) -> None:
+    """Speculating requests wait for their tokens (no step ahead while one would speculate);
+    the request that does not speculate runs beside them."""
+    spec = _run(tiny, PROMPTS, PARAMS, NGRAM, max_num_seqs=6, async_scheduling=True)
+    assert spec.accepted > 0
+    assert spec.outputs()[:NUM_COMPARED] == plain.outputs()[:NUM_COMPARED]
+
+
+def test_no_speculation_above_disable_by_batch_size(tiny) -> None:
+    short = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    spec = _run(tiny, PROMPTS[:3], short, SpeculativeConfig(disable_by_batch_size=2))
+    assert spec.drafted == 0
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_identical_on_a_copy_task(smollm2) -> None:
+    from shared.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(str(smollm2))
+    passage = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
+               "How vexingly quick daft zebras jump!")
+    messages = [{"role": "user", "content": f"Repeat this text exactly: {passage}"}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt = tokenizer(text, add_special_tokens=False).input_ids
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    overrides = dict(block_size=16, num_kv_blocks=64, max_num_batched_tokens=256)
+    plain = _run(smollm2, [prompt], params, None, **overrides)
+    spec = _run(smollm2, [prompt], params, NGRAM, **overrides)
+    assert spec.outputs() == plain.outputs()
+    assert spec.accepted >= 6, f"only {spec.accepted} drafts accepted on a copy task"
