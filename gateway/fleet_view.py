@@ -64,6 +64,9 @@ def _scheduler(scheduler_id: str, f: dict[str, str], now: float) -> dict:
         "num_finished": _num(f, "num_finished", int),
         "prefix_cache_queries": _num(f, "prefix_cache_queries", int),
         "prefix_cache_hits": _num(f, "prefix_cache_hits", int),
+        # Speculative decoding's totals (0 without it).
+        **{name: _num(f, name, int) for name in ("spec_num_drafts", "spec_num_draft_tokens",
+                                                  "spec_num_accepted_tokens")},
         # Entries it started, by stream: its own (routed), a peer's (stolen), the shared ones.
         **{f"entries_{src}": _num(f, f"entries_{src}", int) for src in ("routed", "stolen", "fallback")},
         "heartbeat_age_s": round(max(0.0, now - _num(f, "updated_at", float, now)), 2),

@@ -13,7 +13,11 @@ Counting rules (as vLLM v1 counts them):
   scheduler counts on the one that finishes it);
 - generation tokens: every token sampled;
 - request_success{finished_reason}: every request that ended, by why (stop, length, abort);
-- iteration_tokens_total: tokens computed per step (prefill chunks plus decodes).
+- iteration_tokens_total: tokens computed per step (prefill chunks plus decodes; drafts count);
+- spec_decode_* (with speculative decoding only, as vLLM's): num_drafts (decodes that carried
+  drafts), num_draft_tokens, num_accepted_tokens, num_accepted_tokens_per_pos{position} and
+  num_emitted_tokens (accepted plus the target's own token, less what a stop cut). The acceptance
+  rate is accepted / draft tokens; the mean accepted length is 1 + accepted / drafts.
 """
 
 from __future__ import annotations
@@ -32,6 +36,11 @@ PREFIX = "tokenfleet:"
 LABELS = ("model_name", "scheduler")
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# Speculative decoding's counters (scheduler/speculative/speculator.py): metric name -> what it counts.
+SPEC_DECODE_COUNTERS = (("num_drafts", "decodes that carried drafts"),
+                        ("num_draft_tokens", "draft tokens proposed and verified"),
+                        ("num_accepted_tokens", "draft tokens accepted"),
+                        ("num_emitted_tokens", "tokens emitted by decodes with drafts"))
 # Attributes the block manager has once it caches prefixes (cumulative token counts); read
 # with a default so these metrics exist, at 0, before it does.
 PREFIX_CACHE_COUNTERS = (("prefix_cache_queries", "prompt tokens looked up in the prefix cache"),
@@ -61,6 +70,21 @@ class _SchedulerState(Collector):
             family = CounterMetricFamily(PREFIX + name, doc, labels=LABELS)
             family.add_metric(labels, getattr(scheduler.block_manager, name, 0))
             yield family
+        if scheduler.speculator is not None:
+            yield from _spec_decode_families(scheduler.speculator, labels)
+
+
+def _spec_decode_families(speculator, labels: list[str]):
+    for name, doc in SPEC_DECODE_COUNTERS:
+        family = CounterMetricFamily(PREFIX + "spec_decode_" + name, doc, labels=LABELS)
+        family.add_metric(labels, getattr(speculator, name))
+        yield family
+    family = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                 "draft tokens accepted, by position in the run",
+                                 labels=[*LABELS, "position"])
+    for position, count in enumerate(speculator.num_accepted_tokens_per_pos):
+        family.add_metric([*labels, str(position)], count)
+    yield family
 
 
 class EngineMetrics:

@@ -49,8 +49,13 @@ class SchedulerTelemetry:
         engine's limits)."""
         rates, _ = self._heartbeat_rates.take(time.monotonic())
         history = self.metrics.generation_history.recent(time.time())
+        speculator = self.engine.scheduler.speculator
+        # Speculative decoding's totals (scheduler/engine_metrics.py), for `tokenfleet status`.
+        spec = {} if speculator is None else {
+            "spec_num_drafts": speculator.num_drafts, "spec_num_draft_tokens": speculator.num_draft_tokens,
+            "spec_num_accepted_tokens": speculator.num_accepted_tokens}
         return {
-            **self._engine_fields,
+            **self._engine_fields, **spec,
             "host": socket.gethostname(), "pid": os.getpid(),
             "started_at": self._started_at,
             "prompt_tokens_per_s": round(rates.prompt_tokens_per_s, 2),

@@ -54,6 +54,15 @@ def _percent(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
 
+def _speculation(s: dict) -> str:
+    """Speculative decoding's acceptance rate and mean accepted length (tokens per verify), or -."""
+    drafts, drafted, accepted = (s.get(k, 0) for k in ("spec_num_drafts", "spec_num_draft_tokens",
+                                                       "spec_num_accepted_tokens"))
+    if not drafted:
+        return "-"
+    return f"{100 * accepted / drafted:.0f}%/{1 + accepted / drafts:.2f}"
+
+
 def format_view(view: dict, redis_url: str) -> str:
     totals = view["totals"]
     at = time.strftime("%H:%M:%S", time.localtime(view["time"]))
@@ -65,14 +74,15 @@ def format_view(view: dict, redis_url: str) -> str:
            f"{_rate(totals['prompt_tokens_per_s'])} prompt tok/s; "
            f"prefix-cache hit rate {_percent(totals.get('prefix_cache_hit_rate'))}", "", "Schedulers:"]
     columns = ["ID", "MODEL", "TPxPP", "RUNNING", "WAITING", "KV", "GEN TOK/S", "FINISHED", "HIT RATE",
-               "ROUTED/STOLEN/FALLBACK", "HEARTBEAT"]
+               "ROUTED/STOLEN/FALLBACK", "SPEC ACCEPT/LEN", "HEARTBEAT"]
     out += _table(columns, [
         [s["id"], s["model"], f"{s['tp']}x{s.get('pp', 1)}", f"{s['num_running']}/{s['max_num_seqs']}",
          s["num_waiting"],
          f"{100 * s['kv_usage']:.1f}%", _rate(s["generation_tokens_per_s"]), s["num_finished"],
          _percent(s["prefix_cache_hits"] / s["prefix_cache_queries"] if s["prefix_cache_queries"] else None),
          f"{s.get('entries_routed', 0)}/{s.get('entries_stolen', 0)}/{s.get('entries_fallback', 0)}",
-         f"{s['heartbeat_age_s']:.1f}s ago"] for s in view["schedulers"]], "no live scheduler")
+         _speculation(s), f"{s['heartbeat_age_s']:.1f}s ago"]
+        for s in view["schedulers"]], "no live scheduler")
     out += ["", "Queues:"]
     out += _table(["MODEL", "KIND", "LENGTH", "PENDING", "QUEUED", "CONSUMERS"], [
         [q["model"], q["kind"], q["length"], q["pending"], q["queued"], q["consumers"]]

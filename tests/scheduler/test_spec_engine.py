@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from scheduler.engine import LLMEngine
+from scheduler.engine_metrics import EngineMetrics
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
 from shared.speculative import SpeculativeConfig
@@ -39,6 +40,7 @@ class Run:
     num_mixed_steps: int = 0  # steps with a decode carrying drafts beside a plain decode
     accepted: int = 0
     drafted: int = 0
+    metrics: EngineMetrics | None = None
 
     def outputs(self) -> list[list[int]]:
         return list(self.tokens.values())
@@ -49,6 +51,7 @@ class _MixedSteps:
         self.run = run
 
     def record_step(self, output, outputs, duration_s, result_wait_s=0.0) -> None:
+        self.run.metrics.record_step(output, outputs, duration_s, result_wait_s)
         works = output.batch.works
         if any(w.num_draft_tokens for w in works) and any(
                 len(w.token_ids) == 1 and w.is_sampled for w in works):
@@ -62,6 +65,7 @@ def _run(folder, prompts, params, spec: SpeculativeConfig | None, **overrides) -
     params = params if isinstance(params, list) else [params] * len(prompts)
     run = Run()
     with LLMEngine(EngineConfig(**config)) as engine:
+        run.metrics = EngineMetrics(engine.scheduler, "tiny", "s0")
         engine.step_observer = _MixedSteps(run)
         ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
         requests = [engine.scheduler.get_request(i) for i in ids]
@@ -113,6 +117,27 @@ def test_greedy_identical_with_and_without_speculation_in_a_mixed_batch(plain, s
     assert spec.num_mixed_steps > 0
     assert max(len(e) for events in spec.events.values() for e in events) > 1
     assert len(spec.outputs()[-1]) == 32
+
+
+def test_metrics_count_drafted_accepted_and_emitted_tokens_under_vllms_names(spec) -> None:
+    from tokenfleet.status_cli import _speculation
+
+    def value(name: str, **labels) -> float:
+        sample = spec.metrics.registry.get_sample_value(
+            f"tokenfleet:spec_decode_{name}_total", {"model_name": "tiny", "scheduler": "s0", **labels})
+        assert sample is not None, name
+        return sample
+
+    drafts, accepted = value("num_drafts"), value("num_accepted_tokens")
+    assert value("num_draft_tokens") == spec.drafted and accepted == spec.accepted > 0
+    assert value("num_emitted_tokens") == accepted + drafts  # no stop cut a run here
+    assert sum(value("num_accepted_tokens_per_pos", position=str(p)) for p in range(4)) == accepted
+    generated = spec.metrics.registry.get_sample_value(
+        "tokenfleet:generation_tokens_total", {"model_name": "tiny", "scheduler": "s0"})
+    assert generated == sum(len(t) for t in spec.outputs())
+    row = {"spec_num_drafts": drafts, "spec_num_draft_tokens": spec.drafted, "spec_num_accepted_tokens": accepted}
+    assert _speculation(row) == f"{100 * accepted / spec.drafted:.0f}%/{1 + accepted / drafts:.2f}"
+    assert _speculation({}) == "-"
 
 
 def test_greedy_identical_under_preemption_by_a_tiny_kv_cache(tiny, plain) -> None:
