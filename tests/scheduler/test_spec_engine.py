@@ -135,7 +135,8 @@ def test_metrics_count_drafted_accepted_and_emitted_tokens_under_vllms_names(spe
     generated = spec.metrics.registry.get_sample_value(
         "tokenfleet:generation_tokens_total", {"model_name": "tiny", "scheduler": "s0"})
     assert generated == sum(len(t) for t in spec.outputs())
-    row = {"spec_num_drafts": drafts, "spec_num_draft_tokens": spec.drafted, "spec_num_accepted_tokens": accepted}
+    row = {"spec_num_drafts": drafts, "spec_num_draft_tokens": spec.drafted,
+           "spec_num_accepted_tokens": accepted}
     assert _speculation(row) == f"{100 * accepted / spec.drafted:.0f}%/{1 + accepted / drafts:.2f}"
     assert _speculation({}) == "-"
 
