@@ -28,6 +28,7 @@ from shared.config import (
     uses_ray,
 )
 from shared.errors import InvalidRequestError
+from shared.speculative import SpeculativeConfig, SpeculativeConfigError, parse_speculative_config
 from tokenfleet.flags import flag
 
 EXECUTORS = ("auto", "inprocess", "ray")
@@ -76,6 +77,16 @@ def byte_count(text: str) -> int:
     if not value > 0 or value != value or value == float("inf"):
         raise argparse.ArgumentTypeError(f"expected a positive number of bytes, got {text!r}")
     return int(value)
+
+
+def speculative_config(text: str) -> SpeculativeConfig | None:
+    """--speculative-config '{"method": "ngram", ...}' (vLLM's JSON); "off" or "": none."""
+    if text.strip().lower() in ("", "off", "none"):
+        return None
+    try:
+        return parse_speculative_config(text)
+    except SpeculativeConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 _CUDA, _CPU = DEVICE_DEFAULTS["cuda"], DEVICE_DEFAULTS["cpu"]
@@ -147,6 +158,10 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                                 "step times the engine measures), off, or a number", itl_target),
     EngineFlag("itl-slowdown", "with --itl-target-ms auto: how much longer a step may get beside less "
                                "important prefill (>= 1)", slowdown, DEFAULT_ITL_SLOWDOWN),
+    EngineFlag("speculative-config", "speculative decoding, as vLLM spells it: a JSON object such as "
+                                     '\'{"method": "ngram", "num_speculative_tokens": 4, '
+                                     '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
+                                     "(docs/speculative-decoding.md); default: off", speculative_config),
     EngineFlag("no-prefix-caching", "recompute every prompt instead of reusing the KV blocks of a prefix "
                                     "seen before", default=False, field="enable_prefix_caching", switch=True),
     EngineFlag("grammar-jump-forward", "structured outputs: append the text a grammar forces (keys, "

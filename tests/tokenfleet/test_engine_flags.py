@@ -23,6 +23,7 @@ SAMPLES = {
     "num-cpus-per-rank": "0.5", "async-scheduling": "on", "no-prefix-caching": None,
     "grammar-jump-forward": None, "itl-target-ms": "12.5", "itl-slowdown": "2",
     "max-weight-bytes-per-rank": "24e9",
+    "speculative-config": '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}',
 }
 PLACEMENT_GROUP = "tokenfleet-replica-m-0"  # the one flag the launchers set per replica
 
@@ -130,3 +131,20 @@ def test_max_weight_bytes_per_rank_takes_a_byte_count_and_names_itself_otherwise
         with pytest.raises(SystemExit):
             parsed("--max-weight-bytes-per-rank", bad)
         assert "--max-weight-bytes-per-rank: expected" in capsys.readouterr().err
+
+
+def test_speculative_config_takes_vllms_json_and_names_the_bad_key(tmp_path, capsys) -> None:
+    def parsed(*flags: str) -> EngineConfig:
+        return engine_config(build_parser().parse_args(["scheduler", "--model", str(tmp_path), *flags]))
+
+    assert parsed().speculative_config is None
+    assert parsed("--speculative-config", "off").speculative_config is None
+    config = parsed("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 5}')
+    config = config.speculative_config
+    assert (config.method, config.num_speculative_tokens) == ("ngram", 5)
+    for value, words in (('{"method": "ngram", "lookahead": 2}', "unknown key 'lookahead'"),
+                         ('{"method": "draft_model"}', "'draft_model' is not built"),
+                         ("{", "is not JSON")):
+        with pytest.raises(SystemExit):
+            parsed("--speculative-config", value)
+        assert words in capsys.readouterr().err

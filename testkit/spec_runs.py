@@ -1,0 +1,86 @@
+"""What scripts/bench_spec.py times: speculative decoding (n-gram) against plain decoding on the
+same engine settings, per workload, with the outputs checked token for token.
+
+Workloads (chat prompts through the model's chat template, greedy):
+- copy: a request that quotes its input back (a passage to rewrite word for word, a function
+  to return with one name changed), one at a time (batch 1);
+- chat: open-ended questions whose answers do not repeat the prompt, one at a time;
+- batch: `num_batch` requests at once, copy and chat prompts alternating.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from scheduler.engine import LLMEngine
+from shared.sampling import SamplingParams
+
+PASSAGE = (
+    "The harbour town woke slowly. Fishing boats rocked against the stone quay while gulls argued "
+    "over the night's scraps, and the baker on Mill Street pulled the first trays of bread from "
+    "his oven. By seven the market square filled with carts of apples, cheese and wool, and the "
+    "church bell rang twice to call the ferry passengers to the pier. Nobody noticed the stranger "
+    "who stepped off the morning ferry with a leather case and a map folded into quarters."
+)
+CODE = '''def total_price(items, tax_rate):
+    subtotal = 0
+    for item in items:
+        subtotal += item.price * item.quantity
+    discount = 0
+    if subtotal > 100:
+        discount = subtotal * 0.05
+    tax = (subtotal - discount) * tax_rate
+    return subtotal - discount + tax
+'''
+COPY_PROMPTS = [
+    f"Repeat the following passage exactly, word for word, with nothing added:\n\n{PASSAGE}",
+    f"Rename the variable `subtotal` to `net` in this function and return the whole function:\n\n{CODE}",
+]
+CHAT_PROMPTS = [
+    "What are three good habits for staying healthy? Answer in a few sentences.",
+    "Explain why the sky looks blue during the day.",
+]
+
+
+@dataclass
+class Timed:
+    seconds: float
+    outputs: list[list[int]]
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(map(len, self.outputs))
+
+    @property
+    def output_rate(self) -> float:
+        return self.num_output_tokens / self.seconds
+
+
+def prompts_of(engine: LLMEngine, workload: str, num_batch: int) -> list[list[int]]:
+    texts = {"copy": COPY_PROMPTS, "chat": CHAT_PROMPTS}.get(workload)
+    if texts is None:  # batch: copy and chat prompts alternating, each made distinct by its number
+        pool = [*COPY_PROMPTS, *CHAT_PROMPTS]
+        texts = [f"({i}) {pool[i % len(pool)]}" for i in range(num_batch)]
+    return [engine.encode(text, chat=True) for text in texts]
+
+
+def run_workload(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, *,
+                 one_at_a_time: bool) -> Timed:
+    """Greedy outputs of `prompts` and the wall time: each prompt alone, or all at once."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    speculator = engine.scheduler.speculator
+    before = (speculator.num_drafts, speculator.num_draft_tokens, speculator.num_accepted_tokens) \
+        if speculator else (0, 0, 0)
+    start = time.perf_counter()
+    groups = [[p] for p in prompts] if one_at_a_time else [prompts]
+    outputs = [r.token_ids for group in groups for r in engine.generate(group, params)]
+    timed = Timed(time.perf_counter() - start, outputs)
+    if speculator:
+        timed.num_drafts = speculator.num_drafts - before[0]
+        timed.num_draft_tokens = speculator.num_draft_tokens - before[1]
+        timed.num_accepted_tokens = speculator.num_accepted_tokens - before[2]
+    return timed
