@@ -1,6 +1,6 @@
 """Speculative decoding (n-gram prompt lookup) against plain decoding, SmolLM2's real weights.
 
-    nice -n 19 .venv/bin/python scripts/bench_spec.py                  # this CPU (float32)
+    nice -n 19 .venv/bin/python scripts/bench_spec.py --num-threads 1  # this CPU (float32)
     python3 scripts/bench_spec.py --device cuda                        # a GPU (bfloat16)
     .venv/bin/python scripts/bench_spec.py --smoke                     # a quick check of the script
 
@@ -39,6 +39,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=128, help="per request at batch 1")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--batch-max-tokens", type=int, default=64)
+    parser.add_argument("--num-threads", type=int, help="torch threads on CPU (default: torch's)")
     parser.add_argument("--smoke", action="store_true", help="16 tokens, a batch of 4")
     args = parser.parse_args()
     if args.smoke:
@@ -50,7 +51,8 @@ def main() -> int:
     engines = {}
     for name, spec in (("plain", None), ("ngram", parse_speculative_config(args.spec))):
         config = EngineConfig.for_device(device.type, model=model, device=args.device,
-                                         max_num_seqs=max(args.batch, 8), speculative_config=spec)
+                                         max_num_seqs=max(args.batch, 8), num_threads=args.num_threads,
+                                         speculative_config=spec)
         engines[name] = LLMEngine(config)
         run_workload(engines[name], prompts_of(engines[name], "chat", 0), 8, one_at_a_time=False)  # warm-up
         log(f"{name} engine ready")
@@ -66,14 +68,19 @@ def main() -> int:
         mean_len = 1 + spec.num_accepted_tokens / spec.num_drafts if spec.num_drafts else 0.0
         label = f"{workload} (batch {1 if alone else len(prompts)})"
         rows.append((label, plain.num_output_tokens, plain.output_rate, spec.output_rate,
-                     spec.output_rate / plain.output_rate, same, acceptance, mean_len))
+                     spec.output_rate / plain.output_rate, spec.cpu_rate / plain.cpu_rate,
+                     min(plain.cpu_seconds / plain.seconds, spec.cpu_seconds / spec.seconds),
+                     same, acceptance, mean_len))
         log(f"{label}: done")
     print(f"\nSmolLM2 on {device}; speculative config {args.spec}")
+    print("(ratio: ngram / plain output tok/s; by CPU: the same in output tokens per CPU second of this "
+          "process; cores: the smaller of the two runs' CPU seconds per wall second)")
     print(f"{'workload':<16} {'tokens':>7} {'plain tok/s':>12} {'ngram tok/s':>12} {'ratio':>6} "
-          f"{'identical':>9} {'accept':>7} {'len':>5}")
-    for label, tokens, plain_rate, spec_rate, ratio, same, acceptance, mean_len in rows:
+          f"{'by CPU':>7} {'cores':>6} {'identical':>9} {'accept':>7} {'len':>5}")
+    for label, tokens, plain_rate, spec_rate, ratio, cpu_ratio, cores, same, acceptance, mean_len in rows:
         print(f"{label:<16} {tokens:>7} {plain_rate:>12.1f} {spec_rate:>12.1f} {ratio:>5.2f}x "
-              f"{'yes' if same else 'NO':>9} {100 * acceptance:>6.0f}% {mean_len:>5.2f}")
+              f"{cpu_ratio:>6.2f}x {cores:>6.2f} {'yes' if same else 'NO':>9} {100 * acceptance:>6.0f}% "
+              f"{mean_len:>5.2f}")
     for engine in engines.values():
         engine.close()
     return 0 if is_identical else 1
