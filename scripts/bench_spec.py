@@ -36,7 +36,7 @@ def main() -> int:
     parser.add_argument("--model", help="model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--spec", default=SPEC, help="the --speculative-config of the speculating engine")
-    parser.add_argument("--max-tokens", type=int, default=128, help="per request at batch 1")
+    parser.add_argument("--max-tokens", type=int, default=256, help="per request at batch 1")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--batch-max-tokens", type=int, default=64)
     parser.add_argument("--num-threads", type=int, help="torch threads on CPU (default: torch's)")

@@ -2,8 +2,7 @@
 same engine settings, per workload, with the outputs checked token for token.
 
 Workloads (chat prompts through the model's chat template, greedy):
-- copy: a request that quotes its input back (a passage to rewrite word for word, a function
-  to return with one name changed), one at a time (batch 1);
+- copy: requests that quote their input back (two passages), one at a time (batch 1);
 - chat: open-ended questions whose answers do not repeat the prompt, one at a time;
 - batch: `num_batch` requests at once, copy and chat prompts alternating.
 """
@@ -16,27 +15,26 @@ from dataclasses import dataclass
 from scheduler.engine import LLMEngine
 from shared.sampling import SamplingParams
 
-PASSAGE = (
+PASSAGES = [
     "The harbour town woke slowly. Fishing boats rocked against the stone quay while gulls argued "
     "over the night's scraps, and the baker on Mill Street pulled the first trays of bread from "
     "his oven. By seven the market square filled with carts of apples, cheese and wool, and the "
     "church bell rang twice to call the ferry passengers to the pier. Nobody noticed the stranger "
-    "who stepped off the morning ferry with a leather case and a map folded into quarters."
-)
-CODE = '''def total_price(items, tax_rate):
-    subtotal = 0
-    for item in items:
-        subtotal += item.price * item.quantity
-    discount = 0
-    if subtotal > 100:
-        discount = subtotal * 0.05
-    tax = (subtotal - discount) * tax_rate
-    return subtotal - discount + tax
-'''
-COPY_PROMPTS = [
-    f"Repeat the following passage exactly, word for word, with nothing added:\n\n{PASSAGE}",
-    f"Rename the variable `subtotal` to `net` in this function and return the whole function:\n\n{CODE}",
+    "who stepped off the morning ferry with a leather case and a map folded into quarters. He "
+    "walked past the fish stalls, stopped at the corner of Mill Street to read a faded sign, and "
+    "asked the baker for directions to the old lighthouse. The baker wiped his hands on his apron, "
+    "pointed up the hill and said that nobody had lived there for twenty years.",
+    "To replace the filter, first switch off the pump at the wall and wait five minutes for the "
+    "water to settle. Unscrew the clear housing by turning it anticlockwise, and lift out the old "
+    "cartridge. Rinse the housing with clean water, but do not use soap, because any residue will "
+    "foam when the pump restarts. Check the rubber seal for cracks and replace it if it looks worn. "
+    "Slide the new cartridge onto the centre post, screw the housing back on until it is hand tight, "
+    "and switch the pump on again. Let it run for ten minutes and check the joints for drips before "
+    "you leave it unattended.",
 ]
+# (SmolLM2-135M does not copy a function back reliably: asked to, it explains it, or rewrites it
+# into a loop of one phrase, whose drafts would flatter the figure.)
+COPY_PROMPTS = [f"Copy this text exactly:\n\n{passage}" for passage in PASSAGES]
 CHAT_PROMPTS = [
     "What are three good habits for staying healthy? Answer in a few sentences.",
     "Explain why the sky looks blue during the day.",

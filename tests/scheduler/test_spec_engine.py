@@ -157,6 +157,15 @@ def test_greedy_identical_with_async_scheduling(tiny, plain) -> None:
     assert spec.outputs()[:NUM_COMPARED] == plain.outputs()[:NUM_COMPARED]
 
 
+@pytest.mark.slow
+def test_greedy_identical_with_tp2_through_the_ray_group(tiny, plain) -> None:
+    """Every rank scores the drafts (the LM head gathers the vocabulary across ranks); the driver
+    verifies, and the accepted counts come back through the group's result."""
+    spec = _run(tiny, PROMPTS, PARAMS, NGRAM, max_num_seqs=6, tp=2)
+    assert spec.accepted > 0
+    assert spec.outputs()[:NUM_COMPARED] == plain.outputs()[:NUM_COMPARED]
+
+
 def test_no_speculation_above_disable_by_batch_size(tiny) -> None:
     short = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     spec = _run(tiny, PROMPTS[:3], short, SpeculativeConfig(disable_by_batch_size=2))
