@@ -1,6 +1,6 @@
-"""Speculative decoding through the fleet: `tokenfleet up --speculative-config` streams a chat
-whose greedy text equals the in-process engine's without speculation, and the scheduler's
-heartbeat counts accepted drafts."""
+"""Speculative decoding through the fleet, on SmolLM2's real weights: `tokenfleet up
+--speculative-config` streams a chat that copies a passage, whose greedy text equals the
+in-process engine's without speculation, and the scheduler's heartbeat counts accepted drafts."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Speculative decoding (n-gram) through the whole in-process engine on a tiny random model:
 greedy output identical to decoding without it, in mixed batches, under preemption and async
 scheduling; and drafts really accepted (a run where none is would prove nothing). Stops and
-max_tokens inside an accepted run: tests/scheduler/test_spec_scheduler.py."""
+max_tokens inside an accepted run: tests/scheduler/test_spec_scheduler.py; SmolLM2 through the
+fleet: tests/test_fleet_speculative.py."""
 
 from __future__ import annotations
 
@@ -170,21 +171,3 @@ def test_no_speculation_above_disable_by_batch_size(tiny) -> None:
     short = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     spec = _run(tiny, PROMPTS[:3], short, SpeculativeConfig(disable_by_batch_size=2))
     assert spec.drafted == 0
-
-
-@pytest.mark.slow
-def test_smollm2_greedy_identical_on_a_copy_task(smollm2) -> None:
-    from shared.tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(str(smollm2))
-    passage = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
-               "How vexingly quick daft zebras jump!")
-    messages = [{"role": "user", "content": f"Repeat this text exactly: {passage}"}]
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    prompt = tokenizer(text, add_special_tokens=False).input_ids
-    params = SamplingParams(temperature=0.0, max_tokens=16)
-    overrides = dict(block_size=16, num_kv_blocks=64, max_num_batched_tokens=256)
-    plain = _run(smollm2, [prompt], params, None, **overrides)
-    spec = _run(smollm2, [prompt], params, NGRAM, **overrides)
-    assert spec.outputs() == plain.outputs()
-    assert spec.accepted >= 6, f"only {spec.accepted} drafts accepted on a copy task"
