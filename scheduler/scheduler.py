@@ -199,7 +199,8 @@ class Scheduler:
         prefill of the others, within the step's latency budget (scheduler/step_budget.py)."""
         plan = StepPlan(token_budget=self.config.max_num_batched_tokens,
                         max_num_seqs=self._step_seq_budget())
-        plan.top_priority = top = self._most_important_priority()
+        # (Or one present a moment ago: step_budget.py, RecentPriority.)
+        plan.top_priority = top = self.latency_budget.recent_top.top(self._most_important_priority())
         plan.can_speculate = self.speculator is not None and self.speculator.step_allows(len(self._running))
         less_important = self._schedule_running(plan, top)
         # Blocks just freed by preemption are for the running requests that needed them;
