@@ -2,6 +2,7 @@
 
     nice -n 19 .venv/bin/python scripts/bench_spec.py --num-threads 1  # this CPU (float32)
     python3 scripts/bench_spec.py --device cuda                        # a GPU (bfloat16)
+    python3 scripts/bench_spec.py --device cuda --dtype float32        # a GPU, exact greedy identity
     .venv/bin/python scripts/bench_spec.py --smoke                     # a quick check of the script
 
 Two engines with the same settings, one with --speculative-config (--spec), are built and warmed
@@ -35,11 +36,15 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", help="default: bfloat16 on cuda, float32 on cpu. In bfloat16 a verify step's "
+                        "products (several rows) may round a near-tie differently from a decode's (one row)")
     parser.add_argument("--spec", default=SPEC, help="the --speculative-config of the speculating engine")
     parser.add_argument("--max-tokens", type=int, default=256, help="per request at batch 1")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--batch-max-tokens", type=int, default=64)
     parser.add_argument("--num-threads", type=int, help="torch threads on CPU (default: torch's)")
+    parser.add_argument("--num-kv-blocks", type=int, default=1024,
+                        help="per engine (two live at once; sized from memory, the first takes it all)")
     parser.add_argument("--smoke", action="store_true", help="16 tokens, a batch of 4")
     args = parser.parse_args()
     if args.smoke:
@@ -50,8 +55,9 @@ def main() -> int:
     device = resolve_device(args.device)
     engines = {}
     for name, spec in (("plain", None), ("ngram", parse_speculative_config(args.spec))):
-        config = EngineConfig.for_device(device.type, model=model, device=args.device,
+        config = EngineConfig.for_device(device.type, model=model, device=args.device, dtype=args.dtype,
                                          max_num_seqs=max(args.batch, 8), num_threads=args.num_threads,
+                                         num_kv_blocks=args.num_kv_blocks,
                                          speculative_config=spec)
         engines[name] = LLMEngine(config)
         run_workload(engines[name], prompts_of(engines[name], "chat", 0), 8, one_at_a_time=False)  # warm-up
