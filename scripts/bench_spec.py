@@ -36,8 +36,8 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", help="default: bfloat16 on cuda, float32 on cpu. In bfloat16 a verify step's "
-                        "products (several rows) may round a near-tie differently from a decode's (one row)")
+    parser.add_argument("--dtype", help="default: bfloat16 on cuda, float32 on cpu (in bfloat16 a verify "
+                        "step's products may round a near-tie otherwise than a decode's)")
     parser.add_argument("--spec", default=SPEC, help="the --speculative-config of the speculating engine")
     parser.add_argument("--max-tokens", type=int, default=256, help="per request at batch 1")
     parser.add_argument("--batch", type=int, default=64)
