@@ -38,6 +38,14 @@ as under a pipeline: a grammar when the executor cannot sample late (a Ray group
 jump-forward (the forced tokens change its next input), or a pending token that is already its
 last; while one of the first kind runs, the engine plans no step ahead
 (has_requests_needing_their_token).
+
+Speculative decoding (`SchedulerConfig.speculative`, scheduler/speculative/): a decode whose
+tokens are all on the host may carry drafts (`_drafts`), computed in the same step as its last
+token and counted in the step's tokens; its blocks cover them, but never at the cost of a
+preemption. The step returns how many the workers accepted (`_take_verified`): those and the
+target's next token are appended (cut at a stop or max_tokens), the computed length moves past
+the accepted ones only, and blocks holding only rejected drafts go back. Such a request needs its
+token on the host, like a grammar's: the engine plans no step ahead while one would speculate.
 """
 
 from __future__ import annotations
