@@ -183,3 +183,27 @@ def test_drafts_never_take_a_preemption():
     plain, _, _ = _run(None, [make_request("x", num_prompt=7, first_token=3, max_tokens=30)],
                        num_kv_blocks=10)
     assert spec == plain
+
+
+def test_async_engine_waits_for_a_request_that_would_speculate_and_not_for_one_backed_off():
+    """has_requests_needing_their_token: True while a running request would propose (its drafts
+    come from its tokens on the host), False once it backed off or the batch is past
+    disable_by_batch_size, and never for a request that cannot speculate."""
+    config = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=1, backoff_steps=100)
+    scheduler = _scheduler(config, async_scheduling=True)
+    plain = make_request("plain", num_prompt=6, logprobs=0, max_tokens=40)
+    scheduler.add_request(plain)
+    collected = {}
+    runner = VerifyingRunner(4, copy_back_4)
+    step(scheduler, runner, collected)
+    assert not scheduler.has_requests_needing_their_token()  # it asks for logprobs
+    speculating = make_request("spec", num_prompt=6, max_tokens=40)
+    scheduler.add_request(speculating)
+    step(scheduler, runner, collected)
+    assert not scheduler.has_requests_needing_their_token()  # two running > disable_by_batch_size
+    scheduler.abort_request("plain")
+    step(scheduler, runner, collected)
+    assert scheduler.has_requests_needing_their_token()
+    for _ in range(8):  # nothing accepted: it backs off
+        scheduler.speculator.record(speculating, 4, 0)
+    assert not scheduler.has_requests_needing_their_token()
