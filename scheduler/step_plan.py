@@ -44,6 +44,8 @@ class SchedulerConfig:
     # most important work alone, as the step cost model predicts it; 0: no budget.
     itl_target_ms: float | None = None
     itl_slowdown: float = DEFAULT_SLOWDOWN
+    # LoRA adapters: how many may share a step (the runners' slots); 0: no adapters served.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "num_kv_blocks", "block_size", "max_num_seqs",

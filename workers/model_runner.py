@@ -41,6 +41,7 @@ from workers.host_staging import HostStaging
 from workers.layers import fp8_tuning
 from workers.layers.kv_fp8 import kv_cache_dtype
 from workers.layers.quantization import METHODS, building_with, method_named
+from workers.lora.manager import LoraManager
 from workers.mixed_graphs import MixedGraphs
 from workers.models.registry import MODEL_CLASSES
 from workers.parallel import TensorParallel, all_reduce_min
@@ -128,6 +129,7 @@ class ModelRunner:
         self._check_weight_budget()
         self.model = self._build_model()
         self.weight_bytes = resident_weight_bytes(self.model)
+        self.lora = self._wrap_lora()  # None unless the engine serves adapters
         self.num_kv_blocks = self._decide_num_kv_blocks()  # what the scheduler may hand out
         self.kv_caches = self._allocate_kv_cache()  # holds one more: the scratch block
         self.staging = HostStaging(self.device)
@@ -143,6 +145,23 @@ class ModelRunner:
         keeps_ids = config.async_scheduling and stage.size == 1
         self.pending_tokens = PendingTokens(self.device, self.staging) if keeps_ids else None
         self.is_closed = False
+
+    def _wrap_lora(self) -> LoraManager | None:
+        """The model's projections wrapped with adapter slots (workers/lora/); they run eagerly."""
+        config = self.config
+        if not config.enable_lora:
+            return None
+        if self.quantization:
+            raise ModelLoadError("LoRA adapters are served on unquantized weights only; "
+                                 f"drop quantization={self.quantization!r} or --enable-lora")
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            return LoraManager(self.model, self.model_config, config.model, max_loras=config.max_loras,
+                               max_lora_rank=config.max_lora_rank,
+                               max_cpu_loras=config.max_cpu_loras or config.max_loras)
+        finally:
+            torch.set_default_dtype(previous)
 
     def _new_model(self, device: torch.device) -> torch.nn.Module:
         cls = MODEL_CLASSES[self.model_config.model_type]
@@ -248,7 +267,7 @@ class ModelRunner:
                                  pad_block=self.num_kv_blocks, device=self.device)  # the scratch block
 
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
-        if not use_cuda_graphs(self.config, self.device) or self.tp.timer is not None:
+        if not use_cuda_graphs(self.config, self.device) or self.tp.timer is not None or self.lora:
             return None
         graphs = DecodeGraphs(
             self.model, self.kv_caches, block_size=self.block_size, max_model_len=self.max_model_len,
@@ -261,6 +280,8 @@ class ModelRunner:
     def _mixed_graph_tokens(self) -> int:
         """The largest mixed step a graph replays; 0: none."""
         if not use_cuda_graphs(self.config, self.device) or self.tp.timer is not None:
+            return 0
+        if self.config.enable_lora:  # adapters run eagerly (workers/lora/)
             return 0
         return min(self.config.cuda_graph_max_tokens, self.config.max_num_batched_tokens)
 
@@ -337,6 +358,9 @@ class ModelRunner:
                 return None, [], None
             return self.model.compute_logits(hidden[sample_rows]), sampled_works, None
         inputs = build_step_inputs(batch, self.block_size, self.device, self.block_tables, self.staging)
+        if self.lora is not None:
+            self.lora.apply_loads(batch.lora_loads)
+            self.lora.prepare(batch.works, self.device)
         if fill_tokens is not None:
             fill_tokens(inputs.token_ids)
         hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, inputs.meta, hidden_in)

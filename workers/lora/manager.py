@@ -1,0 +1,127 @@
+"""A runner's adapters: the model's projections wrapped, `max_loras` device slots, and the
+adapters read from disk kept in a host cache of `max_cpu_loras`, least recently used out first.
+
+Which adapter sits in which slot is the scheduler's decision (scheduler/lora_slots.py): a step
+names the loads it needs (`StepBatch.lora_loads`) and each work its slot, so every rank of a
+group holds the same adapters in the same slots. A load from the host cache is a copy into the
+slot; a miss reads the file first.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+import numpy as np
+import torch
+from torch import nn
+
+from shared.lora_config import read_lora_config
+from shared.model_config import ModelConfig
+from shared.step import LoraLoad, SequenceWork
+from workers.lora.adapter import LoraAdapter, load_adapter
+from workers.lora.layers import LoraBatch, LoraProjection, SlotGroup, SubProjection
+from workers.step_inputs import eager_order
+
+# our fused module -> the PEFT projections it holds, in its output order
+_PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+           "o_proj": ("o_proj",), "down_proj": ("down_proj",)}
+
+
+def _subs(module_name: str, base: nn.Module) -> tuple[list[SubProjection], int]:
+    """The sub-projections of one wrapped linear on this rank, and its input width here."""
+    names = _PACKED[module_name]
+    in_features = base.weight.shape[1]
+    if len(names) == 1:  # row-parallel: this rank's input columns, every output row
+        out = base.weight.shape[0]
+        return [SubProjection(names[0], 0, (0, out), (base.in_start, base.in_per_rank))], in_features
+    subs, offset = [], 0
+    for name, (start, size) in zip(names, base.shards, strict=True):
+        subs.append(SubProjection(name, offset, (start, size), None))
+        offset += size
+    return subs, in_features
+
+
+class LoraManager:
+    def __init__(self, model: nn.Module, base: ModelConfig, base_path: str, *, max_loras: int,
+                 max_lora_rank: int, max_cpu_loras: int) -> None:
+        self.base = base
+        self.base_path = base_path
+        self.max_lora_rank = max_lora_rank
+        self.max_cpu_loras = max(max_cpu_loras, max_loras)
+        self.num_slots = max_loras + 1  # slot 0: the base, no adapter
+        self.batch = LoraBatch()
+        # (layer index, our module name) -> its wrapper
+        self.projections: dict[tuple[int, str], LoraProjection] = {}
+        self.slot_adapter: list[int | None] = [None] * self.num_slots  # slot -> adapter id in it
+        self.slot_rank = [0] * self.num_slots  # slot -> the rank of its adapter
+        self.host: OrderedDict[int, LoraAdapter] = OrderedDict()  # adapter id -> tensors, LRU first
+        self.last_load_ms = 0.0
+        self._wrap(model)
+
+    def _wrap(self, model: nn.Module) -> None:
+        for index, layer in enumerate(model.model.layers):
+            if not hasattr(layer, "self_attn"):  # another pipeline stage's layer
+                continue
+            for parent in (layer.self_attn, layer.mlp):
+                for module_name in _PACKED:
+                    base = getattr(parent, module_name, None)
+                    if base is None:
+                        continue
+                    subs, in_features = _subs(module_name, base)
+                    wrapper = LoraProjection(base, subs, in_features, self.num_slots, self.max_lora_rank,
+                                             self.batch)
+                    setattr(parent, module_name, wrapper)
+                    self.projections[(index, module_name)] = wrapper
+
+    # -- adapters into slots -------------------------------------------------------
+
+    def apply_loads(self, loads: list[LoraLoad]) -> None:
+        for load in loads:
+            self.load(load)
+
+    def load(self, load: LoraLoad) -> None:
+        """Put the adapter in its slot (nothing to do when it sits there already)."""
+        if self.slot_adapter[load.slot] == load.adapter_id:
+            return
+        start = time.perf_counter()
+        adapter = self._host_adapter(load)
+        for (layer, _), projection in self.projections.items():
+            pairs = [adapter.weights.get((layer, sub.name)) for sub in projection.subs]
+            projection.load_slot(load.slot, pairs)
+        self.slot_adapter[load.slot] = load.adapter_id
+        self.slot_rank[load.slot] = adapter.rank
+        self.last_load_ms = (time.perf_counter() - start) * 1000
+
+    def _host_adapter(self, load: LoraLoad) -> LoraAdapter:
+        adapter = self.host.get(load.adapter_id)
+        if adapter is not None:
+            self.host.move_to_end(load.adapter_id)
+            return adapter
+        config = read_lora_config(load.path, self.base, base_path=self.base_path,
+                                  max_lora_rank=self.max_lora_rank)
+        adapter = load_adapter(load.name, config, self.base)
+        self.host[load.adapter_id] = adapter
+        while len(self.host) > self.max_cpu_loras:
+            self.host.popitem(last=False)
+        return adapter
+
+    def rank_of_slot(self, slot: int) -> int:
+        if self.slot_adapter[slot] is None:
+            raise RuntimeError(f"LoRA slot {slot} is used by a step but holds no adapter")
+        return self.slot_rank[slot]
+
+    # -- the step's tokens by slot -------------------------------------------------
+
+    def prepare(self, works: list[SequenceWork], device: torch.device) -> None:
+        """Group the eager step's rows (works in eager_order, tokens in order) by slot."""
+        ordered = [works[i] for i in eager_order(works)]
+        slots = np.fromiter((w.lora_slot for w in ordered), dtype=np.int64, count=len(ordered))
+        groups: list[SlotGroup] = []
+        if slots.any():
+            lens = np.fromiter((len(w.token_ids) for w in ordered), dtype=np.int64, count=len(ordered))
+            per_token = np.repeat(slots, lens)
+            for slot in np.unique(slots[slots > 0]).tolist():
+                rows = torch.from_numpy(np.flatnonzero(per_token == slot)).to(device)
+                groups.append(SlotGroup(slot, self.rank_of_slot(slot), rows))
+        self.batch.groups = groups
