@@ -106,11 +106,6 @@ class LoraManager:
             self.host.popitem(last=False)
         return adapter
 
-    def rank_of_slot(self, slot: int) -> int:
-        if self.slot_adapter[slot] is None:
-            raise RuntimeError(f"LoRA slot {slot} is used by a step but holds no adapter")
-        return self.slot_rank[slot]
-
     # -- the step's tokens by slot -------------------------------------------------
 
     def prepare(self, works: list[SequenceWork], device: torch.device) -> None:
@@ -122,6 +117,12 @@ class LoraManager:
             lens = np.fromiter((len(w.token_ids) for w in ordered), dtype=np.int64, count=len(ordered))
             per_token = np.repeat(slots, lens)
             for slot in np.unique(slots[slots > 0]).tolist():
-                rows = torch.from_numpy(np.flatnonzero(per_token == slot)).to(device)
-                groups.append(SlotGroup(slot, self.rank_of_slot(slot), rows))
+                rows = np.flatnonzero(per_token == slot)
+                if rows[-1] - rows[0] + 1 == len(rows):  # consecutive: a view, no gather
+                    rows = slice(int(rows[0]), int(rows[-1]) + 1)
+                else:
+                    rows = torch.from_numpy(rows).to(device)
+                if self.slot_adapter[slot] is None:
+                    raise RuntimeError(f"LoRA slot {slot} is used by a step but holds no adapter")
+                groups.append(SlotGroup(slot, rows))
         self.batch.groups = groups
