@@ -63,6 +63,10 @@ class SchedulerTelemetry:
             # The step cost model the step budget uses (scheduler/step_cost.py): [tokens, ms] points.
             "step_cost_ms": json.dumps([[round(p.num_tokens), round(p.ms, 2)]
                                         for p in self.engine.scheduler.step_cost.points()]),
+            # LoRA adapters served, and those in a device slot now (a router's hint).
+            "loras": json.dumps(self.engine.lora_names()),
+            "loras_loaded": json.dumps(self.engine.scheduler.lora_slots.loaded_names()
+                                       if self.engine.scheduler.lora_slots is not None else []),
         }
 
     def exposition(self) -> bytes:
