@@ -41,6 +41,7 @@ class SchedulerInfo:
     draining: bool = False
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    max_lora_rank: int = 0  # the largest LoRA adapter rank it serves; 0: it serves none
 
     @classmethod
     def parse(cls, scheduler_id: str, raw: dict[bytes, bytes]) -> SchedulerInfo | None:
@@ -50,7 +51,7 @@ class SchedulerInfo:
                        int(raw.get(b"max_num_seqs", 0)), float(raw.get(b"updated_at", 0.0)),
                        int(raw.get(b"block_size", 16)), int(raw.get(b"prefix_summary_depth", 0)),
                        raw.get(b"draining", b"0") == b"1", int(raw.get(b"prefix_cache_queries", 0)),
-                       int(raw.get(b"prefix_cache_hits", 0)))
+                       int(raw.get(b"prefix_cache_hits", 0)), int(raw.get(b"max_lora_rank", 0)))
         except (KeyError, ValueError):
             return None  # a half-written or foreign hash: not a scheduler we understand
 

@@ -38,6 +38,7 @@ class SchedulerTelemetry:
             "tp": config.tp, "pp": config.pp, "device": str(resolve_device(config.device)),
             "max_num_batched_tokens": config.max_num_batched_tokens, "block_size": engine.executor.block_size,
             "max_model_len": engine.max_model_len,
+            "max_lora_rank": config.max_lora_rank if config.enable_lora else 0,  # 0: no adapters
         }
 
     def tick(self) -> None:
