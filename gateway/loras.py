@@ -9,6 +9,9 @@ every gateway. An adapter a tenant loaded is that tenant's: to everyone else it 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
+import redis.asyncio as aioredis
 from aiohttp import web
 from pydantic import Field
 
@@ -18,6 +21,7 @@ from gateway.models import ServedModel
 from gateway.openai.schemas import StrictModel
 from gateway.requests.serving import read_body
 from gateway.tenants_access import Caller, caller
+from protocol.keys import Keys
 from protocol.lora_registry import LORA_NAME_PATTERN, LoraRecord
 from shared.lora_config import read_lora_config
 from shared.model_config import load_model_config
@@ -38,15 +42,22 @@ def _visible(record: LoraRecord, who: Caller) -> bool:
     return record.owner is None or who.can_see(record.owner)
 
 
-async def _find(request: web.Request, name: str) -> tuple[ServedModel, LoraRecord] | None:
-    """The base model and record of the adapter `name` that the caller may call; None: none."""
-    keys, client, who = request.app[STORE].keys, request.app[REDIS], caller(request)
-    for model in request.app[MODELS]:
+async def find_adapter(client: aioredis.Redis, keys: Keys, models: Iterable[ServedModel], name: str,
+                       may_call: Callable[[LoraRecord], bool]) -> tuple[ServedModel, LoraRecord] | None:
+    """The base model and record of the adapter `name`, if `may_call` it; None: none."""
+    for model in models:
         data = await client.hget(keys.loras(model.name), name)
         if data is not None:
             record = LoraRecord.decode(data)
-            return (model, record) if _visible(record, who) else None
+            return (model, record) if may_call(record) else None
     return None
+
+
+async def _find(request: web.Request, name: str) -> tuple[ServedModel, LoraRecord] | None:
+    """The base model and record of the adapter `name` that the caller may call; None: none."""
+    who = caller(request)
+    return await find_adapter(request.app[REDIS], request.app[STORE].keys, request.app[MODELS], name,
+                              lambda record: _visible(record, who))
 
 
 async def resolve_model(request: web.Request, name: str | None) -> tuple[ServedModel, str | None]:

@@ -6,6 +6,7 @@ that other tenants cannot see or call."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -30,11 +31,23 @@ def _engine_text(model, adapter) -> str:
                                lora_names=["pub"])[0].text
 
 
+def _polled_text(base: str, req_id: str) -> str:
+    deadline = time.monotonic() + 60
+    while True:
+        record = httpx.get(f"{base}/v1/requests/{req_id}", headers={"Authorization": "Bearer key-a"}).json()
+        if record["status"] in ("completed", "failed", "cancelled", "expired"):
+            assert record["status"] == "completed", record
+            return record["output"]["text"]
+        assert time.monotonic() < deadline, record
+        time.sleep(0.2)
+
+
 def test_adapters_through_up_and_the_openai_sdk(tiny_chat, tmp_path) -> None:
     public = make_random_adapter(tiny_chat, tmp_path / "pub", rank=8, target_modules=["q_proj", "v_proj"])
     private = make_random_adapter(tiny_chat, tmp_path / "mine", rank=4, target_modules=["o_proj"], seed=1)
     tenants = tmp_path / "tenants.json"
-    tenants.write_text(json.dumps({"tenants": {"team-a": {"keys": ["key-a"]}, "team-b": {"keys": ["key-b"]}}}))
+    tenants.write_text(json.dumps({"tenants": {"team-a": {"keys": ["key-a"]},
+                                               "team-b": {"keys": ["key-b"]}}}))
     port = free_port()
     up = UpProcess(["--port", str(port), "--model", str(tiny_chat), "--num-kv-blocks", "128", "--dtype",
                     "float32", "--tenants-file", str(tenants), "--enable-lora", "--max-loras", "2",
@@ -49,8 +62,8 @@ def test_adapters_through_up_and_the_openai_sdk(tiny_chat, tmp_path) -> None:
         assert completion.model == "pub"
         on_base = a.completions.create(model=TINY_CHAT, prompt=PROMPT, **greedy).choices[0].text
         assert completion.choices[0].text == _engine_text(tiny_chat, public) != on_base
-        streamed = "".join(chunk.choices[0].text for chunk in
-                           a.completions.create(model="pub", prompt=PROMPT, stream=True, **greedy) if chunk.choices)
+        chunks = a.completions.create(model="pub", prompt=PROMPT, stream=True, **greedy)
+        streamed = "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
         assert streamed == completion.choices[0].text
         chat = [{"role": "user", "content": "Hello there"}]
         whole = a.chat.completions.create(model="pub", messages=chat, **greedy).choices[0].message.content
@@ -59,6 +72,24 @@ def test_adapters_through_up_and_the_openai_sdk(tiny_chat, tmp_path) -> None:
         assert "".join(parts) == whole
         cards = {m.id: m for m in a.models.list().data}
         assert cards["pub"].parent == TINY_CHAT
+        # Submit-and-poll and a batch job's lines run on the adapter too.
+        body = {"model": "pub", "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+        submitted = httpx.post(f"{base}/v1/requests", json={"kind": "completion", **body},
+                               headers={"Authorization": "Bearer key-a"})
+        assert submitted.status_code == 202, submitted.text
+        assert _polled_text(base, submitted.json()["id"]) == completion.choices[0].text
+        line = {"custom_id": "l0", "method": "POST", "url": "/v1/completions", "body": body}
+        uploaded = a.files.create(file=("job.jsonl", json.dumps(line).encode()), purpose="batch")
+        batch = a.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions",
+                                 completion_window="24h")
+        deadline = time.monotonic() + 120
+        while batch.status not in ("completed", "failed", "cancelled", "expired"):
+            assert time.monotonic() < deadline, batch
+            time.sleep(0.3)
+            batch = a.batches.retrieve(batch.id)
+        assert batch.status == "completed", batch
+        (output,) = [json.loads(x) for x in a.files.content(batch.output_file_id).text.splitlines()]
+        assert output["response"]["body"]["choices"][0]["text"] == completion.choices[0].text
 
         # team-b loads an adapter of its own at runtime: only team-b sees and calls it.
         loaded = httpx.post(f"{base}/v1/load_lora_adapter", headers={"Authorization": "Bearer key-b"},
