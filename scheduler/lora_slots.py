@@ -43,6 +43,7 @@ class LoraSlots:
         self._running = Counter()  # adapter id -> running requests on it
         self._loads: list[LoraLoad] = []  # for the next step
         self.num_loads = 0  # slot loads asked of the runners so far
+        self.num_requests: Counter[str] = Counter()  # adapter name -> requests added on it
 
     # -- the adapters served -------------------------------------------------------
 

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from scheduler.engine import LLMEngine
+from scheduler.engine_metrics import EngineMetrics
 from shared.config import EngineConfig
 from shared.errors import InvalidRequestError, LoraAdapterError
 from shared.sampling import SamplingParams
@@ -95,6 +96,10 @@ def test_one_slot_for_three_adapters_swaps_them_in_and_out(tiny_checkpoints, lor
                 assert_greedy_matches(result.token_ids, references[name][index], allow_near_tie=True)
         assert engine.scheduler.lora_slots.num_loads == 6
         assert len(engine.executor.runner.lora.host) == 1
+        metrics = EngineMetrics(engine.scheduler, "tiny", "s1").exposition().decode()
+    assert 'tokenfleet:lora_requests_total{lora_name="rank8-ko-gate",model_name="tiny",scheduler="s1"} 2.0' \
+        in metrics
+    assert 'tokenfleet:lora_adapters_loaded{model_name="tiny",scheduler="s1"} 1.0' in metrics
 
 
 def test_prefix_cache_is_shared_within_an_adapter_never_across(tiny_checkpoints, lora_adapters,
