@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from scheduler.engine import LLMEngine
+from service.lora_adapters import RECHECK_S
 from shared.config import EngineConfig
 from shared.net import free_port
 from shared.sampling import SamplingParams
@@ -111,5 +112,12 @@ def test_adapters_through_up_and_the_openai_sdk(tiny_chat, tmp_path) -> None:
                           json={"lora_name": "mine"}).status_code == 200
         with pytest.raises(openai.NotFoundError):
             b.completions.create(model="mine", prompt=PROMPT, **greedy)
+        # "mine" again, from the public adapter's folder: the scheduler reads the new record once
+        # it is older than RECHECK_S, and serves the new folder's tensors, not the old ones.
+        assert httpx.post(f"{base}/v1/load_lora_adapter", headers={"Authorization": "Bearer key-b"},
+                          json={"lora_name": "mine", "lora_path": str(public)}).status_code == 200
+        time.sleep(RECHECK_S + 0.2)
+        again = b.completions.create(model="mine", prompt=PROMPT, **greedy).choices[0].text
+        assert again == completion.choices[0].text
     finally:
         up.stop()
