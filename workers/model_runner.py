@@ -157,9 +157,12 @@ class ModelRunner:
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
+            # On CUDA the dense path (fixed shapes: decode graphs replay it); else segment-wise.
+            max_rows = max(config.max_num_batched_tokens, config.max_num_seqs)
             return LoraManager(self.model, self.model_config, config.model, max_loras=config.max_loras,
                                max_lora_rank=config.max_lora_rank,
-                               max_cpu_loras=config.max_cpu_loras or config.max_loras)
+                               max_cpu_loras=config.max_cpu_loras or config.max_loras, max_rows=max_rows,
+                               device=self.device, dense=self.device.type == "cuda")
         finally:
             torch.set_default_dtype(previous)
 
@@ -267,7 +270,9 @@ class ModelRunner:
                                  pad_block=self.num_kv_blocks, device=self.device)  # the scratch block
 
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
-        if not use_cuda_graphs(self.config, self.device) or self.tp.timer is not None or self.lora:
+        if not use_cuda_graphs(self.config, self.device) or self.tp.timer is not None:
+            return None
+        if self.lora is not None and not self.lora.is_dense:
             return None
         graphs = DecodeGraphs(
             self.model, self.kv_caches, block_size=self.block_size, max_model_len=self.max_model_len,
@@ -341,7 +346,11 @@ class ModelRunner:
                                "(async_scheduling is off, or pipeline stages)")
         # Prompt logprobs need every row's hidden state, which the eager step keeps (in eager_order).
         use_graphs = use_graphs and not prompt_logprobs.wanted(batch.works)
+        if self.lora is not None:
+            self.lora.apply_loads(batch.lora_loads)
         if use_graphs and self.decode_graphs is not None and self.decode_graphs.can_run(batch.works):
+            if self.lora is not None:  # (dense: the graphs read each row's slot from its buffer)
+                self.lora.prepare_rows(batch.works, self.decode_graphs.padded_size(len(batch.works)))
             out = self.decode_graphs.run(batch.works, hidden_in, fill_tokens, batch.freed_req_ids)
             if not self.stage.is_last:
                 self.stage.send(out)
@@ -359,7 +368,6 @@ class ModelRunner:
             return self.model.compute_logits(hidden[sample_rows]), sampled_works, None
         inputs = build_step_inputs(batch, self.block_size, self.device, self.block_tables, self.staging)
         if self.lora is not None:
-            self.lora.apply_loads(batch.lora_loads)
             self.lora.prepare(batch.works, self.device)
         if fill_tokens is not None:
             fill_tokens(inputs.token_ids)

@@ -85,6 +85,19 @@ def test_one_batch_mixing_three_adapters_and_the_base_matches(tiny_checkpoints, 
         assert_greedy_matches(result.token_ids, ref, allow_near_tie=True)
 
 
+def test_the_dense_path_gives_the_same_tokens(tiny_checkpoints, lora_adapters, references) -> None:
+    """The dense path (CUDA's, which its decode graphs replay), through the whole engine here."""
+    prompts = [p for p in PROMPTS for _ in NAMES]
+    names = [n for _ in PROMPTS for n in NAMES]
+    base = tiny_checkpoints["llama"]
+    with _engine(base, lora_adapters, max_num_seqs=16, max_num_batched_tokens=128) as engine:
+        engine.executor.runner.lora.batch.use_dense = True
+        results = engine.generate(prompts, GREEDY, lora_names=names)
+    for index, result in enumerate(results):
+        ref = references[names[index]][index // len(NAMES)]
+        assert_greedy_matches(result.token_ids, ref, allow_near_tie=True)
+
+
 def test_one_slot_for_three_adapters_swaps_them_in_and_out(tiny_checkpoints, lora_adapters,
                                                            references) -> None:
     """max_loras=1, max_cpu_loras=1: requests on other adapters wait for the slot, an adapter whose

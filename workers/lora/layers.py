@@ -34,10 +34,14 @@ class SlotGroup:
 
 @dataclass
 class LoraBatch:
-    """The current step's tokens by adapter slot; empty: no token uses an adapter."""
+    """The current step's tokens by adapter slot, set once per step by the manager.
+
+    Segment-wise (`groups`; empty: no token uses an adapter), or dense (`token_slots` set: a
+    fixed device buffer holding each row's slot, read by CUDA graphs as by eager steps)."""
 
     groups: list[SlotGroup] = field(default_factory=list)
-
+    token_slots: torch.Tensor | None = None  # [max rows] long: each row's slot (0: the base)
+    use_dense: bool = False
 
 @dataclass(frozen=True)
 class SubProjection:
@@ -60,15 +64,20 @@ class LoraProjection(nn.Module):
         dtype = weight.dtype if weight.dtype.is_floating_point and weight.element_size() > 1 else None
         dtype = dtype or torch.get_default_dtype()
         out_features = sum(sub.out_rows[1] for sub in subs)
-        width = len(subs) * max_rank  # sub-projection i owns columns [i * max_rank, (i + 1) * max_rank)
-        # The sub-projections' A stacked: [slots, subs * max_rank, in (this rank's)]; their B as
-        # one block-diagonal [slots, out (this rank's), subs * max_rank]: a group's whole delta
-        # is then one matmul pair, whatever the sub-projections and the ranks.
+        # a slot's columns; sub-projection i has [i * max_rank, (i + 1) * max_rank) of them
+        self.width = width = len(subs) * max_rank
         device = weight.device
-        self.lora_a = nn.Parameter(torch.zeros(num_slots, width, in_features, dtype=dtype, device=device),
+        # Slot s owns rows [s * width, (s + 1) * width) of A: its sub-projections' A stacked,
+        # [slots * width, in (this rank's)]; and those columns of B: their B as one block-diagonal,
+        # [out (this rank's), slots * width]. A group's whole delta is one matmul pair, whatever
+        # the sub-projections and the ranks; the dense path's is one pair for every slot at once.
+        self.lora_a = nn.Parameter(torch.zeros(num_slots * width, in_features, dtype=dtype, device=device),
                                    requires_grad=False)
-        self.lora_b = nn.Parameter(torch.zeros(num_slots, out_features, width, dtype=dtype, device=device),
+        self.lora_b = nn.Parameter(torch.zeros(out_features, num_slots * width, dtype=dtype, device=device),
                                    requires_grad=False)
+        # column of the dense shrink -> its slot
+        self.register_buffer("column_slots", torch.arange(num_slots * width, device=device) // width,
+                             persistent=False)
         self.active = [False] * num_slots  # slot -> whether any sub-projection has a delta there
 
     def takes_fp8_input(self, x: torch.Tensor) -> bool:
@@ -77,7 +86,8 @@ class LoraProjection(nn.Module):
     def load_slot(self, slot: int, pairs: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Fill `slot` with one (A [rank, in], B [out, rank]) per sub-projection, whole as the
         file has them (None: no delta there); this rank keeps its slices."""
-        a_slot, b_slot = self.lora_a[slot], self.lora_b[slot]
+        columns = slice(slot * self.width, (slot + 1) * self.width)
+        a_slot, b_slot = self.lora_a[columns], self.lora_b[:, columns]
         a_slot.zero_()
         b_slot.zero_()
         self.active[slot] = any(pair is not None for pair in pairs)
@@ -97,12 +107,15 @@ class LoraProjection(nn.Module):
         # x: [num_tokens, in (this rank's)] -> [num_tokens, out (this rank's)]
         base = self.base
         y = base._matmul(x) if self.is_row_parallel else base(x)
+        if self.batch.use_dense:
+            self._add_dense(x, y)
         for group in self.batch.groups:
             if not self.active[group.slot]:
                 continue
             rows = group.rows
             xs = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)  # [n, in]
-            delta = (xs @ self.lora_a[group.slot].t()) @ self.lora_b[group.slot].t()  # [n, out]
+            columns = slice(group.slot * self.width, (group.slot + 1) * self.width)
+            delta = (xs @ self.lora_a[columns].t()) @ self.lora_b[:, columns].t()  # [n, out]
             if isinstance(rows, slice):
                 y[rows] += delta
             else:
@@ -112,3 +125,11 @@ class LoraProjection(nn.Module):
             if base.bias is not None:
                 y = y + base.bias
         return y
+
+    def _add_dense(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Every row against every slot's A, each row keeping its own slot's columns, then B: fixed
+        shapes and no host decision, so a CUDA graph replays it for any mix of adapters."""
+        slots = self.batch.token_slots[: x.shape[0]]  # [n]
+        shrink = x @ self.lora_a.t()  # [n, slots * width]
+        shrink.masked_fill_(self.column_slots != slots[:, None], 0)
+        y.addmm_(shrink, self.lora_b.t())  # y += shrink @ B.T

@@ -44,13 +44,17 @@ def _subs(module_name: str, base: nn.Module) -> tuple[list[SubProjection], int]:
 
 class LoraManager:
     def __init__(self, model: nn.Module, base: ModelConfig, base_path: str, *, max_loras: int,
-                 max_lora_rank: int, max_cpu_loras: int) -> None:
+                 max_lora_rank: int, max_cpu_loras: int, max_rows: int, device: torch.device,
+                 dense: bool = False) -> None:
+        """`max_rows`: the most rows a step has (tokens, or a decode graph's padded batch);
+        `dense`: every step through the dense path (CUDA: graphs replay it), else segment-wise."""
         self.base = base
         self.base_path = base_path
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
         self.num_slots = max_loras + 1  # slot 0: the base, no adapter
-        self.batch = LoraBatch()
+        self.batch = LoraBatch(token_slots=torch.zeros(max_rows, dtype=torch.long, device=device),
+                               use_dense=dense)
         # (layer index, our module name) -> its wrapper
         self.projections: dict[tuple[int, str], LoraProjection] = {}
         self.slot_adapter: list[int | None] = [None] * self.num_slots  # slot -> adapter id in it
@@ -108,21 +112,42 @@ class LoraManager:
 
     # -- the step's tokens by slot -------------------------------------------------
 
+    @property
+    def is_dense(self) -> bool:
+        return self.batch.use_dense
+
     def prepare(self, works: list[SequenceWork], device: torch.device) -> None:
-        """Group the eager step's rows (works in eager_order, tokens in order) by slot."""
+        """The eager step's rows (works in eager_order, tokens in order) by slot."""
         ordered = [works[i] for i in eager_order(works)]
         slots = np.fromiter((w.lora_slot for w in ordered), dtype=np.int64, count=len(ordered))
+        lens = np.fromiter((len(w.token_ids) for w in ordered), dtype=np.int64, count=len(ordered))
+        for slot in np.unique(slots[slots > 0]).tolist():
+            if self.slot_adapter[slot] is None:
+                raise RuntimeError(f"LoRA slot {slot} is used by a step but holds no adapter")
+        per_token = np.repeat(slots, lens)
+        if self.batch.use_dense:
+            self._fill_token_slots(per_token)
+            return
         groups: list[SlotGroup] = []
-        if slots.any():
-            lens = np.fromiter((len(w.token_ids) for w in ordered), dtype=np.int64, count=len(ordered))
-            per_token = np.repeat(slots, lens)
-            for slot in np.unique(slots[slots > 0]).tolist():
-                rows = np.flatnonzero(per_token == slot)
-                if rows[-1] - rows[0] + 1 == len(rows):  # consecutive: a view, no gather
-                    rows = slice(int(rows[0]), int(rows[-1]) + 1)
-                else:
-                    rows = torch.from_numpy(rows).to(device)
-                if self.slot_adapter[slot] is None:
-                    raise RuntimeError(f"LoRA slot {slot} is used by a step but holds no adapter")
-                groups.append(SlotGroup(slot, rows))
+        for slot in np.unique(slots[slots > 0]).tolist():
+            rows = np.flatnonzero(per_token == slot)
+            if rows[-1] - rows[0] + 1 == len(rows):  # consecutive: a view, no gather
+                rows = slice(int(rows[0]), int(rows[-1]) + 1)
+            else:
+                rows = torch.from_numpy(rows).to(device)
+            groups.append(SlotGroup(slot, rows))
         self.batch.groups = groups
+
+    def prepare_rows(self, works: list[SequenceWork], num_rows: int) -> None:
+        """A decode graph's rows: one per work in batch order, then padding (the base) up to
+        `num_rows`. Dense only."""
+        per_row = np.zeros(num_rows, dtype=np.int64)
+        per_row[: len(works)] = [w.lora_slot for w in works]
+        self._fill_token_slots(per_row)
+
+    def _fill_token_slots(self, per_row: np.ndarray) -> None:
+        if len(per_row) > len(self.batch.token_slots):
+            raise ValueError(f"a step of {len(per_row)} rows; the LoRA slot buffer holds "
+                             f"{len(self.batch.token_slots)}")
+        self.batch.groups = []
+        self.batch.token_slots[: len(per_row)].copy_(torch.from_numpy(per_row))
