@@ -41,3 +41,40 @@ def load_hf_with_adapter(base: Path, adapter: Path):
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     return PeftModel.from_pretrained(model, adapter).eval()
+
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def write_random_adapter(base: Path, folder: Path, *, rank: int, target_modules: list[str] | None = None,
+                         seed: int = 0, std: float = 0.01) -> Path:
+    """A PEFT-format adapter for the base folder `base`, written directly (no model built: fast for
+    an 8B-shaped base): every layer's targets get A [rank, in] and B [out, rank] ~ normal(0, std),
+    in bf16. Returns `folder`."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from shared.lora_config import projection_shapes
+    from shared.model_config import load_model_config
+
+    targets = target_modules or ALL_TARGETS
+    cfg = load_model_config(base)
+    shapes = projection_shapes(cfg)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg.num_layers):
+        for module in targets:
+            out_features, in_features = shapes[module]
+            parent = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            name = f"base_model.model.model.layers.{layer}.{parent}.{module}"
+            a = torch.randn(rank, in_features, generator=generator) * std
+            b = torch.randn(out_features, rank, generator=generator) * std
+            tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"] = a.bfloat16(), b.bfloat16()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, folder / "adapter_model.safetensors")
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": targets,
+              "base_model_name_or_path": str(base), "bias": "none", "lora_dropout": 0.0}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return folder

@@ -180,6 +180,21 @@ def test_without_enable_lora_nothing_is_wrapped_and_adapters_are_refused(tiny_ch
             engine.add_request(PROMPTS[0], GREEDY, lora_name="rank4-qv")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA path: decode graphs with adapters")
+def test_cuda_graphs_with_adapters_match_transformers_peft(tiny_checkpoints, lora_adapters,
+                                                          references) -> None:
+    prompts = [p for p in PROMPTS for _ in NAMES]
+    names = [n for _ in PROMPTS for n in NAMES]
+    with _engine(tiny_checkpoints["llama"], lora_adapters, device="cuda", max_num_seqs=16,
+                 max_num_batched_tokens=128) as engine:
+        runner = engine.executor.runner
+        assert runner.lora.is_dense and runner.decode_graphs is not None and runner.decode_graphs.graphs
+        results = engine.generate(prompts, GREEDY, lora_names=names)
+    for index, result in enumerate(results):
+        ref = references[names[index]][index // len(NAMES)]
+        assert_greedy_matches(result.token_ids, ref, allow_near_tie=True)
+
+
 @pytest.mark.slow
 def test_tp2_mixed_adapters_match_transformers_peft(tiny_checkpoints, lora_adapters, references) -> None:
     """Two ranks: column-parallel B split by output rows, row-parallel A by input columns."""
