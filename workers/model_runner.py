@@ -157,12 +157,12 @@ class ModelRunner:
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            # On CUDA the dense path (fixed shapes: decode graphs replay it); else segment-wise.
+            # With CUDA graphs the dense path (fixed shapes: the graphs replay it); else segment-wise.
             max_rows = max(config.max_num_batched_tokens, config.max_num_seqs)
             return LoraManager(self.model, self.model_config, config.model, max_loras=config.max_loras,
                                max_lora_rank=config.max_lora_rank,
                                max_cpu_loras=config.max_cpu_loras or config.max_loras, max_rows=max_rows,
-                               device=self.device, dense=self.device.type == "cuda")
+                               device=self.device, dense=use_cuda_graphs(config, self.device))
         finally:
             torch.set_default_dtype(previous)
 
@@ -272,7 +272,7 @@ class ModelRunner:
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
         if not use_cuda_graphs(self.config, self.device) or self.tp.timer is not None:
             return None
-        if self.lora is not None and not self.lora.is_dense:
+        if self.lora is not None and not self.lora.is_dense:  # (never: graphs make it dense)
             return None
         graphs = DecodeGraphs(
             self.model, self.kv_caches, block_size=self.block_size, max_model_len=self.max_model_len,
@@ -285,8 +285,6 @@ class ModelRunner:
     def _mixed_graph_tokens(self) -> int:
         """The largest mixed step a graph replays; 0: none."""
         if not use_cuda_graphs(self.config, self.device) or self.tp.timer is not None:
-            return 0
-        if self.config.enable_lora:  # adapters run eagerly (workers/lora/)
             return 0
         return min(self.config.cuda_graph_max_tokens, self.config.max_num_batched_tokens)
 
@@ -357,6 +355,8 @@ class ModelRunner:
                 return None, [], None
             return out, batch.works, None  # every decode row samples
         if use_graphs and self.mixed_graphs is not None and self.mixed_graphs.can_run(batch.works):
+            if self.lora is not None:  # (dense on CUDA: the graph's token rows are the eager step's)
+                self.lora.prepare(batch.works, self.device)
             hidden, sample_rows = self.mixed_graphs.run(batch.works, hidden_in, fill_tokens,
                                                         batch.freed_req_ids)
             if not self.stage.is_last:

@@ -7,10 +7,16 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
+from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
 from shared.step import LoraLoad, SequenceWork, StepBatch
+from testkit.lora_adapters import load_hf_with_adapter
+from tests.hf_reference import assert_greedy_matches, hf_greedy
+from tests.workers.test_mixed_graphs import fake_mixed_graphs  # noqa: F401 - a fixture
 from workers.cuda_graphs import DecodeGraphs
 from workers.model_runner import ModelRunner
 from workers.parallel import SINGLE_DEVICE
@@ -54,3 +60,33 @@ def test_decode_graph_rows_with_adapters_match_the_eager_segments(num_seqs, tiny
         assert float((graph - eager).abs().max() / eager.abs().max()) < 1e-5
         next_ids = eager.argmax(-1).tolist()
         positions = [p + 1 for p in positions]
+
+
+def test_engine_on_the_graph_paths_with_adapters_matches_transformers_peft(
+        tiny_checkpoints, lora_adapters, fake_mixed_graphs, monkeypatch) -> None:  # noqa: F811
+    """The runner's decode- and mixed-graph branches (their static buffers run eagerly here, as
+    CUDA replays them) with three adapters and the base mixed: transformers + peft's tokens."""
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(3, 30))] for _ in range(8)]
+    names = [None, *lora_adapters] * 2
+    monkeypatch.setattr("workers.model_runner.use_cuda_graphs", lambda config, device: True)
+    monkeypatch.setattr("workers.model_runner.DecodeGraphs.capture", lambda self: None)  # run eagerly
+    config = EngineConfig(model=str(tiny_checkpoints["llama"]), dtype="float32", device="cpu", block_size=4,
+                          num_kv_blocks=256, max_num_seqs=4, max_num_batched_tokens=32,
+                          cuda_graph_max_tokens=32, enable_lora=True, max_loras=3,
+                          lora_modules={name: str(path) for name, path in lora_adapters.items()})
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with LLMEngine(config, load_tokenizer_files=False) as engine:
+        runner = engine.executor.runner
+        assert runner.lora.is_dense and runner.decode_graphs is not None and runner.mixed_graphs is not None
+        decode_runs = []
+        original = runner.decode_graphs.run
+        runner.decode_graphs.run = lambda *a, **k: decode_runs.append(1) or original(*a, **k)
+        results = engine.generate(prompts, greedy, lora_names=names)
+        assert sum(g.num_replays for g in runner.mixed_graphs.graphs.values()) > 0 and decode_runs
+    base = tiny_checkpoints["llama"]
+    models = {name: load_hf_with_adapter(base, path) for name, path in lora_adapters.items()}
+    models[None] = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    for prompt, name, result in zip(prompts, names, results, strict=True):
+        assert_greedy_matches(result.token_ids, hf_greedy(models[name], prompt, 8), allow_near_tie=True)

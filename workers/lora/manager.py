@@ -61,6 +61,7 @@ class LoraManager:
         self.slot_rank = [0] * self.num_slots  # slot -> the rank of its adapter
         self.host: OrderedDict[int, LoraAdapter] = OrderedDict()  # adapter id -> tensors, LRU first
         self.last_load_ms = 0.0
+        self._num_filled = 0  # rows of batch.token_slots the last step filled
         self._wrap(model)
 
     def _wrap(self, model: nn.Module) -> None:
@@ -146,8 +147,12 @@ class LoraManager:
         self._fill_token_slots(per_row)
 
     def _fill_token_slots(self, per_row: np.ndarray) -> None:
-        if len(per_row) > len(self.batch.token_slots):
-            raise ValueError(f"a step of {len(per_row)} rows; the LoRA slot buffer holds "
-                             f"{len(self.batch.token_slots)}")
+        """Rows past `per_row` become the base's (a mixed graph's padding rows read them)."""
+        slots = self.batch.token_slots
+        if len(per_row) > len(slots):
+            raise ValueError(f"a step of {len(per_row)} rows; the LoRA slot buffer holds {len(slots)}")
         self.batch.groups = []
-        self.batch.token_slots[: len(per_row)].copy_(torch.from_numpy(per_row))
+        slots[: len(per_row)].copy_(torch.from_numpy(per_row))
+        if self._num_filled > len(per_row):
+            slots[len(per_row) : self._num_filled].zero_()
+        self._num_filled = len(per_row)
