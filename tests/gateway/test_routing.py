@@ -132,7 +132,8 @@ def test_a_request_on_an_adapter_goes_to_the_least_loaded_replica_holding_it() -
 def test_a_heartbeat_names_the_adapters_a_replica_holds_and_its_largest_rank() -> None:
     from gateway.fleet import SchedulerInfo
 
-    info = SchedulerInfo.parse("s1", {b"model": b"m", b"loras_loaded": b'["sql", "chat"]', b"max_lora_rank": b"16"})
+    beat = {b"model": b"m", b"loras_loaded": b'["sql", "chat"]', b"max_lora_rank": b"16"}
+    info = SchedulerInfo.parse("s1", beat)
     assert (info.loras_loaded, info.max_lora_rank) == (frozenset({"sql", "chat"}), 16)
     plain = SchedulerInfo.parse("s2", {b"model": b"m"})  # an engine without adapters
     assert (plain.loras_loaded, plain.max_lora_rank) == (frozenset(), 0)
