@@ -196,11 +196,14 @@ def test_cuda_graphs_with_adapters_match_transformers_peft(tiny_checkpoints, lor
 
 
 @pytest.mark.slow
-def test_tp2_mixed_adapters_match_transformers_peft(tiny_checkpoints, lora_adapters, references) -> None:
-    """Two ranks: column-parallel B split by output rows, row-parallel A by input columns."""
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_tp2_and_pp2_mixed_adapters_match_transformers_peft(tiny_checkpoints, lora_adapters, references,
+                                                            tp, pp) -> None:
+    """Two ranks. TP: column-parallel B split by output rows, row-parallel A by input columns.
+    PP: each stage holds its own layers' slots."""
     prompts = [p for p in PROMPTS for _ in NAMES]
     names = [n for _ in PROMPTS for n in NAMES]
-    with _engine(tiny_checkpoints["llama"], lora_adapters, tp=2, max_num_seqs=16,
+    with _engine(tiny_checkpoints["llama"], lora_adapters, tp=tp, pp=pp, max_num_seqs=16,
                  max_num_batched_tokens=128) as engine:
         results = engine.generate(prompts, GREEDY, lora_names=names)
     for index, result in enumerate(results):
