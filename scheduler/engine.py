@@ -36,6 +36,8 @@ from scheduler.grammar import Grammars
 from scheduler.lora_slots import LoraSlots, RegisteredLora
 from scheduler.request import FinishReason, Request, TokenLogprobs
 from scheduler.scheduler import RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
+from scheduler.step_trace import open_from_env as open_step_trace
+from scheduler.step_trace import write_step as trace_step
 from shared.config import EngineConfig
 from shared.errors import InvalidRequestError, ModelLoadError, WorkerError
 from shared.logging import get_logger
@@ -126,6 +128,7 @@ class LLMEngine:
         self.num_group_restarts = 0
         self.num_steps = 0  # steps that ran on the workers
         self.step_observer: StepObserver | None = None
+        self.step_trace = open_step_trace()  # a line per step when asked for (scheduler/step_trace.py)
         self.log = get_logger("tokenfleet.engine")
         for name, path in config.lora_modules.items():
             if not config.enable_lora:
@@ -261,6 +264,8 @@ class LLMEngine:
         step_ms = (collected - max(self._last_collected_at, submitted)) * 1000
         self._last_collected_at = collected
         self.scheduler.observe_step(output, step_ms)
+        if self.step_trace is not None:
+            trace_step(self.step_trace, output, step_ms, self.scheduler)
         self._num_failed_steps = 0
         self.num_steps += 1
         done = self.scheduler.update_from_output(output, result)

@@ -200,7 +200,8 @@ class Scheduler:
         prefill of the others, within the step's latency budget (scheduler/step_budget.py)."""
         plan = StepPlan(token_budget=self.config.max_num_batched_tokens,
                         max_num_seqs=self._step_seq_budget())
-        plan.top_priority = top = self._most_important_priority()
+        # (Or one present a moment ago: step_budget.py, RecentPriority.)
+        plan.top_priority = top = self.latency_budget.recent_top.top(self._most_important_priority())
         if self.lora_slots is not None:
             self.lora_slots.count_running([r.lora for r in self._running if r.lora is not None])
         less_important = self._schedule_running(plan, top)

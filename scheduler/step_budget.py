@@ -22,12 +22,19 @@ than `slowdown` times what its most important tokens alone would have, and grows
 (plus a token) if it stayed within while the cap held work back. Until a step beside such work was
 timed, the allowance starts from the cost curve's prediction.
 
-With nothing more important present there is no budget: the whole `max_num_batched_tokens`.
+With nothing more important present there is no budget: the whole `max_num_batched_tokens`,
+but only `LINGER_S` after more important work was last present (`RecentPriority`). Chats arrive
+one by one: between two of them there may be a moment with none running, and a step planned then
+would carry a whole budget of batch prefill (190 ms for an 8B model on an H200), which the next
+chat's first token waits through. So the most important priority stays the step's reference for
+a second after its last request left; past that, batch work has the whole budget again.
 Until the engine has timed a step, the budget is `FALLBACK_STEP_TOKENS`.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from scheduler.step_cost import StepCost
@@ -38,6 +45,26 @@ FALLBACK_STEP_TOKENS = 512  # before any step was timed: a step about as long as
 # keep moving, however long the most important work's own steps run.
 MIN_ALLOWANCE_TOKENS = 32
 SHRINK, GROW = 0.8, 1.05  # the allowance after a step over the budget, and after one within it
+LINGER_S = 1.0  # how long the most important priority seen keeps its place once none of it is present
+
+
+@dataclass
+class RecentPriority:
+    """The most important priority present, or seen within the last `linger_s` seconds."""
+
+    linger_s: float = LINGER_S
+    clock: Callable[[], float] = time.monotonic
+    priority: int | None = None  # the most important priority seen lately
+    seen_at: float = 0.0  # when it was last present (clock)
+
+    def top(self, present: int | None) -> int | None:
+        """The priority whose work a step protects, given the most important one present."""
+        now = self.clock()
+        if self.priority is not None and now - self.seen_at > self.linger_s:
+            self.priority = None  # gone for longer than the linger: forgotten
+        if present is not None and (self.priority is None or present <= self.priority):
+            self.priority, self.seen_at = present, now
+        return self.priority
 
 
 @dataclass
@@ -52,6 +79,7 @@ class LatencyBudget:
     # Tokens of less important work a step may add to the most important work's (auto mode);
     # None until the first step beside such work was timed.
     allowance: float | None = None
+    recent_top: RecentPriority = field(default_factory=RecentPriority)
 
     def __post_init__(self) -> None:
         if self.itl_target_ms is not None and self.itl_target_ms < 0:
@@ -88,6 +116,7 @@ class LatencyBudget:
         self.cost.reset()
         self.alone_cost.reset()
         self.allowance = None
+        self.recent_top.priority = None
 
     def _alone_ms(self, num_tokens: int) -> float | None:
         """A step of only the most important work: from such steps, else from every step."""

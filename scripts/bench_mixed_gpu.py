@@ -38,6 +38,7 @@ from pathlib import Path
 import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import redis
 
+from scheduler.step_trace import ENV_VAR as STEP_TRACE_ENV
 from shared.net import free_port
 from testkit import mixed_traffic as mixed
 from testkit.fleet_paths import prepare_model
@@ -61,10 +62,10 @@ def run_chats(args: argparse.Namespace, url: str) -> tuple[list, float, float]:
     return results, started, time.perf_counter()
 
 
-def log_ttft_parts(label: str, redis_url: str, results: list) -> None:
+def log_ttft_parts(label: str, redis_url: str, results: list, dump: Path | None) -> None:
     """The chats' TTFT cut at their records' timestamps (gateway, queue, engine, delivery): where
-    a tail comes from."""
-    parts = ttft_parts(redis_url, results)
+    a tail comes from (with --logs, each chat's timestamps too, beside the step trace)."""
+    parts = ttft_parts(redis_url, results, dump)
     log(f"TTFT parts, {label}, p50 / p99 ms: " + ", ".join(
         f"{name} {1e3 * percentile(parts[name], 50):.1f} / {1e3 * percentile(parts[name], 99):.1f}"
         for name in TTFT_PARTS if parts[name]))
@@ -74,6 +75,8 @@ def run(args: argparse.Namespace, folder: Path, out: Path) -> bool:
     home = Path(tempfile.mkdtemp(prefix="tokenfleet-mixed-home-"))
     os.environ["TOKENFLEET_HOME"] = str(home)
     children = Children(out)
+    if args.logs:  # a line per engine step, beside each chat's timestamps (scheduler/step_trace.py)
+        os.environ[STEP_TRACE_ENV] = str(args.logs / "steps.jsonl")
     port = free_port()
     children.spawn("up", [sys.executable, "-m", "tokenfleet.cli", "up", "--model", str(folder),
                           "--model-name", MODEL_NAME, "--port", str(port), *args.up_flag])
@@ -92,7 +95,7 @@ def run(args: argparse.Namespace, folder: Path, out: Path) -> bool:
         alone_results = run_chats(args, url)[0]
         alone = mixed.ChatLatency.of(alone_results)
         log(f"chats alone: {alone}")
-        log_ttft_parts("alone", redis_url, alone_results)
+        log_ttft_parts("alone", redis_url, alone_results, args.logs and args.logs / "chats_alone.json")
 
         with mixed.TokenMeter(redis_url) as meter:
             mixed.submit_job(client, "mixed-1", lines)
@@ -108,7 +111,8 @@ def run(args: argparse.Namespace, folder: Path, out: Path) -> bool:
             beside = mixed.ChatLatency.of(results)
             both_tok_s = meter.rate(started, ended)
             log(f"chats beside the batch: {beside}; the fleet's output {both_tok_s:,.0f} tok/s")
-            log_ttft_parts("beside the batch job", redis_url, results)
+            log_ttft_parts("beside the batch job", redis_url, results,
+                           args.logs and args.logs / "chats_beside.json")
             canceller.join()
             log(f"second job cancelled with {canceller.num_written_at_cancel} of its lines written"
                 if canceller.cancelled else "second job ended before its cancel")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import re
 import shutil
@@ -117,17 +118,19 @@ def redis_url_of(up_log: Path) -> str:
 TTFT_PARTS = ("gateway", "queue", "engine", "delivery")
 
 
-def ttft_parts(redis_url: str, results: list) -> dict[str, list[float]]:
+def ttft_parts(redis_url: str, results: list, dump: Path | None = None) -> dict[str, list[float]]:
     """Each streamed request's TTFT cut at its record's timestamps (seconds): the gateway (POST
     to queued_at), the queue (to started_at: a scheduler claimed it), the engine (to
     first_token_at: the step that made it was handed to the publisher), and the delivery
-    (publisher, Redis, gateway, SSE: to the client's first content chunk)."""
+    (publisher, Redis, gateway, SSE: to the client's first content chunk). `dump`: a file for
+    each request's wall-clock timestamps, to lay beside a step trace (scheduler/step_trace.py)."""
     ok = [r for r in results if r.ok and r.req_id]
     client = redis.Redis.from_url(redis_url)
     pipe = client.pipeline(transaction=False)
     for r in ok:
         pipe.hmget(Keys().result(r.req_id), [F.QUEUED_AT, F.STARTED_AT, F.FIRST_TOKEN_AT])
     parts: dict[str, list[float]] = {name: [] for name in TTFT_PARTS}
+    rows = []
     for r, row in zip(ok, pipe.execute(), strict=True):
         if None in row:
             continue
@@ -135,7 +138,11 @@ def ttft_parts(redis_url: str, results: list) -> dict[str, list[float]]:
         for name, value in zip(TTFT_PARTS, (queued - r.started_wall, started - queued, first - started,
                                             r.first_token_wall - first), strict=True):
             parts[name].append(value)
+        rows.append({"req_id": r.req_id, "posted": r.started_wall, "queued": queued, "started": started,
+                     "first_token": first, "first_chunk": r.first_token_wall})
     client.close()
+    if dump is not None:
+        dump.write_text(json.dumps(rows))
     return parts
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import time
 
@@ -112,3 +113,19 @@ def test_throughput_log_writes_a_line_per_busy_window_and_stays_silent_when_idle
     assert first["num_running"] == 1 and first["num_waiting"] == 0 and first["kv_cache_usage_pct"] > 0
     assert last["generation_tokens_per_s"] == 2 / 5 and last["num_running"] == 0
     assert last["kv_cache_usage_pct"] == 0
+
+
+def test_the_step_trace_has_a_line_per_step_whose_tokens_add_up(tiny_checkpoints, tmp_path, monkeypatch):
+    trace = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("TOKENFLEET_STEP_TRACE", str(trace))
+    prompts = _prompts(3)
+    sampling = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (4, 7, 2)]
+    with _engine(tiny_checkpoints["qwen2"]) as engine:
+        engine.generate(prompts, sampling)
+        num_steps = engine.num_steps
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len(lines) == num_steps
+    assert [line["step"] for line in lines] == sorted(line["step"] for line in lines)
+    # Every prompt token is computed once, every output token but the last is fed back once.
+    assert sum(line["tokens"] for line in lines) == sum(map(len, prompts)) + 4 + 7 + 2 - 3
+    assert all(line["ms"] > 0 and line["rows"] >= 1 for line in lines)

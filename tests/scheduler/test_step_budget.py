@@ -10,7 +10,7 @@ import pytest
 
 from scheduler.request import BATCH_PRIORITY
 from scheduler.scheduler import Scheduler
-from scheduler.step_budget import FALLBACK_STEP_TOKENS, MIN_ALLOWANCE_TOKENS, LatencyBudget
+from scheduler.step_budget import FALLBACK_STEP_TOKENS, LINGER_S, MIN_ALLOWANCE_TOKENS, LatencyBudget
 from scheduler.step_cost import StepCost
 from tests.scheduler.test_scheduler import (
     Collected,
@@ -91,20 +91,31 @@ def test_latency_budget_absolute_auto_off_and_before_any_step() -> None:
 # -- batch beside interactive ---------------------------------------------------------
 
 
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_batch_prefill_stays_under_the_cap_while_a_chat_runs_and_gets_the_whole_budget_after() -> None:
     scheduler = budgeted_scheduler(itl_target_ms=10.0)  # 90 tokens a step beside the chat
+    clock = scheduler.latency_budget.recent_top.clock = FakeClock()
     runner = FakeRunner()
-    for i in range(6):
+    for i in range(8):
         scheduler.add_request(make_request(f"b{i}", num_prompt=400, first_token=7 * i,
                                            priority=BATCH_PRIORITY, arrival_time=float(i), max_tokens=4))
     scheduler.add_request(make_request("chat", num_prompt=30, first_token=500, priority=0,
                                        arrival_time=0.5, max_tokens=4))
     collected: dict[str, Collected] = {}
-    with_chat, without_chat = [], []
+    with_chat, lingering, without_chat = [], [], []
     while scheduler.has_unfinished_requests():
         chat_present = scheduler.get_request("chat") is not None
+        if not chat_present and len(lingering) == 3:
+            clock.now += LINGER_S + 0.01  # the chat left longer ago than the linger
         out = step(scheduler, runner, collected)
-        (with_chat if chat_present else without_chat).append(out)
+        (with_chat if chat_present else lingering if len(lingering) < 3 else without_chat).append(out)
     first = with_chat[0]
     # The chat's whole prompt goes first; the batch fills the step up to 90 tokens.
     assert first.num_scheduled_tokens["chat"] == 30
@@ -112,11 +123,14 @@ def test_batch_prefill_stays_under_the_cap_while_a_chat_runs_and_gets_the_whole_
     for out in with_chat:
         assert out.batch.num_tokens <= 90
         assert batch_tokens(out) > 0  # the batch still makes progress
-    # The chat gone, batch prompts take the whole 256-token budget again.
+    # Right after the chat left (another may come any moment) the cap holds: 90 tokens.
+    assert [out.step_token_cap for out in lingering] == [90, 90, 90]
+    assert all(out.batch.num_tokens <= 90 for out in lingering)
+    # The linger over, batch prompts take the whole 256-token budget again.
     assert max(out.batch.num_tokens for out in without_chat) == 256
     assert all(out.step_token_cap is None for out in without_chat)
     assert collected["chat"].finish_reason is not None
-    assert all(collected[f"b{i}"].finish_reason is not None for i in range(6))
+    assert all(collected[f"b{i}"].finish_reason is not None for i in range(8))
 
 
 def test_without_interactive_work_batch_items_fill_the_whole_budget() -> None:
