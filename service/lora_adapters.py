@@ -45,6 +45,12 @@ class ServiceLoras:
             return
         data = self.client.hget(self.key, name)
         self._checked_at[name] = now
+        declared = self.engine.config.lora_modules.get(name)
+        if data is None and declared is not None and served == declared:
+            # One of its --lora-modules, missing from Redis (not written yet, or Redis lost its
+            # data) rather than unloaded: written again.
+            self.publish_declared()
+            return
         if data is None:
             if served is not None:  # unloaded: its running requests finish, new ones are refused
                 self.engine.remove_lora(name)

@@ -115,7 +115,10 @@ class SchedulerService(Maintenance):
         renewer = threading.Thread(target=self.renewer.run, args=(stop,), name="claim-renewer", daemon=True)
         renewer.start()
         self.reader.start(stop)
-        self.loras.publish_declared()
+        try:
+            self.loras.publish_declared()
+        except redis.RedisError as exc:  # written again when a request names one of them
+            self.log.warning("lora_publish_failed", error=str(exc))
         backoff = 0.1
         self.log.info("scheduler_started", model=self.settings.model_name, streams=self.streams)
         while not stop.is_set():
