@@ -9,6 +9,7 @@ every gateway. An adapter a tenant loaded is that tenant's: to everyone else it 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable
 
 import redis.asyncio as aioredis
@@ -100,8 +101,9 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     if body.lora_name in request.app[MODELS].names:
         raise BadRequest(f"{body.lora_name!r} is the name of a base model", param="lora_name")
     # The checks that need no tensor; each scheduler reads and checks the tensors when a call needs them.
-    lora = read_lora_config(body.lora_path, load_model_config(base.path), base_path=base.path,
-                            max_lora_rank=min(ranks))
+    lora = await asyncio.to_thread(  # (files: off the event loop)
+        lambda: read_lora_config(body.lora_path, load_model_config(base.path), base_path=base.path,
+                                 max_lora_rank=min(ranks)))
     who = caller(request)
     record = LoraRecord(body.lora_name, body.lora_path, lora.rank, owner=who.tenant)
     key = request.app[STORE].keys.loras(base.name)
