@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from workers.layers import triton_import
 from workers.layers.linear import LinearBase, RowParallelLinear
+from workers.lora import triton_lora
 
 
 @dataclass
@@ -130,6 +132,10 @@ class LoraProjection(nn.Module):
         """Every row against every slot's A, each row keeping its own slot's columns, then B: fixed
         shapes and no host decision, so a CUDA graph replays it for any mix of adapters."""
         slots = self.batch.token_slots[: x.shape[0]]  # [n]
+        if triton_import.is_available(x) and x.shape[0] <= triton_lora.MAX_ROWS:
+            # Few rows (decodes): each row reads its own slot's weights only (workers/lora/triton_lora.py).
+            triton_lora.add_lora(x, y, self.lora_a, self.lora_b, slots, self.width)
+            return
         shrink = x @ self.lora_a.t()  # [n, slots * width]
         shrink.masked_fill_(self.column_slots != slots[:, None], 0)
         y.addmm_(shrink, self.lora_b.t())  # y += shrink @ B.T
