@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(folder, ignore_errors=True)
     print(f"\n{'shape: tiny (smoke)' if args.smoke else 'Llama-3-8B shape'}, {args.dtype}, {device}; "
           f"{args.num_adapters} adapters of rank {args.rank} on q, k, v, o, gate, up, down; "
-          f"LoRA path: {'dense' if dense else 'segment-wise'}, "
+          f"LoRA path: {'Triton kernels up to 256 rows, dense GEMMs above' if dense else 'segment-wise'}, "
           f"decode CUDA graphs {'on' if graphs else 'off'}\n")
     print("| measure | base alone | with LoRA | ratio | goal |")
     print("| --- | ---: | ---: | ---: | --- |")
