@@ -147,7 +147,8 @@ class ModelRunner:
         self.is_closed = False
 
     def _wrap_lora(self) -> LoraManager | None:
-        """The model's projections wrapped with adapter slots (workers/lora/); they run eagerly."""
+        """The model's projections wrapped with adapter slots (workers/lora/), before the KV cache
+        is sized (the slots' memory comes off its budget)."""
         config = self.config
         if not config.enable_lora:
             return None
@@ -159,12 +160,15 @@ class ModelRunner:
         try:
             # With CUDA graphs the dense path (fixed shapes: the graphs replay it); else segment-wise.
             max_rows = max(config.max_num_batched_tokens, config.max_num_seqs)
-            return LoraManager(self.model, self.model_config, config.model, max_loras=config.max_loras,
-                               max_lora_rank=config.max_lora_rank,
-                               max_cpu_loras=config.max_cpu_loras or config.max_loras, max_rows=max_rows,
-                               device=self.device, dense=use_cuda_graphs(config, self.device))
+            manager = LoraManager(self.model, self.model_config, config.model, max_loras=config.max_loras,
+                                  max_lora_rank=config.max_lora_rank,
+                                  max_cpu_loras=config.max_cpu_loras or config.max_loras, max_rows=max_rows,
+                                  device=self.device, dense=use_cuda_graphs(config, self.device))
         finally:
             torch.set_default_dtype(previous)
+        self.log.info("lora_slots_allocated", max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+                      bytes=manager.slot_bytes)
+        return manager
 
     def _new_model(self, device: torch.device) -> torch.nn.Module:
         cls = MODEL_CLASSES[self.model_config.model_type]

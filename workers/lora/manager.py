@@ -114,6 +114,12 @@ class LoraManager:
     # -- the step's tokens by slot -------------------------------------------------
 
     @property
+    def slot_bytes(self) -> int:
+        """Device bytes of every slot of every wrapped projection (this rank's)."""
+        tensors = [t for w in self.projections.values() for t in (w.lora_a, w.lora_b)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @property
     def is_dense(self) -> bool:
         return self.batch.use_dense
 
