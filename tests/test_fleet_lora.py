@@ -72,7 +72,7 @@ def test_adapters_through_up_and_the_openai_sdk(tiny_chat, tmp_path) -> None:
                  a.chat.completions.create(model="pub", messages=chat, stream=True, **greedy) if c.choices]
         assert "".join(parts) == whole
         cards = {m.id: m for m in a.models.list().data}
-        assert cards["pub"].parent == TINY_CHAT
+        assert cards["pub"].parent == TINY_CHAT and a.models.retrieve("pub").parent == TINY_CHAT
         # Submit-and-poll and a batch job's lines run on the adapter too.
         body = {"model": "pub", "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
         submitted = httpx.post(f"{base}/v1/requests", json={"kind": "completion", **body},
