@@ -85,6 +85,7 @@ def test_one_batch_mixing_three_adapters_and_the_base_matches(tiny_checkpoints, 
         assert_greedy_matches(result.token_ids, ref, allow_near_tie=True)
 
 
+@pytest.mark.slow  # (tests/workers/test_lora_graphs.py runs the dense path through the graph branches)
 def test_the_dense_path_gives_the_same_tokens(tiny_checkpoints, lora_adapters, references) -> None:
     """The dense path (CUDA's, which its decode graphs replay), through the whole engine here."""
     prompts = [p for p in PROMPTS for _ in NAMES]
