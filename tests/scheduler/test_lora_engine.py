@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from scheduler.engine import LLMEngine
 from scheduler.engine_metrics import EngineMetrics
 from shared.config import EngineConfig
-from shared.errors import InvalidRequestError, LoraAdapterError
+from shared.errors import InvalidRequestError, LoraAdapterError, ModelLoadError
 from shared.sampling import SamplingParams
 from testkit.lora_adapters import load_hf_with_adapter, make_random_adapter
 from tests.conftest import LORA_SPECS
@@ -182,6 +182,11 @@ def test_without_enable_lora_nothing_is_wrapped_and_adapters_are_refused(tiny_ch
         assert engine.executor.runner.lora is None
         with pytest.raises(InvalidRequestError, match="serves no LoRA adapters"):
             engine.add_request(PROMPTS[0], GREEDY, lora_name="rank4-qv")
+
+
+def test_adapters_on_quantized_weights_are_refused_at_start(tiny_checkpoints) -> None:
+    with pytest.raises(ModelLoadError, match="unquantized weights only"):
+        _engine(tiny_checkpoints["llama"], {}, quantization="int8")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA path: decode graphs with adapters")
