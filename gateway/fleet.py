@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from dataclasses import dataclass
 
@@ -41,6 +42,8 @@ class SchedulerInfo:
     draining: bool = False
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    max_lora_rank: int = 0  # the largest LoRA adapter rank it serves; 0: it serves none
+    loras_loaded: frozenset[str] = frozenset()  # the LoRA adapters in its device slots
 
     @classmethod
     def parse(cls, scheduler_id: str, raw: dict[bytes, bytes]) -> SchedulerInfo | None:
@@ -50,8 +53,9 @@ class SchedulerInfo:
                        int(raw.get(b"max_num_seqs", 0)), float(raw.get(b"updated_at", 0.0)),
                        int(raw.get(b"block_size", 16)), int(raw.get(b"prefix_summary_depth", 0)),
                        raw.get(b"draining", b"0") == b"1", int(raw.get(b"prefix_cache_queries", 0)),
-                       int(raw.get(b"prefix_cache_hits", 0)))
-        except (KeyError, ValueError):
+                       int(raw.get(b"prefix_cache_hits", 0)), int(raw.get(b"max_lora_rank", 0)),
+                       frozenset(json.loads(raw.get(b"loras_loaded", b"[]"))))
+        except (KeyError, ValueError, TypeError):
             return None  # a half-written or foreign hash: not a scheduler we understand
 
 
@@ -129,7 +133,7 @@ class FleetTracker:
                                                                                  SUMMARY_HASH_BYTES))
             views.append(ReplicaView(info.scheduler_id, info.block_size, info.prefix_summary_depth, prefixes,
                                      info.num_running, info.num_waiting, info.max_num_seqs, backlog,
-                                     info.draining))
+                                     info.draining, info.loras_loaded))
         return views
 
     def is_served(self, model: str) -> bool:

@@ -70,7 +70,17 @@ def _scheduler(scheduler_id: str, f: dict[str, str], now: float) -> dict:
         # Entries it started, by stream: its own (routed), a peer's (stolen), the shared ones.
         **{f"entries_{src}": _num(f, f"entries_{src}", int) for src in ("routed", "stolen", "fallback")},
         "heartbeat_age_s": round(max(0.0, now - _num(f, "updated_at", float, now)), 2),
+        # LoRA adapters it serves, and those in a device slot now
+        "loras": _names(f, "loras"), "loras_loaded": _names(f, "loras_loaded"),
     }
+
+
+def _names(fields: dict[str, str], name: str) -> list[str]:
+    try:
+        names = json.loads(fields.get(name, "[]"))
+    except ValueError:
+        return []
+    return [str(n) for n in names] if isinstance(names, list) else []
 
 
 async def _streams(client: aioredis.Redis, keys: Keys, model: str) -> dict[str, list[str]]:

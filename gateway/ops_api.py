@@ -11,6 +11,7 @@ from redis.exceptions import RedisError
 from gateway.appkeys import FLEET, METRICS, MODELS, QUEUE_TIMES, REDIS, STORE
 from gateway.errors import NotFound
 from gateway.fleet_metrics import read_fleet_metrics
+from gateway.loras import adapter_cards, resolve_model
 from gateway.models import ServedModel
 
 
@@ -63,15 +64,19 @@ async def list_models(request: web.Request) -> web.Response:
     await fleet.refresh()
     served = set(fleet.served_models)
     cards = [_card(m) for m in request.app[MODELS] if m.name in served]
+    cards += await adapter_cards(request, served)  # each with its base as `parent`
     return web.json_response({"object": "list", "data": cards})
 
 
 async def get_model(request: web.Request) -> web.Response:
     name = request.match_info["model"]
-    model = request.app[MODELS].get(name)
+    model, lora_name = await resolve_model(request, name)
     fleet = request.app[FLEET]
     await fleet.refresh()
     if not fleet.is_served(model.name):
         raise NotFound(f"no live scheduler serves the model {name!r}", param="model", code="model_not_found")
+    if lora_name is not None:
+        cards = await adapter_cards(request, {model.name})
+        return web.json_response(next(c for c in cards if c["id"] == name))
     return web.json_response(_card(model))
 

@@ -111,6 +111,17 @@ class ModelCard(Shape):
     created: int
     owned_by: str
     max_model_len: int
+    root: str | None = None  # a LoRA adapter's folder
+    parent: str | None = None  # a LoRA adapter's base model
+
+
+class LoraAdapter(Shape):
+    object: Literal["lora_adapter"]
+    lora_name: str
+    parent: str | None = None
+    rank: int | None = None
+    owned_by: str | None = None
+    deleted: bool | None = None
 
 
 class Tokenized(Shape):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from pydantic import BaseModel, TypeAdapter
 
-from gateway import ops_api, responses, status_api
+from gateway import loras, ops_api, responses, status_api
 from gateway.batch import batches_api, files_api
 from gateway.openai import tokenize_api
 from gateway.openai.api import chat_completions, completions
@@ -71,6 +71,11 @@ ROUTES = [
     Route("GET", "/v1/models/{model}", ops_api.get_model, "One served model", response=responses.ModelCard,
           errors=(401, 404, 503),
           parameters=[{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]),
+    Route("POST", "/v1/load_lora_adapter", loras.load_lora_adapter,
+          "Serve a LoRA adapter (a PEFT folder the schedulers can read) under a name (vLLM's route)",
+          loras.LoadLoraAdapter, responses.LoraAdapter, errors=(400, 401, 404, 413)),
+    Route("POST", "/v1/unload_lora_adapter", loras.unload_lora_adapter, "Stop serving a LoRA adapter",
+          loras.UnloadLoraAdapter, responses.LoraAdapter, errors=(400, 401, 404, 413)),
     Route("POST", "/v1/requests", requests_api.submit,
           "Submit a request (202 + Location); Idempotency-Key makes retries safe",
           ("SubmitRequest", requests_api.SUBMIT), responses.RequestStatus, status=202,

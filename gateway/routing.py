@@ -20,6 +20,11 @@ hit (the last token is always computed). Then:
   other copies age out of their caches and the fleet keeps one.
 Ties are broken by the same rendezvous order, so gateways agree.
 
+A request on a LoRA adapter is routed by the adapter instead (its KV blocks chain from the
+adapter's own root, which the summaries' hashes do not show): to the least loaded replica with a
+free slot whose heartbeat says the adapter sits in a device slot there, when only some replicas
+hold it (rendezvous order on the adapter's name breaks ties); else the shared stream.
+
 The summaries are a heartbeat old, so a burst of chats with a new prefix goes to the shared
 stream until one replica has cached it; the backlog counts what this gateway routed since the
 last read of the fleet, so a burst with a known prefix does not pile onto one replica unseen.
@@ -34,7 +39,7 @@ from protocol.prefix_hash import BlockHash, block_hashes, summary_hash
 
 LOAD_WEIGHT = 0.5  # a full match on a replica at load 1 scores as half a match on an idle one
 CONSOLIDATE_FRACTION = 0.5  # a match every replica has is worth one copy only if this long
-DECISIONS = ("routed", "no_match", "overloaded", "single")
+DECISIONS = ("routed", "no_match", "overloaded", "single", "lora")
 
 
 @dataclass
@@ -48,6 +53,7 @@ class ReplicaView:
     max_num_seqs: int = 1
     backlog: int = 0  # unread entries of its own stream, and what this gateway routed there since
     draining: bool = False
+    loras: frozenset[str] = frozenset()  # the LoRA adapters in its device slots
 
     @property
     def num_queued(self) -> int:
@@ -77,11 +83,24 @@ def matched_blocks(hashes: list[BlockHash], prefixes: frozenset[bytes]) -> int:
     return len(hashes)
 
 
+def choose_by_adapter(lora_name: str, candidates: list[ReplicaView]) -> Route:
+    holders = [r for r in candidates if lora_name in r.loras]
+    if not holders or len(holders) == len(candidates):
+        return Route(None, "no_match")  # any replica will do as well: whichever has room pulls it
+    scored = [(-r.load, hashlib.sha256(lora_name.encode() + r.scheduler_id.encode()).digest(), r.scheduler_id)
+              for r in holders if r.has_room]
+    if not scored:
+        return Route(None, "overloaded")
+    return Route(max(scored)[-1], "lora")
+
+
 def choose_replica(prompt_token_ids: list[int], replicas: list[ReplicaView], *,
-                   load_weight: float = LOAD_WEIGHT) -> Route:
+                   load_weight: float = LOAD_WEIGHT, lora_name: str | None = None) -> Route:
     candidates = [r for r in replicas if not r.draining]
     if len(candidates) < 2:
         return Route(None, "single")
+    if lora_name is not None:
+        return choose_by_adapter(lora_name, candidates)
     hashes: dict[int, list[BlockHash]] = {}  # block size -> the prompt's hashes (replicas mostly agree)
     matches: dict[str, int] = {}
     matchable = 0  # tokens a hit could cover at most
@@ -122,9 +141,9 @@ class PrefixRouter:
     def update(self, model: str, replicas: list[ReplicaView]) -> None:
         self.replicas[model] = replicas
 
-    def route(self, model: str, prompt_token_ids: list[int]) -> Route:
+    def route(self, model: str, prompt_token_ids: list[int], lora_name: str | None = None) -> Route:
         replicas = self.replicas.get(model, [])
-        route = choose_replica(prompt_token_ids, replicas)
+        route = choose_replica(prompt_token_ids, replicas, lora_name=lora_name)
         if route.scheduler_id is not None:
             next(r for r in replicas if r.scheduler_id == route.scheduler_id).backlog += 1
         if self.metrics is not None:

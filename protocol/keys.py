@@ -182,6 +182,10 @@ class Keys:
         first blocks, concatenated (service/prefix_summary.py); renewed with the heartbeat."""
         return f"{self.prefix}prefixes:{scheduler_id}"
 
+    def loras(self, model: str) -> str:
+        """The LoRA adapters served on the model: adapter name -> its record (protocol/lora_registry.py)."""
+        return f"{self.prefix}loras:{model}"
+
     def tenants(self, model: str) -> str:
         """Every tenant that has queued requests for the model (the streams schedulers read)."""
         return f"{self.prefix}tenants:{model}"

@@ -155,6 +155,7 @@ class RequestMessage(_Message):
     batch_job_id: str | None = None
     custom_id: str | None = None
     tenant: str | None = None  # whose request (from the API key); schedulers share out slots by it
+    lora_name: str | None = None  # the LoRA adapter it runs with (protocol/lora_registry.py); None: the base
 
     def sampling_params(self) -> SamplingParams:
         """The validated sampling parameters (raises InvalidRequestError naming a bad one)."""

@@ -33,6 +33,12 @@ def rope_root(rope_offset: int) -> BlockHash:
     return hashlib.sha256(ROOT_HASH + b"rope" + array("q", [rope_offset]).tobytes()).digest()
 
 
+def adapter_root(root: BlockHash, adapter_key: str) -> BlockHash:
+    """The root of the chains of sequences run with a LoRA adapter (its key names one
+    registration of it): other weights give other K/V for the same tokens."""
+    return hashlib.sha256(root + b"lora" + adapter_key.encode()).digest()
+
+
 def hash_block(parent_hash: BlockHash, token_ids: Sequence[int]) -> BlockHash:
     return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
 

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import islice
 
-from protocol.prefix_hash import BlockHash, extend_block_hashes, rope_root
+from protocol.prefix_hash import BlockHash, adapter_root, extend_block_hashes, rope_root
 from scheduler.request import Request
 
 # The first blocks of each cached chain are remembered apart, most recently used last, so that
@@ -33,8 +33,10 @@ def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
     the one the gateway routes by."""
     hashes = request.block_hashes
     starts = range(len(hashes) * block_size, request.num_tokens // block_size * block_size, block_size)
-    return extend_block_hashes(hashes, (request.token_ids_slice(s, s + block_size) for s in starts),
-                               rope_root(request.rope_offset))
+    root = rope_root(request.rope_offset)
+    if request.lora is not None:  # an adapter's K/V is its own: two adapters never share a block
+        root = adapter_root(root, request.lora.cache_key)
+    return extend_block_hashes(hashes, (request.token_ids_slice(s, s + block_size) for s in starts), root)
 
 
 class BlockManager:

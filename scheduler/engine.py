@@ -33,6 +33,7 @@ from typing import Protocol
 
 from protocol.usage import Usage
 from scheduler.grammar import Grammars
+from scheduler.lora_slots import LoraSlots, RegisteredLora
 from scheduler.request import FinishReason, Request, TokenLogprobs
 from scheduler.scheduler import RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
 from scheduler.step_trace import open_from_env as open_step_trace
@@ -41,6 +42,7 @@ from shared.config import EngineConfig
 from shared.errors import InvalidRequestError, ModelLoadError, WorkerError
 from shared.logging import get_logger
 from shared.long_context import rope_offset
+from shared.lora_config import read_lora_config
 from shared.model_config import load_model_config
 from shared.sampling import SamplingParams
 from shared.step import StepResult
@@ -111,6 +113,7 @@ class LLMEngine:
                 samples_late=self.async_scheduling and self.executor.samples_late,
                 itl_target_ms=config.itl_target_ms,
                 itl_slowdown=config.itl_slowdown,
+                max_loras=config.max_loras if config.enable_lora else 0,
                 speculative=config.speculative_config,
             ),
             self.tokenizer,
@@ -128,6 +131,10 @@ class LLMEngine:
         self.step_observer: StepObserver | None = None
         self.step_trace = open_step_trace()  # a line per step when asked for (scheduler/step_trace.py)
         self.log = get_logger("tokenfleet.engine")
+        for name, path in config.lora_modules.items():
+            if not config.enable_lora:
+                raise ModelLoadError("lora_modules are given but enable_lora is off")
+            self.add_lora(name, path)
 
     @property
     def max_model_len(self) -> int:
@@ -157,6 +164,7 @@ class LLMEngine:
         self, prompt_token_ids: list[int], sampling: SamplingParams, *, priority: int = 0,
         req_id: str | None = None, arrival_time: float | None = None,
         output_token_ids: list[int] | None = None, output_text: str = "", tenant: str | None = None,
+        lora_name: str | None = None,
     ) -> str:
         """Queue a request. `output_token_ids`/`output_text` resume one that another
         scheduler started: generation continues after those tokens, which are not sent again."""
@@ -176,11 +184,44 @@ class LLMEngine:
                           rope_offset=rope_offset(len(prompt_token_ids), seq_length=cfg.seq_length,
                                                   use_dynamic_ntk=cfg.use_dynamic_ntk,
                                                   stride=self.executor.max_model_len))
+        if lora_name is not None:
+            request.lora = self._lora_slots().get(lora_name)
+            self.scheduler.lora_slots.num_requests[lora_name] += 1
         if arrival_time is not None:
             request.arrival_time = arrival_time
         request.output_text = output_text
         self.scheduler.add_request(request)
         return req_id
+
+    # -- LoRA adapters (scheduler/lora_slots.py) -------------------------------------
+
+    def _lora_slots(self) -> LoraSlots:
+        if self.scheduler.lora_slots is None:
+            raise InvalidRequestError("this engine serves no LoRA adapters (enable_lora is off)",
+                                      param="model")
+        return self.scheduler.lora_slots
+
+    def add_lora(self, name: str, path: str) -> RegisteredLora:
+        """Serve the PEFT adapter at `path` as `name`; LoraAdapterError (a 400) when it cannot run on
+        this base. Its tensors are read by the runners when a step first needs it."""
+        slots = self._lora_slots()
+        if not name or name in slots.adapters:
+            raise InvalidRequestError(f"a LoRA adapter named {name!r} is loaded already" if name
+                                      else "the adapter needs a name", param="lora_name")
+        lora = read_lora_config(path, self.model_config, base_path=self.config.model,
+                                max_lora_rank=self.config.max_lora_rank)
+        adapter = slots.register(name, path, lora.rank)
+        self.log.info("lora_added", lora_name=name, path=path, rank=lora.rank)
+        return adapter
+
+    def remove_lora(self, name: str) -> None:
+        """Serve `name` no more; its running requests finish on it."""
+        self._lora_slots().unregister(name)
+        self.log.info("lora_removed", lora_name=name)
+
+    def lora_names(self) -> list[str]:
+        slots = self.scheduler.lora_slots
+        return sorted(slots.adapters) if slots is not None else []
 
     def abort(self, req_id: str) -> None:
         self.scheduler.abort_request(req_id)
@@ -266,15 +307,17 @@ class LLMEngine:
 
     def generate(
         self, prompts: list[str | list[int]], sampling: SamplingParams | list[SamplingParams],
-        *, chat: bool = False,
+        *, chat: bool = False, lora_names: list[str | None] | None = None,
     ) -> list[GenerationResult]:
-        """Run every prompt to completion, all batched together; results in prompt order."""
+        """Run every prompt to completion, all batched together; results in prompt order.
+        `lora_names`: each prompt's adapter (None: the base)."""
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        loras = lora_names if lora_names is not None else [None] * len(prompts)
         results: dict[str, GenerationResult] = {}
         order: list[str] = []
-        for prompt, sp in zip(prompts, params, strict=True):
+        for prompt, sp, lora_name in zip(prompts, params, loras, strict=True):
             ids = prompt if isinstance(prompt, list) else self.encode(prompt, chat=chat)
-            req_id = self.add_request(ids, sp)
+            req_id = self.add_request(ids, sp, lora_name=lora_name)
             results[req_id] = GenerationResult(req_id, list(ids),
                                                logprobs=[] if sp.logprobs is not None else None)
             order.append(req_id)

@@ -70,6 +70,17 @@ class _SchedulerState(Collector):
             family = CounterMetricFamily(PREFIX + name, doc, labels=LABELS)
             family.add_metric(labels, getattr(scheduler.block_manager, name, 0))
             yield family
+        slots = scheduler.lora_slots
+        if slots is not None:  # an engine serving LoRA adapters
+            family = GaugeMetricFamily(PREFIX + "lora_adapters_loaded", "LoRA adapters in a device slot now",
+                                       labels=LABELS)
+            family.add_metric(labels, len(slots.loaded_names()))
+            yield family
+            family = CounterMetricFamily(PREFIX + "lora_requests", "requests added on each LoRA adapter",
+                                         labels=[*LABELS, "lora_name"])
+            for lora_name, count in sorted(slots.num_requests.items()):
+                family.add_metric([*labels, lora_name], count)
+            yield family
         if scheduler.speculator is not None:
             yield from _spec_decode_families(scheduler.speculator, labels)
 

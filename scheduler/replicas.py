@@ -34,9 +34,10 @@ class ReplicatedEngine:
 
     def generate(
         self, prompts: list[str | list[int]], sampling: SamplingParams | list[SamplingParams],
-        *, chat: bool = False,
+        *, chat: bool = False, lora_names: list[str | None] | None = None,
     ) -> list[GenerationResult]:
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        loras = lora_names if lora_names is not None else [None] * len(prompts)
         encoded = [p if isinstance(p, list) else self.engines[0].encode(p, chat=chat) for p in prompts]
         # Longest-first onto the least-loaded replica (load = prompt + max output tokens).
         shares: list[list[int]] = [[] for _ in self.engines]
@@ -48,7 +49,8 @@ class ReplicatedEngine:
             loads[target] += cost[index]
         with ThreadPoolExecutor(len(self.engines)) as pool:
             futures = [
-                pool.submit(engine.generate, [encoded[i] for i in share], [params[i] for i in share])
+                pool.submit(engine.generate, [encoded[i] for i in share], [params[i] for i in share],
+                            lora_names=[loras[i] for i in share])
                 for engine, share in zip(self.engines, shares, strict=True)
             ]
             outputs = [future.result() for future in futures]

@@ -7,6 +7,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from scheduler.lora_slots import RegisteredLora
 from shared.sampling import SamplingParams
 
 
@@ -66,6 +67,7 @@ class Request:
     tenant: str | None = None  # whose request: tenants take turns inside a priority
     # Rotary table row offset of this request (SequenceWork.rope_offset; 0 for most models).
     rope_offset: int = 0
+    lora: RegisteredLora | None = None  # the adapter it runs with; None: the base model
 
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens of all_token_ids whose K/V sit in the cache. What to compute next is always

@@ -58,6 +58,7 @@ from scheduler.block_manager import BlockManager, cdiv, update_block_hashes
 from scheduler.detokenizer import IncrementalDetokenizer, Tokenizer
 from scheduler.fair_share import FairShare
 from scheduler.grammar import Grammars
+from scheduler.lora_slots import LoraSlots
 from scheduler.prompt_logprobs import prompt_logprob_targets, prompt_logprobs_to_send, take_prompt_logprobs
 from scheduler.request import FinishReason, Request, RequestStatus, TokenLogprobs
 from scheduler.speculative.speculator import Speculator
@@ -121,6 +122,8 @@ class Scheduler:
         # Speculative decoding: decodes may carry drafts that the step verifies (_drafts).
         self.speculator = Speculator(config.speculative) if config.speculative is not None else None
         self._drafting: set[str] = set()  # requests whose step in flight carries drafts
+        # The adapters served and their slots (scheduler/lora_slots.py); None: no adapters.
+        self.lora_slots = LoraSlots(config.max_loras) if config.max_loras else None
 
     # -- requests in and out ---------------------------------------------------------
 
@@ -194,6 +197,8 @@ class Scheduler:
                 f"but the cache has only {self.config.num_kv_blocks}",
                 param="prompt",
             )
+        if request.lora is not None and self.lora_slots is None:
+            raise InvalidRequestError("this scheduler serves no LoRA adapters", param="model")
         if request.sampling.stop and self._tokenizer is None:
             raise InvalidRequestError(
                 "stop strings need a scheduler with a tokenizer", param="stop"
@@ -210,6 +215,8 @@ class Scheduler:
         # (Or one present a moment ago: step_budget.py, RecentPriority.)
         plan.top_priority = top = self.latency_budget.recent_top.top(self._most_important_priority())
         plan.can_speculate = self.speculator is not None and self.speculator.step_allows(len(self._running))
+        if self.lora_slots is not None:
+            self.lora_slots.count_running([r.lora for r in self._running if r.lora is not None])
         less_important = self._schedule_running(plan, top)
         # Blocks just freed by preemption are for the running requests that needed them;
         # admitting new ones now would only preempt again.
@@ -225,6 +232,8 @@ class Scheduler:
                                  plan.draft_token_ids.get(request.req_id, ())) for request in scheduled]
         self._drafting.update(plan.draft_token_ids)
         batch = StepBatch(step_id=self._next_step_id, works=works)
+        if self.lora_slots is not None:
+            batch.lora_loads = self.lora_slots.take_loads()
         if works:  # a batch without works never reaches the runners: its frees wait for the next
             batch.freed_req_ids, self._freed_req_ids = self._freed_req_ids, []
         if self.grammars is not None:  # the runner fills it once the forward runs (shared/step.py)
@@ -397,6 +406,8 @@ class Scheduler:
                 return False  # this step's share is taken; the next step in flight takes the next ones
             if request.req_id in plan.preempted_req_ids:
                 return False  # just made room for a more important one; not back in this step
+            if self.lora_slots is not None and not self.lora_slots.can_run(request.lora):
+                continue  # every slot holds a running request's adapter: it waits for one to free
             if request.sampling.prompt_logprobs is not None:
                 cached_block_ids = []  # cached positions have no logits: it computes its whole prompt
             else:
@@ -414,6 +425,8 @@ class Scheduler:
             self._fair_share.started(request)
             request.status = RequestStatus.RUNNING
             self._running.append(request)
+            if self.lora_slots is not None:
+                self.lora_slots.started(request.lora)
             plan.add(request, num_new_tokens)
             self._note_computing(request, num_new_tokens, plan)
         return True
@@ -477,6 +490,8 @@ class Scheduler:
         for request in list(self._running):  # their steps in flight died with the group
             self._preempt(request, plan)
         self.block_manager.reset_prefix_cache()  # the K/V behind it died with the group
+        if self.lora_slots is not None:
+            self.lora_slots.forget_slots()  # so did the adapters in the runners' slots
         return plan.preempted_req_ids
 
     def _free_blocks(self, request: Request) -> None:
@@ -530,6 +545,7 @@ class Scheduler:
             rope_offset=request.rope_offset,
             prompt_logprob_ids=prompt_logprob_targets(request, start, end),
             num_draft_tokens=len(drafts),
+            lora_slot=self.lora_slots.slot_for(request.lora) if self.lora_slots is not None else 0,
         )
 
     # -- one step: take the result back ----------------------------------------------

@@ -47,6 +47,8 @@ class SchedulerConfig:
     itl_slowdown: float = DEFAULT_SLOWDOWN
     # Speculative decoding (scheduler/speculative/): None: no request speculates.
     speculative: SpeculativeConfig | None = None
+    # LoRA adapters: how many may share a step (the runners' slots); 0: no adapters served.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "num_kv_blocks", "block_size", "max_num_seqs",

@@ -37,6 +37,7 @@ from service.admission_reader import AdmissionReader, ReadEntry, decode_entry
 from service.claim_renewer import ClaimRenewer
 from service.delivery import Delivery
 from service.inflight import Flights, InFlight, ServiceSettings
+from service.lora_adapters import ServiceLoras
 from service.maintenance import Maintenance
 from service.prefix_summary import PrefixSummary
 from service.replica_streams import ReplicaStreams, RoutingMetrics
@@ -93,6 +94,7 @@ class SchedulerService(Maintenance):
         self.telemetry.metrics.registry.register(
             RoutingMetrics(self.replica_streams, [settings.model_name, settings.scheduler_id]))
         self.prefix_summary = PrefixSummary(engine.scheduler)
+        self.loras = ServiceLoras(self.client, self.keys, settings.model_name, engine)
         # Reads and decodes the streams on a thread of its own while `run` loops (on a connection
         # of its own: a blocking read holds it), for `_admit` to take.
         self.reader = AdmissionReader(
@@ -113,6 +115,10 @@ class SchedulerService(Maintenance):
         renewer = threading.Thread(target=self.renewer.run, args=(stop,), name="claim-renewer", daemon=True)
         renewer.start()
         self.reader.start(stop)
+        try:
+            self.loras.publish_declared()
+        except redis.RedisError as exc:  # written again when a request names one of them
+            self.log.warning("lora_publish_failed", error=str(exc))
         backoff = 0.1
         self.log.info("scheduler_started", model=self.settings.model_name, streams=self.streams)
         while not stop.is_set():
@@ -328,10 +334,12 @@ class SchedulerService(Maintenance):
             # Batch items rank below every interactive request: an interactive arrival preempts
             # batch work when slots or blocks are short.
             priority = message.priority + (BATCH_PRIORITY if flight.is_batch else 0)
+            if message.lora_name is not None:
+                self.loras.ensure(message.lora_name)
             self.engine.add_request(
                 message.prompt_token_ids, sampling, priority=priority, req_id=message.req_id,
                 arrival_time=message.arrival_time, output_token_ids=progress.token_ids,
-                output_text=progress.text, tenant=message.tenant,
+                output_text=progress.text, tenant=message.tenant, lora_name=message.lora_name,
             )
         except (InvalidRequestError, MessageDecodeError) as exc:
             text = getattr(exc, "message", str(exc))

@@ -38,6 +38,7 @@ class SchedulerTelemetry:
             "tp": config.tp, "pp": config.pp, "device": str(resolve_device(config.device)),
             "max_num_batched_tokens": config.max_num_batched_tokens, "block_size": engine.executor.block_size,
             "max_model_len": engine.max_model_len,
+            "max_lora_rank": config.max_lora_rank if config.enable_lora else 0,  # 0: no adapters
         }
 
     def tick(self) -> None:
@@ -68,6 +69,10 @@ class SchedulerTelemetry:
             # The step cost model the step budget uses (scheduler/step_cost.py): [tokens, ms] points.
             "step_cost_ms": json.dumps([[round(p.num_tokens), round(p.ms, 2)]
                                         for p in self.engine.scheduler.step_cost.points()]),
+            # LoRA adapters served, and those in a device slot now (a router's hint).
+            "loras": json.dumps(self.engine.lora_names()),
+            "loras_loaded": json.dumps(self.engine.scheduler.lora_slots.loaded_names()
+                                       if self.engine.scheduler.lora_slots is not None else []),
         }
 
     def exposition(self) -> bytes:

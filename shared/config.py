@@ -12,7 +12,7 @@ the commands get on its device.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.speculative import SpeculativeConfig
@@ -117,6 +117,14 @@ class EngineConfig:
     # workers' collective_times()); steps then run eagerly, without CUDA graphs.
     time_collectives: bool = False
     seed: int = 0
+    # LoRA adapters (docs/lora.md): off, nothing of the base path changes. lora_modules: name ->
+    # PEFT folder, served from the start; max_loras adapters share a step (device slots),
+    # max_cpu_loras stay read in host memory (None: max_loras); ranks above max_lora_rank are refused.
+    enable_lora: bool = False
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     # Worker groups (Ray). Groups are used for tp * pp > 1, for replicas, or when use_ray is set.
     use_ray: bool = False
     ray_address: str | None = None  # None: a local Ray started by this process

@@ -34,3 +34,9 @@ class WorkerError(TokenfleetError):
 
     error_type = "worker_error"
     http_status = 503
+
+
+class LoraAdapterError(InvalidRequestError):
+    """A LoRA adapter folder that cannot be served on this base model: missing or corrupt files,
+    a rank over the limit, a target module the base lacks, another base. The message names the
+    file and the problem; at a route it is a 400, at startup a load error."""

@@ -46,10 +46,23 @@ class SequenceWork:
     # rows predict, row i predicting prompt token start_pos + 1 + i (workers/prompt_logprobs.py).
     # Empty for every other work.
     prompt_logprob_ids: list[int] = field(default_factory=list)
+    # The LoRA slot whose adapter this sequence runs with (StepBatch.lora_loads fills it); 0: the
+    # base model alone.
+    lora_slot: int = 0
     # Speculative decoding: the last num_draft_tokens of token_ids are proposed tokens, not known
     # ones. The runner scores every one of them in this forward and returns how many it accepted
     # (SampledToken.num_accepted_drafts; workers/spec_verify.py). 0 for every other work.
     num_draft_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class LoraLoad:
+    """Put an adapter in a runner's slot before the step runs (workers/lora/manager.py)."""
+
+    slot: int  # 1..max_loras
+    adapter_id: int  # the engine's id of this registration: a name loaded again gets a new one
+    name: str
+    path: str  # its PEFT folder
 
 
 @dataclass
@@ -82,6 +95,8 @@ class StepBatch:
     # by `Executor.sample`, which the engine calls once the previous step's tokens are accepted.
     # In process only, like mask_filler.
     samples_late: bool = field(default=False, compare=False)
+    # Adapters the runners load into slots before this step (LoRA engines only).
+    lora_loads: list[LoraLoad] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -105,9 +120,10 @@ class StepBatch:
         works = [(w.req_id, w.token_ids, w.start_pos, w.block_ids, w.is_sampled,
                   tuple(vars(w.sampling).values()), w.num_output_tokens,
                   w.prompt_token_ids, w.output_token_ids, w.is_token_pending, w.rope_offset,
-                  w.prompt_logprob_ids, w.num_draft_tokens)
+                  w.prompt_logprob_ids, w.lora_slot, w.num_draft_tokens)
                  for w in self.works]
-        return _batch_from_wire, (self.step_id, works, self.token_mask, self.freed_req_ids)
+        loads = [tuple(vars(load).values()) for load in self.lora_loads]
+        return _batch_from_wire, (self.step_id, works, self.token_mask, self.freed_req_ids, loads)
 
 
 @dataclass
@@ -137,15 +153,15 @@ class StepResult:
 
 
 def _batch_from_wire(step_id: int, works: list[tuple], token_mask: TokenBitmask | None,
-                     freed_req_ids: list[str]) -> StepBatch:
+                     freed_req_ids: list[str], lora_loads: list[tuple] = ()) -> StepBatch:
     return StepBatch(step_id, [
         SequenceWork(req_id, token_ids, start_pos, block_ids, is_sampled, SamplingParams(*sampling),
                      num_output_tokens, prompt_token_ids, output_token_ids, is_token_pending, rope_offset,
-                     prompt_logprob_ids, num_draft_tokens)
+                     prompt_logprob_ids, lora_slot, num_draft_tokens)
         for (req_id, token_ids, start_pos, block_ids, is_sampled, sampling, num_output_tokens,
              prompt_token_ids, output_token_ids, is_token_pending, rope_offset, prompt_logprob_ids,
-             num_draft_tokens) in works
-    ], token_mask, freed_req_ids=freed_req_ids)
+             lora_slot, num_draft_tokens) in works
+    ], token_mask, freed_req_ids=freed_req_ids, lora_loads=[LoraLoad(*load) for load in lora_loads])
 
 
 def _result_from_wire(step_id: int, sampled: list[tuple], prompt_logprobs: dict[str, list]) -> StepResult:

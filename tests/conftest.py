@@ -60,3 +60,22 @@ def tiny_qwen_as_qwen2(tiny_qwen: Path, tmp_path_factory: pytest.TempPathFactory
     from testkit.qwen_checkpoints import qwen_to_qwen2
 
     return qwen_to_qwen2(tiny_qwen, tmp_path_factory.mktemp("qwen2") / "tiny-qwen-as-qwen2")
+
+
+# name -> (rank, target modules): three adapters on different projection sets, B not zero.
+LORA_SPECS = {
+    "rank4-qv": (4, ["q_proj", "v_proj"]),
+    "rank8-ko-gate": (8, ["k_proj", "o_proj", "gate_proj"]),
+    "rank16-all": (16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+}
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(tiny_checkpoints, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """name -> folder of a random PEFT adapter (LORA_SPECS) of the tiny llama, built once."""
+    from testkit.lora_adapters import make_random_adapter
+
+    root = tmp_path_factory.mktemp("lora")
+    return {name: make_random_adapter(tiny_checkpoints["llama"], root / name, rank=rank,
+                                      target_modules=targets, seed=seed)
+            for seed, (name, (rank, targets)) in enumerate(LORA_SPECS.items())}

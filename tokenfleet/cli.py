@@ -93,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(gen, "ignore-eos", action="store_true")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     _flag(gen, "json", action="store_true", help="one JSON object per prompt")
+    _flag(gen, "lora-name", help="run every prompt with this adapter of --lora-modules (needs --enable-lora)")
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
     sched = commands.add_parser("scheduler", help="one scheduler and its worker group, fed from Redis")
     add_engine_flags(sched)
@@ -420,7 +421,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     else:
         engine_cm = LLMEngine(config)
     with engine_cm as engine:
-        results = engine.generate(args.prompts, sampling, chat=args.chat)
+        lora_names = [args.lora_name] * len(args.prompts) if args.lora_name else None
+        results = engine.generate(args.prompts, sampling, chat=args.chat, lora_names=lora_names)
     for result in results:
         if args.json:
             print(json.dumps(result.to_json_dict(), ensure_ascii=False))

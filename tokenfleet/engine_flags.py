@@ -68,6 +68,21 @@ def slowdown(text: str) -> float:
     return value
 
 
+def lora_module(text: str) -> str:
+    """One of --lora-modules NAME=PATH ...: an adapter's name and its PEFT folder."""
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH (an adapter name and its folder), got {text!r}")
+    return f"{name.strip()}={path.strip()}"
+
+
+def lora_modules(values: list[str] | str | None) -> dict[str, str]:
+    """--lora-modules' values as EngineConfig.lora_modules (TOKENFLEET_LORA_MODULES: comma-separated)."""
+    if isinstance(values, str):
+        values = [lora_module(v) for v in values.replace(",", " ").split()]
+    return dict(value.split("=", 1) for value in values or [])
+
+
 def byte_count(text: str) -> int:
     """--max-weight-bytes-per-rank 24e9 (or 24000000000): a positive number of bytes."""
     try:
@@ -102,6 +117,8 @@ class EngineFlag:
     choices: tuple[str, ...] | None = None
     switch: bool = False  # a store_true flag that turns its field off (--no-prefix-caching)
     turns_on: bool = False  # with switch: the flag turns its field on instead
+    nargs: str | None = None  # "+": the flag takes several values (a list)
+    convert: Callable | None = None  # the parsed value -> the EngineConfig field's value
 
     @property
     def dest(self) -> str:
@@ -164,6 +181,13 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                                      "(docs/speculative-decoding.md); default: off", speculative_config),
     EngineFlag("no-prefix-caching", "recompute every prompt instead of reusing the KV blocks of a prefix "
                                     "seen before", default=False, field="enable_prefix_caching", switch=True),
+    EngineFlag("enable-lora", "serve LoRA adapters (PEFT folders) on the base model; off, the base path is "
+                              "unchanged", default=False, switch=True, turns_on=True),
+    EngineFlag("lora-modules", "adapters served from the start, as NAME=PATH (PEFT folders); a request names "
+                               "one as its model", lora_module, nargs="+", convert=lora_modules),
+    EngineFlag("max-loras", "adapters that share a step (device slots)", int, EngineConfig.max_loras),
+    EngineFlag("max-lora-rank", "the largest adapter rank served", int, EngineConfig.max_lora_rank),
+    EngineFlag("max-cpu-loras", "adapters kept read in host memory (default: --max-loras)", int),
     EngineFlag("grammar-jump-forward", "structured outputs: append the text a grammar forces (keys, "
                                        "closing braces) without sampling it; may spell it with other "
                                        "tokens than plain masked decoding", default=False, switch=True,
@@ -186,6 +210,8 @@ def add_engine_flags(parser: argparse.ArgumentParser, *, exclude: Iterable[str] 
             flag(parser, spec.name, action="store_true", help=text)
         else:
             extra = {"choices": spec.choices} if spec.choices else {}
+            if spec.nargs:
+                extra["nargs"] = spec.nargs
             flag(parser, spec.name, type=spec.type, default=spec.default, help=text, **extra)
 
 
@@ -214,6 +240,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         if spec.config_field is not None:
             value = getattr(args, spec.dest, spec.default)  # (up and autoscale lack placement-group)
             fields[spec.config_field] = (value if spec.turns_on else not value) if spec.switch else value
+            if spec.convert is not None:
+                fields[spec.config_field] = spec.convert(value)
     fields["model"] = resolve_model(args.model)
     fields["use_ray"] = uses_ray(args.executor, args.tp, args.pp)
     return EngineConfig.for_device(resolve_device(args.device).type, **fields)
@@ -229,7 +257,12 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         value = getattr(args, spec.dest)
         if value == spec.default:
             continue
-        argv += [f"--{spec.name}"] if spec.switch else [f"--{spec.name}", str(value)]
+        if spec.switch:
+            argv.append(f"--{spec.name}")
+        elif isinstance(value, list):
+            argv += [f"--{spec.name}", *map(str, value)]
+        else:
+            argv += [f"--{spec.name}", str(value)]
     return argv
 
 

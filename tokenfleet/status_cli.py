@@ -83,6 +83,11 @@ def format_view(view: dict, redis_url: str) -> str:
          f"{s.get('entries_routed', 0)}/{s.get('entries_stolen', 0)}/{s.get('entries_fallback', 0)}",
          _speculation(s), f"{s['heartbeat_age_s']:.1f}s ago"]
         for s in view["schedulers"]], "no live scheduler")
+    with_loras = [s for s in view["schedulers"] if s.get("loras")]
+    if with_loras:
+        out += ["", "LoRA adapters (in a device slot / served):"]
+        out += [f"  {s['id']}: {', '.join(s['loras_loaded']) or '-'} / {', '.join(s['loras'])}"
+                for s in with_loras]
     out += ["", "Queues:"]
     out += _table(["MODEL", "KIND", "LENGTH", "PENDING", "QUEUED", "CONSUMERS"], [
         [q["model"], q["kind"], q["length"], q["pending"], q["queued"], q["consumers"]]

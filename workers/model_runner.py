@@ -41,6 +41,7 @@ from workers.host_staging import HostStaging
 from workers.layers import fp8_tuning
 from workers.layers.kv_fp8 import kv_cache_dtype
 from workers.layers.quantization import METHODS, building_with, method_named
+from workers.lora.manager import LoraManager
 from workers.mixed_graphs import MixedGraphs
 from workers.models.registry import MODEL_CLASSES
 from workers.parallel import TensorParallel, all_reduce_min
@@ -132,6 +133,7 @@ class ModelRunner:
         self._check_weight_budget()
         self.model = self._build_model()
         self.weight_bytes = resident_weight_bytes(self.model)
+        self.lora = self._wrap_lora()  # None unless the engine serves adapters
         self.num_kv_blocks = self._decide_num_kv_blocks()  # what the scheduler may hand out
         self.kv_caches = self._allocate_kv_cache()  # holds one more: the scratch block
         self.staging = HostStaging(self.device)
@@ -147,6 +149,30 @@ class ModelRunner:
         keeps_ids = config.async_scheduling and stage.size == 1
         self.pending_tokens = PendingTokens(self.device, self.staging) if keeps_ids else None
         self.is_closed = False
+
+    def _wrap_lora(self) -> LoraManager | None:
+        """The model's projections wrapped with adapter slots (workers/lora/), before the KV cache
+        is sized (the slots' memory comes off its budget)."""
+        config = self.config
+        if not config.enable_lora:
+            return None
+        if self.quantization:
+            raise ModelLoadError("LoRA adapters are served on unquantized weights only; "
+                                 f"drop quantization={self.quantization!r} or --enable-lora")
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            # With CUDA graphs the dense path (fixed shapes: the graphs replay it); else segment-wise.
+            max_rows = max(config.max_num_batched_tokens, config.max_num_seqs)
+            manager = LoraManager(self.model, self.model_config, config.model, max_loras=config.max_loras,
+                                  max_lora_rank=config.max_lora_rank,
+                                  max_cpu_loras=config.max_cpu_loras or config.max_loras, max_rows=max_rows,
+                                  device=self.device, dense=use_cuda_graphs(config, self.device))
+        finally:
+            torch.set_default_dtype(previous)
+        self.log.info("lora_slots_allocated", max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+                      bytes=manager.slot_bytes)
+        return manager
 
     def _new_model(self, device: torch.device) -> torch.nn.Module:
         cls = MODEL_CLASSES[self.model_config.model_type]
@@ -254,6 +280,8 @@ class ModelRunner:
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
         if not use_cuda_graphs(self.config, self.device) or self.tp.timer is not None:
             return None
+        if self.lora is not None and not self.lora.is_dense:  # (never: graphs make it dense)
+            return None
         graphs = DecodeGraphs(
             self.model, self.kv_caches, block_size=self.block_size, max_model_len=self.max_model_len,
             scratch_block=self.num_kv_blocks,
@@ -327,13 +355,19 @@ class ModelRunner:
         # keeps (in eager_order): such steps run eagerly.
         has_drafts = spec_verify.wanted(batch.works)
         use_graphs = use_graphs and not prompt_logprobs.wanted(batch.works) and not has_drafts
+        if self.lora is not None:
+            self.lora.apply_loads(batch.lora_loads)
         if use_graphs and self.decode_graphs is not None and self.decode_graphs.can_run(batch.works):
+            if self.lora is not None:  # (dense: the graphs read each row's slot from its buffer)
+                self.lora.prepare_rows(batch.works, self.decode_graphs.padded_size(len(batch.works)))
             out = self.decode_graphs.run(batch.works, hidden_in, fill_tokens, batch.freed_req_ids)
             if not self.stage.is_last:
                 self.stage.send(out)
                 return None, [], None, None
             return out, batch.works, None, None  # every decode row samples
         if use_graphs and self.mixed_graphs is not None and self.mixed_graphs.can_run(batch.works):
+            if self.lora is not None:  # (dense on CUDA: the graph's token rows are the eager step's)
+                self.lora.prepare(batch.works, self.device)
             hidden, sample_rows = self.mixed_graphs.run(batch.works, hidden_in, fill_tokens,
                                                         batch.freed_req_ids)
             if not self.stage.is_last:
@@ -344,6 +378,8 @@ class ModelRunner:
                 return None, [], None, None
             return self.model.compute_logits(hidden[sample_rows]), sampled_works, None, None
         inputs = build_step_inputs(batch, self.block_size, self.device, self.block_tables, self.staging)
+        if self.lora is not None:
+            self.lora.prepare(batch.works, self.device)
         if fill_tokens is not None:
             fill_tokens(inputs.token_ids)
         hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, inputs.meta, hidden_in)

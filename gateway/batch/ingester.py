@@ -21,6 +21,7 @@ successor redoes what was pending, and the atomic steps make the redo harmless.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import re
 import socket
@@ -47,7 +48,8 @@ from gateway.batch.lines import (
 )
 from gateway.batch.notices import read_notices
 from gateway.batch.record import TERMINAL_JOB_STATES
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, ModelNotFound
+from gateway.loras import find_adapter
 from gateway.metrics import GatewayMetrics
 from gateway.models import ModelRegistry
 from gateway.openai.format import ChoiceOutput, chat_completion, text_completion
@@ -248,11 +250,14 @@ class BatchIngester:
             raise JobRefused("too_many_lines", f"the job has {len(raws)} lines; at most "
                              f"{self.settings.batch_max_lines} are allowed", "lines")
         items, model = await asyncio.to_thread(check_lines, raws, model=text.get("model"))
-        if model is not None:
-            try:
-                self.models.get(model)
-            except GatewayError as exc:
-                raise JobRefused("model_not_found", exc.message, "model") from None
+        if model is not None and model not in self.models.names:  # a LoRA adapter's name, or nothing
+            owner = text.get("tenant")
+            if await find_adapter(self.client, self.keys, self.models, model,
+                                  lambda record: record.owner in (None, owner)) is None:
+                try:
+                    self.models.get(model)
+                except GatewayError as exc:
+                    raise JobRefused("model_not_found", exc.message, "model") from None
         elif len(self.models.names) == 1 and any(item.error is None for item in items):
             model = self.models.names[0]
         return items, model
@@ -292,16 +297,29 @@ class BatchIngester:
             return False
         raws = await self.jobs.head_lines(job_id, count)
         items = [LineItem.unpack(raw) for raw in raws]
-        make = self._written_off if job.ending else self._queue_item
+        target = await self._job_target(job)
+        make = self._written_off if job.ending else functools.partial(self._queue_item, target=target)
         parts = [make(job, item) for item in items]  # each: ["E", ...] written now, or ["R", ...] queued
         args = [arg for part in parts for arg in part]
         mode = "end" if job.ending else "run"
-        result = await self.jobs.feed(job, job.model or "", len(items), args, mode=mode)
+        result = await self.jobs.feed(job, target[0] or "", len(items), args, mode=mode)
         if result in (1, 2):
             self.metrics.batch_lines.labels("failed").inc(sum(1 for part in parts if part[0] == "E"))
         if result == 2:
             await self._finalize(job_id)
         return result in (1, -2)  # -2: another ingester moved first; look again
+
+    async def _job_target(self, job: Job) -> tuple[str | None, str | None]:
+        """The base model a job's lines queue for, and the LoRA adapter they run with (None: the
+        base). An adapter unloaded since the job started: its lines go to the only base model, whose
+        schedulers refuse them (no such adapter) - or, with several, fail here."""
+        if job.model is None or job.model in self.models.names:
+            return job.model, None
+        found = await find_adapter(self.client, self.keys, self.models, job.model,
+                                   lambda record: record.owner in (None, job.tenant))
+        if found is None:
+            return (self.models.names[0] if len(self.models.names) == 1 else None), job.model
+        return found[0].name, job.model
 
     async def _tenant_room(self, job: Job) -> int:
         """Lines the job's tenant may still have queued (its max_batch_lines_in_flight, over all
@@ -319,12 +337,13 @@ class BatchIngester:
         return ["E", item.index, item.custom_id or "",
                 error_line(item.custom_id, item_req_id(job.id, item.index, 0), code, message)]
 
-    def _queue_item(self, job: Job, item: LineItem) -> list[object]:
+    def _queue_item(self, job: Job, item: LineItem,
+                    target: tuple[str | None, str | None] | None = None) -> list[object]:
         req0 = item_req_id(job.id, item.index, 0)
         if item.error is not None:
             return ["E", item.index, item.custom_id or "", refused_line(item.custom_id, req0, item.error)]
         try:
-            line, plan = self._plan(job, item)
+            line, plan = self._plan(job, item, target or (job.model, None))
         except GatewayError as exc:
             refused = refused_line(item.custom_id, req0, refusal_of(exc))
             return ["E", item.index, item.custom_id or "", refused]
@@ -334,7 +353,8 @@ class BatchIngester:
             req_id = item_req_id(job.id, item.index, c)
             message = RequestMessage.make(req_id, plan.model.name, choice.prompt_ids, choice.sampling,
                                           kind="batch", priority=plan.priority, arrival_time=now,
-                                          batch_job_id=job.id, custom_id=line.custom_id, tenant=job.tenant)
+                                          batch_job_id=job.id, custom_id=line.custom_id, tenant=job.tenant,
+                                          lora_name=plan.lora_name)
             record = queued_fields(model=plan.model.name, api=plan.api, queued_at=now,
                                    prompt_tokens=len(choice.prompt_ids), top_logprobs=plan.logprobs,
                                    batch=(job.id, item.index, len(plan.choices), item.raw, line.custom_id))
@@ -343,12 +363,17 @@ class BatchIngester:
                 args += [name, value]
         return args
 
-    def _plan(self, job: Job, item: LineItem) -> tuple[object, Plan]:
+    def _plan(self, job: Job, item: LineItem, target: tuple[str | None, str | None]) -> tuple[object, Plan]:
+        """A line's plan, for `target` (_job_target: the base model, and the adapter or None)."""
         line, body = parse_line(item.raw)
-        model = self.models.get(job.model)
-        if line.url == "/v1/chat/completions":
-            return line, plan_chat(body, model, self.settings)
-        return line, plan_completion(body, model, self.settings)
+        base, lora_name = target
+        if lora_name is not None and base is None:
+            raise ModelNotFound(f"the LoRA adapter {lora_name!r} is no longer loaded", param="model")
+        model = self.models.get(base)
+        plan = plan_chat(body, model, self.settings) if line.url == "/v1/chat/completions" else \
+            plan_completion(body, model, self.settings)
+        plan.lora_name = lora_name
+        return line, plan
 
     # -- collecting -----------------------------------------------------------------------
 
@@ -391,14 +416,16 @@ class BatchIngester:
         if any(record is None or not record.is_terminal for record in records):
             return 0  # the last choice's notice will bring it here again
         custom_id = first.custom_id
-        ok, line = self._output(job, LineItem(index, first.batch_line, custom_id), records)
+        ok, line = self._output(job, LineItem(index, first.batch_line, custom_id), records,
+                                await self._job_target(job))
         record_keys = [self.keys.result(r) for r in req_ids]
         written = await self.jobs.collect(job.id, index, custom_id, ok, line, record_keys)
         if written:
             self.metrics.batch_lines.labels("completed" if ok else "failed").inc()
         return written
 
-    def _output(self, job: Job, item: LineItem, records: list[ResultRecord]) -> tuple[bool, str]:
+    def _output(self, job: Job, item: LineItem, records: list[ResultRecord],
+                target: tuple[str | None, str | None]) -> tuple[bool, str]:
         req0 = records[0].req_id
         refused = next((r for r in records if r.is_refused), None)
         if refused is not None:  # the scheduler itself refused the input: what the REST route says
@@ -416,7 +443,7 @@ class BatchIngester:
             return False, error_line(item.custom_id, req0, error.get("code", "request_failed"),
                                      error.get("message", "the request failed"))
         try:
-            _, plan = self._plan(job, item)
+            _, plan = self._plan(job, item, target)
         except GatewayError as exc:  # cannot happen for a line that was queued, but never lose it
             return False, error_line(item.custom_id, req0, exc.code or "invalid_value", exc.message)
         outputs = [ChoiceOutput(c) for c in range(len(records))]

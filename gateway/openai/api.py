@@ -8,8 +8,9 @@ import time
 
 from aiohttp import web
 
-from gateway.appkeys import LIMITER, METRICS, MODELS, QUEUE_TIMES, SETTINGS, STORE, TOKENIZE
+from gateway.appkeys import LIMITER, METRICS, QUEUE_TIMES, SETTINGS, STORE, TOKENIZE
 from gateway.errors import BadRequest, RateLimited, Unavailable, UpstreamFailed
+from gateway.loras import resolve_model
 from gateway.metrics import GatewayMetrics
 from gateway.openai.format import ChoiceOutput, ChunkMaker, chat_completion, text_completion
 from gateway.openai.params import Plan, plan_chat, plan_completion
@@ -38,15 +39,17 @@ REQUEST_IDS_HEADER = "tokenfleet-request-id"
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body, _ = await read_body(request, ChatCompletionRequest)
-    model = request.app[MODELS].get(body.model)
+    model, lora_name = await resolve_model(request, body.model)
     plan = await request.app[TOKENIZE].run(plan_chat, body, model, request.app[SETTINGS])
+    plan.lora_name = lora_name
     return await _serve(request, plan, "chatcmpl-")
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     body, _ = await read_body(request, CompletionRequest)
-    model = request.app[MODELS].get(body.model)
+    model, lora_name = await resolve_model(request, body.model)
     plan = await request.app[TOKENIZE].run(plan_completion, body, model, request.app[SETTINGS])
+    plan.lora_name = lora_name
     return await _serve(request, plan, "cmpl-")
 
 

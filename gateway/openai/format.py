@@ -177,8 +177,8 @@ def chat_completion(plan: Plan, response_id: str, outputs: list[ChoiceOutput]) -
             finish_reason = "tool_calls"
         choices.append({"index": out.index, "message": message, "logprobs": logprobs,
                         "finish_reason": finish_reason})
-    body = {"id": response_id, "object": "chat.completion", "created": plan.created, "model": plan.model.name,
-            "system_fingerprint": None, "choices": choices,
+    body = {"id": response_id, "object": "chat.completion", "created": plan.created,
+            "model": plan.served_name, "system_fingerprint": None, "choices": choices,
             "usage": usage(plan, outputs)}
     if plan.prompt_logprobs is not None and outputs:  # vLLM's: one prompt, on the response
         body["prompt_logprobs"] = vllm_prompt_logprobs(plan.model, outputs[0].prompt_logprobs,
@@ -220,8 +220,8 @@ def text_completion(plan: Plan, response_id: str, outputs: list[ChoiceOutput]) -
             choice["prompt_logprobs"] = vllm_prompt_logprobs(plan.model, out.prompt_logprobs,
                                                              plan.prompt_logprobs)
         choices.append(choice)
-    return {"id": response_id, "object": "text_completion", "created": plan.created, "model": plan.model.name,
-            "system_fingerprint": None, "choices": choices,
+    return {"id": response_id, "object": "text_completion", "created": plan.created,
+            "model": plan.served_name, "system_fingerprint": None, "choices": choices,
             "usage": usage(plan, outputs)}
 
 
@@ -252,7 +252,7 @@ class ChunkMaker:
 
     def _chunk(self, choice: dict) -> dict:
         chunk = {"id": self.response_id, "object": self.object, "created": self.plan.created,
-                 "model": self.plan.model.name, "system_fingerprint": None, "choices": [choice]}
+                 "model": self.plan.served_name, "system_fingerprint": None, "choices": [choice]}
         if self.plan.continuous_usage:
             prompt = sum(self.plan.num_prompt_tokens)
             chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": self.num_completion_tokens,
@@ -377,5 +377,5 @@ class ChunkMaker:
 
     def usage(self, outputs: list[ChoiceOutput]) -> dict:
         return {"id": self.response_id, "object": self.object, "created": self.plan.created,
-                "model": self.plan.model.name, "system_fingerprint": None, "choices": [],
+                "model": self.plan.served_name, "system_fingerprint": None, "choices": [],
                 "usage": usage(self.plan, outputs)}

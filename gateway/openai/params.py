@@ -53,6 +53,12 @@ class Plan:
     is_tool_choice_forced: bool = False  # required or named: the answer is calls, never content
     max_tokens_given: bool = True  # False: a chat without max_tokens (its choices run to a default)
     created: int = field(default_factory=lambda: int(time.time()))
+    lora_name: str | None = None  # the LoRA adapter the call named as its model (gateway/loras.py)
+
+    @property
+    def served_name(self) -> str:
+        """The model the answer names: the adapter called, else the base model."""
+        return self.lora_name or self.model.name
 
 
 # max_tokens of a grammar-constrained answer (response_format, a forced tool choice) when the

@@ -14,6 +14,7 @@ from pydantic import TypeAdapter
 
 from gateway.appkeys import API_KEY, LIMITER, MODELS, SETTINGS, STORE, TOKENIZE
 from gateway.errors import BadRequest, Conflict, NotFound
+from gateway.loras import resolve_model
 from gateway.models import ServedModel
 from gateway.openai.format import (
     ChoiceOutput,
@@ -42,9 +43,8 @@ _REQ_ID = re.compile(r"^[0-9a-f]{32}$")
 MAX_IDEMPOTENCY_KEY = 255
 
 
-def _plan(request: web.Request, body: SubmitChat | object) -> tuple[Plan, float | None]:
+def _plan(request: web.Request, body: SubmitChat | object, model: ServedModel) -> tuple[Plan, float | None]:
     settings = request.app[SETTINGS]
-    model = request.app[MODELS].get(body.model)
     for name, ok in (("stream", not body.stream), ("n", body.n == 1)):
         if not ok:
             raise BadRequest(f"{name} is not available on /v1/requests (one request per id; stream its "
@@ -69,7 +69,9 @@ async def submit(request: web.Request) -> web.Response:
     """202 + Location. With an Idempotency-Key, a retry (even one that would now be refused
     for a full queue) answers the request the first attempt created."""
     body, raw = await read_body(request, SUBMIT)
-    plan, deadline = await request.app[TOKENIZE].run(_plan, request, body)  # tokenizes: off the loop
+    model, lora_name = await resolve_model(request, body.model)
+    plan, deadline = await request.app[TOKENIZE].run(_plan, request, body, model)  # tokenizes: off the loop
+    plan.lora_name = lora_name
     store = request.app[STORE]
     idempotency = None
     if "Idempotency-Key" in request.headers:

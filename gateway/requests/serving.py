@@ -117,7 +117,7 @@ def submissions(plan: Plan, req_ids: list[str], deadline: float | None = None, *
     return [
         Submission(req_id, RequestMessage.make(req_id, plan.model.name, choice.prompt_ids, choice.sampling,
                                                priority=plan.priority, arrival_time=now, deadline=deadline,
-                                               tenant=name),
+                                               tenant=name, lora_name=plan.lora_name),
                    plan.api, plan.logprobs, tool_format=plan.tool_format,
                    parallel_tool_calls=plan.parallel_tool_calls, lease_until=lease_until,
                    prompt_top_logprobs=plan.prompt_logprobs,

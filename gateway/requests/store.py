@@ -172,7 +172,8 @@ class RequestStore:
         args: list[object] = [self.result_ttl_s, message.encode(), idempotency, self.idempotency_ttl_s]
         for name, value in fields.items():
             args += [name, value]
-        route = self.router.route(message.model, message.prompt_token_ids) if self.router else None
+        route = (self.router.route(message.model, message.prompt_token_ids, message.lora_name)
+                 if self.router else None)
         if route is not None and route.scheduler_id is not None and not self.is_cluster:
             replica = route.scheduler_id
             keys += [self.keys.scheduler(replica), self.keys.drain(replica),

@@ -113,3 +113,27 @@ async def test_a_routed_request_is_queued_in_the_replicas_stream_only_while_it_l
         assert await client.xlen(own) == 0
     finally:
         await client.aclose()
+
+
+def test_a_request_on_an_adapter_goes_to_the_least_loaded_replica_holding_it() -> None:
+    prompt = list(range(100))
+    plain = _holding("plain", prompt)  # holds the prompt's prefix (on the base), not the adapter
+    busy = ReplicaView("busy", 16, 64, frozenset(), num_running=6, max_num_seqs=8, loras=frozenset({"sql"}))
+    idle = ReplicaView("idle", 16, 64, frozenset(), num_running=1, max_num_seqs=8, loras=frozenset({"sql"}))
+    assert choose_replica(prompt, [plain, busy, idle], lora_name="sql").scheduler_id == "idle"
+    assert choose_replica(prompt, [plain, busy], lora_name="sql").decision == "lora"
+    # Nobody holds it, or everybody: whichever replica has room pulls it from the shared stream.
+    assert choose_replica(prompt, [plain, busy, idle], lora_name="chat").scheduler_id is None
+    assert choose_replica(prompt, [busy, idle], lora_name="sql").scheduler_id is None
+    full = ReplicaView("full", 16, 64, frozenset(), num_running=8, max_num_seqs=8, loras=frozenset({"sql"}))
+    assert choose_replica(prompt, [plain, full], lora_name="sql").decision == "overloaded"
+
+
+def test_a_heartbeat_names_the_adapters_a_replica_holds_and_its_largest_rank() -> None:
+    from gateway.fleet import SchedulerInfo
+
+    beat = {b"model": b"m", b"loras_loaded": b'["sql", "chat"]', b"max_lora_rank": b"16"}
+    info = SchedulerInfo.parse("s1", beat)
+    assert (info.loras_loaded, info.max_lora_rank) == (frozenset({"sql", "chat"}), 16)
+    plain = SchedulerInfo.parse("s2", {b"model": b"m"})  # an engine without adapters
+    assert (plain.loras_loaded, plain.max_lora_rank) == (frozenset(), 0)

@@ -8,7 +8,7 @@ import ray.cloudpickle
 import torch
 
 from shared.sampling import SamplingParams
-from shared.step import SampledToken, SequenceWork, StepBatch, StepResult, TokenBitmask
+from shared.step import LoraLoad, SampledToken, SequenceWork, StepBatch, StepResult, TokenBitmask
 
 
 def test_a_batch_and_a_result_come_back_equal_field_for_field():
@@ -19,15 +19,17 @@ def test_a_batch_and_a_result_come_back_equal_field_for_field():
                                  grammar='{"type": "json_object"}')
     sampling = [SamplingParams(), every_field]
     works = [SequenceWork(f"r{i}", [i, i + 1], 10 * i, [i, i + 1, i + 2], i % 2 == 0, sampling[i % 2], i,
-                          [1, 2] if i % 2 else [], [3] if i % 2 else []) for i in range(6)]
+                          [1, 2] if i % 2 else [], [3] if i % 2 else [], lora_slot=i % 3) for i in range(6)]
     for i, work in enumerate(works):
-        work.num_draft_tokens = i % 3  # (speculative decoding's drafts)
+        work.num_draft_tokens = (i + 1) % 3  # (speculative decoding's drafts)
     mask = TokenBitmask(rows=[0], bits=torch.tensor([[5, -1]], dtype=torch.int32))
-    batch = StepBatch(4, works, mask, freed_req_ids=["gone", "preempted"])
+    loads = [LoraLoad(2, 7, "sql", "/adapters/sql")]
+    batch = StepBatch(4, works, mask, freed_req_ids=["gone", "preempted"], lora_loads=loads)
     for dumps in (pickle.dumps, ray.cloudpickle.dumps):
         back = pickle.loads(dumps(batch))
         assert back.works == works and back.step_id == 4
         assert back.freed_req_ids == ["gone", "preempted"]
+        assert back.lora_loads == loads
         assert back.token_mask.rows == [0] and torch.equal(back.token_mask.bits, mask.bits)
     result = StepResult(4, [SampledToken("r0", 9, num_accepted_drafts=2),
                             SampledToken("r2", 8, -0.25, [(8, -0.25), (1, -2.0)])])

@@ -22,7 +22,8 @@ SAMPLES = {
     "num-threads": "2", "ray-address": "127.0.0.1:6380", "placement-strategy": "SPREAD",
     "num-cpus-per-rank": "0.5", "async-scheduling": "on", "no-prefix-caching": None,
     "grammar-jump-forward": None, "itl-target-ms": "12.5", "itl-slowdown": "2",
-    "max-weight-bytes-per-rank": "24e9",
+    "max-weight-bytes-per-rank": "24e9", "enable-lora": None, "lora-modules": "sql=/adapters/sql",
+    "max-loras": "4", "max-lora-rank": "64", "max-cpu-loras": "8",
     "speculative-config": '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}',
 }
 PLACEMENT_GROUP = "tokenfleet-replica-m-0"  # the one flag the launchers set per replica

@@ -48,3 +48,15 @@ def test_status_lists_a_corrupt_batch_record_as_failed_and_the_rest_as_they_are(
 def test_scheduler_refuses_no_publisher_process(capsys) -> None:
     assert main(["scheduler", "--publisher-processes", "0"]) == 1
     assert "--publisher-processes must be >= 1" in capsys.readouterr().err
+
+
+def test_status_shows_each_schedulers_lora_adapters(redis_server, capsys) -> None:
+    from protocol import registry
+    from protocol.keys import Keys
+
+    client = redis.Redis.from_url(redis_server.url)
+    client.hset(Keys().scheduler("s1"), mapping={"model": "m", "loras": '["chat", "sql"]',
+                                                 "loras_loaded": '["sql"]'})
+    registry.beat(client, Keys(), registry.SCHEDULERS, "s1", 30)
+    assert main(["status", "--redis-url", redis_server.url]) == 0
+    assert "  s1: sql / chat, sql" in capsys.readouterr().out
