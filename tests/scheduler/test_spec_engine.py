@@ -167,6 +167,25 @@ def test_greedy_identical_with_tp2_through_the_ray_group(tiny, plain) -> None:
     assert spec.outputs()[:NUM_COMPARED] == plain.outputs()[:NUM_COMPARED]
 
 
+def test_lora_requests_speculate_with_their_adapter_on_every_verified_row(tiny, lora_adapters) -> None:
+    """Adapters apply to the drafts' rows as to any token's: the base and two adapters, in the same
+    steps, speculating, give the tokens of the same engine without speculation."""
+    names = [None, *list(lora_adapters)[:2]]
+    prompts = PROMPTS[:3]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    config = dict(model=str(tiny), dtype="float32", block_size=4, num_kv_blocks=128, max_num_seqs=4,
+                  max_num_batched_tokens=32, enable_lora=True, max_loras=2, max_lora_rank=16,
+                  lora_modules={name: str(path) for name, path in lora_adapters.items()})
+    outputs, accepted = {}, 0
+    for spec in (None, NGRAM):
+        with LLMEngine(EngineConfig(**config, speculative_config=spec), load_tokenizer_files=False) as engine:
+            outputs[spec] = [r.token_ids for r in engine.generate(prompts, greedy, lora_names=names)]
+            if spec is not None:
+                accepted = engine.scheduler.speculator.num_accepted_tokens
+    assert accepted > 0
+    assert outputs[NGRAM] == outputs[None]
+
+
 def test_no_speculation_above_disable_by_batch_size(tiny) -> None:
     short = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     spec = _run(tiny, PROMPTS[:3], short, SpeculativeConfig(disable_by_batch_size=2))
