@@ -22,21 +22,17 @@ from __future__ import annotations
 import argparse
 import gc
 import shutil
-from pathlib import Path
 
 import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import torch
 
-from scheduler.engine import LLMEngine
-from shared.config import EngineConfig
 from shared.logging import configure_logging
-from testkit.engine_runs import warm_up
 from testkit.lora_adapters import write_random_adapter
-from testkit.lora_runs import burst_output_rate, decode_ms_per_token, first_load_ms
+from testkit.lora_runs import first_load_ms, lora_engine, measure
 from testkit.quant_runs import SMOKE_LLAMA
 from testkit.random_models import LLAMA3_8B, checkpoint_folder, module_bytes, random_llama
 from testkit.runs import log, print_command
-from testkit.workloads import greedy, sharegpt_workload, warmup_prompts
+from testkit.workloads import sharegpt_workload
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,25 +44,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-adapters", type=int, default=8)
     parser.add_argument("--rank", type=int, default=16)
     return parser.parse_args(argv)
-
-
-def _engine(folder: Path, args, **lora) -> LLMEngine:
-    config = EngineConfig.for_device(torch.device(args.device).type, model=str(folder), device=args.device,
-                                     dtype=args.dtype, num_kv_blocks=512 if args.smoke else None, **lora)
-    return LLMEngine(config, load_tokenizer_files=False)
-
-
-def _measure(engine: LLMEngine, args, workload, vocab: int, names: list[str | None]) -> dict:
-    device = torch.device(args.device)
-    warm_up(engine, vocab)
-    if names[0] is not None:  # every adapter into its slot, the LoRA products' kernels compiled
-        prompts = warmup_prompts(vocab, engine.max_model_len)
-        engine.generate([prompts[i % len(prompts)] for i in range(len(names))], greedy(8), lora_names=names)
-    result = {"burst": burst_output_rate(engine, workload, names, device),
-              "decode": decode_ms_per_token(engine, vocab, device, names[0])}
-    if names[0] is not None:
-        result["decode_base"] = decode_ms_per_token(engine, vocab, device, None)
-    return result
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -91,16 +68,16 @@ def main(argv: list[str] | None = None) -> None:
                     for i in range(args.num_adapters + 1)}  # the last one: the first-load measurement
         late_name, late_path = adapters.popitem()
         log("base engine")
-        engine = _engine(folder, args)
+        engine = lora_engine(folder, args)
         try:
-            base = _measure(engine, args, workload, vocab, [None])
+            base = measure(engine, args, workload, vocab, [None])
         finally:
             engine.close()
         log("LoRA engine")
-        engine = _engine(folder, args, enable_lora=True, lora_modules=adapters, max_loras=len(adapters),
+        engine = lora_engine(folder, args, enable_lora=True, lora_modules=adapters, max_loras=len(adapters),
                          max_lora_rank=args.rank)
         try:
-            lora = _measure(engine, args, workload, vocab, list(adapters))
+            lora = measure(engine, args, workload, vocab, list(adapters))
             lora["first_load"] = first_load_ms(engine, late_name, late_path, vocab)
             dense = engine.executor.runner.lora.is_dense
             graphs = engine.executor.runner.decode_graphs is not None

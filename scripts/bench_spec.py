@@ -24,7 +24,7 @@ from shared.config import EngineConfig
 from shared.logging import configure_logging
 from shared.speculative import parse_speculative_config
 from testkit.runs import log, print_command
-from testkit.spec_runs import prompts_of, run_workload
+from testkit.spec_runs import compare_row, prompts_of, run_workload
 from workers.default_model import fetch_default_model
 from workers.device import resolve_device
 
@@ -66,18 +66,10 @@ def main() -> int:
     for workload, max_tokens, alone in (("copy", args.max_tokens, True), ("chat", args.max_tokens, True),
                                         ("batch", args.batch_max_tokens, False)):
         prompts = prompts_of(engines["plain"], workload, args.batch)
-        plain = run_workload(engines["plain"], prompts, max_tokens, one_at_a_time=alone)
-        spec = run_workload(engines["ngram"], prompts, max_tokens, one_at_a_time=alone)
-        same = plain.outputs == spec.outputs
-        is_identical &= same
-        acceptance = spec.num_accepted_tokens / spec.num_draft_tokens if spec.num_draft_tokens else 0.0
-        mean_len = 1 + spec.num_accepted_tokens / spec.num_drafts if spec.num_drafts else 0.0
-        label = f"{workload} (batch {1 if alone else len(prompts)})"
-        rows.append((label, plain.num_output_tokens, plain.output_rate, spec.output_rate,
-                     spec.output_rate / plain.output_rate, spec.cpu_rate / plain.cpu_rate,
-                     min(plain.cpu_seconds / plain.seconds, spec.cpu_seconds / spec.seconds),
-                     same, acceptance, mean_len))
-        log(f"{label}: done")
+        row = compare_row(engines["plain"], engines["ngram"], workload, prompts, max_tokens, alone)
+        is_identical &= row[7]
+        rows.append(row)
+        log(f"{row[0]}: done")
     print(f"\nSmolLM2 on {device}; speculative config {args.spec}")
     print("(ratio: ngram / plain output tok/s; by CPU: the same in output tokens per CPU second of this "
           "process; cores: the smaller of the two runs' CPU seconds per wall second)")

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import random
 import time
+from pathlib import Path
 
 import torch
 
 from scheduler.engine import LLMEngine
+from shared.config import EngineConfig
+from testkit.engine_runs import warm_up
 from testkit.roofline import sync
-from testkit.workloads import Workload, greedy
+from testkit.workloads import Workload, greedy, warmup_prompts
 
 
 def burst_output_rate(engine: LLMEngine, workload: Workload, lora_names: list[str | None],
@@ -51,3 +54,24 @@ def first_load_ms(engine: LLMEngine, name: str, path: str, vocab_size: int) -> f
     engine.add_lora(name, path)
     engine.generate([[1 + i % (vocab_size - 1) for i in range(16)]], greedy(1), lora_names=[name])
     return engine.executor.runner.lora.last_load_ms
+
+
+def lora_engine(folder: Path, args, **lora) -> LLMEngine:
+    """The script's engine on --device/--dtype: the base alone, or with the given LoRA flags."""
+    config = EngineConfig.for_device(torch.device(args.device).type, model=str(folder), device=args.device,
+                                     dtype=args.dtype, num_kv_blocks=512 if args.smoke else None, **lora)
+    return LLMEngine(config, load_tokenizer_files=False)
+
+
+def measure(engine: LLMEngine, args, workload, vocab: int, names: list[str | None]) -> dict:
+    """Burst and batch-1 decode on `names` (None: the base), after a warm-up that fills the slots."""
+    device = torch.device(args.device)
+    warm_up(engine, vocab)
+    if names[0] is not None:  # every adapter into its slot, the LoRA products' kernels compiled
+        prompts = warmup_prompts(vocab, engine.max_model_len)
+        engine.generate([prompts[i % len(prompts)] for i in range(len(names))], greedy(8), lora_names=names)
+    result = {"burst": burst_output_rate(engine, workload, names, device),
+              "decode": decode_ms_per_token(engine, vocab, device, names[0])}
+    if names[0] is not None:
+        result["decode_base"] = decode_ms_per_token(engine, vocab, device, None)
+    return result

@@ -88,3 +88,18 @@ def run_workload(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, *
         timed.num_draft_tokens = speculator.num_draft_tokens - before[1]
         timed.num_accepted_tokens = speculator.num_accepted_tokens - before[2]
     return timed
+
+
+def compare_row(plain_engine, spec_engine, workload: str, prompts: list, max_tokens: int,
+                alone: bool) -> tuple:
+    """One row of bench_spec.py's table: the workload on the plain engine, then the speculating
+    one: (label, output tokens, plain tok/s, spec tok/s, ratio, ratio by CPU time, cores, identical,
+    acceptance, mean accepted length)."""
+    plain = run_workload(plain_engine, prompts, max_tokens, one_at_a_time=alone)
+    spec = run_workload(spec_engine, prompts, max_tokens, one_at_a_time=alone)
+    acceptance = spec.num_accepted_tokens / spec.num_draft_tokens if spec.num_draft_tokens else 0.0
+    mean_len = 1 + spec.num_accepted_tokens / spec.num_drafts if spec.num_drafts else 0.0
+    return (f"{workload} (batch {1 if alone else len(prompts)})", plain.num_output_tokens, plain.output_rate,
+            spec.output_rate, spec.output_rate / plain.output_rate, spec.cpu_rate / plain.cpu_rate,
+            min(plain.cpu_seconds / plain.seconds, spec.cpu_seconds / spec.seconds),
+            plain.outputs == spec.outputs, acceptance, mean_len)
