@@ -21,7 +21,7 @@ from gateway.errors import BadRequest, ModelNotFound
 from gateway.models import ServedModel
 from gateway.openai.schemas import StrictModel
 from gateway.requests.serving import read_body
-from gateway.tenants_access import Caller, caller
+from gateway.tenants_access import Caller, PermissionDenied, caller
 from protocol.keys import Keys
 from protocol.lora_registry import LORA_NAME_PATTERN, LoraRecord
 from shared.lora_config import read_lora_config
@@ -118,6 +118,9 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
     found = await _find(request, body.lora_name)
     if found is None:
         raise ModelNotFound(f"no LoRA adapter named {body.lora_name!r} is loaded", param="lora_name")
-    model, _ = found
+    model, record = found
+    if not caller(request).can_see(record.owner):  # the operator's (--lora-modules): every tenant calls it
+        raise PermissionDenied(f"the LoRA adapter {body.lora_name!r} is not yours to unload: only its "
+                               "owner or an admin tenant may")
     await request.app[REDIS].hdel(request.app[STORE].keys.loras(model.name), body.lora_name)
     return web.json_response({"object": "lora_adapter", "lora_name": body.lora_name, "deleted": True})

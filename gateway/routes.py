@@ -75,7 +75,7 @@ ROUTES = [
           "Serve a LoRA adapter (a PEFT folder the schedulers can read) under a name (vLLM's route)",
           loras.LoadLoraAdapter, responses.LoraAdapter, errors=(400, 401, 404, 413)),
     Route("POST", "/v1/unload_lora_adapter", loras.unload_lora_adapter, "Stop serving a LoRA adapter",
-          loras.UnloadLoraAdapter, responses.LoraAdapter, errors=(400, 401, 404, 413)),
+          loras.UnloadLoraAdapter, responses.LoraAdapter, errors=(400, 401, 403, 404, 413)),
     Route("POST", "/v1/requests", requests_api.submit,
           "Submit a request (202 + Location); Idempotency-Key makes retries safe",
           ("SubmitRequest", requests_api.SUBMIT), responses.RequestStatus, status=202,

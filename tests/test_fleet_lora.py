@@ -105,6 +105,12 @@ def test_adapters_through_up_and_the_openai_sdk(tiny_chat, tmp_path) -> None:
         gone = httpx.post(f"{base}/v1/unload_lora_adapter", headers={"Authorization": "Bearer key-a"},
                           json={"lora_name": "mine"})
         assert gone.status_code == 404
+        # The operator's adapter: every tenant calls it, none unloads it.
+        kept = httpx.post(f"{base}/v1/unload_lora_adapter", headers={"Authorization": "Bearer key-b"},
+                          json={"lora_name": "pub"})
+        assert kept.status_code == 403, kept.text
+        still = a.completions.create(model="pub", prompt=PROMPT, **greedy).choices[0].text
+        assert still == completion.choices[0].text
         too_big = httpx.post(f"{base}/v1/load_lora_adapter", headers={"Authorization": "Bearer key-a"},
                              json={"lora_name": "x", "lora_path": str(tmp_path / "nowhere")})
         assert too_big.status_code == 400 and "no such folder" in too_big.json()["error"]["message"]
