@@ -186,11 +186,12 @@ class LLMEngine:
                                                   stride=self.executor.max_model_len))
         if lora_name is not None:
             request.lora = self._lora_slots().get(lora_name)
-            self.scheduler.lora_slots.num_requests[lora_name] += 1
         if arrival_time is not None:
             request.arrival_time = arrival_time
         request.output_text = output_text
         self.scheduler.add_request(request)
+        if lora_name is not None:  # (counted once accepted: a refused request is not one)
+            self.scheduler.lora_slots.num_requests[lora_name] += 1
         return req_id
 
     # -- LoRA adapters (scheduler/lora_slots.py) -------------------------------------
