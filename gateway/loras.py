@@ -10,13 +10,14 @@ every gateway. An adapter a tenant loaded is that tenant's: to everyone else it 
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable, Iterable
 
 import redis.asyncio as aioredis
 from aiohttp import web
 from pydantic import Field
 
-from gateway.appkeys import FLEET, MODELS, REDIS, STORE
+from gateway.appkeys import FLEET, MODELS, REDIS, SETTINGS, STORE
 from gateway.errors import BadRequest, ModelNotFound
 from gateway.models import ServedModel
 from gateway.openai.schemas import StrictModel
@@ -89,8 +90,25 @@ async def adapter_cards(request: web.Request, served: set[str]) -> list[dict]:
     return cards
 
 
+def _check_load_path(who: Caller, path: str, roots: tuple[str, ...]) -> None:
+    """A tenant loads adapters only from under the gateway's --lora-root folders: the schedulers
+    read the folder it names, so an unchecked path would let one tenant make them read any PEFT
+    folder on their disks (and learn from the error whether a path exists). Checked on the
+    resolved path, before any file is touched. Callers with no tenant, and admins, are the
+    operator: they may name any folder, as --lora-modules does."""
+    if who.tenant is None or who.sees_everything:
+        return
+    resolved = os.path.realpath(path)
+    if not any(resolved == root or resolved.startswith(root.rstrip(os.sep) + os.sep) for root in roots):
+        where = (f"from under {', '.join(roots)}" if roots else
+                 "at runtime on this gateway (start it with --lora-root DIR to let tenants load from DIR)")
+        raise PermissionDenied(f"lora_path: a tenant may load LoRA adapters only {where}")
+
+
 async def load_lora_adapter(request: web.Request) -> web.Response:
     body, _ = await read_body(request, LoadLoraAdapter)
+    who = caller(request)
+    _check_load_path(who, body.lora_path, request.app[SETTINGS].lora_roots)
     base = request.app[MODELS].get(body.base_model)
     fleet = request.app[FLEET]
     await fleet.refresh()
@@ -104,7 +122,6 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     lora = await asyncio.to_thread(  # (files: off the event loop)
         lambda: read_lora_config(body.lora_path, load_model_config(base.path), base_path=base.path,
                                  max_lora_rank=min(ranks)))
-    who = caller(request)
     record = LoraRecord(body.lora_name, body.lora_path, lora.rank, owner=who.tenant)
     key = request.app[STORE].keys.loras(base.name)
     if not await request.app[REDIS].hsetnx(key, body.lora_name, record.encode()):

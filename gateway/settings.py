@@ -30,6 +30,9 @@ class GatewaySettings:
     # /metrics and /fleet.json open to anyone even with API keys or tenants (--public-metrics),
     # e.g. for a Prometheus that scrapes without a key; off: they need a key (an admin's with tenants)
     public_metrics: bool = False
+    # Folders a tenant's runtime LoRA load may read from (--lora-root); none: tenants may not load
+    # adapters at runtime (callers with no tenant, and admins, may load any folder the schedulers read)
+    lora_roots: tuple[str, ...] = ()
     tenant_lease_s: float = 3600.0  # a concurrency lease nothing ended (the request lost) lapses after this
     tenant_pending_lease_s: float = 60.0  # a lease taken, never queued (its gateway died), lapses after this
     key_prefix: str = "tf:"

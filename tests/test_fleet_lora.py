@@ -52,7 +52,7 @@ def test_adapters_through_up_and_the_openai_sdk(tiny_chat, tmp_path) -> None:
     port = free_port()
     up = UpProcess(["--port", str(port), "--model", str(tiny_chat), "--num-kv-blocks", "128", "--dtype",
                     "float32", "--tenants-file", str(tenants), "--enable-lora", "--max-loras", "2",
-                    "--lora-modules", f"pub={public}"], tmp_path / "home")
+                    "--lora-modules", f"pub={public}", "--lora-root", str(tmp_path)], tmp_path / "home")
     base = f"http://127.0.0.1:{port}"
     a = openai.OpenAI(base_url=f"{base}/v1", api_key="key-a", max_retries=0)
     b = openai.OpenAI(base_url=f"{base}/v1", api_key="key-b", max_retries=0)
@@ -92,6 +92,11 @@ def test_adapters_through_up_and_the_openai_sdk(tiny_chat, tmp_path) -> None:
         (output,) = [json.loads(x) for x in a.files.content(batch.output_file_id).text.splitlines()]
         assert output["response"]["body"]["choices"][0]["text"] == completion.choices[0].text
 
+        # A tenant loads only from under --lora-root: the schedulers would read any folder it named.
+        outside = httpx.post(f"{base}/v1/load_lora_adapter", headers={"Authorization": "Bearer key-b"},
+                             json={"lora_name": "mine", "lora_path": str(tmp_path / "..")})
+        assert outside.status_code == 403, outside.text
+        assert "a tenant may load LoRA adapters only from under" in outside.json()["error"]["message"]
         # team-b loads an adapter of its own at runtime: only team-b sees and calls it.
         loaded = httpx.post(f"{base}/v1/load_lora_adapter", headers={"Authorization": "Bearer key-b"},
                             json={"lora_name": "mine", "lora_path": str(private)})

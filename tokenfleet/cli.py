@@ -267,6 +267,9 @@ def _add_gateway_parser(commands) -> None:
     _flag(gw, "public-metrics", action="store_true",
           help="serve /metrics and /fleet.json to anyone even with --api-key or tenants (they name hosts, "
                "pids, jobs and errors; by default they need a key, an admin tenant's with tenants)")
+    _list_flag(gw, "lora-root", help="a folder a tenant's POST /v1/load_lora_adapter may read adapters from "
+                                     "(repeatable; none: only callers with no tenant, or admins, load "
+                                     "adapters at runtime)")
     _flag(gw, "tenants-file", help="JSON file of tenants: their API keys and limits (requests and tokens per "
                                    "minute, concurrent requests, batch lines in flight); see the README")
     _flag(gw, "max-queue", type=int, default=1024, help="waiting requests per model before 429 (0: no limit)")
@@ -348,6 +351,7 @@ def gateway_settings(args: argparse.Namespace):
         max_n=args.max_n, max_body_bytes=args.max_body_bytes, batch_ingester=not args.no_batch_ingester,
         batch_max_inflight=args.batch_max_inflight, batch_lease_s=args.batch_lease_s, routing=args.routing,
         public_metrics=args.public_metrics,
+        lora_roots=tuple(os.path.realpath(root) for root in _list_value(args, "lora-root")),
         **_batch_settings(args),
     )
 

@@ -58,6 +58,8 @@ def add_up_parser(commands) -> None:
     _list_flag(up, "api-key", help="a Bearer key the gateway accepts (repeatable; none: the gateway is open)")
     _flag(up, "public-metrics", action="store_true",
           help="the gateway serves /metrics and /fleet.json without a key (see `tokenfleet gateway --help`)")
+    _list_flag(up, "lora-root", help="a folder tenants may load LoRA adapters from at runtime "
+                                     "(see `tokenfleet gateway --help`)")
     _flag(up, "max-queue", type=int, help="the gateway's waiting requests per model before 429 "
                                           "(default 1024; 0: no limit)")
     _flag(up, "max-n", type=int, help="the gateway's cap on n, choices per request (default 8)")
@@ -216,6 +218,8 @@ def _up_gateway_flags(args: argparse.Namespace) -> dict:
     gateway_args = ["--routing", args.routing]
     if args.public_metrics:
         gateway_args.append("--public-metrics")
+    for root in _list_value(args, "lora-root"):
+        gateway_args += ["--lora-root", os.path.abspath(root)]
     for name, value in (("max-queue", args.max_queue), ("max-n", args.max_n)):
         if value is not None:
             gateway_args += [f"--{name}", str(value)]
