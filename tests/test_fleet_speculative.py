@@ -117,11 +117,13 @@ class EventsClient:
 
 @dataclass
 class KillRun:
-    clients: list[EventsClient]
-    replays: list[EventsClient]  # each request read again after the end, from its first multi-token event
+    undisturbed: list[EventsClient]  # the same chats, run first on the same fleet
+    clients: list[EventsClient]  # the chats whose scheduler was killed
+    replays: list[EventsClient]  # each of those read again after the end, from its first multi-token event
     records: list[ResultRecord]
-    resumed_from_seq: list[int]  # per request: the seq its successor took it over at
-    accepted_before_kill: int  # the victim's accepted draft tokens, from its last heartbeat
+    resumed_from_seq: list[int]  # per request: the seq the restarted scheduler took it over at
+    accepted_undisturbed: int  # the victim's accepted draft tokens once the undisturbed run ended
+    accepted_before_kill: int  # ... just before it was killed, from its last heartbeat
     accepted_after_kill: int  # the restarted scheduler's (a new process: counted from 0)
     metrics_accepted: float  # tokenfleet:spec_decode_num_accepted_tokens_total in /metrics, at the end
 
@@ -135,6 +137,10 @@ def _record(client: redis.Redis, req_id: str) -> tuple[ResultRecord, dict[bytes,
     return ResultRecord.parse(req_id, raw), raw
 
 
+def _accepted(beat: dict[str, str]) -> int:
+    return int(beat.get("spec_num_accepted_tokens", 0))
+
+
 def _has_multi_token_event(client: EventsClient) -> bool:
     return any(len(e["token_ids"]) > 1 for e in client.events)
 
@@ -146,20 +152,39 @@ async def _until(condition, timeout_s: float, what: str) -> None:
         await asyncio.sleep(0.05)
 
 
+async def _submit_chats(session: aiohttp.ClientSession, url: str, model: str) -> list[EventsClient]:
+    clients = []
+    for prompt in RESUME_PROMPTS:
+        body = {"kind": "chat", "model": model, "max_tokens": RESUME_MAX_TOKENS, "temperature": 0,
+                "messages": [{"role": "user", "content": prompt}]}
+        async with session.post(f"{url}/v1/requests", json=body) as response:
+            assert response.status == 202, await response.text()
+            clients.append(EventsClient((await response.json())["id"]))
+    return clients
+
+
+async def _run_undisturbed(session: aiohttp.ClientSession, url: str, model: str,
+                           db: redis.Redis) -> tuple[list[EventsClient], int]:
+    """The chats read to their end; the scheduler's accepted draft tokens once they ended (from
+    the first heartbeat that counts them finished: nothing else runs)."""
+    clients = await _submit_chats(session, url, model)
+    await asyncio.gather(*(client.read(session, url) for client in clients))
+    deadline = time.monotonic() + 15
+    while int((beat := _heartbeat(db, f"{model}-0")).get("num_finished", 0)) < len(clients):
+        assert time.monotonic() < deadline, f"no heartbeat counts the undisturbed run finished: {beat}"
+        await asyncio.sleep(0.05)
+    return clients, _accepted(beat)
+
+
 async def _kill_mid_stream(url: str, model: str, db: redis.Redis) -> KillRun:
-    """Three chats streamed; the scheduler killed once each has NUM_TOKENS_AT_KILL tokens and it
-    has accepted drafts; one client stays attached throughout, one leaves at the kill and comes
-    back at once, one leaves after its first event of several tokens and comes back once the
-    restarted scheduler has written more."""
+    """The chats run undisturbed, then again: the scheduler killed once each has made
+    NUM_TOKENS_AT_KILL tokens and it has accepted drafts on them; one client stays attached
+    throughout, one leaves at the kill and comes back at once, one leaves after its first event
+    of several tokens and comes back once the restarted scheduler has written more."""
     scheduler_id = f"{model}-0"
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
-        clients = []
-        for prompt in RESUME_PROMPTS:
-            body = {"kind": "chat", "model": model, "max_tokens": RESUME_MAX_TOKENS, "temperature": 0,
-                    "messages": [{"role": "user", "content": prompt}]}
-            async with session.post(f"{url}/v1/requests", json=body) as response:
-                assert response.status == 202, await response.text()
-                clients.append(EventsClient((await response.json())["id"]))
+        undisturbed, accepted_undisturbed = await _run_undisturbed(session, url, model, db)
+        clients = await _submit_chats(session, url, model)
         stays, at_once, late = clients
         reads = [asyncio.create_task(stays.read(session, url)),
                  asyncio.create_task(at_once.read(session, url)),
@@ -168,9 +193,8 @@ async def _kill_mid_stream(url: str, model: str, db: redis.Redis) -> KillRun:
         def ready_to_kill() -> bool:
             records = [_record(db, c.req_id)[0] for c in clients]
             assert not any(r.is_terminal for r in records), "a request ended before the kill"
-            beat = _heartbeat(db, scheduler_id)
             return (min(len(r.token_ids) for r in records) >= NUM_TOKENS_AT_KILL and reads[2].done()
-                    and int(beat.get("spec_num_accepted_tokens", 0)) > 0)
+                    and _accepted(_heartbeat(db, scheduler_id)) > accepted_undisturbed)
 
         await _until(ready_to_kill, 120, "tokens and accepted drafts before the kill")
         victim = _heartbeat(db, scheduler_id)
@@ -187,27 +211,28 @@ async def _kill_mid_stream(url: str, model: str, db: redis.Redis) -> KillRun:
         await _until(taken_over_and_on, 120, f"{late.req_id} resumed by the restarted scheduler")
         reads[2] = asyncio.create_task(late.read(session, url))
         await asyncio.wait_for(asyncio.gather(*reads), 180)
-
-        def successor_accepted() -> bool:
-            beat = _heartbeat(db, scheduler_id)
-            return beat["pid"] != victim["pid"] and int(beat.get("spec_num_accepted_tokens", 0)) > 0
-
-        await _until(successor_accepted, 15, "the restarted scheduler's heartbeat with accepted drafts")
+        await _until(lambda: _heartbeat(db, scheduler_id)["pid"] != victim["pid"]
+                     and _accepted(_heartbeat(db, scheduler_id)) > 0, 15, "the new scheduler's heartbeat")
         async with session.get(f"{url}/metrics") as response:
             metrics = await response.text()
-        replays = []
-        for client in clients:
-            first = next(i for i, e in enumerate(client.events) if len(e["token_ids"]) > 1)
-            replay = EventsClient(client.req_id, events=client.events[:first + 1],
-                                  resumes=[r for r in client.resumes if r[0] <= first])
-            await replay.read(session, url)
-            replays.append(replay)
+        replays = [await _replay_after_first_multi_token_event(session, url, client) for client in clients]
     records, raws = zip(*(_record(db, c.req_id) for c in clients), strict=True)
-    return KillRun(clients, replays, list(records), [int(raw.get(b"resumed_from_seq", 0)) for raw in raws],
-                   int(victim.get("spec_num_accepted_tokens", 0)),
-                   int(_heartbeat(db, scheduler_id)["spec_num_accepted_tokens"]),
+    return KillRun(undisturbed, clients, replays, list(records),
+                   [int(raw.get(b"resumed_from_seq", 0)) for raw in raws], accepted_undisturbed,
+                   _accepted(victim), _accepted(_heartbeat(db, scheduler_id)),
                    sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                        if line.startswith("tokenfleet:spec_decode_num_accepted_tokens_total{")))
+
+
+async def _replay_after_first_multi_token_event(session: aiohttp.ClientSession, url: str,
+                                                client: EventsClient) -> EventsClient:
+    """The request's events read again from the record, with Last-Event-ID the seq of its
+    first event of several tokens."""
+    first = next(i for i, e in enumerate(client.events) if len(e["token_ids"]) > 1)
+    replay = EventsClient(client.req_id, events=client.events[:first + 1],
+                          resumes=[r for r in client.resumes if r[0] <= first])
+    await replay.read(session, url)
+    return replay
 
 
 def _check_events(client: EventsClient, record: ResultRecord, want_token_ids: list[int],
@@ -232,29 +257,34 @@ def _check_events(client: EventsClient, record: ResultRecord, want_token_ids: li
     assert "".join(e["text"] for e in client.events) == want_text
 
 
+def _joined(client: EventsClient) -> tuple[list[int], str]:
+    return sum((e["token_ids"] for e in client.events), []), "".join(e["text"] for e in client.events)
+
+
 def test_chats_killed_and_resumed_with_speculation_give_the_undisturbed_greedy_text(smollm2, tmp_path):
     port = free_port()
     home = tmp_path / "home"
     # Leases of 2 s: the scheduler `up` starts again takes its requests back soon after it is up.
+    # One torch thread: two thrash on this machine's two cores, shared with the other processes.
     up = UpProcess(["--port", str(port), "--model", str(smollm2), "--num-kv-blocks", "128",
-                    "--dtype", "float32", "--gateway-workers", "1", "--device", "cpu",
+                    "--dtype", "float32", "--gateway-workers", "1", "--device", "cpu", "--num-threads", "1",
                     "--speculative-config", RESUME_SPEC], home, TOKENFLEET_LEASE_S="2")
     try:
-        with LLMEngine(EngineConfig(model=str(smollm2), dtype="float32", num_kv_blocks=128)) as engine:
-            greedy = SamplingParams(temperature=0.0, max_tokens=RESUME_MAX_TOKENS)
-            plain = engine.generate(RESUME_PROMPTS, greedy, chat=True)  # (while the fleet starts)
         up.wait_up()
         db = redis.Redis.from_url(json.loads((home / "fleet.json").read_text())["redis_url"])
         run = asyncio.run(_kill_mid_stream(f"http://127.0.0.1:{port}", smollm2.name, db))
     finally:
         assert up.stop() == 0, up.output[-3000:]
-    assert run.accepted_before_kill > 0 and run.accepted_after_kill > 0 and run.metrics_accepted > 0
-    for client, replay, record, resumed_from, want in zip(run.clients, run.replays, run.records,
-                                                          run.resumed_from_seq, plain, strict=True):
+    assert 0 < run.accepted_undisturbed < run.accepted_before_kill
+    assert run.accepted_after_kill > 0 and run.metrics_accepted > 0
+    runs = zip(run.undisturbed, run.clients, run.replays, run.records, run.resumed_from_seq, strict=True)
+    for reference, client, replay, record, resumed_from in runs:
+        want_token_ids, want_text = _joined(reference)
+        assert [e["seq"] for e in reference.events] == list(range(1, reference.last_seq + 1))
         assert record.state == "completed" and 0 < resumed_from < record.seq
-        assert record.token_ids == list(want.token_ids) and record.text == want.text
-        _check_events(client, record, list(want.token_ids), want.text)
-        _check_events(replay, record, list(want.token_ids), want.text)
+        assert record.token_ids == want_token_ids and record.text == want_text
+        _check_events(client, record, want_token_ids, want_text)
+        _check_events(replay, record, want_token_ids, want_text)
         # Drafts accepted on both sides of the kill go out as one event each.
         assert any(len(e["token_ids"]) > 1 for e in client.events if e["seq"] <= resumed_from)
         assert any(len(e["token_ids"]) > 1 for e in client.events if e["seq"] > resumed_from)
