@@ -61,6 +61,7 @@ from scheduler.grammar import Grammars
 from scheduler.lora_slots import LoraSlots
 from scheduler.prompt_logprobs import prompt_logprob_targets, prompt_logprobs_to_send, take_prompt_logprobs
 from scheduler.request import FinishReason, Request, RequestStatus, TokenLogprobs
+from scheduler.speculative.proposers import Proposer
 from scheduler.speculative.speculator import Speculator
 from scheduler.step_budget import LatencyBudget
 from scheduler.step_cost import StepCost
@@ -89,9 +90,10 @@ def _less_important_order(request: Request) -> tuple[int, bool, float]:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, tokenizer: Tokenizer | None = None,
-                 grammars: Grammars | None = None) -> None:
+                 grammars: Grammars | None = None, proposer: Proposer | None = None) -> None:
         """Without a tokenizer, outputs carry token ids only (no text, no stop strings); without
-        `grammars`, requests with a grammar are refused."""
+        `grammars`, requests with a grammar are refused. `proposer`: speculative decoding's, when
+        it is not one the config alone builds (a draft model: the engine builds it)."""
         self.config = config
         self.grammars = grammars
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
@@ -120,7 +122,7 @@ class Scheduler:
         # they stop); the caller turns the others' tokens into text off the step's critical path.
         self.text_for_stop_strings_only = False
         # Speculative decoding: decodes may carry drafts that the step verifies (_drafts).
-        self.speculator = Speculator(config.speculative) if config.speculative is not None else None
+        self.speculator = Speculator(config.speculative, proposer) if config.speculative is not None else None
         self._drafting: set[str] = set()  # requests whose step in flight carries drafts
         # The adapters served and their slots (scheduler/lora_slots.py); None: no adapters.
         self.lora_slots = LoraSlots(config.max_loras) if config.max_loras else None

@@ -73,7 +73,7 @@ class Speculator:
         max_drafts = min(max_drafts, self.config.num_speculative_tokens)
         if max_drafts <= 0 or not self.wants_to_speculate(request):
             return []
-        drafts = self.proposer.propose(request.all_token_ids, max_drafts)
+        drafts = self.proposer.propose(request.all_token_ids, max_drafts, req_id=request.req_id)
         if not drafts:
             self._note(request, 0, 0)
         return drafts
@@ -104,6 +104,10 @@ class Speculator:
 
     def forget(self, req_id: str) -> None:
         self._tracks.pop(req_id, None)
+        self.proposer.forget(req_id)
+
+    def close(self) -> None:
+        self.proposer.close()
 
     @property
     def acceptance_rate(self) -> float:
