@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 METHODS = ("ngram", "draft_model")  # built
 NOT_BUILT = ("eagle", "eagle3", "medusa", "mtp", "suffix")  # known, refused
 NGRAM_KEYS = ("prompt_lookup_max", "prompt_lookup_min")  # the ngram method's own keys
+DRAFT_MODEL_KEYS = ("model", "draft_tensor_parallel_size")  # the draft_model method's
 MAX_SPECULATIVE_TOKENS = 16  # bounds a verify step's shape (and each request's wasted slots)
 
 
@@ -81,7 +82,10 @@ class SpeculativeConfig:
 
     def __str__(self) -> str:
         """The JSON that parse_speculative_config reads back (a scheduler's command line)."""
-        return json.dumps(asdict(self), separators=(",", ":"))
+        fields = asdict(self)
+        for key in NGRAM_KEYS if self.method != "ngram" else DRAFT_MODEL_KEYS:
+            del fields[key]  # another method's keys (the parser refuses them)
+        return json.dumps(fields, separators=(",", ":"))
 
 
 def parse_speculative_config(text: str | dict) -> SpeculativeConfig:

@@ -19,7 +19,7 @@ from shared.sampling import SamplingParams
 from shared.speculative import SpeculativeConfig
 from testkit.checkpoints import make_tiny_checkpoint
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
 def _draft_config(folder, **fields) -> SpeculativeConfig:
@@ -95,8 +95,8 @@ def small_draft(tmp_path_factory):
 # Four greedy requests, one greedy with logprobs (it never speculates: a plain decode beside the
 # others), one sampled (it speculates; its output is not compared, only its length).
 PROMPTS = _prompts(1, 6)
-PARAMS = [GREEDY] * 4 + [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0),
-                         SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True)]
+PARAMS = [GREEDY] * 4 + [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0),
+                         SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)]
 NUM_COMPARED = 5
 
 
@@ -109,7 +109,7 @@ def test_greedy_identical_with_a_smaller_draft_in_a_mixed_batch(target, small_dr
     spec = _run(target, PROMPTS, PARAMS, _draft_config(small_draft))
     assert spec.outputs()[:NUM_COMPARED] == plain.outputs()[:NUM_COMPARED]
     assert spec.drafted > 0 and spec.num_mixed_steps > 0
-    assert len(spec.outputs()[-1]) == 24
+    assert len(spec.outputs()[-1]) == 16
 
 
 def test_the_target_as_its_own_draft_has_every_greedy_draft_accepted(target, plain) -> None:
@@ -124,8 +124,8 @@ def test_the_target_as_its_own_draft_has_every_greedy_draft_accepted(target, pla
 
 
 def test_greedy_identical_when_a_tiny_cache_preempts_and_the_draft_cache_evicts(target, plain) -> None:
-    # 30 blocks of 4 for the target and for the draft: six sequences of up to 64 tokens do not fit.
-    spec = _run(target, PROMPTS, PARAMS, _draft_config(target), num_kv_blocks=30)
+    # 24 blocks of 4 for the target and for the draft: six sequences of up to 51 tokens do not fit.
+    spec = _run(target, PROMPTS, PARAMS, _draft_config(target), num_kv_blocks=24)
     assert spec.num_preemptions > 0, "the tiny cache never forced a preemption"
     assert spec.accepted > 0
     assert spec.outputs()[:NUM_COMPARED] == plain.outputs()[:NUM_COMPARED]
@@ -134,18 +134,18 @@ def test_greedy_identical_when_a_tiny_cache_preempts_and_the_draft_cache_evicts(
 def test_a_stop_string_inside_an_accepted_run_ends_the_output_there(tiny_chat) -> None:
     """tiny_chat speaks SmolLM2's tokenizer; as its own draft, verifies yield K + 1 tokens at once,
     so a stop a few tokens in falls inside an accepted run."""
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     config = dict(model=str(tiny_chat), dtype="float32", block_size=4, num_kv_blocks=256)
     with LLMEngine(EngineConfig(**config)) as engine:
         plain = engine.generate(["The quick brown fox"], params)[0]
         stop = next(engine.tokenizer.decode([t]) for t in plain.token_ids[6:]
                     if len(engine.tokenizer.decode([t]).strip()) >= 2)
         expected = engine.generate(["The quick brown fox"], SamplingParams(
-            temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop]))[0]
-    assert expected.finish_reason.value == "stop" and len(expected.token_ids) < 24
+            temperature=0.0, max_tokens=16, ignore_eos=True, stop=[stop]))[0]
+    assert expected.finish_reason.value == "stop" and len(expected.token_ids) < 16
     with LLMEngine(EngineConfig(**config, speculative_config=_draft_config(tiny_chat))) as engine:
         spec = engine.generate(["The quick brown fox"], SamplingParams(
-            temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop]))[0]
+            temperature=0.0, max_tokens=16, ignore_eos=True, stop=[stop]))[0]
         assert engine.scheduler.speculator.num_accepted_tokens > 0
     assert (spec.token_ids, spec.text, spec.finish_reason) == (
         expected.token_ids, expected.text, expected.finish_reason)
