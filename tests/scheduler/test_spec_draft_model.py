@@ -204,3 +204,21 @@ def test_drafts_depend_on_the_tokens_only_not_on_the_draft_caches_history(target
     finally:
         proposer.close()
     assert common_prefix_length([1, 2, 3], [1, 2, 4, 5]) == 2 and common_prefix_length([], [1]) == 0
+
+
+@pytest.mark.slow
+def test_greedy_identical_with_async_scheduling(target, plain) -> None:
+    """Speculating requests wait for their tokens (no step ahead while one would speculate), as
+    with n-gram drafts; the draft's cache follows them all the same."""
+    spec = _run(target, PROMPTS, PARAMS, _draft_config(target), async_scheduling=True)
+    assert spec.accepted > 0
+    assert spec.outputs()[:NUM_COMPARED] == plain.outputs()[:NUM_COMPARED]
+
+
+@pytest.mark.slow
+def test_greedy_identical_with_tp2_the_draft_on_the_driver(target, small_draft, plain) -> None:
+    """The target's ranks shard (a Ray group of two), the draft runs unsharded in the engine's
+    process; the verify is the group's as with n-gram drafts."""
+    spec = _run(target, PROMPTS, PARAMS, _draft_config(small_draft), tp=2)
+    assert spec.drafted > 0
+    assert spec.outputs()[:NUM_COMPARED] == plain.outputs()[:NUM_COMPARED]
