@@ -217,6 +217,9 @@ class Scheduler:
         # (Or one present a moment ago: step_budget.py, RecentPriority.)
         plan.top_priority = top = self.latency_budget.recent_top.top(self._most_important_priority())
         plan.can_speculate = self.speculator is not None and self.speculator.step_allows(len(self._running))
+        if plan.can_speculate:
+            candidates = [r for r in self._running if self._may_draft(r)]
+            self.speculator.prepare(candidates, [self._max_drafts(r, plan.token_budget) for r in candidates])
         if self.lora_slots is not None:
             self.lora_slots.count_running([r.lora for r in self._running if r.lora is not None])
         less_important = self._schedule_running(plan, top)
@@ -349,12 +352,19 @@ class Scheduler:
     def _drafts(self, request: Request, num_new_tokens: int, token_budget: int, plan: StepPlan) -> list[int]:
         """Drafts for a decode whose tokens are all on the host (none pending nor in flight), when
         this step allows speculation; never past max_tokens, the model's window or the budget."""
-        if (not plan.can_speculate or num_new_tokens != 1 or request.num_in_flight_tokens
-                or request.num_pending_tokens or request.num_computed_tokens != request.num_tokens - 1):
+        if not plan.can_speculate or num_new_tokens != 1 or not self._may_draft(request):
             return []
-        max_drafts = min(token_budget - 1, request.sampling.max_tokens - request.num_output_tokens - 1,
-                         self._max_num_tokens - request.num_tokens - 1)
-        return self.speculator.propose(request, max_drafts)
+        return self.speculator.propose(request, self._max_drafts(request, token_budget))
+
+    @staticmethod
+    def _may_draft(request: Request) -> bool:
+        """A decode whose tokens are all on the host: none pending, none in a step in flight."""
+        return (not request.num_in_flight_tokens and not request.num_pending_tokens
+                and request.num_computed_tokens == request.num_tokens - 1)
+
+    def _max_drafts(self, request: Request, token_budget: int) -> int:
+        return min(token_budget - 1, request.sampling.max_tokens - request.num_output_tokens - 1,
+                   self._max_num_tokens - request.num_tokens - 1)
 
     def has_requests_needing_their_token(self) -> bool:
         """Whether a running request cannot be scheduled ahead (a grammar whose mask needs its

@@ -71,7 +71,7 @@ def main() -> int:
         rows.append(row)
         log(f"{row[0]}: done")
     print(f"\nSmolLM2 on {device}; speculative config {args.spec}")
-    print("(ratio: ngram / plain output tok/s; by CPU: the same in output tokens per CPU second of this "
+    print("(ratio: spec / plain output tok/s; by CPU: the same in output tokens per CPU second of this "
           "process; cores: the smaller of the two runs' CPU seconds per wall second)")
     print(f"{'workload':<16} {'tokens':>7} {'plain tok/s':>12} {spec.method[:5] + ' tok/s':>12} {'ratio':>6} "
           f"{'by CPU':>7} {'cores':>6} {'identical':>9} {'accept':>7} {'len':>5}")

@@ -100,56 +100,85 @@ class DraftModelProposer:
         self.num_catch_up_tokens = 0  # tokens the draft computed to catch up (prompts included)
 
     def propose(self, token_ids: Sequence[int], max_drafts: int, req_id: str = "") -> list[int]:
-        num_tokens = len(token_ids)
-        # The last draft's K/V is not computed: positions up to num_tokens + max_drafts - 2 are.
-        max_drafts = min(max_drafts, self.max_model_len - num_tokens + 1)
-        if max_drafts <= 0 or num_tokens == 0:
-            return []
+        return self.propose_many([(req_id, token_ids, max_drafts)])[0]
+
+    def propose_many(self, items: list[tuple[str, Sequence[int], int]]) -> list[list[int]]:
+        """Drafts for several requests at once, (req_id, token_ids, max_drafts) each: one batched
+        draft step per catch-up chunk, then one per draft position."""
         self._num_calls += 1
-        seq = self._seqs.setdefault(req_id, _DraftSeq())
-        seq.last_used = self._num_calls
-        kept = min(common_prefix_length(seq.token_ids, token_ids), num_tokens - 1)
-        seq.token_ids = list(token_ids[:kept])
-        if not self._reserve(req_id, seq, num_tokens + max_drafts - 1):
-            self.forget(req_id)
-            return []
-        draft = self._catch_up(req_id, seq, token_ids, kept)
-        drafts = [draft]
-        for _ in range(max_drafts - 1):
-            draft = self._run(req_id, seq, [draft], len(seq.token_ids))
-            drafts.append(draft)
-        return drafts
-
-    def _catch_up(self, req_id: str, seq: _DraftSeq, token_ids: Sequence[int], start: int) -> int:
-        """Compute token_ids[start:] (in chunks); the draft's next token after them."""
-        num_tokens = len(token_ids)
-        self.num_catch_up_tokens += num_tokens - start
+        drafts: list[list[int]] = [[] for _ in items]
+        active: list[tuple[int, str, _DraftSeq, Sequence[int], int]] = []
+        for i, (req_id, token_ids, max_drafts) in enumerate(items):
+            num_tokens = len(token_ids)
+            # The last draft's K/V is not computed: positions up to num_tokens + max_drafts - 2 are.
+            max_drafts = min(max_drafts, self.max_model_len - num_tokens + 1)
+            if max_drafts <= 0 or num_tokens == 0:
+                continue
+            seq = self._seqs.setdefault(req_id, _DraftSeq())
+            seq.last_used = self._num_calls  # (this call's requests are not evicted for each other)
+            kept = min(common_prefix_length(seq.token_ids, token_ids), num_tokens - 1)
+            seq.token_ids = list(token_ids[:kept])
+            if self._reserve(req_id, seq, num_tokens + max_drafts - 1):
+                active.append((i, req_id, seq, token_ids, max_drafts))
+            else:
+                self.forget(req_id)
+        self._catch_up(active, drafts)
         while True:
-            end = min(num_tokens, start + self.max_chunk_tokens)
-            token = self._run(req_id, seq, list(token_ids[start:end]), start, is_sampled=end == num_tokens)
-            if end == num_tokens:
-                return token
-            start = end
+            works = [(i, req_id, seq, [drafts[i][-1]]) for i, req_id, seq, _, max_drafts in active
+                     if len(drafts[i]) < max_drafts]
+            if not works:
+                return drafts
+            for i, token in zip([w[0] for w in works], self._run(works, [True] * len(works)), strict=True):
+                drafts[i].append(token)
 
-    def _run(self, req_id: str, seq: _DraftSeq, token_ids: list[int], start_pos: int,
-             is_sampled: bool = True) -> int:
-        """One draft step of one work; its greedy next token (-1 when not sampled)."""
-        work = SequenceWork(req_id, token_ids, start_pos, seq.block_ids, is_sampled, GREEDY)
-        batch = StepBatch(self._num_steps, [work], freed_req_ids=self._freed_req_ids)
+    def _catch_up(self, active: list, drafts: list[list[int]]) -> None:
+        """Compute each active request's tokens past what the cache holds, in steps of at most
+        max_chunk_tokens tokens in all; each request's first draft (the row after its last token)."""
+        pending = {i: len(seq.token_ids) for i, _, seq, _, _ in active}  # item -> next position
+        while pending:
+            budget = self.max_chunk_tokens
+            works, is_sampled = [], []
+            for i, req_id, seq, token_ids, _ in active:
+                if i not in pending or budget <= 0:
+                    continue
+                start = pending[i]
+                end = min(len(token_ids), start + budget)
+                budget -= end - start
+                works.append((i, req_id, seq, list(token_ids[start:end])))
+                is_sampled.append(end == len(token_ids))
+                self.num_catch_up_tokens += end - start
+                if end == len(token_ids):
+                    del pending[i]
+                else:
+                    pending[i] = end
+            sampled = iter(self._run(works, is_sampled))
+            for (i, *_), done in zip(works, is_sampled, strict=True):
+                if done:
+                    drafts[i].append(next(sampled))
+
+    def _run(self, works: list[tuple[int, str, _DraftSeq, list[int]]], is_sampled: list[bool]) -> list[int]:
+        """One draft step: each work's tokens computed after its cache's; the greedy next token of
+        each sampled one, in order."""
+        batch = StepBatch(self._num_steps, [
+            SequenceWork(req_id, token_ids, len(seq.token_ids), seq.block_ids, sampled, GREEDY)
+            for (_, req_id, seq, token_ids), sampled in zip(works, is_sampled, strict=True)],
+            freed_req_ids=self._freed_req_ids)
         self._freed_req_ids = []
         self._num_steps += 1
         result = self.runner.execute(batch)
-        seq.token_ids += token_ids
-        return result.sampled[0].token_id if is_sampled else -1
+        for _, _, seq, token_ids in works:
+            seq.token_ids += token_ids
+        return [token.token_id for token in result.sampled]
 
     def _reserve(self, req_id: str, seq: _DraftSeq, num_slots: int) -> bool:
         """Exactly the blocks for num_slots slots: the tail given back, or more taken (the least
-        recently used other requests' caches evicted if need be). False: they do not fit."""
+        recently used caches of requests outside this call evicted if need be). False: they do
+        not fit."""
         need = -(-num_slots // self.block_size)
         while len(seq.block_ids) > need:
             self._free_blocks.append(seq.block_ids.pop())
         while len(seq.block_ids) + len(self._free_blocks) < need:
-            others = [r for r in self._seqs if r != req_id]
+            others = [r for r, other in self._seqs.items() if other.last_used < self._num_calls]
             if not others:
                 return False
             self.forget(min(others, key=lambda r: self._seqs[r].last_used))
