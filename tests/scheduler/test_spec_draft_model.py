@@ -41,6 +41,7 @@ class Run:
     drafted: int = 0
     accepted: int = 0
     num_catch_up_tokens: int = 0
+    max_draft_batch: int = 0  # the most works in one draft step
 
     def outputs(self) -> list[list[int]]:
         return list(self.tokens.values())
@@ -65,6 +66,14 @@ def _run(folder, prompts, params, spec, **overrides) -> Run:
     run = Run()
     with LLMEngine(EngineConfig(**config), load_tokenizer_files=False) as engine:
         engine.step_observer = _MixedSteps(run)
+        speculator = engine.scheduler.speculator
+        if speculator is not None:  # a spy on the draft's steps (the runner itself runs them)
+            runner, execute = speculator.proposer.runner, speculator.proposer.runner.execute
+
+            def spied(batch):
+                run.max_draft_batch = max(run.max_draft_batch, len(batch.works))
+                return execute(batch)
+            runner.execute = spied
         ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
         requests = [engine.scheduler.get_request(i) for i in ids]
         run.tokens = {i: [] for i in ids}
@@ -72,7 +81,6 @@ def _run(folder, prompts, params, spec, **overrides) -> Run:
             for out in engine.step():
                 run.tokens[out.req_id] += out.new_token_ids
         run.num_preemptions = sum(r.num_preemptions for r in requests)
-        speculator = engine.scheduler.speculator
         if speculator is not None:
             run.drafted, run.accepted = speculator.num_draft_tokens, speculator.num_accepted_tokens
             run.num_catch_up_tokens = speculator.proposer.num_catch_up_tokens
@@ -118,6 +126,7 @@ def test_the_target_as_its_own_draft_has_every_greedy_draft_accepted(target, pla
     spec = _run(target, PROMPTS[:4], GREEDY, _draft_config(target))
     assert spec.outputs() == plain.outputs()[:4]
     assert spec.drafted > 0 and spec.accepted >= 0.95 * spec.drafted
+    assert spec.max_draft_batch > 1, "the speculating requests were never proposed for together"
     # Each verify of K drafts yields K + 1 tokens, and only those (not the prompt again) are caught up.
     num_prompt_tokens = sum(len(p) for p in PROMPTS[:4])
     assert spec.num_catch_up_tokens <= num_prompt_tokens + 2 * sum(len(t) for t in spec.outputs())
