@@ -36,6 +36,7 @@ from scheduler.grammar import Grammars
 from scheduler.lora_slots import LoraSlots, RegisteredLora
 from scheduler.request import FinishReason, Request, TokenLogprobs
 from scheduler.scheduler import RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
+from scheduler.speculative.draft_model import build_draft_proposer, check_draft_model
 from scheduler.step_trace import open_from_env as open_step_trace
 from scheduler.step_trace import write_step as trace_step
 from shared.config import EngineConfig
@@ -90,7 +91,18 @@ class LLMEngine:
         self.tokenizer = tokenizer
         if self.tokenizer is None and load_tokenizer_files:
             self.tokenizer = load_tokenizer(config.model)
+        spec = config.speculative_config
+        has_draft = spec is not None and spec.method == "draft_model"
+        if has_draft:
+            check_draft_model(config, self.model_config)  # before any model is loaded
         self.executor: Executor = make_executor(config)
+        proposer = None
+        if has_draft:
+            try:  # after the target: on CUDA the draft's cache is sized from what the target left
+                proposer = build_draft_proposer(config, self.model_config, self.executor.max_model_len)
+            except BaseException:
+                self.executor.shutdown()
+                raise
         # A pipeline's steps in flight hold different requests; they overlap already.
         self.async_scheduling = config.async_scheduling and self.executor.pipeline_depth == 1
         # Steps submitted and not yet collected, at most.
@@ -119,6 +131,7 @@ class LLMEngine:
             self.tokenizer,
             Grammars(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),
                      jump_forward=config.grammar_jump_forward),
+            proposer,
         )
         self._req_counter = itertools.count()
         self._num_failed_steps = 0  # consecutive, reset by a good step
@@ -363,6 +376,8 @@ class LLMEngine:
             return
         self._is_closed = True
         self.executor.shutdown()
+        if self.scheduler.speculator is not None:
+            self.scheduler.speculator.close()  # a draft model's weights and KV cache
 
     def __enter__(self) -> LLMEngine:
         return self

@@ -61,6 +61,7 @@ from scheduler.grammar import Grammars
 from scheduler.lora_slots import LoraSlots
 from scheduler.prompt_logprobs import prompt_logprob_targets, prompt_logprobs_to_send, take_prompt_logprobs
 from scheduler.request import FinishReason, Request, RequestStatus, TokenLogprobs
+from scheduler.speculative.proposers import Proposer
 from scheduler.speculative.speculator import Speculator
 from scheduler.step_budget import LatencyBudget
 from scheduler.step_cost import StepCost
@@ -89,9 +90,10 @@ def _less_important_order(request: Request) -> tuple[int, bool, float]:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, tokenizer: Tokenizer | None = None,
-                 grammars: Grammars | None = None) -> None:
+                 grammars: Grammars | None = None, proposer: Proposer | None = None) -> None:
         """Without a tokenizer, outputs carry token ids only (no text, no stop strings); without
-        `grammars`, requests with a grammar are refused."""
+        `grammars`, requests with a grammar are refused. `proposer`: speculative decoding's, when
+        it is not one the config alone builds (a draft model: the engine builds it)."""
         self.config = config
         self.grammars = grammars
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
@@ -120,7 +122,7 @@ class Scheduler:
         # they stop); the caller turns the others' tokens into text off the step's critical path.
         self.text_for_stop_strings_only = False
         # Speculative decoding: decodes may carry drafts that the step verifies (_drafts).
-        self.speculator = Speculator(config.speculative) if config.speculative is not None else None
+        self.speculator = Speculator(config.speculative, proposer) if config.speculative is not None else None
         self._drafting: set[str] = set()  # requests whose step in flight carries drafts
         # The adapters served and their slots (scheduler/lora_slots.py); None: no adapters.
         self.lora_slots = LoraSlots(config.max_loras) if config.max_loras else None
@@ -215,6 +217,9 @@ class Scheduler:
         # (Or one present a moment ago: step_budget.py, RecentPriority.)
         plan.top_priority = top = self.latency_budget.recent_top.top(self._most_important_priority())
         plan.can_speculate = self.speculator is not None and self.speculator.step_allows(len(self._running))
+        if plan.can_speculate:
+            candidates = [r for r in self._running if self._may_draft(r)]
+            self.speculator.prepare(candidates, [self._max_drafts(r, plan.token_budget) for r in candidates])
         if self.lora_slots is not None:
             self.lora_slots.count_running([r.lora for r in self._running if r.lora is not None])
         less_important = self._schedule_running(plan, top)
@@ -347,12 +352,19 @@ class Scheduler:
     def _drafts(self, request: Request, num_new_tokens: int, token_budget: int, plan: StepPlan) -> list[int]:
         """Drafts for a decode whose tokens are all on the host (none pending nor in flight), when
         this step allows speculation; never past max_tokens, the model's window or the budget."""
-        if (not plan.can_speculate or num_new_tokens != 1 or request.num_in_flight_tokens
-                or request.num_pending_tokens or request.num_computed_tokens != request.num_tokens - 1):
+        if not plan.can_speculate or num_new_tokens != 1 or not self._may_draft(request):
             return []
-        max_drafts = min(token_budget - 1, request.sampling.max_tokens - request.num_output_tokens - 1,
-                         self._max_num_tokens - request.num_tokens - 1)
-        return self.speculator.propose(request, max_drafts)
+        return self.speculator.propose(request, self._max_drafts(request, token_budget))
+
+    @staticmethod
+    def _may_draft(request: Request) -> bool:
+        """A decode whose tokens are all on the host: none pending, none in a step in flight."""
+        return (not request.num_in_flight_tokens and not request.num_pending_tokens
+                and request.num_computed_tokens == request.num_tokens - 1)
+
+    def _max_drafts(self, request: Request, token_budget: int) -> int:
+        return min(token_budget - 1, request.sampling.max_tokens - request.num_output_tokens - 1,
+                   self._max_num_tokens - request.num_tokens - 1)
 
     def has_requests_needing_their_token(self) -> bool:
         """Whether a running request cannot be scheduled ahead (a grammar whose mask needs its

@@ -1,4 +1,4 @@
-"""Speculative decoding (n-gram prompt lookup) against plain decoding, SmolLM2's real weights.
+"""Speculative decoding (n-gram, or --draft-model PATH) against plain decoding, SmolLM2's weights.
 
     nice -n 19 .venv/bin/python scripts/bench_spec.py --num-threads 1  # this CPU (float32)
     python3 scripts/bench_spec.py --device cuda                        # a GPU (bfloat16)
@@ -22,9 +22,8 @@ import _repo  # noqa: F401 - first: it puts the repository on sys.path
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
 from shared.logging import configure_logging
-from shared.speculative import parse_speculative_config
 from testkit.runs import log, print_command
-from testkit.spec_runs import compare_row, prompts_of, run_workload
+from testkit.spec_runs import compare_row, prompts_of, run_workload, spec_config
 from workers.default_model import fetch_default_model
 from workers.device import resolve_device
 
@@ -39,6 +38,7 @@ def main() -> int:
     parser.add_argument("--dtype", help="default: bfloat16 on cuda, float32 on cpu (in bfloat16 a verify "
                         "step's products may round a near-tie otherwise than a decode's)")
     parser.add_argument("--spec", default=SPEC, help="the --speculative-config of the speculating engine")
+    parser.add_argument("--draft-model", metavar="PATH", help="a draft model speculates (same tokenizer)")
     parser.add_argument("--max-tokens", type=int, default=256, help="per request at batch 1")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--batch-max-tokens", type=int, default=64)
@@ -54,7 +54,7 @@ def main() -> int:
     model = args.model or str(fetch_default_model())
     device = resolve_device(args.device)
     engines = {}
-    for name, spec in (("plain", None), ("ngram", parse_speculative_config(args.spec))):
+    for name, spec in (("plain", None), ("ngram", spec_config(args))):
         config = EngineConfig.for_device(device.type, model=model, device=args.device, dtype=args.dtype,
                                          max_num_seqs=max(args.batch, 8), num_threads=args.num_threads,
                                          num_kv_blocks=args.num_kv_blocks,
@@ -71,9 +71,9 @@ def main() -> int:
         rows.append(row)
         log(f"{row[0]}: done")
     print(f"\nSmolLM2 on {device}; speculative config {args.spec}")
-    print("(ratio: ngram / plain output tok/s; by CPU: the same in output tokens per CPU second of this "
+    print("(ratio: spec / plain output tok/s; by CPU: the same in output tokens per CPU second of this "
           "process; cores: the smaller of the two runs' CPU seconds per wall second)")
-    print(f"{'workload':<16} {'tokens':>7} {'plain tok/s':>12} {'ngram tok/s':>12} {'ratio':>6} "
+    print(f"{'workload':<16} {'tokens':>7} {'plain tok/s':>12} {spec.method[:5] + ' tok/s':>12} {'ratio':>6} "
           f"{'by CPU':>7} {'cores':>6} {'identical':>9} {'accept':>7} {'len':>5}")
     for label, tokens, plain_rate, spec_rate, ratio, cpu_ratio, cores, same, acceptance, mean_len in rows:
         print(f"{label:<16} {tokens:>7} {plain_rate:>12.1f} {spec_rate:>12.1f} {ratio:>5.2f}x "

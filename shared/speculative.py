@@ -5,8 +5,10 @@ Spelled as vLLM spells them, a JSON object:
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 `method` names the proposer (scheduler/speculative/): "ngram" (prompt lookup: proposals copied
-from the request's own tokens) is built; "draft_model" is a known method that this engine refuses
-(not built yet); anything else, or a key that is not below, is an error naming it.
+from the request's own tokens) and "draft_model" (a smaller model sharing the target's tokenizer,
+`"model": PATH`; vLLM's `{"model": PATH}` without a method means it too) are built; the other
+methods vLLM knows are refused as not built; anything else, or a key that is not below, is an
+error naming it.
 
 Two keys say when speculation backs off (docs/speculative-decoding.md):
 - `disable_by_batch_size` (vLLM's key): no request speculates in a step while more than this many
@@ -20,8 +22,10 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-METHODS = ("ngram",)  # built
-NOT_BUILT = ("draft_model", "eagle", "eagle3", "medusa", "mtp", "suffix")  # known, refused
+METHODS = ("ngram", "draft_model")  # built
+NOT_BUILT = ("eagle", "eagle3", "medusa", "mtp", "suffix")  # known, refused
+NGRAM_KEYS = ("prompt_lookup_max", "prompt_lookup_min")  # the ngram method's own keys
+DRAFT_MODEL_KEYS = ("model", "draft_tensor_parallel_size")  # the draft_model method's
 MAX_SPECULATIVE_TOKENS = 16  # bounds a verify step's shape (and each request's wasted slots)
 
 
@@ -38,12 +42,15 @@ class SpeculativeConfig:
     disable_by_batch_size: int = 16  # no speculation in a step while more requests than this run
     min_acceptance_rate: float = 0.2  # a request's recent acceptance below this: it backs off
     backoff_steps: int = 16  # decodes a backed-off request makes without proposing
+    model: str | None = None  # draft_model: the draft's Hugging Face folder (required there only)
+    draft_tensor_parallel_size: int = 1  # vLLM's key; the draft runs unsharded, in the engine's process
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             if self.method in NOT_BUILT:
                 raise SpeculativeConfigError(
-                    f"speculative method {self.method!r} is not built in this engine; use \"ngram\"")
+                    f"speculative method {self.method!r} is not built in this engine; "
+                    f"use one of {list(METHODS)}")
             raise SpeculativeConfigError(
                 f"unknown speculative method {self.method!r}; choose one of {list(METHODS)}")
         for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
@@ -59,13 +66,26 @@ class SpeculativeConfig:
             raise SpeculativeConfigError(
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
                 f"({self.prompt_lookup_max})")
+        if self.method == "draft_model" and (not isinstance(self.model, str) or not self.model):
+            raise SpeculativeConfigError(
+                'method "draft_model" needs "model": the folder of a draft model sharing the target\'s '
+                "tokenizer")
+        if self.method != "draft_model" and self.model is not None:
+            raise SpeculativeConfigError(f'"model" is the draft_model method\'s key, not {self.method!r}\'s')
+        if self.draft_tensor_parallel_size != 1:
+            raise SpeculativeConfigError(
+                f"draft_tensor_parallel_size must be 1 (the draft runs unsharded), "
+                f"got {self.draft_tensor_parallel_size!r}")
         rate = self.min_acceptance_rate
         if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate <= 1:
             raise SpeculativeConfigError(f"min_acceptance_rate must be a number in [0, 1], got {rate!r}")
 
     def __str__(self) -> str:
         """The JSON that parse_speculative_config reads back (a scheduler's command line)."""
-        return json.dumps(asdict(self), separators=(",", ":"))
+        fields = asdict(self)
+        for key in NGRAM_KEYS if self.method != "ngram" else DRAFT_MODEL_KEYS:
+            del fields[key]  # another method's keys (the parser refuses them)
+        return json.dumps(fields, separators=(",", ":"))
 
 
 def parse_speculative_config(text: str | dict) -> SpeculativeConfig:
@@ -79,6 +99,8 @@ def parse_speculative_config(text: str | dict) -> SpeculativeConfig:
         fields = dict(text)
     if not isinstance(fields, dict):
         raise SpeculativeConfigError("--speculative-config must be a JSON object")
+    if "method" not in fields and "model" in fields:
+        fields["method"] = "draft_model"  # vLLM's reading of a model without a method
     if "method" not in fields:
         raise SpeculativeConfigError('--speculative-config needs a "method" (e.g. "ngram")')
     method = fields["method"]
@@ -89,6 +111,11 @@ def parse_speculative_config(text: str | dict) -> SpeculativeConfig:
     if unknown:
         raise SpeculativeConfigError(
             f"unknown key {unknown[0]!r} in --speculative-config; known keys: {sorted(known)}")
+    if method == "draft_model":
+        given = [key for key in NGRAM_KEYS if key in fields]
+        if given:
+            raise SpeculativeConfigError(
+                f"{given[0]!r} is the ngram method's key; draft_model does not look up")
     # One lookup bound given alone: the other default is moved so that min <= max still holds.
     lo, hi = fields.get("prompt_lookup_min"), fields.get("prompt_lookup_max")
     if isinstance(hi, int) and lo is None:

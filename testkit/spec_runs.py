@@ -1,5 +1,5 @@
-"""What scripts/bench_spec.py times: speculative decoding (n-gram) against plain decoding on the
-same engine settings, per workload, with the outputs checked token for token.
+"""What scripts/bench_spec.py times: speculative decoding (n-gram or a draft model) against plain
+decoding on the same engine settings, per workload, with the outputs checked token for token.
 
 Workloads (chat prompts through the model's chat template, greedy):
 - copy: requests that quote their input back (two passages), one at a time (batch 1);
@@ -9,11 +9,13 @@ Workloads (chat prompts through the model's chat template, greedy):
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 
 from scheduler.engine import LLMEngine
 from shared.sampling import SamplingParams
+from shared.speculative import SpeculativeConfig, parse_speculative_config
 
 PASSAGES = [
     "The harbour town woke slowly. Fishing boats rocked against the stone quay while gulls argued "
@@ -62,6 +64,17 @@ class Timed:
     def cpu_rate(self) -> float:
         """Output tokens per CPU second: steadier than wall time on a machine others load."""
         return self.num_output_tokens / self.cpu_seconds
+
+
+def spec_config(args) -> SpeculativeConfig:
+    """The speculating engine's config: bench_spec's --spec, or with --draft-model a draft_model
+    config of the same K (args.spec then says so, for the table's title)."""
+    spec = parse_speculative_config(args.spec)
+    if args.draft_model:
+        args.spec = json.dumps({"method": "draft_model", "model": args.draft_model,
+                                "num_speculative_tokens": spec.num_speculative_tokens})
+        spec = parse_speculative_config(args.spec)
+    return spec
 
 
 def prompts_of(engine: LLMEngine, workload: str, num_batch: int) -> list[list[int]]:

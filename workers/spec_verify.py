@@ -9,7 +9,9 @@ Acceptance, row by row, stopping at the first rejected draft:
 - a greedy row accepts its draft when it is the row's argmax; the first mismatch is replaced by
   that argmax. The tokens emitted are exactly the target's greedy decode.
 - a random row runs speculative sampling's rule for a proposal that is a point mass q = 1[d]
-  (n-gram drafts are not sampled): accept d with probability min(1, p(d) / q(d)) = p(d), where
+  (no draft is sampled: n-gram drafts are copied, a draft model's are its argmax, both
+  deterministic given the request's tokens, so the point mass is their exact proposal): accept
+  d with probability min(1, p(d) / q(d)) = p(d), where
   p is the row's distribution as the sampler makes it (temperature, top-k, top-p, min-p); on
   rejection draw from normalize(max(0, p - q)), which is p with d taken out. Each token emitted is
   then distributed as plain sampling would have drawn it.

@@ -1,8 +1,10 @@
 """Speculative decoding on the scheduler's side: who proposes drafts, and when a request speculates.
 
-- proposers.py: the proposers behind one interface (`Proposer.propose(token_ids, max_drafts)`);
-  n-gram prompt lookup is built; a draft model or EAGLE-style heads would be other proposers
-  (they would need the workers too: their own forward, or the target's hidden states).
+- proposers.py: the proposers' interface (`Proposer.propose(token_ids, max_drafts, req_id)`,
+  `forget(req_id)`) and n-gram prompt lookup; EAGLE-style heads would be another proposer (they
+  would need the target's hidden states from the workers).
+- draft_model.py: a smaller model sharing the target's tokenizer, its own model runner and KV
+  cache in the engine's process (the engine builds it and hands it to the Scheduler).
 - speculator.py: which requests may speculate, how many drafts each gets, the per-request and
   per-step backoff, and the counters the metrics read.
 

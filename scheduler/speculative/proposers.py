@@ -1,8 +1,8 @@
 """Draft proposers: given a request's tokens, guess the next few.
 
-Only the interface and n-gram prompt lookup are built. A proposer that needs a model (a draft
-model with its own KV cache, EAGLE-style heads on the target's hidden states) would run on the
-workers; it would still answer `propose` here, from what the previous step returned.
+The interface and n-gram prompt lookup are here; the draft model's proposer, which keeps a KV
+cache per request (hence `req_id` and `forget`), is draft_model.py. EAGLE-style heads on the
+target's hidden states would need the workers' step to return those states: not built.
 """
 
 from __future__ import annotations
@@ -16,8 +16,18 @@ from shared.speculative import SpeculativeConfig
 
 
 class Proposer(Protocol):
-    def propose(self, token_ids: Sequence[int], max_drafts: int) -> list[int]:
-        """Up to `max_drafts` tokens guessed to follow `token_ids` (prompt + output); [] for none."""
+    def propose(self, token_ids: Sequence[int], max_drafts: int, req_id: str = "") -> list[int]:
+        """Up to `max_drafts` tokens guessed to follow `token_ids` (prompt + output) of the request
+        `req_id`; [] for none. Drafts must be a deterministic function of the tokens (greedy): the
+        sampled rows' acceptance rule takes the proposal as a point mass (workers/spec_verify.py)."""
+        ...
+
+    def forget(self, req_id: str) -> None:
+        """The request finished: whatever the proposer kept for it goes."""
+        ...
+
+    def close(self) -> None:
+        """Give back what the proposer holds (a draft model's weights and KV cache)."""
         ...
 
 
@@ -34,7 +44,13 @@ class NgramProposer:
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, token_ids: Sequence[int], max_drafts: int) -> list[int]:
+    def forget(self, req_id: str) -> None:
+        pass  # nothing is kept per request
+
+    def close(self) -> None:
+        pass
+
+    def propose(self, token_ids: Sequence[int], max_drafts: int, req_id: str = "") -> list[int]:
         num_tokens = len(token_ids)
         if max_drafts <= 0 or num_tokens <= self.min_n:
             return []
@@ -58,6 +74,9 @@ class NgramProposer:
 
 
 def make_proposer(config: SpeculativeConfig) -> Proposer:
+    """The proposer that needs no model; a draft model's is built by the engine (draft_model.py),
+    which knows the target and the device, and handed to the scheduler."""
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    raise ValueError(f"no proposer for method {config.method!r}")  # SpeculativeConfig refuses these first
+    raise ValueError(f"the {config.method!r} proposer is built by the engine (build_draft_proposer), "
+                     "and given to the Scheduler")

@@ -56,6 +56,8 @@ class Speculator:
         self.num_emitted_tokens = 0
         self.num_accepted_tokens_per_pos = [0] * config.num_speculative_tokens
         self.num_backoffs = 0
+        # Drafts proposed ahead for this step (prepare): req_id -> (its num_tokens then, drafts).
+        self._prepared: dict[str, tuple[int, list[int]]] = {}
 
     def wants_to_speculate(self, request: Request) -> bool:
         """Eligible and not backed off: it proposes at its next decode with its token on the host."""
@@ -73,10 +75,29 @@ class Speculator:
         max_drafts = min(max_drafts, self.config.num_speculative_tokens)
         if max_drafts <= 0 or not self.wants_to_speculate(request):
             return []
-        drafts = self.proposer.propose(request.all_token_ids, max_drafts)
+        prepared = self._prepared.pop(request.req_id, None)
+        if prepared is not None and prepared[0] == request.num_tokens:
+            drafts = prepared[1][:max_drafts]  # a greedy run of K cut to m: the run of m
+        else:
+            drafts = self.proposer.propose(request.all_token_ids, max_drafts, req_id=request.req_id)
         if not drafts:
             self._note(request, 0, 0)
         return drafts
+
+    def prepare(self, requests: list[Request], max_drafts: list[int]) -> None:
+        """Propose for a step's candidate decodes at once where the proposer batches (a draft
+        model: one forward per draft position for all of them); `propose` then hands each its own,
+        cut to what the step leaves it. A request not scheduled after all wasted its drafts."""
+        self._prepared = {}
+        propose_many = getattr(self.proposer, "propose_many", None)
+        if propose_many is None:
+            return
+        k = self.config.num_speculative_tokens
+        items = [(r, min(m, k)) for r, m in zip(requests, max_drafts, strict=True)
+                 if m > 0 and self.wants_to_speculate(r)]
+        if items:
+            proposed = propose_many([(r.req_id, r.all_token_ids, m) for r, m in items])
+            self._prepared = {r.req_id: (r.num_tokens, d) for (r, _), d in zip(items, proposed, strict=True)}
 
     def record(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         """What a verify row of `num_drafted` drafts kept (from update_from_output, which counts
@@ -104,6 +125,10 @@ class Speculator:
 
     def forget(self, req_id: str) -> None:
         self._tracks.pop(req_id, None)
+        self.proposer.forget(req_id)
+
+    def close(self) -> None:
+        self.proposer.close()
 
     @property
     def acceptance_rate(self) -> float:

@@ -20,7 +20,11 @@ def test_config_parses_vllm_spelling_and_round_trips_through_str():
 
 @pytest.mark.parametrize(("text", "names"), [
     ('{"method": "eagle9"}', "eagle9"),
-    ('{"method": "draft_model", "num_speculative_tokens": 3}', "not built"),
+    ('{"method": "eagle", "num_speculative_tokens": 3}', "not built"),
+    ('{"method": "draft_model", "num_speculative_tokens": 3}', 'needs "model"'),
+    ('{"method": "draft_model", "model": "d", "prompt_lookup_max": 3}', "prompt_lookup_max"),
+    ('{"method": "ngram", "model": "d"}', '"model"'),
+    ('{"model": "d", "draft_tensor_parallel_size": 2}', "draft_tensor_parallel_size"),
     ('{"method": "ngram", "lookahead": 3}', "lookahead"),
     ('{"num_speculative_tokens": 3}', "method"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
@@ -31,6 +35,15 @@ def test_config_parses_vllm_spelling_and_round_trips_through_str():
 def test_config_refuses_what_it_cannot_run_naming_it(text, names):
     with pytest.raises(SpeculativeConfigError, match=names):
         parse_speculative_config(text)
+
+
+def test_a_model_without_a_method_is_a_draft_model_as_in_vllm():
+    config = parse_speculative_config('{"model": "/models/draft", "num_speculative_tokens": 3}')
+    assert (config.method, config.model, config.num_speculative_tokens) == ("draft_model", "/models/draft", 3)
+    assert parse_speculative_config(str(config)) == config
+    explicit = parse_speculative_config({"method": "draft_model", "model": "/models/draft",
+                                         "num_speculative_tokens": 3})
+    assert explicit == config
 
 
 def test_one_lookup_bound_alone_keeps_min_below_max():
