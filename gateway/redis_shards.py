@@ -44,6 +44,8 @@ async def collect_shards(client) -> list[dict]:
     for shard in described:
         shard = {_text(k): v for k, v in _pairs(shard).items()}
         slots = shard.get("slots", [])
+        if slots and isinstance(slots[0], (list, tuple)):  # some servers and clients give [lo, hi] pairs
+            slots = [bound for pair in slots for bound in pair]
         num_slots = sum(int(hi) - int(lo) + 1 for lo, hi in zip(slots[::2], slots[1::2], strict=True))
         nodes = [{_text(k): _text(v) for k, v in _pairs(node).items()} for node in shard.get("nodes", [])]
         primary = next((n for n in nodes if n.get("role") == "master" and n.get("health") == "online"), None)

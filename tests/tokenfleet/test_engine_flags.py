@@ -144,7 +144,7 @@ def test_speculative_config_takes_vllms_json_and_names_the_bad_key(tmp_path, cap
     config = config.speculative_config
     assert (config.method, config.num_speculative_tokens) == ("ngram", 5)
     for value, words in (('{"method": "ngram", "lookahead": 2}', "unknown key 'lookahead'"),
-                         ('{"method": "draft_model"}', "'draft_model' is not built"),
+                         ('{"method": "draft_model"}', 'method "draft_model" needs "model"'),
                          ("{", "is not JSON")):
         with pytest.raises(SystemExit):
             parsed("--speculative-config", value)
