@@ -79,31 +79,3 @@ def lora_adapters(tiny_checkpoints, tmp_path_factory: pytest.TempPathFactory) ->
     return {name: make_random_adapter(tiny_checkpoints["llama"], root / name, rank=rank,
                                       target_modules=targets, seed=seed)
             for seed, (name, (rank, targets)) in enumerate(LORA_SPECS.items())}
-
-
-# The files that take longest under `-n 2 --dist loadfile` (measured with --durations), longest
-# first. They are handed out first: xdist would otherwise order files by their number of tests,
-# which puts these one- or two-test files at the end, run one after another while the other
-# worker idles. The rest keep their collection order (pyproject.toml: --no-loadscope-reorder).
-LONGEST_FIRST = (  # seconds a file took in one whole run on 2 shared cores (2026-12-05)
-    "tests/scheduler/test_service_drain.py",  # 421
-    "tests/clients/test_load_tools.py",  # 319
-    "tests/scheduler/test_engine.py",  # 327
-    "tests/test_fleet_autoscale.py",  # 275
-    "tests/test_two_replicas.py",  # 263
-    "tests/gateway/test_responses_durable.py",  # 163
-    "tests/scheduler/test_lora_engine.py",  # 150
-    "tests/clients/test_lm_eval.py",  # 147
-    "tests/scheduler/test_service_routing.py",  # 137
-    "tests/gateway/test_tool_calls_sdk.py",  # 122
-    "tests/workers/test_ray_group.py",  # 121
-    "tests/test_fleet_up.py",  # 107
-    "tests/scheduler/test_engine_async.py",  # 94
-    "tests/test_chaos.py",  # 90
-    "tests/scheduler/test_prompt_logprobs_engine.py",  # 87
-)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: files stay whole
