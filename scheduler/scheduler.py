@@ -217,7 +217,7 @@ class Scheduler:
         # (Or one present a moment ago: step_budget.py, RecentPriority.)
         plan.top_priority = top = self.latency_budget.recent_top.top(self._most_important_priority())
         plan.can_speculate = self.speculator is not None and self.speculator.step_allows(len(self._running))
-        if plan.can_speculate:
+        if plan.can_speculate and self.speculator.batches_proposals:  # (n-gram: nothing to do ahead)
             candidates = [r for r in self._running if self._may_draft(r)]
             self.speculator.prepare(candidates, [self._max_drafts(r, plan.token_budget) for r in candidates])
         if self.lora_slots is not None:

@@ -46,6 +46,9 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
         self.config = config
         self.proposer = proposer or make_proposer(config)
+        # Whether the proposer drafts for a whole step at once (a draft model's batched forward);
+        # n-gram look-ups do not, and `prepare` is then never needed.
+        self._propose_many = getattr(self.proposer, "propose_many", None)
         self._tracks: dict[str, _Track] = {}  # req_id -> its recent look-ups
         # Cumulative, as vLLM counts them: verify rows that carried drafts, drafted tokens,
         # accepted drafts (by position in the run), tokens emitted by those rows (accepted + 1,
@@ -84,19 +87,22 @@ class Speculator:
             self._note(request, 0, 0)
         return drafts
 
+    @property
+    def batches_proposals(self) -> bool:
+        return self._propose_many is not None
+
     def prepare(self, requests: list[Request], max_drafts: list[int]) -> None:
         """Propose for a step's candidate decodes at once where the proposer batches (a draft
         model: one forward per draft position for all of them); `propose` then hands each its own,
         cut to what the step leaves it. A request not scheduled after all wasted its drafts."""
         self._prepared = {}
-        propose_many = getattr(self.proposer, "propose_many", None)
-        if propose_many is None:
+        if self._propose_many is None:
             return
         k = self.config.num_speculative_tokens
         items = [(r, min(m, k)) for r, m in zip(requests, max_drafts, strict=True)
                  if m > 0 and self.wants_to_speculate(r)]
         if items:
-            proposed = propose_many([(r.req_id, r.all_token_ids, m) for r, m in items])
+            proposed = self._propose_many([(r.req_id, r.all_token_ids, m) for r, m in items])
             self._prepared = {r.req_id: (r.num_tokens, d) for (r, _), d in zip(items, proposed, strict=True)}
 
     def record(self, request: Request, num_drafted: int, num_accepted: int) -> None:

@@ -18,6 +18,7 @@ from shared.errors import ModelLoadError
 from shared.sampling import SamplingParams
 from shared.speculative import SpeculativeConfig
 from testkit.checkpoints import make_tiny_checkpoint
+from tests.scheduler.test_spec_engine import is_mixed_step
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
@@ -52,10 +53,7 @@ class _MixedSteps:
         self.run = run
 
     def record_step(self, output, outputs, duration_s, result_wait_s=0.0) -> None:
-        works = output.batch.works
-        if any(w.num_draft_tokens for w in works) and any(
-                len(w.token_ids) == 1 and w.is_sampled for w in works):
-            self.run.num_mixed_steps += 1
+        self.run.num_mixed_steps += is_mixed_step(output.batch.works)
 
 
 def _run(folder, prompts, params, spec, **overrides) -> Run:

@@ -47,16 +47,19 @@ class Run:
         return list(self.tokens.values())
 
 
+def is_mixed_step(works) -> bool:
+    """A step where a decode carrying drafts ran beside a plain decode."""
+    return (any(w.num_draft_tokens for w in works)
+            and any(len(w.token_ids) == 1 and w.is_sampled for w in works))
+
+
 class _MixedSteps:
     def __init__(self, run: Run) -> None:
         self.run = run
 
     def record_step(self, output, outputs, duration_s, result_wait_s=0.0) -> None:
         self.run.metrics.record_step(output, outputs, duration_s, result_wait_s)
-        works = output.batch.works
-        if any(w.num_draft_tokens for w in works) and any(
-                len(w.token_ids) == 1 and w.is_sampled for w in works):
-            self.run.num_mixed_steps += 1
+        self.run.num_mixed_steps += is_mixed_step(output.batch.works)
 
 
 def _run(folder, prompts, params, spec: SpeculativeConfig | None, **overrides) -> Run:
