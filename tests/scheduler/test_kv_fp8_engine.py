@@ -30,12 +30,13 @@ def test_fp8_kv_prefix_cache_matches_recomputing_under_preemption(tiny_checkpoin
     assert sum(r.num_preemptions for r in requests) > 0, "no preemption was forced"
 
 
-def _generate(folder, prompts, max_tokens: int, **config) -> list[list[int]]:
+def _generate(folder, prompts, max_tokens: int, logprobs: int | None = None, **config):
     config = {"model": str(folder), "dtype": "float32", "block_size": 4, "num_kv_blocks": 256,
               "max_num_seqs": 4, "max_num_batched_tokens": 32, **config}
     with LLMEngine(EngineConfig(**config)) as engine:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        return [result.token_ids for result in engine.generate(prompts, params)]
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
+        results = engine.generate(prompts, params)
+    return results if logprobs is not None else [result.token_ids for result in results]
 
 
 @pytest.mark.slow
@@ -56,19 +57,28 @@ def test_fp8_kv_at_pp2_by_tp2_decodes_as_one_rank_does(tiny_checkpoints):
 
 
 @pytest.mark.slow
-def test_smollm2_fp8_kv_greedy_agrees_with_a_full_precision_cache(smollm2):
-    """The issue's accuracy check on real weights: 16 prompts (48-token windows of README.md, as
-    bench_quant.py takes them) x 32 greedy tokens against a float32 cache. Measured on this CPU
-    (float32 weights): 15/16 first tokens and 253/512 tokens identical, against 16/16 and 342/512
-    for int8 weights and 186/512 for fp8 ones; an early flip at a near-tie changes the rest of that
-    output, so the bounds sit a little under those figures."""
+def test_smollm2_fp8_kv_greedy_departs_from_a_full_precision_cache_only_at_near_ties(smollm2):
+    """Real weights: 16 prompts (48-token windows of README.md, as bench_quant.py takes them) x 32
+    greedy tokens against a float32 cache. E4m3 moves logits by a little, so greedy outputs may part
+    where two tokens are nearly tied; what must hold is that wherever an output first departs, the
+    token the FP8 cache chose was within NEAR_TIE nats of the best one under the full-precision
+    cache. Measured on this CPU: 11 of 16 outputs depart, the widest gap 0.23 nats; a counted bound
+    (how many first tokens agree) failed on another CPU whose rounding tipped one more near-tie."""
     from transformers import AutoTokenizer
 
+    near_tie = 0.5  # nats: twice the widest gap measured, far under what a wrong scale gives
     token_ids = AutoTokenizer.from_pretrained(smollm2)(README.read_text())["input_ids"]
     prompts = [token_ids[i * 97 : i * 97 + 48] for i in range(16)]
-    config = {"max_num_seqs": 16, "max_num_batched_tokens": 512, "block_size": 16}
+    config = {"max_num_seqs": 16, "max_num_batched_tokens": 512, "block_size": 16, "logprobs": 5}
     full = _generate(smollm2, prompts, 32, **config)
     fp8 = _generate(smollm2, prompts, 32, kv_cache_dtype="fp8", **config)
-    agreeing = sum(a == b for s, t in zip(full, fp8, strict=True) for a, b in zip(s, t, strict=True))
-    assert sum(s[0] == t[0] for s, t in zip(full, fp8, strict=True)) >= 14
-    assert agreeing >= 0.4 * 16 * 32, agreeing
+    departures = []
+    for exact, quantized in zip(full, fp8, strict=True):
+        where = next((i for i, (a, b) in enumerate(zip(exact.token_ids, quantized.token_ids)) if a != b), None)
+        if where is None:
+            continue
+        top = exact.logprobs[where].top_logprobs
+        chosen = dict(top).get(quantized.token_ids[where])
+        departures.append((where, None if chosen is None else top[0][1] - chosen))
+    assert all(gap is not None and gap <= near_tie for _, gap in departures), departures
+    assert len(departures) < len(prompts), "every output departed: the FP8 cache is not close"
