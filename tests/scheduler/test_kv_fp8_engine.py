@@ -74,7 +74,8 @@ def test_smollm2_fp8_kv_greedy_departs_from_a_full_precision_cache_only_at_near_
     fp8 = _generate(smollm2, prompts, 32, kv_cache_dtype="fp8", **config)
     departures = []
     for exact, quantized in zip(full, fp8, strict=True):
-        where = next((i for i, (a, b) in enumerate(zip(exact.token_ids, quantized.token_ids)) if a != b), None)
+        pairs = zip(exact.token_ids, quantized.token_ids, strict=True)
+        where = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
         if where is None:
             continue
         top = exact.logprobs[where].top_logprobs
