@@ -1,6 +1,6 @@
 """The LoRA Triton kernels (workers/lora/triton_lora.py) against the dense PyTorch path, in
 Triton's interpreter on this CPU (on CUDA where there is one): rows on the base, on each slot,
-and a rank short of the slot's width."""
+a rank short of the slot's width, and an input split over several chunks."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ import pytest
 from tests.workers.triton_interpreter import run_interpreted
 
 CHECK = """
+import sys
 import torch
 from workers.lora.triton_lora import add_lora
 gen = torch.Generator().manual_seed(0)
-slots, width, n_in, n_out, rows = 3, 24, 80, 100, 7   # 3 slots (slot 0: the base, zeros)
+slots, width, n_out, rows = 3, 24, 100, 7
+n_in = int(sys.argv[1])   # 3 slots (slot 0: the base, zeros)
 a = torch.randn(slots * width, n_in, generator=gen)
 b = torch.randn(n_out, slots * width, generator=gen)
 a[:width] = 0
@@ -33,6 +35,7 @@ print("ok")
 """
 
 
-def test_the_kernels_add_each_rows_own_adapter_in_the_interpreter() -> None:
+@pytest.mark.parametrize("n_in", [80, 600])  # one chunk of the input; three, the last one short
+def test_the_kernels_add_each_rows_own_adapter_in_the_interpreter(n_in: int) -> None:
     pytest.importorskip("triton")
-    run_interpreted(CHECK)
+    run_interpreted(CHECK, args=[str(n_in)])
