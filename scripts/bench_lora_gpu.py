@@ -13,8 +13,7 @@ one after the other: the base alone (no --enable-lora), then one with --enable-l
 - batch-1 decode ms/token, 128 prompt + 128 output tokens: the base on the base engine; an
   adapter on the LoRA engine (goal: <= 1.15x); and the base on the LoRA engine (what enabling
   adapters costs requests that use none);
-- an adapter's first load: registered after the burst, read from disk and copied into the least
-  recently used slot (goal: <= 100 ms).
+- an adapter's first load, after the burst: from disk into the LRU slot (goal: <= 100 ms).
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ from testkit.quant_runs import SMOKE_LLAMA
 from testkit.random_models import LLAMA3_8B, checkpoint_folder, module_bytes, random_llama
 from testkit.runs import log, print_command
 from testkit.workloads import sharegpt_workload
+from workers.lora.triton_lora import MAX_ROWS
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -85,9 +85,10 @@ def main(argv: list[str] | None = None) -> None:
             engine.close()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+    path = f"Triton kernels up to {MAX_ROWS} rows, dense GEMMs above" if dense else "segment-wise"
     print(f"\n{'shape: tiny (smoke)' if args.smoke else 'Llama-3-8B shape'}, {args.dtype}, {device}; "
           f"{args.num_adapters} adapters of rank {args.rank} on q, k, v, o, gate, up, down; "
-          f"LoRA path: {'Triton kernels up to 256 rows, dense GEMMs above' if dense else 'segment-wise'}, "
+          f"LoRA path: {path}, "
           f"decode CUDA graphs {'on' if graphs else 'off'}\n")
     print("| measure | base alone | with LoRA | ratio | goal |")
     print("| --- | ---: | ---: | ---: | --- |")
