@@ -67,7 +67,9 @@ def test_guidellm_aiperf_and_tokenfleet_bench_on_the_same_streamed_load(client_f
          "--artifact-dir", str(tmp_path / "aiperf"), "--ui-type", "none",
          # The counts the fleet reports on every chunk (continuous_usage_stats), as vLLM users run
          # it: re-tokenizing the streamed text may merge two of its tokens into one.
-         "--use-server-token-count", "--per-chunk-usage"])
+         "--use-server-token-count", "--per-chunk-usage",
+         # One worker process and one record processor: the 6 requests need no more on 2 cores.
+         "--workers-max", "1", "--record-processors", "1"])
     report = json.loads((tmp_path / "aiperf" / "profile_export_aiperf.json").read_text())
     assert report["request_count"]["avg"] == NUM_REQUESTS and not report.get("error_request_count")
     assert report["output_sequence_length"]["min"] == OUTPUT_TOKENS
