@@ -7,7 +7,7 @@ token budget, the sequence cap and the KV cache allow; a waiting one takes the s
 of a less important running one (preempted). The work of everyone else (decodes, running chunks,
 then admissions, most important first) only fills the step up to its latency budget
 (step_budget.py), so that batch items never stretch a chat's step; with nothing more important
-present, they get the whole budget. When the cache runs out, the least important running
+present, they get the whole budget, in steps short enough for the next chat's first token. When the cache runs out, the least important running
 request is preempted: its blocks are freed and it later recomputes its prompt and output from
 scratch (num_computed_tokens back to 0), its output so far kept.
 
@@ -60,7 +60,7 @@ from scheduler.fair_share import FairShare
 from scheduler.grammar import Grammars
 from scheduler.lora_slots import LoraSlots
 from scheduler.prompt_logprobs import prompt_logprob_targets, prompt_logprobs_to_send, take_prompt_logprobs
-from scheduler.request import FinishReason, Request, RequestStatus, TokenLogprobs
+from scheduler.request import BATCH_PRIORITY, FinishReason, Request, RequestStatus, TokenLogprobs
 from scheduler.speculative.proposers import Proposer
 from scheduler.speculative.speculator import Speculator
 from scheduler.step_budget import LatencyBudget
@@ -212,10 +212,13 @@ class Scheduler:
         """The next step: running decodes, then the prefill of the most important requests present
         (running, then waiting ones admitted, preempting less important ones for room), then the
         prefill of the others, within the step's latency budget (scheduler/step_budget.py)."""
-        plan = StepPlan(token_budget=self.config.max_num_batched_tokens,
-                        max_num_seqs=self._step_seq_budget())
         # (Or one present a moment ago: step_budget.py, RecentPriority.)
-        plan.top_priority = top = self.latency_budget.recent_top.top(self._most_important_priority())
+        top = self.latency_budget.recent_top.top(self._most_important_priority())
+        token_budget = self.config.max_num_batched_tokens
+        if top is not None and top >= BATCH_PRIORITY:  # batch work alone: short steps, for the next chat
+            token_budget = self.latency_budget.batch_step_tokens(token_budget, len(self._running))
+        plan = StepPlan(token_budget=token_budget, max_num_seqs=self._step_seq_budget())
+        plan.top_priority = top
         plan.can_speculate = self.speculator is not None and self.speculator.step_allows(len(self._running))
         if plan.can_speculate and self.speculator.batches_proposals:  # (n-gram: nothing to do ahead)
             candidates = [r for r in self._running if self._may_draft(r)]

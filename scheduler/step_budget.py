@@ -27,7 +27,12 @@ but only `LINGER_S` after more important work was last present (`RecentPriority`
 one by one: between two of them there may be a moment with none running, and a step planned then
 would carry a whole budget of batch prefill (190 ms for an 8B model on an H200), which the next
 chat's first token waits through. So the most important priority stays the step's reference for
-a second after its last request left; past that, batch work has the whole budget again.
+a second after its last request left; past that, batch work has the whole budget again, but
+in steps the cost model predicts within `BATCH_STEP_MS` (`batch_step_tokens`): with async
+scheduling a chat that arrives then waits for the step in flight and the one planned behind it,
+so two 190 ms steps of batch prefill put 400 ms into its first token, where two of 50 ms put
+100. Big prefill steps buy little: on an H100 an 8B model's steps of ~2,000 tokens ran at about
+95% of the tokens per ms of 8,192-token ones (the cost model it learned). Every batch decode still runs in such a step.
 Until the engine has timed a step, the budget is `FALLBACK_STEP_TOKENS`.
 """
 
@@ -46,6 +51,8 @@ FALLBACK_STEP_TOKENS = 512  # before any step was timed: a step about as long as
 MIN_ALLOWANCE_TOKENS = 32
 SHRINK, GROW = 0.8, 1.05  # the allowance after a step over the budget, and after one within it
 LINGER_S = 1.0  # how long the most important priority seen keeps its place once none of it is present
+# The longest step of batch work alone (the cost model's prediction), for the next chat's TTFT.
+BATCH_STEP_MS = 50.0
 
 
 @dataclass
@@ -110,6 +117,15 @@ class LatencyBudget:
         if within <= num_protected_tokens:  # the most important work alone is over the target:
             within = num_protected_tokens + MIN_ALLOWANCE_TOKENS  # less important work still moves
         return min(limit, within)
+
+    def batch_step_tokens(self, limit: int, num_decodes: int) -> int:
+        """The tokens of a step of batch work alone: what the cost model predicts within
+        `BATCH_STEP_MS`, at least `num_decodes` (every running decode still runs) and at most
+        `limit`; `limit` with the budget off or before any step was timed."""
+        within = None if self.is_off else self.cost.max_tokens_within(BATCH_STEP_MS, limit)
+        if within is None:
+            return limit
+        return min(limit, max(within, num_decodes))
 
     def reset(self) -> None:
         """Forget every step timed (the warm-up's, whose first steps compile)."""

@@ -10,7 +10,7 @@ import pytest
 
 from scheduler.request import BATCH_PRIORITY
 from scheduler.scheduler import Scheduler
-from scheduler.step_budget import FALLBACK_STEP_TOKENS, LINGER_S, MIN_ALLOWANCE_TOKENS, LatencyBudget
+from scheduler.step_budget import BATCH_STEP_MS, FALLBACK_STEP_TOKENS, LINGER_S, MIN_ALLOWANCE_TOKENS, LatencyBudget
 from scheduler.step_cost import StepCost
 from tests.scheduler.test_scheduler import (
     Collected,
@@ -139,6 +139,28 @@ def test_without_interactive_work_batch_items_fill_the_whole_budget() -> None:
                              arrival_time=float(i)) for i in range(4)]
     _, outs = run_all(scheduler, requests)
     assert outs[0].batch.num_tokens == 256 and outs[0].step_token_cap is None
+
+
+def test_batch_work_alone_runs_in_steps_of_at_most_the_batch_step_time_every_decode_included() -> None:
+    # 1 ms + 0.5 ms a token: the whole 256-token budget would be a 129 ms step.
+    scheduler = budgeted_scheduler(max_num_seqs=120)
+    scheduler.latency_budget.cost = linear_cost(ms_per_token=0.5)
+    within = int((BATCH_STEP_MS - 1.0) / 0.5)  # 98 tokens
+    requests = [make_request(f"b{i}", num_prompt=150, first_token=i, priority=BATCH_PRIORITY,
+                             arrival_time=float(i), max_tokens=3) for i in range(110)]
+    collected, outs = run_all(scheduler, requests)
+    assert outs[0].batch.num_tokens == within and outs[0].step_token_cap is None
+    assert all(collected[f"b{i}"].finish_reason is not None for i in range(110))
+    assert max(out.batch.num_tokens for out in outs) == within
+    # More decodes running than the time holds: every one of them still runs.
+    assert scheduler.latency_budget.batch_step_tokens(256, num_decodes=110) == 110
+    assert scheduler.latency_budget.batch_step_tokens(256, num_decodes=300) == 256
+    # With the budget off, the whole budget.
+    off = budgeted_scheduler(itl_target_ms=0)
+    off.latency_budget.cost = linear_cost(ms_per_token=0.5)
+    _, outs = run_all(off, [make_request(f"b{i}", num_prompt=150, first_token=i, priority=BATCH_PRIORITY,
+                                         arrival_time=float(i), max_tokens=3) for i in range(4)])
+    assert outs[0].batch.num_tokens == 256
 
 
 def test_batch_decodes_past_the_cap_skip_the_step_and_go_first_in_the_next() -> None:
