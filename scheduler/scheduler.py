@@ -7,9 +7,10 @@ token budget, the sequence cap and the KV cache allow; a waiting one takes the s
 of a less important running one (preempted). The work of everyone else (decodes, running chunks,
 then admissions, most important first) only fills the step up to its latency budget
 (step_budget.py), so that batch items never stretch a chat's step; with nothing more important
-present, they get the whole budget, in steps short enough for the next chat's first token. When the cache runs out, the least important running
-request is preempted: its blocks are freed and it later recomputes its prompt and output from
-scratch (num_computed_tokens back to 0), its output so far kept.
+present, they get the whole budget, in steps short enough for the next chat's first token.
+When the cache runs out, the least important running request is preempted: its blocks are
+freed and it later recomputes its prompt and output from scratch (num_computed_tokens back to
+0), its output so far kept.
 
 With prefix caching, a request admitted from the waiting queue starts after the longest
 prefix of its tokens whose full blocks are in the cache (block_manager.py); blocks are made

@@ -32,7 +32,8 @@ in steps the cost model predicts within `BATCH_STEP_MS` (`batch_step_tokens`): w
 scheduling a chat that arrives then waits for the step in flight and the one planned behind it,
 so two 190 ms steps of batch prefill put 400 ms into its first token, where two of 50 ms put
 100. Big prefill steps buy little: on an H100 an 8B model's steps of ~2,000 tokens ran at about
-95% of the tokens per ms of 8,192-token ones (the cost model it learned). Every batch decode still runs in such a step.
+95% of the tokens per ms of 8,192-token ones (the cost model it learned). Every batch decode
+still runs in such a step.
 Until the engine has timed a step, the budget is `FALLBACK_STEP_TOKENS`.
 """
 

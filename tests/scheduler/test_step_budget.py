@@ -10,7 +10,13 @@ import pytest
 
 from scheduler.request import BATCH_PRIORITY
 from scheduler.scheduler import Scheduler
-from scheduler.step_budget import BATCH_STEP_MS, FALLBACK_STEP_TOKENS, LINGER_S, MIN_ALLOWANCE_TOKENS, LatencyBudget
+from scheduler.step_budget import (
+    BATCH_STEP_MS,
+    FALLBACK_STEP_TOKENS,
+    LINGER_S,
+    MIN_ALLOWANCE_TOKENS,
+    LatencyBudget,
+)
 from scheduler.step_cost import StepCost
 from tests.scheduler.test_scheduler import (
     Collected,
