@@ -32,8 +32,10 @@ in steps the cost model predicts within `BATCH_STEP_MS` (`batch_step_tokens`): w
 scheduling a chat that arrives then waits for the step in flight and the one planned behind it,
 so two 190 ms steps of batch prefill put 400 ms into its first token, where two of 50 ms put
 100. Big prefill steps buy little: on an H100 an 8B model's steps of ~2,000 tokens ran at about
-95% of the tokens per ms of 8,192-token ones (the cost model it learned). Every batch decode
-still runs in such a step.
+95% of the tokens per ms of 8,192-token ones (the cost model it learned). Where they do (a high
+fixed cost a step, as on a loaded CPU, where a 50 ms step may hold no token at all), a batch step
+still takes the fewest tokens that run at `BATCH_STEP_EFFICIENCY` of a whole budget's rate. Every
+batch decode still runs in such a step.
 Until the engine has timed a step, the budget is `FALLBACK_STEP_TOKENS`.
 """
 
@@ -52,8 +54,10 @@ FALLBACK_STEP_TOKENS = 512  # before any step was timed: a step about as long as
 MIN_ALLOWANCE_TOKENS = 32
 SHRINK, GROW = 0.8, 1.05  # the allowance after a step over the budget, and after one within it
 LINGER_S = 1.0  # how long the most important priority seen keeps its place once none of it is present
-# The longest step of batch work alone (the cost model's prediction), for the next chat's TTFT.
+# The longest step of batch work alone (the cost model's prediction), for the next chat's TTFT,
+# unless a step that short would run at less than BATCH_STEP_EFFICIENCY of a whole budget's rate.
 BATCH_STEP_MS = 50.0
+BATCH_STEP_EFFICIENCY = 0.9
 
 
 @dataclass
@@ -121,12 +125,16 @@ class LatencyBudget:
 
     def batch_step_tokens(self, limit: int, num_decodes: int) -> int:
         """The tokens of a step of batch work alone: what the cost model predicts within
-        `BATCH_STEP_MS`, at least `num_decodes` (every running decode still runs) and at most
-        `limit`; `limit` with the budget off or before any step was timed."""
+        `BATCH_STEP_MS`, but at least the fewest that run at `BATCH_STEP_EFFICIENCY` of a
+        `limit`-token step's tokens per ms (where steps have a high fixed cost, as on a loaded
+        CPU, a 50 ms step may hold no token at all) and at least `num_decodes` (every running
+        decode still runs); at most `limit`. `limit` with the budget off or before any step was
+        timed."""
         within = None if self.is_off else self.cost.max_tokens_within(BATCH_STEP_MS, limit)
         if within is None:
             return limit
-        return min(limit, max(within, num_decodes))
+        efficient = self.cost.fewest_tokens_at_rate(BATCH_STEP_EFFICIENCY, limit)
+        return min(limit, max(within, efficient, num_decodes))
 
     def reset(self) -> None:
         """Forget every step timed (the warm-up's, whose first steps compile)."""

@@ -105,3 +105,19 @@ class StepCost:
             else:
                 high = middle - 1
         return low
+
+    def fewest_tokens_at_rate(self, fraction: float, limit: int) -> int | None:
+        """The fewest tokens (at least 1) a step may have and still run at `fraction` of the tokens
+        per ms of a `limit`-token step; None before any step was observed."""
+        limit_ms = self.predict(limit)
+        if limit_ms is None:
+            return None
+        target_rate = fraction * limit / limit_ms
+        low, high = 1, limit  # the rate at `high` reaches the target; the answer is in [low, high]
+        while low < high:
+            middle = (low + high) // 2
+            if middle / self.predict(middle) >= target_rate:
+                high = middle
+            else:
+                low = middle + 1
+        return low

@@ -27,6 +27,7 @@ QUESTIONS = ["What is the capital of France?", "Name three colours.", "Write a h
              "What is 2 + 2?", "Describe a cat.", "Why is the sky blue?"]
 NUM_TOKENS = 200
 SAMPLING = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+LONG_SAMPLING = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
 
 
 def _submit_routed(client, scheduler_id: str, prompt: list[int],
@@ -55,27 +56,42 @@ def undisturbed(tiny_chat) -> tuple[list[list[int]], list[str]]:
         return prompts, [r.text for r in engine.generate(prompts, SAMPLING)]
 
 
+@pytest.fixture(scope="module")
+def undisturbed_long(tiny_chat, undisturbed) -> list[str]:
+    """The first two prompts' greedy text at LONG_SAMPLING."""
+    prompts, _ = undisturbed
+    with LLMEngine(EngineConfig(model=str(tiny_chat), dtype="float32", num_kv_blocks=256)) as engine:
+        return [r.text for r in engine.generate(prompts[:2], LONG_SAMPLING)]
+
+
 def test_kill_9_with_requests_waiting_in_its_own_stream_a_peer_finishes_each_once(
-        tiny_chat, redis_server, undisturbed, tmp_path):
-    """The victim runs two of six requests routed to it, four wait unread in its own stream. It
-    is killed -9; the survivor (which would never steal them: --steal-after-s 600) reads the
-    four once the victim's heartbeat is gone and resumes the two after the lease. Every request
-    completes on the survivor, greedy-identical, its events with no gap and no repeat."""
+        tiny_chat, redis_server, undisturbed, undisturbed_long, tmp_path):
+    """The victim runs two long requests routed to it; it is stopped (SIGSTOP: it reads nothing
+    more) and four more are routed to it, waiting unread in its own stream; then it is killed -9.
+    The survivor (which would never steal them: --steal-after-s 600) reads the four once the
+    victim's heartbeat is gone and resumes the two after the lease. Every request completes on
+    the survivor, greedy-identical, its events with no gap and no repeat."""
     prompts, want = undisturbed
+    want = undisturbed_long + want[2:]
     client = redis_server.client()
     recorder = EventRecorder(redis_server.url)
     victim = _start(tiny_chat, redis_server.url, "victim", tmp_path, "--max-num-seqs", "2")
     survivor = _start(tiny_chat, redis_server.url, "survivor", tmp_path, "--max-num-seqs", "8",
                       "--steal-after-s", "600")
+    stream = KEYS.replica_stream(MODEL, "victim")
     try:
         wait_heartbeat(client, "victim", victim)
         wait_heartbeat(client, "survivor", survivor)
-        ids = [_submit_routed(client, "victim", p, SAMPLING)[0] for p in prompts]
+        # Long enough (seconds) that neither finishes before the victim is stopped.
+        ids = [_submit_routed(client, "victim", p, LONG_SAMPLING)[0] for p in prompts[:2]]
         while sum(len(token_ids(client.hgetall(KEYS.result(r)))) >= 4 for r in ids) < 2:
             time.sleep(0.02)
+        os.killpg(victim.pid, signal.SIGSTOP)
+        ids += [_submit_routed(client, "victim", p, SAMPLING)[0] for p in prompts[2:]]
+        assert _unread(client, stream) == 4  # waiting in its own stream
+        assert all(client.hget(KEYS.result(r), "state") == b"running" for r in ids[:2])
         os.killpg(victim.pid, signal.SIGKILL)
         victim.wait()
-        assert _unread(client, KEYS.replica_stream(MODEL, "victim")) >= 3  # waiting in its own stream
         records = wait_terminal(client, ids, timeout_s=300)
         # The dead replica's stream, empty now, is forgotten by its peers (once it looked dead 30 s).
         deadline = time.monotonic() + 60

@@ -11,6 +11,7 @@ import pytest
 from scheduler.request import BATCH_PRIORITY
 from scheduler.scheduler import Scheduler
 from scheduler.step_budget import (
+    BATCH_STEP_EFFICIENCY,
     BATCH_STEP_MS,
     FALLBACK_STEP_TOKENS,
     LINGER_S,
@@ -167,6 +168,23 @@ def test_batch_work_alone_runs_in_steps_of_at_most_the_batch_step_time_every_dec
     _, outs = run_all(off, [make_request(f"b{i}", num_prompt=150, first_token=i, priority=BATCH_PRIORITY,
                                          arrival_time=float(i), max_tokens=3) for i in range(4)])
     assert outs[0].batch.num_tokens == 256
+
+
+def test_where_no_step_is_within_the_batch_step_time_batch_work_still_runs_at_near_full_rate() -> None:
+    # A loaded CPU: 60 ms a step before its first token, so not one token fits in 50 ms. The
+    # batch step is then the fewest tokens at 90% of a whole budget's tokens per ms, never none.
+    scheduler = budgeted_scheduler()
+    scheduler.latency_budget.cost = linear_cost(ms_per_token=0.5, fixed_ms=60.0)
+    assert scheduler.latency_budget.cost.max_tokens_within(BATCH_STEP_MS, 256) == 0
+    rate = 256 / (60.0 + 0.5 * 256)
+    efficient = scheduler.latency_budget.batch_step_tokens(256, num_decodes=0)
+    assert efficient / (60.0 + 0.5 * efficient) >= BATCH_STEP_EFFICIENCY * rate
+    assert (efficient - 1) / (60.0 + 0.5 * (efficient - 1)) < BATCH_STEP_EFFICIENCY * rate
+    requests = [make_request(f"b{i}", num_prompt=150, first_token=i, priority=BATCH_PRIORITY,
+                             arrival_time=float(i), max_tokens=3) for i in range(3)]
+    collected, outs = run_all(scheduler, requests)
+    assert outs[0].batch.num_tokens == efficient
+    assert all(collected[f"b{i}"].finish_reason is not None for i in range(3))
 
 
 def test_batch_decodes_past_the_cap_skip_the_step_and_go_first_in_the_next() -> None:
