@@ -33,7 +33,7 @@ from protocol.keys import Keys
 from scheduler.detokenizer import IncrementalDetokenizer
 from service.delivery import Delivery, StepOutput
 from service.result_store import ResultStore, ResultUpdate
-from service.step_updates import step_update, unrun_update
+from service.step_updates import step_update, unrun_update, whole_record_updates
 from shared.gc_tuning import tune_for_serving
 from shared.logging import get_logger
 from shared.pdeathsig import die_with_parent
@@ -168,12 +168,30 @@ class Publisher:
         raise ValueError(f"unknown publisher message {kind!r}")
 
     def _write(self, updates: list[ResultUpdate], num_messages: int) -> None:
+        owned, gaps = self._write_until_done(updates)
+        if gaps:  # records that lost writes: each set whole, from what this process delivered
+            gapped: dict[str, list[ResultUpdate]] = {}
+            for i in gaps:
+                gapped.setdefault(updates[i].req_id, []).append(updates[i])
+            self.log.warning("result_records_rewritten", req_ids=list(gapped))
+            rewrites = [u for req_id, its in gapped.items() if (delivery := self.deliveries.get(req_id))
+                        for u in whole_record_updates(delivery, its)]
+            rewritten, _ = self._write_until_done(rewrites)
+            refused = {u.req_id for u, is_owner in zip(rewrites, rewritten, strict=True) if not is_owner}
+            owned = [is_owner and u.req_id not in refused for u, is_owner in zip(updates, owned, strict=True)]
+        lost = [u.req_id for u, is_owner in zip(updates, owned, strict=True) if not is_owner]
+        ended = [u.req_id for u in updates if u.ack_entry_id is not None]
+        for req_id in (*lost, *ended):
+            self.deliveries.pop(req_id, None)
+        self._report(num_messages, ended, lost, None)
+
+    def _write_until_done(self, updates: list[ResultUpdate]) -> tuple[list[bool], list[int]]:
+        """The store's write (owned, gaps), retried with backoff while Redis is away."""
         packed = [self.store.pack(update) for update in updates]
         backoff = 0.1
         while True:
             try:
-                owned = self.store.write_packed(packed)
-                break
+                return self.store.write_packed(packed)
             except Exception as exc:
                 if not redis_away(exc):
                     raise
@@ -182,11 +200,6 @@ class Publisher:
                 self._report(0, [], [], f"{type(exc).__name__}: {exc}")
                 time.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
-        lost = [u.req_id for u, is_owner in zip(updates, owned, strict=True) if not is_owner]
-        ended = [u.req_id for u in updates if u.ack_entry_id is not None]
-        for req_id in (*lost, *ended):
-            self.deliveries.pop(req_id, None)
-        self._report(num_messages, ended, lost, None)
 
     def _report(self, num_done: int, ended: list[str], lost: list[str], error: str | None) -> None:
         try:

@@ -37,6 +37,7 @@ def _write_script(sharded: bool) -> lua.Script:
 
 
 _CLAIM_SCRIPT = lua.Script("claim")
+GAP = 2  # the write script's answer for an update whose record lost the writes before it
 
 
 def _wire(value: object) -> str | bytes:
@@ -72,7 +73,8 @@ class ResultStore:
     def write(self, updates: list[ResultUpdate]) -> list[bool]:
         """One round trip and one script call per partition; False where another scheduler
         owns the request."""
-        return self.write_packed([self.pack(update) for update in updates])
+        owned, _ = self.write_packed([self.pack(update) for update in updates])
+        return owned
 
     def pack(self, update: ResultUpdate) -> tuple[int, str, str, str, list]:
         """One update as the write script reads it (protocol/lua/write_results.lua): (its
@@ -91,11 +93,13 @@ class ResultStore:
         return (self.keys.partition(update.req_id), self.keys.result(update.req_id), update.stream,
                 update.req_id, u)
 
-    def write_packed(self, packed: list[tuple]) -> list[bool]:
+    def write_packed(self, packed: list[tuple]) -> tuple[list[bool], list[int]]:
         """Write updates made by pack(), in order within each request, in one script call per
-        partition; then end the tenant leases of the requests whose entries it acknowledged."""
+        partition; then end the tenant leases of the requests whose entries it acknowledged.
+        Returns whether this scheduler owns each request, and the indexes of the updates that
+        found a gap in their record (nothing of them written: the writer sends whole records)."""
         if not packed:
-            return []
+            return [], []
         groups: dict[int, list[int]] = {}
         for i, (partition, *_) in enumerate(packed):
             groups.setdefault(partition, []).append(i)
@@ -110,11 +114,14 @@ class ResultStore:
             updates = msgpack.packb([packed[i][4] for i in members], use_bin_type=False)
             calls.append((keys, [self.owner, self.ttl_s, updates]))
         owned: list[bool] = [False] * len(packed)
+        gaps: list[int] = []
         ended: list[tuple[bytes, str]] = []  # (tenant, req id) of the leases that end
         for members, reply in zip(groups.values(), self._write.run_many(self.client, calls), strict=True):
             for i, flag in zip(members, reply, strict=True):
                 owned[i] = flag != 0
-                if isinstance(flag, bytes):
+                if flag == GAP:
+                    gaps.append(i)
+                elif isinstance(flag, bytes):
                     ended.append((flag, packed[i][3]))
         if self.is_cluster:
             self._confirm_replicated([packed[members[0]][1] for members in groups.values()])
@@ -123,7 +130,7 @@ class ResultStore:
             for tenant, req_id in ended:
                 pipe.zrem(self.keys.tenant_leases(tenant.decode()), req_id)
             pipe.execute()
-        return owned
+        return owned, sorted(gaps)
 
     def _confirm_replicated(self, record_keys: list[str]) -> None:
         """On a cluster, a write counts once a replica has it: else ConnectionError, and the

@@ -76,6 +76,20 @@ def unrun_update(delivery: Delivery, state: str, code: str, message: str) -> Res
                         batch_job_id=delivery.batch_job_id, appends=appends)
 
 
+def whole_record_updates(delivery: Delivery, gapped: list[ResultUpdate]) -> list[ResultUpdate]:
+    """In place of a request's updates whose chunks found its record missing earlier ones (Redis
+    lost its last writes): everything delivered so far set at once, with what those updates set
+    and acknowledged, then their events, in order."""
+    fields: dict[str, object] = {}
+    for update in gapped:
+        fields.update(update.fields)
+    fields.update(_progress_fields(delivery))
+    ack = next((u.ack_entry_id for u in reversed(gapped) if u.ack_entry_id is not None), None)
+    whole = ResultUpdate(delivery.req_id, delivery.stream, fields, None, ack,
+                         batch_job_id=delivery.batch_job_id)
+    return [whole, *(ResultUpdate(delivery.req_id, delivery.stream, {}, u.event) for u in gapped if u.event)]
+
+
 def _text_of(detokenizer: IncrementalDetokenizer, out: StepOutput) -> str:
     """The text a step's tokens add, as the engine would have made it: the EOS or stop token
     that ended a request adds none, and an aborted request's held-back text stays held."""

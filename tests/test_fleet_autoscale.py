@@ -26,9 +26,10 @@ pytestmark = pytest.mark.slow
 KEYS = Keys()
 MODEL = "tiny"
 SHORT_TOKENS = 64  # the burst: short requests, kept queued until the second replica serves
-# Sent after the burst, one per replica: still streaming when the low-load cooldown ends, on a
-# quiet machine too (a few ms a token there).
-LONG_TOKENS = 1200
+# Sent after the burst, one per replica: still streaming when the low-load cooldown (2 s, which
+# starts as the burst's last requests end) ends, on a quiet machine too (1.5-3 ms a token there;
+# 1,200 tokens were done before a 4 s cooldown ended on a fast CI machine).
+LONG_TOKENS = 1800
 NUM_LONG = 2
 BURST_QUEUE = 12  # requests kept in flight while the fleet grows: 8 queued past 4 slots > target 2
 
@@ -104,7 +105,7 @@ def test_burst_adds_a_replica_and_low_load_drains_it_without_cutting_a_stream(ti
          "--model-name", MODEL, "--dtype", "float32", "--num-kv-blocks", "1024", "--max-num-seqs", "4",
          "--gateway-workers", "1",
          "--min-replicas", "1", "--max-replicas", "2", "--target-queue", "2", "--target-wait-s", "2",
-         "--scale-up-cooldown-s", "1", "--scale-down-cooldown-s", "4", "--scale-down-load", "1.0",
+         "--scale-up-cooldown-s", "1", "--scale-down-cooldown-s", "2", "--scale-down-load", "1.0",
          "--autoscale-interval-s", "0.5"],
         tmp_path / "home", TOKENFLEET_LOG_LEVEL="INFO")
     url = f"http://127.0.0.1:{port}"

@@ -17,10 +17,13 @@
 -- seq the record has reached landed already (a write retried after its reply was lost): neither
 -- its appends, nor its sets, nor its event are done again. Its sets too: they hold its seq, and
 -- setting it back would let the call's next update of the request append its chunk twice. A
--- batch notice goes out only on the first terminal write.
--- Returns, per update, 0 (refused), 1 (written), or the tenant its record names when the write
--- acknowledged its entry: that request's tenant lease ends (gateway/limits.py; the caller
--- removes it, from the tenant's own key).
+-- batch notice goes out only on the first terminal write. An update with appends whose seq is
+-- more than one past the record's finds a gap: the record lost writes its clients may have seen
+-- (Redis came back from an append-only file without its last second), so nothing of it is done
+-- and the caller sends the whole record instead of the chunk.
+-- Returns, per update, 0 (refused), 1 (written), 2 (a gap: nothing written), or the tenant its
+-- record names when the write acknowledged its entry: that request's tenant lease ends
+-- (gateway/limits.py; the caller removes it, from the tenant's own key).
 local owner = ARGV[1]
 local ttl = tonumber(ARGV[2])
 local updates = cmsgpack.unpack(ARGV[3])
@@ -30,8 +33,14 @@ for i = 1, #updates do
   local u = updates[i]
   local key = KEYS[2 * i - 1]
   local current = redis.call('HGET', key, 'owner')
+  local appends = u[8]
+  local seq = nil  -- the seq of an update with appends
+  if #appends > 0 and u[7] ~= '' then seq = tonumber(u[7]) end
+  local stored = tonumber(redis.call('HGET', key, 'seq') or '0')
   if current and current ~= owner then
     owned[i] = 0
+  elseif seq and stored < seq - 1 then
+    owned[i] = 2
   else
     owned[i] = 1
     local notify = false
@@ -39,9 +48,7 @@ for i = 1, #updates do
       local state = redis.call('HGET', key, 'state')
       notify = not ({TERMINAL})
     end
-    local appends = u[8]
-    local applied = #appends > 0 and u[7] ~= ''
-      and tonumber(redis.call('HGET', key, 'seq') or '0') >= tonumber(u[7])
+    local applied = seq and stored >= seq
     if not applied then
       for j = 1, #appends, 2 do
         redis.call('HSET', key, appends[j], (redis.call('HGET', key, appends[j]) or '') .. appends[j + 1])
