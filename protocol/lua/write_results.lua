@@ -34,9 +34,11 @@ for i = 1, #updates do
   local key = KEYS[2 * i - 1]
   local current = redis.call('HGET', key, 'owner')
   local appends = u[8]
-  local seq = nil  -- the seq of an update with appends
-  if #appends > 0 and u[7] ~= '' then seq = tonumber(u[7]) end
-  local stored = tonumber(redis.call('HGET', key, 'seq') or '0')
+  local seq, stored = nil, nil  -- an update with appends: its seq, and the record's
+  if #appends > 0 and u[7] ~= '' then
+    seq = tonumber(u[7])
+    stored = tonumber(redis.call('HGET', key, 'seq') or '0')
+  end
   if current and current ~= owner then
     owned[i] = 0
   elseif seq and stored < seq - 1 then
