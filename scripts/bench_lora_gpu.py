@@ -32,7 +32,6 @@ from testkit.quant_runs import SMOKE_LLAMA
 from testkit.random_models import LLAMA3_8B, checkpoint_folder, module_bytes, random_llama
 from testkit.runs import log, print_command
 from testkit.workloads import sharegpt_workload
-from workers.lora.triton_lora import MAX_ROWS
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -85,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
             engine.close()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    path = f"Triton kernels up to {MAX_ROWS} rows, dense GEMMs above" if dense else "segment-wise"
+    path = "shrink in the base GEMM, one Triton expand kernel" if dense else "segment-wise"
     print(f"\n{'shape: tiny (smoke)' if args.smoke else 'Llama-3-8B shape'}, {args.dtype}, {device}; "
           f"{args.num_adapters} adapters of rank {args.rank} on q, k, v, o, gate, up, down; "
           f"LoRA path: {path}, "

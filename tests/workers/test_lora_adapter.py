@@ -42,11 +42,14 @@ def test_a_peft_adapter_reads_with_its_scaling_and_targets(adapter_copy, tiny_ch
     assert (config.rank, config.scaling) == (8, 2.0)  # lora_alpha 16 / r 8
     assert config.target_modules == ("k_proj", "o_proj", "gate_proj")
     adapter = load_adapter("x", config, load_model_config(base))
-    assert sorted({module for _, module in adapter.weights}) == ["gate_proj", "k_proj", "o_proj"]
-    assert len(adapter.weights) == 3 * 4  # every layer of the 4
+    weights = adapter.pairs()
+    assert sorted({module for _, module in weights}) == ["gate_proj", "k_proj", "o_proj"]
+    assert len(weights) == 3 * 4  # every layer of the 4
     file = load_file(adapter_copy / "adapter_model.safetensors")
-    b = file["base_model.model.model.layers.2.self_attn.o_proj.lora_B.weight"]
-    assert torch.equal(adapter.weights[(2, "o_proj")][1], b * 2.0)  # scaling folded into B
+    a, b = weights[(2, "o_proj")]
+    assert torch.equal(a, file["base_model.model.model.layers.2.self_attn.o_proj.lora_A.weight"])
+    assert torch.equal(b, file["base_model.model.model.layers.2.self_attn.o_proj.lora_B.weight"])
+    assert adapter.scaling == 2.0  # applied as B goes into a slot
     _edit_config(adapter_copy, use_rslora=True)
     assert _read(adapter_copy, base).scaling == pytest.approx(16 / math.sqrt(8))
 
@@ -70,8 +73,16 @@ def test_missing_and_corrupt_files_are_refused_naming_them(adapter_copy, tiny_ch
     base = tiny_checkpoints["llama"]
     with pytest.raises(LoraAdapterError, match="nowhere: no such folder"):
         _read(tmp_path / "nowhere", base)
-    (adapter_copy / "adapter_model.safetensors").write_bytes(b"\x00garbage")
+    weights = adapter_copy / "adapter_model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[:-10])  # cut short: its last tensor lies past the end
     config = _read(adapter_copy, base)
+    with pytest.raises(LoraAdapterError, match="unreadable safetensors \\(tensor '.*' lies outside the file"):
+        load_adapter("x", config, load_model_config(base))
+    weights.write_bytes(whole[:8] + b"{not json" + whole[17:])
+    with pytest.raises(LoraAdapterError, match="unreadable safetensors \\(its header is not JSON"):
+        load_adapter("x", config, load_model_config(base))
+    weights.write_bytes(b"\x00garbage")
     with pytest.raises(LoraAdapterError, match="adapter_model.safetensors: unreadable safetensors"):
         load_adapter("x", config, load_model_config(base))
     (adapter_copy / "adapter_model.safetensors").unlink()

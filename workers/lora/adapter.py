@@ -1,18 +1,21 @@
 """An adapter's tensors, read from its PEFT safetensors file and checked against the base.
 
-Kept on the host in float32, whole (not this rank's slice: a slot load slices them), with the
-scaling folded into B, so that a projection adds B @ (A @ x) and nothing else.
+The file's bytes are kept whole, as one flat buffer (`LoraAdapter.data`), with where each A and B
+lies in it: a slot load on CUDA copies that buffer to the device in one transfer and fills the
+slot from views of it there (workers/lora/manager.py), instead of hundreds of small host copies.
+The tensors stay in the file's dtype, whole (not this rank's slice: a slot load slices them);
+the scaling is applied as B goes into its slot.
 """
 
 from __future__ import annotations
 
+import json
 import re
+import struct
 import time
 from dataclasses import dataclass, field
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from shared.errors import LoraAdapterError
 from shared.lora_config import LoraConfig, projection_shapes
@@ -22,14 +25,36 @@ from shared.model_config import ModelConfig
 # when it saves; an older save may keep it: ...lora_A.default.weight).
 _NAME = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
+# safetensors' dtype names -> torch's (the floating ones: an adapter holds nothing else)
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+# The most a header may claim: safetensors' own limit (100 MB).
+_MAX_HEADER = 100_000_000
+
+
+@dataclass(frozen=True)
+class TensorPlace:
+    """Where one tensor lies in the file's bytes."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # byte offset in the whole file
+    end: int
+
+    def view(self, data: torch.Tensor) -> torch.Tensor:
+        """The tensor, a view of `data` (the file's bytes, uint8, on any device)."""
+        raw = data[self.start : self.end]
+        if self.start % self.dtype.itemsize:  # safetensors does not promise aligned offsets
+            raw = raw.clone()
+        return raw.view(self.dtype).view(self.shape)
 
 
 @dataclass
 class LoraAdapter:
     name: str
     config: LoraConfig
-    # (layer index, PEFT projection name) -> (A [rank, in], B * scaling [out, rank]), float32
-    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    data: torch.Tensor  # the whole file's bytes, uint8
+    # (layer index, PEFT projection name) -> where its A [rank, in] and B [out, rank] lie in data
+    places: dict[tuple[int, str], tuple[TensorPlace, TensorPlace]] = field(default_factory=dict)
     load_ms: float = 0.0  # reading and checking the file
 
     @property
@@ -37,22 +62,28 @@ class LoraAdapter:
         return self.config.rank
 
     @property
+    def scaling(self) -> float:
+        return self.config.scaling
+
+    @property
     def num_bytes(self) -> int:
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size()
-                   for a, b in self.weights.values())
+        return self.data.numel()
+
+    def pairs(self, data: torch.Tensor | None = None) -> dict[tuple[int, str], tuple[torch.Tensor, ...]]:
+        """(A, B) of every projection, views of `data` (default: the host copy; or the same
+        bytes copied to a device), B unscaled."""
+        data = self.data if data is None else data
+        return {key: (a.view(data), b.view(data)) for key, (a, b) in self.places.items()}
 
 
 def load_adapter(name: str, config: LoraConfig, base: ModelConfig) -> LoraAdapter:
-    """Read the adapter's tensors; LoraAdapterError names the file and what is wrong with it."""
+    """Read the adapter's file; LoraAdapterError names the file and what is wrong with it."""
     start = time.perf_counter()
     path = config.weights_path
-    try:
-        tensors = load_file(path, device="cpu")
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise _bad(path, f"unreadable safetensors ({exc})") from None
+    data, header = _read_safetensors(path)
     shapes = projection_shapes(base)
-    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for tensor_name, tensor in tensors.items():
+    halves: dict[tuple[int, str], dict[str, TensorPlace]] = {}
+    for tensor_name, place in header.items():
         match = _NAME.match(tensor_name)
         if match is None:
             raise _bad(path, f"tensor {tensor_name!r} is not a LoRA A or B of a layer projection")
@@ -64,20 +95,60 @@ def load_adapter(name: str, config: LoraConfig, base: ModelConfig) -> LoraAdapte
             raise _bad(path, f"tensor {tensor_name!r}: the base has {base.num_layers} layers")
         out_features, in_features = shapes[module]
         expected = (config.rank, in_features) if half == "A" else (out_features, config.rank)
-        if tuple(tensor.shape) != expected:
-            raise _bad(path, f"tensor {tensor_name!r} has shape {tuple(tensor.shape)}, expected {expected} "
+        if place.shape != expected:
+            raise _bad(path, f"tensor {tensor_name!r} has shape {place.shape}, expected {expected} "
                              f"(rank {config.rank} on this base: another base model?)")
-        halves.setdefault((layer, module), {})[half] = tensor
-    adapter = LoraAdapter(name, config)
+        halves.setdefault((layer, module), {})[half] = place
+    adapter = LoraAdapter(name, config, data)
     for key, pair in sorted(halves.items()):
         if set(pair) != {"A", "B"}:
             raise _bad(path, f"layer {key[0]} {key[1]} has lora_{''.join(pair)} without its pair")
-        a, b = pair["A"].float().contiguous(), (pair["B"].float() * config.scaling).contiguous()
-        adapter.weights[key] = (a, b)
-    if not adapter.weights:
+        adapter.places[key] = (pair["A"], pair["B"])
+    if not adapter.places:
         raise _bad(path, "holds no LoRA tensors")
     adapter.load_ms = (time.perf_counter() - start) * 1000
     return adapter
+
+
+def _read_safetensors(path: str) -> tuple[torch.Tensor, dict[str, TensorPlace]]:
+    """The file's bytes and its tensors' places, every place checked against the file's length
+    (the format: an 8-byte little-endian header length, a JSON header, then the tensors' bytes)."""
+    try:
+        with open(path, "rb") as file:
+            raw = bytearray(file.read())
+    except OSError as exc:
+        raise _bad(path, f"unreadable safetensors ({exc})") from None
+    if len(raw) < 8:
+        raise _bad(path, f"unreadable safetensors (a file of {len(raw)} bytes)")
+    (header_len,) = struct.unpack("<Q", raw[:8])
+    if header_len > min(_MAX_HEADER, len(raw) - 8):
+        raise _bad(path, f"unreadable safetensors (a header of {header_len} bytes in a file of {len(raw)})")
+    try:
+        header = json.loads(raw[8 : 8 + header_len])
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _bad(path, f"unreadable safetensors (its header is not JSON: {exc})") from None
+    if not isinstance(header, dict):
+        raise _bad(path, "unreadable safetensors (its header is not a JSON object)")
+    data_start = 8 + header_len
+    places = {}
+    for tensor_name, entry in header.items():
+        if tensor_name == "__metadata__":
+            continue
+        try:
+            dtype_name, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+            dtype = _DTYPES[dtype_name]
+            numel = 1
+            for size in shape:
+                numel *= int(size)
+            is_whole = (0 <= begin <= end and data_start + end <= len(raw)
+                        and end - begin == numel * dtype.itemsize)
+        except (KeyError, TypeError, ValueError):
+            raise _bad(path, f"unreadable safetensors (tensor {tensor_name!r}: {entry!r})") from None
+        if not is_whole:
+            raise _bad(path, f"unreadable safetensors (tensor {tensor_name!r} lies outside the file or "
+                             f"has {end - begin} bytes for its shape {list(shape)})")
+        places[tensor_name] = TensorPlace(dtype, shape, data_start + begin, data_start + end)
+    return torch.frombuffer(raw, dtype=torch.uint8), places
 
 
 def _bad(path: str, problem: str) -> LoraAdapterError:

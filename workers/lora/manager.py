@@ -3,8 +3,9 @@ adapters read from disk kept in a host cache of `max_cpu_loras`, least recently 
 
 Which adapter sits in which slot is the scheduler's decision (scheduler/lora_slots.py): a step
 names the loads it needs (`StepBatch.lora_loads`) and each work its slot, so every rank of a
-group holds the same adapters in the same slots. A load from the host cache is a copy into the
-slot; a miss reads the file first.
+group holds the same adapters in the same slots. A load from the host cache copies the
+adapter's file bytes to the device in one transfer and fills the slot from views of them there;
+a miss reads the file first.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class LoraManager:
         self.base_path = base_path
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
+        self.device = device
         self.num_slots = max_loras + 1  # slot 0: the base, no adapter
         self.batch = LoraBatch(token_slots=torch.zeros(max_rows, dtype=torch.long, device=device),
                                use_dense=dense)
@@ -91,11 +93,16 @@ class LoraManager:
             return
         start = time.perf_counter()
         adapter = self._host_adapter(load)
+        # One host-to-device copy of the whole file, then device copies into the slot (on CPU
+        # the host bytes themselves): a few hundred small host copies took most of a load.
+        weights = adapter.pairs(adapter.data.to(self.device))
         for (layer, _), projection in self.projections.items():
-            pairs = [adapter.weights.get((layer, sub.name)) for sub in projection.subs]
-            projection.load_slot(load.slot, pairs)
+            pairs = [weights.get((layer, sub.name)) for sub in projection.subs]
+            projection.load_slot(load.slot, pairs, adapter.scaling)
         self.slot_adapter[load.slot] = load.adapter_id
         self.slot_rank[load.slot] = adapter.rank
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the time below includes the device's copies
         self.last_load_ms = (time.perf_counter() - start) * 1000
 
     def _host_adapter(self, load: LoraLoad) -> LoraAdapter:
@@ -116,7 +123,7 @@ class LoraManager:
     @property
     def slot_bytes(self) -> int:
         """Device bytes of every slot of every wrapped projection (this rank's)."""
-        tensors = [t for w in self.projections.values() for t in (w.lora_a, w.lora_b)]
+        tensors = [t for w in self.projections.values() for t in (w.lora_a, w.lora_bt)]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     @property

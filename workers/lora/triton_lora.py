@@ -1,15 +1,19 @@
-"""The LoRA delta of each token's own adapter, in two Triton kernels (as Punica's BGMV: a
-matrix-vector product per token row, its adapter picked by the row's slot), for steps of few
-tokens (decodes, small mixed steps), where the dense path's product over every slot reads every
-slot's weights. Fixed grids, so CUDA graphs replay them for any mix.
+"""The LoRA expand of every row's own adapter in one Triton kernel, for steps of any size.
 
-    partial[t, c, :] = A[slot(t)][:, chunk c] @ x[t, chunk c]   A: [slots * width, in]
-    y[t, :]         += B[:, slot(t)] @ sum_c partial[t, c, :]    B: [out, slots * width]
+The shrink A @ x of every slot comes out of the base product itself (workers/lora/layers.py
+stacks every slot's A under the base weight), so a projection with adapters is one GEMM and
+this one kernel - no more launches than that, whatever the mix: at Llama-3-8B's shape a decode
+step has 128 projections, and every extra kernel there costs a few microseconds, adapters or
+not. Here each program takes a tile of rows and of output columns and, for each slot one of
+its rows is on, adds that slot's rows of B^T times those rows' shrink (rows on other slots
+masked to zero), then writes base + delta:
 
-The shrink is split over chunks of the input (rows x chunks programs) and the expand sums the
-chunks' partials in a fixed order: one program per row read a slot's whole A alone on one SM,
-36 us a kernel at batch 1 on an H100, 2.5x the base's decode step. A row of slot 0 (the base)
-reads nothing and adds nothing.
+    out[t, :] = base[t, :] + shrink[t, cols of slot(t)] @ Bt[cols of slot(t), :]
+    shrink: [n, slots * width]    Bt: [slots * width, out] (B transposed: a tile reads whole rows)
+
+A slot no row of the tile is on is skipped, so a decode row reads only its own slot's B; a
+row of slot 0 (the base) adds nothing. The grid depends on n and out alone, so CUDA graphs
+replay it for any mix of adapters.
 """
 
 from __future__ import annotations
@@ -18,78 +22,56 @@ import torch
 
 from workers.layers.triton_import import tl, triton
 
-# Steps of at most this many rows take the kernels; larger ones the dense path. Each row here
-# reads its slot's A and B again (2.7 MB a layer at Llama-3-8B's shape, rank 16 on all seven
-# projections), where a GEMM reads every slot's once for all rows: at 256 rows on the kernels a
-# burst over 8 adapters ran at 0.58 of the base on an H100.
-MAX_ROWS = 32
-# Input columns per shrink program.
-CHUNK = 256
-
 if triton is not None:
 
     @triton.jit
-    def _shrink_kernel(x_ptr, a_ptr, slots_ptr, partial_ptr, in_features, width,
-                       stride_x, stride_a, stride_row, stride_chunk,
-                       BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
-        row = tl.program_id(0)
-        chunk = tl.program_id(1)
-        slot = tl.load(slots_ptr + row)
-        if slot == 0:  # the expand skips this row too, so its partials are never read
-            return
+    def _expand_kernel(shrink_ptr, bt_ptr, slots_ptr, base_ptr, out_ptr, num_rows, out_features, width,
+                       num_slots, stride_shrink, stride_bt, stride_base, stride_out,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                       IEEE: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < num_rows
+        row_slots = tl.load(slots_ptr + rows, mask=row_mask, other=0)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < out_features
         w = tl.arange(0, BLOCK_W)
         w_mask = w < width
-        acc = tl.zeros([BLOCK_W], dtype=tl.float32)
-        a_rows = a_ptr + (slot * width + w)[:, None] * stride_a
-        for step in range(CHUNK // BLOCK_K):
-            k = chunk * CHUNK + step * BLOCK_K + tl.arange(0, BLOCK_K)
-            k_mask = k < in_features
-            xk = tl.load(x_ptr + row * stride_x + k, mask=k_mask, other=0.0).to(tl.float32)
-            a = tl.load(a_rows + k[None, :], mask=w_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(a * xk[None, :], axis=1)
-        tl.store(partial_ptr + row * stride_row + chunk * stride_chunk + w, acc, mask=w_mask)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for slot in range(1, num_slots):
+            on_slot = row_slots == slot
+            if tl.max(on_slot.to(tl.int32), axis=0) > 0:  # some row of this tile is on the slot
+                s = tl.load(shrink_ptr + rows[:, None] * stride_shrink + (slot * width + w)[None, :],
+                            mask=on_slot[:, None] & w_mask[None, :], other=0.0)
+                b = tl.load(bt_ptr + (slot * width + w)[:, None] * stride_bt + cols[None, :],
+                            mask=w_mask[:, None] & col_mask[None, :], other=0.0)
+                if IEEE:  # float32 weights: no TF32 rounding of the product
+                    acc += tl.dot(s, b, input_precision="ieee")
+                else:
+                    acc += tl.dot(s, b)
+        mask = row_mask[:, None] & col_mask[None, :]
+        base = tl.load(base_ptr + rows[:, None] * stride_base + cols[None, :], mask=mask, other=0.0)
+        total = (base.to(tl.float32) + acc).to(base.dtype)
+        tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], total, mask=mask)
 
-    @triton.jit
-    def _expand_kernel(partial_ptr, b_ptr, slots_ptr, y_ptr, out_features, width, num_chunks,
-                       stride_row, stride_chunk, stride_b, stride_y,
-                       BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr):
-        row = tl.program_id(0)
-        slot = tl.load(slots_ptr + row)
-        if slot == 0:
-            return
-        w = tl.arange(0, BLOCK_W)
-        w_mask = w < width
-        c = tl.arange(0, BLOCK_C)
-        partials = tl.load(partial_ptr + row * stride_row + c[:, None] * stride_chunk + w[None, :],
-                           mask=(c < num_chunks)[:, None] & w_mask[None, :], other=0.0)
-        s = tl.sum(partials, axis=0)  # [BLOCK_W]: A[slot] @ x[row]
-        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = n < out_features
-        b = tl.load(b_ptr + n[:, None] * stride_b + (slot * width + w)[None, :],
-                    mask=n_mask[:, None] & w_mask[None, :], other=0.0).to(tl.float32)
-        delta = tl.sum(b * s[None, :], axis=1)
-        y = tl.load(y_ptr + row * stride_y + n, mask=n_mask, other=0.0)
-        tl.store(y_ptr + row * stride_y + n, (y.to(tl.float32) + delta).to(y.dtype), mask=n_mask)
 
-def add_lora(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-             token_slots: torch.Tensor, width: int) -> None:
-    """y[t] += B[:, slot t] @ (A[slot t] @ x[t]) for every row t, in place.
-    x: [n, in]; y: [n, out], rows contiguous; lora_a: [slots * width, in]; lora_b: [out, slots * width];
-    token_slots: [n] long (0: the base)."""
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if y.stride(1) != 1:
-        raise ValueError("the LoRA kernels add into rows of contiguous columns")
-    n, in_features = x.shape
-    out_features = y.shape[1]
-    num_chunks = triton.cdiv(in_features, CHUNK)
-    partial = torch.empty(n, num_chunks, width, dtype=torch.float32, device=x.device)
-    block_w = triton.next_power_of_2(width)
-    _shrink_kernel[(n, num_chunks)](x, lora_a, token_slots, partial, in_features, width,
-                                    x.stride(0), lora_a.stride(0), partial.stride(0), partial.stride(1),
-                                    BLOCK_W=block_w, BLOCK_K=64, CHUNK=CHUNK)
-    block_n = 64
-    _expand_kernel[(n, triton.cdiv(out_features, block_n))](
-        partial, lora_b, token_slots, y, out_features, width, num_chunks,
-        partial.stride(0), partial.stride(1), lora_b.stride(0), y.stride(0),
-        BLOCK_W=block_w, BLOCK_C=triton.next_power_of_2(num_chunks), BLOCK_N=block_n)
+def expand_lora(shrink: torch.Tensor, base: torch.Tensor, lora_bt: torch.Tensor, token_slots: torch.Tensor,
+                width: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """out = base + each row's delta (see the module's docstring); a new tensor unless `out` is
+    given (it may be `base` itself).
+    shrink: [n, slots * width] and base: [n, out_features], rows of contiguous columns (any row
+    stride: both may be column slices of one product); lora_bt: [slots * width, out_features];
+    token_slots: [>= n] long, each row's slot (0: the base)."""
+    n, out_features = base.shape
+    if shrink.stride(1) != 1 or base.stride(1) != 1:
+        raise ValueError("the LoRA expand reads rows of contiguous columns")
+    if out is None:
+        out = torch.empty(n, out_features, dtype=base.dtype, device=base.device)
+    num_slots = lora_bt.shape[0] // width
+    block_m = 16 if n <= 16 else 64  # tl.dot's smallest tile; decode steps waste the rest
+    block_n = 64 if n <= 16 else 128
+    grid = (triton.cdiv(n, block_m), triton.cdiv(out_features, block_n))
+    _expand_kernel[grid](shrink, lora_bt, token_slots, base, out, n, out_features, width, num_slots,
+                         shrink.stride(0), lora_bt.stride(0), base.stride(0), out.stride(0),
+                         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_W=max(16, triton.next_power_of_2(width)),
+                         IEEE=lora_bt.dtype == torch.float32)
+    return out
