@@ -351,13 +351,16 @@ class ModelRunner:
         elif any(w.is_token_pending for w in batch.works):
             raise RuntimeError("a pending input token, but this runner does not keep sampled ids "
                                "(async_scheduling is off, or pipeline stages)")
-        # Prompt logprobs and drafts need rows besides the last of a work, which the eager step
-        # keeps (in eager_order): such steps run eagerly.
+        # Prompt logprobs and drafts need rows besides the last of a work. The eager step keeps
+        # every row (in eager_order), and so do the mixed graphs (decodes first, then the other
+        # works in batch order: the same rows), so a verify step replays one; the decode graphs
+        # keep one row per work. Prompt logprobs run eagerly.
         has_drafts = spec_verify.wanted(batch.works)
-        use_graphs = use_graphs and not prompt_logprobs.wanted(batch.works) and not has_drafts
+        use_graphs = use_graphs and not prompt_logprobs.wanted(batch.works)
         if self.lora is not None:
             self.lora.apply_loads(batch.lora_loads)
-        if use_graphs and self.decode_graphs is not None and self.decode_graphs.can_run(batch.works):
+        if (use_graphs and not has_drafts and self.decode_graphs is not None
+                and self.decode_graphs.can_run(batch.works)):
             if self.lora is not None:  # (dense: the graphs read each row's slot from its buffer)
                 self.lora.prepare_rows(batch.works, self.decode_graphs.padded_size(len(batch.works)))
             out = self.decode_graphs.run(batch.works, hidden_in, fill_tokens, batch.freed_req_ids)
@@ -373,10 +376,13 @@ class ModelRunner:
             if not self.stage.is_last:
                 self.stage.send(hidden)
                 return None, [], None, None
+            drafts = None
+            if has_drafts:
+                drafts = spec_verify.draft_logits(self.model.compute_logits, hidden, batch.works)
             sampled_works = [w for w in batch.works if w.is_sampled]
             if not sampled_works:
-                return None, [], None, None
-            return self.model.compute_logits(hidden[sample_rows]), sampled_works, None, None
+                return None, [], None, drafts
+            return self.model.compute_logits(hidden[sample_rows]), sampled_works, None, drafts
         inputs = build_step_inputs(batch, self.block_size, self.device, self.block_tables, self.staging)
         if self.lora is not None:
             self.lora.prepare(batch.works, self.device)

@@ -16,6 +16,7 @@ from scheduler.engine_metrics import EngineMetrics
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
 from shared.speculative import SpeculativeConfig
+from tests.workers.test_mixed_graphs import fake_mixed_graphs  # noqa: F401 - a fixture
 
 NGRAM = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=2)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
@@ -193,3 +194,27 @@ def test_no_speculation_above_disable_by_batch_size(tiny) -> None:
     short = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     spec = _run(tiny, PROMPTS[:3], short, SpeculativeConfig(disable_by_batch_size=2))
     assert spec.drafted == 0
+
+
+def test_verify_steps_replay_the_mixed_graphs_and_stay_greedy_identical(
+        tiny, plain, fake_mixed_graphs, monkeypatch) -> None:  # noqa: F811
+    """On the runner's graph branches (their static buffers run eagerly here, as CUDA replays
+    them), a step with drafts takes a mixed graph, whose rows are the eager step's, and scores
+    every draft from them: the same tokens as plain decoding."""
+    monkeypatch.setattr("workers.model_runner.use_cuda_graphs", lambda config, device: True)
+    monkeypatch.setattr("workers.model_runner.DecodeGraphs.capture", lambda self: None)  # run eagerly
+    greedy = [p for p in PARAMS[:NUM_COMPARED] if p.logprobs is None]
+    prompts = PROMPTS[: len(greedy)]
+    config = EngineConfig(model=str(tiny), dtype="float32", device="cpu", block_size=4, num_kv_blocks=256,
+                          max_num_seqs=6, max_num_batched_tokens=32, cuda_graph_max_tokens=32,
+                          speculative_config=NGRAM)
+    verify_replays = []
+    with LLMEngine(config, load_tokenizer_files=False) as engine:
+        graphs = engine.executor.runner.mixed_graphs
+        original = graphs.run
+        graphs.run = lambda works, *a, **k: (verify_replays.append(any(w.num_draft_tokens for w in works))
+                                             or original(works, *a, **k))
+        outputs = [r.token_ids for r in engine.generate(prompts, greedy)]
+        accepted = engine.scheduler.speculator.num_accepted_tokens
+    assert any(verify_replays) and accepted > 0
+    assert outputs == plain.outputs()[: len(greedy)]
