@@ -10,6 +10,7 @@ the scaling is applied as B goes into its slot.
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 import time
@@ -115,16 +116,21 @@ def _read_safetensors(path: str) -> tuple[torch.Tensor, dict[str, TensorPlace]]:
     (the format: an 8-byte little-endian header length, a JSON header, then the tensors' bytes)."""
     try:
         with open(path, "rb") as file:
-            raw = bytearray(file.read())
+            # torch.empty, not bytearray: no zero-fill of memory the read writes over
+            data = torch.empty(os.fstat(file.fileno()).st_size, dtype=torch.uint8)
+            raw = data.numpy()
+            num_read = file.readinto(memoryview(raw))  # straight into the buffer: no second copy
+        if num_read != len(raw):
+            raise OSError(f"read {num_read} of its {len(raw)} bytes")
     except OSError as exc:
         raise _bad(path, f"unreadable safetensors ({exc})") from None
     if len(raw) < 8:
         raise _bad(path, f"unreadable safetensors (a file of {len(raw)} bytes)")
-    (header_len,) = struct.unpack("<Q", raw[:8])
+    (header_len,) = struct.unpack("<Q", raw[:8].tobytes())
     if header_len > min(_MAX_HEADER, len(raw) - 8):
         raise _bad(path, f"unreadable safetensors (a header of {header_len} bytes in a file of {len(raw)})")
     try:
-        header = json.loads(raw[8 : 8 + header_len])
+        header = json.loads(raw[8 : 8 + header_len].tobytes())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise _bad(path, f"unreadable safetensors (its header is not JSON: {exc})") from None
     if not isinstance(header, dict):
@@ -148,7 +154,7 @@ def _read_safetensors(path: str) -> tuple[torch.Tensor, dict[str, TensorPlace]]:
             raise _bad(path, f"unreadable safetensors (tensor {tensor_name!r} lies outside the file or "
                              f"has {end - begin} bytes for its shape {list(shape)})")
         places[tensor_name] = TensorPlace(dtype, shape, data_start + begin, data_start + end)
-    return torch.frombuffer(raw, dtype=torch.uint8), places
+    return data, places
 
 
 def _bad(path: str, problem: str) -> LoraAdapterError:
