@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -46,9 +47,11 @@ def _subs(module_name: str, base: nn.Module) -> tuple[list[SubProjection], int]:
 class LoraManager:
     def __init__(self, model: nn.Module, base: ModelConfig, base_path: str, *, max_loras: int,
                  max_lora_rank: int, max_cpu_loras: int, max_rows: int, device: torch.device,
-                 dense: bool = False) -> None:
+                 dense: bool = False, upload: Callable[[np.ndarray], torch.Tensor] | None = None) -> None:
         """`max_rows`: the most rows a step has (tokens, or a decode graph's padded batch);
-        `dense`: every step through the dense path (CUDA: graphs replay it), else segment-wise."""
+        `dense`: every step through the dense path (CUDA: graphs replay it), else segment-wise;
+        `upload`: int64 arrays to the device without waiting for it (the runner's HostStaging;
+        default: a plain copy, which from pageable memory waits for the device's queue)."""
         self.base = base
         self.base_path = base_path
         self.max_lora_rank = max_lora_rank
@@ -64,6 +67,7 @@ class LoraManager:
         self.host: OrderedDict[int, LoraAdapter] = OrderedDict()  # adapter id -> tensors, LRU first
         self.last_load_ms = 0.0
         self._num_filled = 0  # rows of batch.token_slots the last step filled
+        self._upload = upload or (lambda array: torch.from_numpy(array).to(device))
         self._wrap(model)
 
     def _wrap(self, model: nn.Module) -> None:
@@ -165,7 +169,10 @@ class LoraManager:
         if len(per_row) > len(slots):
             raise ValueError(f"a step of {len(per_row)} rows; the LoRA slot buffer holds {len(slots)}")
         self.batch.groups = []
-        slots[: len(per_row)].copy_(torch.from_numpy(per_row))
-        if self._num_filled > len(per_row):
-            slots[len(per_row) : self._num_filled].zero_()
-        self._num_filled = len(per_row)
+        filled, num_rows = len(per_row), max(len(per_row), self._num_filled)
+        if num_rows > filled:  # the last step's further rows go back to the base
+            per_row = np.concatenate([per_row, np.zeros(num_rows - filled, dtype=np.int64)])
+        # One copy behind the step's other uploads: a plain copy from host memory would make the
+        # host wait for the step before it.
+        slots[:num_rows].copy_(self._upload(per_row))
+        self._num_filled = filled
