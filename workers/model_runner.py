@@ -133,10 +133,10 @@ class ModelRunner:
         self._check_weight_budget()
         self.model = self._build_model()
         self.weight_bytes = resident_weight_bytes(self.model)
+        self.staging = HostStaging(self.device)  # every host-to-device upload of step inputs
         self.lora = self._wrap_lora()  # None unless the engine serves adapters
         self.num_kv_blocks = self._decide_num_kv_blocks()  # what the scheduler may hand out
         self.kv_caches = self._allocate_kv_cache()  # holds one more: the scratch block
-        self.staging = HostStaging(self.device)
         self.block_tables = self._new_block_tables()
         # FP8 products are chosen by timing them: now, not in the first served step when graphs
         # are off (with graphs the capture's warm-up would do it). Nothing without FP8 layers.
@@ -167,7 +167,8 @@ class ModelRunner:
             manager = LoraManager(self.model, self.model_config, config.model, max_loras=config.max_loras,
                                   max_lora_rank=config.max_lora_rank,
                                   max_cpu_loras=config.max_cpu_loras or config.max_loras, max_rows=max_rows,
-                                  device=self.device, dense=use_cuda_graphs(config, self.device))
+                                  device=self.device, dense=use_cuda_graphs(config, self.device),
+                                  upload=self.staging.upload)
         finally:
             torch.set_default_dtype(previous)
         self.log.info("lora_slots_allocated", max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
@@ -378,7 +379,8 @@ class ModelRunner:
                 return None, [], None, None
             drafts = None
             if has_drafts:
-                drafts = spec_verify.draft_logits(self.model.compute_logits, hidden, batch.works)
+                drafts = spec_verify.draft_logits(self.model.compute_logits, hidden, batch.works,
+                                                     self.staging.upload)
             sampled_works = [w for w in batch.works if w.is_sampled]
             if not sampled_works:
                 return None, [], None, drafts
@@ -397,7 +399,8 @@ class ModelRunner:
             prompt = prompt_logprobs.compute(self.model.compute_logits, hidden, batch.works, self.is_driver)
         drafts = None
         if has_drafts:
-            drafts = spec_verify.draft_logits(self.model.compute_logits, hidden, batch.works)
+            drafts = spec_verify.draft_logits(self.model.compute_logits, hidden, batch.works,
+                                                     self.staging.upload)
         if not inputs.sampled_works:
             return None, [], prompt, None
         return self.model.compute_logits(hidden[inputs.sample_rows]), inputs.sampled_works, prompt, drafts
@@ -450,7 +453,8 @@ class ModelRunner:
             if launched.draft_logits is not None:
                 # The works with drafts never have a step ahead (scheduler.py): the ids kept below
                 # for pending inputs are never read for them.
-                launched.verify = spec_verify.verify(launched.draft_logits, batch.works, self.sampler)
+                launched.verify = spec_verify.verify(launched.draft_logits, batch.works, self.sampler,
+                                                     self.staging.upload)
                 launched.draft_logits = None
         if self.pending_tokens is not None and self.stage.is_last:
             if logits is not None:

@@ -25,13 +25,17 @@ speculator.py), so neither rule needs them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from shared.step import SampledToken, SequenceWork
 from workers.sampler import Sampler, is_random, processed_probs
 from workers.step_inputs import eager_order
+
+Upload = Callable[[np.ndarray], torch.Tensor]  # int64 host array -> a device tensor
 
 
 def wanted(works: list[SequenceWork]) -> bool:
@@ -53,11 +57,17 @@ def draft_rows(works: list[SequenceWork]) -> list[int]:
     return rows
 
 
-def draft_logits(compute_logits, hidden: torch.Tensor, works: list[SequenceWork]) -> torch.Tensor:
+def draft_logits(compute_logits, hidden: torch.Tensor, works: list[SequenceWork],
+                 upload: Upload | None = None) -> torch.Tensor:
     """[num_drafts, vocab]: the logits that score the step's drafts, from the eager step's hidden
-    states. Every rank of the last stage calls this (compute_logits may be collective)."""
-    rows = torch.tensor(draft_rows(works), dtype=torch.long, device=hidden.device)
+    states. Every rank of the last stage calls this (compute_logits may be collective). upload:
+    the runner's (HostStaging.upload: a plain copy from host memory would wait for the forward)."""
+    rows = (upload or _plain_upload(hidden.device))(np.array(draft_rows(works), dtype=np.int64))
     return compute_logits(hidden[rows])
+
+
+def _plain_upload(device: torch.device) -> Upload:
+    return lambda array: torch.from_numpy(array).to(device)
 
 
 def residual_probs(probs: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
@@ -75,19 +85,22 @@ class DeviceVerify:
     replacement_ids: torch.Tensor  # [num_drafts] long: the token a rejection at that row emits
 
 
-def verify(logits: torch.Tensor, works: list[SequenceWork], sampler: Sampler) -> DeviceVerify:
-    """Score every draft of the step (logits: draft_logits'). Nothing here waits for the device."""
+def verify(logits: torch.Tensor, works: list[SequenceWork], sampler: Sampler,
+           upload: Upload | None = None) -> DeviceVerify:
+    """Score every draft of the step (logits: draft_logits'). Nothing here waits for the device
+    when `upload` is the runner's."""
     spec_works = [w for w in works if w.num_draft_tokens]
     device = logits.device
-    drafts = torch.tensor([t for w in spec_works for t in w.token_ids[-w.num_draft_tokens:]],
-                          dtype=torch.long, device=device)
+    upload = upload or _plain_upload(device)
+    drafts = upload(np.array([t for w in spec_works for t in w.token_ids[-w.num_draft_tokens:]],
+                             dtype=np.int64))
     row_works = [w for w in spec_works for _ in range(w.num_draft_tokens)]
     argmax = logits.argmax(dim=-1)
     is_accepted = argmax == drafts
     replacement_ids = argmax
     random_rows = [i for i, w in enumerate(row_works) if is_random(w.sampling)]
     if random_rows:
-        index = torch.tensor(random_rows, dtype=torch.long, device=device)
+        index = upload(np.array(random_rows, dtype=np.int64))
         probs = processed_probs(logits[index].float(), [row_works[i].sampling for i in random_rows])
         probs = probs / probs.sum(dim=-1, keepdim=True)  # [num_random, vocab]
         row_drafts = drafts[index].unsqueeze(1)
