@@ -31,6 +31,10 @@ DECODE_BLOCK_N = 128
 MIXED_BLOCK_N = 64
 MIXED_BLOCK_M = 64  # query rows (tokens x heads of a group) per program in steps with prefills
 DECODE_BLOCK_M = 16  # the smallest M of a tensor-core product: one decode token's group, padded
+# float32 (IEEE) products run on the CUDA cores, and at 64 rows a program's tiles overflow its
+# registers: a 5-token verify step of SmolLM2 spent 20 ms in attention (H100), a decode 1 ms.
+# Steps with prefills take the decode's 16 rows in float32.
+MIXED_BLOCK_M_FP32 = 16
 MAX_SEGMENTS = 16
 NUM_WARPS = 4
 MIXED_NUM_WARPS = 4
@@ -283,7 +287,8 @@ def _launch(
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     head_dim_pad = triton.next_power_of_2(head_dim)
-    block_q = max(1, (DECODE_BLOCK_M if decode_only else MIXED_BLOCK_M) // group_pad)
+    mixed_block_m = MIXED_BLOCK_M_FP32 if q.dtype == torch.float32 else MIXED_BLOCK_M
+    block_q = max(1, (DECODE_BLOCK_M if decode_only else mixed_block_m) // group_pad)
     if not decode_only:
         num_segments = 1
     elif num_segments is None:
