@@ -58,16 +58,12 @@ def draft_rows(works: list[SequenceWork]) -> list[int]:
 
 
 def draft_logits(compute_logits, hidden: torch.Tensor, works: list[SequenceWork],
-                 upload: Upload | None = None) -> torch.Tensor:
+                 upload: Upload) -> torch.Tensor:
     """[num_drafts, vocab]: the logits that score the step's drafts, from the eager step's hidden
     states. Every rank of the last stage calls this (compute_logits may be collective). upload:
-    the runner's (HostStaging.upload: a plain copy from host memory would wait for the forward)."""
-    rows = (upload or _plain_upload(hidden.device))(np.array(draft_rows(works), dtype=np.int64))
+    the runner's HostStaging.upload (a plain copy from host memory would wait for the forward)."""
+    rows = upload(np.array(draft_rows(works), dtype=np.int64))
     return compute_logits(hidden[rows])
-
-
-def _plain_upload(device: torch.device) -> Upload:
-    return lambda array: torch.from_numpy(array).to(device)
 
 
 def residual_probs(probs: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
@@ -86,12 +82,11 @@ class DeviceVerify:
 
 
 def verify(logits: torch.Tensor, works: list[SequenceWork], sampler: Sampler,
-           upload: Upload | None = None) -> DeviceVerify:
-    """Score every draft of the step (logits: draft_logits'). Nothing here waits for the device
-    when `upload` is the runner's."""
+           upload: Upload) -> DeviceVerify:
+    """Score every draft of the step (logits: draft_logits'; upload: the runner's
+    HostStaging.upload). Nothing here waits for the device."""
     spec_works = [w for w in works if w.num_draft_tokens]
     device = logits.device
-    upload = upload or _plain_upload(device)
     drafts = upload(np.array([t for w in spec_works for t in w.token_ids[-w.num_draft_tokens:]],
                              dtype=np.int64))
     row_works = [w for w in spec_works for _ in range(w.num_draft_tokens)]

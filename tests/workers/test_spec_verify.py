@@ -9,8 +9,10 @@ from transformers import AutoModelForCausalLM
 from shared.sampling import SamplingParams
 from shared.step import SampledToken, SequenceWork
 from workers import spec_verify
+from workers.host_staging import HostStaging
 from workers.sampler import Sampler, processed_probs
 
+CPU_UPLOAD = HostStaging(torch.device("cpu")).upload  # zero-copy on CPU, as a CPU runner's
 NUM_TRIALS = 20_000
 TOP_K = 8
 # The chi-square statistic's 99.9th percentile at TOP_K - 1 = 7 degrees of freedom: a right rule
@@ -35,7 +37,7 @@ def _first_emitted(logits: torch.Tensor, draft: int, sampling: SamplingParams) -
     """The first token each of NUM_TRIALS verify rows emits for one draft: the draft when
     accepted, else the replacement."""
     works = [_work(f"r{i}", [draft], sampling) for i in range(NUM_TRIALS)]
-    verified = spec_verify.verify(logits.expand(NUM_TRIALS, -1), works, Sampler(seed=1))
+    verified = spec_verify.verify(logits.expand(NUM_TRIALS, -1), works, Sampler(seed=1), CPU_UPLOAD)
     return torch.where(verified.is_accepted, draft, verified.replacement_ids)
 
 
@@ -72,7 +74,7 @@ def test_greedy_accepts_the_run_of_drafts_equal_to_the_argmax_then_the_argmax():
         logits[row, best] = 1.0
     greedy = SamplingParams(temperature=0.0)
     works = [_work("a", [3, 4, 5], greedy), _work("b", [6, 2], greedy)]  # a: rows 0-2, b: rows 3-4
-    verified = spec_verify.verify(logits, works, Sampler())
+    verified = spec_verify.verify(logits, works, Sampler(), CPU_UPLOAD)
     tokens = [SampledToken("a", 11), SampledToken("b", 12)]  # what their last rows sampled
     spec_verify.apply(tokens, verified)
     assert (tokens[0].num_accepted_drafts, tokens[0].token_id) == (2, 9)  # 3, 4 kept; 9 replaces 5

@@ -47,11 +47,11 @@ def _subs(module_name: str, base: nn.Module) -> tuple[list[SubProjection], int]:
 class LoraManager:
     def __init__(self, model: nn.Module, base: ModelConfig, base_path: str, *, max_loras: int,
                  max_lora_rank: int, max_cpu_loras: int, max_rows: int, device: torch.device,
-                 dense: bool = False, upload: Callable[[np.ndarray], torch.Tensor] | None = None) -> None:
+                 upload: Callable[[np.ndarray], torch.Tensor], dense: bool = False) -> None:
         """`max_rows`: the most rows a step has (tokens, or a decode graph's padded batch);
         `dense`: every step through the dense path (CUDA: graphs replay it), else segment-wise;
-        `upload`: int64 arrays to the device without waiting for it (the runner's HostStaging;
-        default: a plain copy, which from pageable memory waits for the device's queue)."""
+        `upload`: the runner's HostStaging.upload (int64 arrays to the device without waiting:
+        a plain copy from pageable memory waits for the device's queue)."""
         self.base = base
         self.base_path = base_path
         self.max_lora_rank = max_lora_rank
@@ -67,7 +67,7 @@ class LoraManager:
         self.host: OrderedDict[int, LoraAdapter] = OrderedDict()  # adapter id -> tensors, LRU first
         self.last_load_ms = 0.0
         self._num_filled = 0  # rows of batch.token_slots the last step filled
-        self._upload = upload or (lambda array: torch.from_numpy(array).to(device))
+        self._upload = upload
         self._wrap(model)
 
     def _wrap(self, model: nn.Module) -> None:
