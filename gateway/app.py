@@ -26,7 +26,6 @@ from gateway.appkeys import (
 from gateway.batch.ingester import BatchIngester
 from gateway.batch.jobs import JobStore
 from gateway.fleet import FleetTracker
-from gateway.limits import TenantLimiter
 from gateway.metrics import GatewayMetrics
 from gateway.middlewares import auth_middleware, error_middleware, request_id_middleware
 from gateway.models import ModelRegistry
@@ -40,7 +39,8 @@ from gateway.routes import ROUTES
 from gateway.routing import PrefixRouter
 from gateway.settings import GatewaySettings
 from gateway.tasks import TaskSet, running_until_stopped
-from gateway.tenant_registry import TenantRegistry
+from gateway.tenants.limits import TenantLimiter
+from gateway.tenants.registry import TenantRegistry
 from gateway.tokenize_pool import TokenizePool
 from protocol.keys import keys_for
 from shared.logging import get_logger

@@ -7,7 +7,6 @@ from aiohttp import web
 
 from gateway.batch.jobs import JobStore
 from gateway.fleet import FleetTracker
-from gateway.limits import TenantLimiter
 from gateway.metrics import GatewayMetrics
 from gateway.models import ModelRegistry
 from gateway.queue_depth import QueueDepths
@@ -16,8 +15,9 @@ from gateway.requests.pubsub import EventRouter
 from gateway.requests.store import RequestStore
 from gateway.settings import GatewaySettings
 from gateway.tasks import TaskSet
-from gateway.tenant_registry import TenantRegistry
-from gateway.tenants import Tenant
+from gateway.tenants.directory import Tenant
+from gateway.tenants.limits import TenantLimiter
+from gateway.tenants.registry import TenantRegistry
 from gateway.tokenize_pool import TokenizePool
 
 SETTINGS = web.AppKey("settings", GatewaySettings)

@@ -22,7 +22,7 @@ from gateway.errors import BadRequest, ModelNotFound
 from gateway.models import ServedModel
 from gateway.openai.schemas import StrictModel
 from gateway.requests.serving import read_body
-from gateway.tenants_access import Caller, PermissionDenied, caller
+from gateway.tenants.access import Caller, PermissionDenied, caller
 from protocol.keys import Keys
 from protocol.lora_registry import LORA_NAME_PATTERN, LoraRecord
 from shared.lora_config import read_lora_config

@@ -20,7 +20,7 @@ from gateway.errors import (
     validation_error,
 )
 from gateway.requests.serving import ClientGone
-from gateway.tenants_access import require_admin
+from gateway.tenants.access import require_admin
 from shared.errors import TokenfleetError
 from shared.logging import get_logger
 from shared.redis_client import redis_away
@@ -102,7 +102,7 @@ def _api_key(request: web.Request) -> str | None:
 async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
     """Authorization: Bearer <key> must be one of --api-key or a tenant's key (when any is
     configured). A tenant's key puts the tenant on the request: its limits apply, and it sees
-    its own work only (gateway/tenants_access.py)."""
+    its own work only (gateway/tenants/access.py)."""
     settings = request.app[SETTINGS]
     keys = settings.api_keys
     tenants = request.app[TENANTS]

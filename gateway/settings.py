@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gateway.tenants import TenantDirectory
+from gateway.tenants.directory import TenantDirectory
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class GatewaySettings:
     port: int = 8000
     api_keys: tuple[str, ...] = ()  # none (and no tenants): the gateway is open
     tenants: TenantDirectory = field(default_factory=TenantDirectory.empty)  # their keys are accepted too
-    tenants_from_redis: bool = False  # also look keys and limits up in Redis (gateway/tenant_registry.py)
+    tenants_from_redis: bool = False  # also look keys and limits up in Redis (gateway/tenants/registry.py)
     # /metrics and /fleet.json open to anyone even with API keys or tenants (--public-metrics),
     # e.g. for a Prometheus that scrapes without a key; off: they need a key (an admin's with tenants)
     public_metrics: bool = False

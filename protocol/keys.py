@@ -196,7 +196,7 @@ class Keys:
         return f"{self.prefix}apikeys"
 
     def tenant(self, tenant: str) -> str:
-        """A tenant's limits, kept in Redis (fields of gateway.tenants.TenantLimits)."""
+        """A tenant's limits, kept in Redis (fields of gateway.tenants.directory.TenantLimits)."""
         return f"{self.prefix}tenant:{tenant}"
 
     def tenant_leases(self, tenant: str) -> str:

@@ -21,7 +21,7 @@ import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import redis
 
 from gateway.settings import GatewaySettings, ModelSpec
-from gateway.tenants import Tenant, TenantLimits
+from gateway.tenants.directory import Tenant, TenantLimits
 from protocol.keys import Keys
 from testkit.checkpoints import tiny_llama_with_smollm2_tokenizer
 from testkit.processes import Children, start_gateway

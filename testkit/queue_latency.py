@@ -113,7 +113,7 @@ async def post_chats(url: str, bodies: list[bytes], interval_s: float) -> dict[s
 
 async def step_times(settings, bodies: list[bytes], tenant=None) -> dict[str, list[float]]:
     """Each step of chat_completions before the XADD, timed alone (seconds) in a gateway app of
-    this process, for each body, as the caller `tenant` (a gateway.tenants.Tenant) if given;
+    this process, for each body, as the caller `tenant` (a gateway.tenants.directory.Tenant) if given;
     the requests are cancelled right after."""
     from aiohttp import web
     from aiohttp.test_utils import make_mocked_request

@@ -308,7 +308,7 @@ def _batch_settings(args: argparse.Namespace) -> dict:
     ingester`'s alike: the models (folders and served names), the key prefix and the tenants
     (whose max_batch_lines_in_flight it keeps). GatewaySettings' fields."""
     from gateway.settings import ModelSpec
-    from gateway.tenants import TenantDirectory
+    from gateway.tenants.directory import TenantDirectory
 
     paths = _list_value(args, "model") or [resolve_model(None)]
     names = _list_value(args, "model-name")

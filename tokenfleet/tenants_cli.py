@@ -10,7 +10,7 @@ from dataclasses import fields
 
 import redis
 
-from gateway.tenants import TenantLimits, key_digest
+from gateway.tenants.directory import TenantLimits, key_digest
 from protocol.keys import TENANT_PATTERN, Keys, keys_for
 from shared.errors import InvalidRequestError, TokenfleetError
 from shared.redis_client import connect

@@ -2,7 +2,7 @@
 retrieve, list, cancel). A job created here is the same thing as one written straight into
 `tf:batch:in` by any Redis client; this route just writes that entry (and the job's record,
 in one atomic step, so the job can be read back at once: JobStore.create). With tenants, a
-job is its tenant's: another tenant's is a 404 and lists show one's own (gateway/tenants_access.py)."""
+job is its tenant's: another tenant's is a 404 and lists show one's own (gateway/tenants/access.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from gateway.errors import BadRequest, Conflict, NotFound
 from gateway.openai.schemas import StrictModel
 from gateway.requests.serving import read_body
 from gateway.responses import Shape
-from gateway.tenants_access import caller, visible_ids
+from gateway.tenants.access import caller, visible_ids
 from protocol.keys import JOB_ID_PATTERN
 
 

@@ -5,7 +5,7 @@ back, list and delete them. A finished job's results are files too: `file-{job}-
 Files live in Redis (`tf:file:{id}`: content, filename, purpose, bytes, created_at, and the
 tenant whose key uploaded it), so every gateway sees every file and an ingester anywhere can
 read a job's input. With tenants, a file is its tenant's (a job's results are the job's
-tenant's): another tenant gets a 404 and does not see it listed (gateway/tenants_access.py).
+tenant's): another tenant gets a 404 and does not see it listed (gateway/tenants/access.py).
 The list holds uploads and the results of finished jobs (`purpose: "batch_output"`), as
 OpenAI's does.
 """
@@ -23,7 +23,7 @@ from gateway.appkeys import JOBS, REDIS, SETTINGS
 from gateway.batch.jobs import TERMINAL_JOB_STATES, Job
 from gateway.errors import BadRequest, NotFound
 from gateway.responses import Shape
-from gateway.tenants_access import Caller, caller, visible_ids
+from gateway.tenants.access import Caller, caller, visible_ids
 from protocol import lua
 
 FILE_ID_PATTERN = r"^file-[A-Za-z0-9_-]{1,80}$"

@@ -57,7 +57,7 @@ from gateway.openai.params import Plan, plan_chat, plan_completion
 from gateway.requests.records import ResultRecord
 from gateway.requests.store import RequestStore
 from gateway.settings import GatewaySettings
-from gateway.tenant_registry import TenantRegistry
+from gateway.tenants.registry import TenantRegistry
 from protocol.abandoned import claim_abandoned_async
 from protocol.keys import INGESTER_GROUP, JOB_ID_PATTERN, Keys
 from protocol.messages import RequestMessage

@@ -36,7 +36,7 @@ from gateway.requests.serving import (
     submissions,
 )
 from gateway.requests.sse import Template, dumps, encode_basestring, frame
-from gateway.tenants_access import caller
+from gateway.tenants.access import caller
 
 SUBMIT = TypeAdapter(SubmitRequest)
 _REQ_ID = re.compile(r"^[0-9a-f]{32}$")

@@ -25,13 +25,13 @@ from gateway.appkeys import (
     TENANT,
 )
 from gateway.errors import BadRequest, RateLimited
-from gateway.limits import OUTPUT_ESTIMATE_TOKENS
 from gateway.models import ServedModel
 from gateway.openai.params import Plan
 from gateway.requests.follow import Watch
 from gateway.requests.sse import comment, frame
 from gateway.requests.store import Submission
-from gateway.tenants import Tenant
+from gateway.tenants.directory import Tenant
+from gateway.tenants.limits import OUTPUT_ESTIMATE_TOKENS
 from protocol.messages import RequestMessage
 
 T = TypeVar("T")
@@ -71,7 +71,7 @@ async def admit(request: web.Request, model: str, num_requests: int) -> None:
 def charged_output_tokens(plan: Plan, *, settles: bool) -> int:
     """The output tokens a call is charged when admitted (tokens_per_minute): its choices'
     max_tokens; for a call that gave none and settles on its actual use when it ends
-    (TenantLimiter.settle), an estimate per choice (gateway/limits.py) instead of the rest of
+    (TenantLimiter.settle), an estimate per choice (gateway/tenants/limits.py) instead of the rest of
     the context window, which alone may pass the tenant's limit."""
     if settles and not plan.max_tokens_given:
         return sum(min(choice.sampling.max_tokens, OUTPUT_ESTIMATE_TOKENS) for choice in plan.choices)

@@ -12,7 +12,7 @@ request that was never queued: the client's retry got that id back, and a 404 fo
 
 A tenant's request also adds the tenant to the model's tenant set (before the call: schedulers
 then find its stream) and makes its lease last its full term (after: protocol/lua/extend_leases.lua
-renews only a lease the gateway took, gateway/limits.py, and that a fast terminal write has not
+renews only a lease the gateway took, gateway/tenants/limits.py, and that a fast terminal write has not
 ended yet, and keeps the lease set's TTL past its latest lease).
 On one server all of it is one pipeline, which Redis runs in order (one round trip, not three);
 on a cluster those keys live on other shards, so they are pipelines of their own, before and

@@ -41,8 +41,8 @@ from gateway.responses_api.objects import RESPONSE_PREFIX, Outcome, output_items
 from gateway.responses_api.schemas import ResponseCreate
 from gateway.responses_api.store import ResponseStore
 from gateway.responses_api.translate import chat_request, normalize_input, renamed
-from gateway.tenants import Tenant
-from gateway.tenants_access import caller
+from gateway.tenants.access import caller
+from gateway.tenants.directory import Tenant
 from protocol.result_record import ErrorCode
 
 _ID = re.compile(r"^resp_([0-9a-f]{32})$")

@@ -1,4 +1,4 @@
--- acquire_leases: a tenant's concurrent-request leases (gateway/limits.py, TenantLimiter).
+-- acquire_leases: a tenant's concurrent-request leases (gateway/tenants/limits.py, TenantLimiter).
 --
 -- KEYS[1] the tenant's lease set (tf:tenant:{name}:leases: member req id, score its expiry)
 -- ARGV[1] now   ARGV[2] when the new leases lapse   ARGV[3] the tenant's cap   ARGV[4...] req ids

@@ -23,7 +23,7 @@
 -- and the caller sends the whole record instead of the chunk.
 -- Returns, per update, 0 (refused), 1 (written), 2 (a gap: nothing written), or the tenant its
 -- record names when the write acknowledged its entry: that request's tenant lease ends
--- (gateway/limits.py; the caller removes it, from the tenant's own key).
+-- (gateway/tenants/limits.py; the caller removes it, from the tenant's own key).
 local owner = ARGV[1]
 local ttl = tonumber(ARGV[2])
 local updates = cmsgpack.unpack(ARGV[3])

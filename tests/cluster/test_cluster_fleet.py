@@ -12,7 +12,7 @@ import pytest_asyncio
 
 from gateway.app import create_app
 from gateway.settings import GatewaySettings, ModelSpec
-from gateway.tenants import TenantDirectory
+from gateway.tenants.directory import TenantDirectory
 from testkit.sse import DONE, data_fields
 from tests.fleet_helpers import TINY_CHAT
 from tests.gateway.conftest import RealScheduler

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from gateway.loras import _check_load_path
-from gateway.tenants_access import Caller, PermissionDenied
+from gateway.tenants.access import Caller, PermissionDenied
 
 TENANT = Caller("team-a", sees_everything=False)
 

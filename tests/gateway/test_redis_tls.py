@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.tenants import TenantDirectory
+from gateway.tenants.directory import TenantDirectory
 from tests.gateway.conftest import MODEL
 from tests.gateway.fake_scheduler import FakeScheduler
 from tests.tls_proxy import TlsProxy, make_certificate

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from gateway.tenants import TenantDirectory, TenantLimits
+from gateway.tenants.directory import TenantDirectory, TenantLimits
 from shared.errors import InvalidRequestError
 
 

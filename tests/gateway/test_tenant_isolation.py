@@ -11,7 +11,7 @@ import json
 import openai
 import pytest
 
-from gateway.tenants import TenantDirectory, key_digest
+from gateway.tenants.directory import TenantDirectory, key_digest
 from protocol.keys import Keys
 from tests.gateway.conftest import MODEL
 from tests.gateway.fake_scheduler import FakeScheduler
@@ -232,7 +232,7 @@ async def test_a_tenant_added_by_hand_with_its_key_alone_is_served_with_no_limit
 async def test_a_page_of_ones_own_ids_reads_past_other_tenants_chunks(redis_server):
     import redis.asyncio as aioredis
 
-    from gateway.tenants_access import Caller, visible_ids
+    from gateway.tenants.access import Caller, visible_ids
 
     client = aioredis.Redis.from_url(redis_server.url)
     try:

@@ -13,9 +13,9 @@ import uuid
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.limits import TenantLimiter
 from gateway.requests.store import GatewayKeys, RequestStore, Submission
-from gateway.tenants import Tenant, TenantLimits
+from gateway.tenants.directory import Tenant, TenantLimits
+from gateway.tenants.limits import TenantLimiter
 from protocol.messages import RequestMessage
 from shared.sampling import SamplingParams
 

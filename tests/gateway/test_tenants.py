@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from gateway.limits import OUTPUT_ESTIMATE_TOKENS
-from gateway.tenants import TenantDirectory
+from gateway.tenants.directory import TenantDirectory
+from gateway.tenants.limits import OUTPUT_ESTIMATE_TOKENS
 from protocol.keys import Keys
 from tests.gateway.conftest import MODEL
 from tests.gateway.fake_scheduler import FakeScheduler

@@ -208,7 +208,7 @@ async def test_a_streaming_client_that_leaves_frees_its_request_within_one_step(
 
 async def test_a_tenants_request_runs_from_its_own_stream_and_its_lease_ends_with_it(real_client,
                                                                                      module_redis):
-    from gateway.tenants import TenantDirectory
+    from gateway.tenants.directory import TenantDirectory
 
     directory = TenantDirectory.from_map({"tenants": {"team-a": {"keys": ["key-a"],
                                                                   "max_concurrent_requests": 4}}})

@@ -11,7 +11,7 @@ and limits; a limit left out is no limit:
         "ops": {"keys": ["sk-ops"], "admin": true}}}
 
 An admin tenant's keys see every tenant's requests, files and batch jobs, and the fleet-wide
-views (/fleet.json, /metrics); any other tenant sees its own only (gateway/tenants_access.py).
+views (/fleet.json, /metrics); any other tenant sees its own only (gateway/tenants/access.py).
 
 Keys are held as SHA-256 digests and looked up by digest, so neither the lookup's timing nor
 a memory dump gives a key away.

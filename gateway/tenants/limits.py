@@ -31,7 +31,7 @@ from limits.aio.strategies import SlidingWindowCounterRateLimiter
 from redis.exceptions import RedisError
 
 from gateway.errors import BadRequest, RateLimited
-from gateway.tenants import Tenant
+from gateway.tenants.directory import Tenant
 from protocol import lua
 from protocol.keys import Keys
 from shared.logging import get_logger

@@ -2,7 +2,7 @@
 
     HSET tf:apikeys <sha256 hex of the key> <tenant>       # a key of the tenant
     HSET tf:tenant:<tenant> requests_per_minute 600 ...     # its limits (fields of TenantLimits)
-    HSET tf:tenant:<tenant> admin 1                         # an admin tenant (gateway/tenants_access.py)
+    HSET tf:tenant:<tenant> admin 1                         # an admin tenant (gateway/tenants/access.py)
 
 (`tokenfleet tenants set` writes both.) A tenant written by hand with its key alone (no
 `tf:tenant:<tenant>` hash, or an empty one) is a tenant with no limits, not an unknown key; a
@@ -20,7 +20,7 @@ from dataclasses import fields
 
 import redis.asyncio as aioredis
 
-from gateway.tenants import Tenant, TenantDirectory, TenantLimits, key_digest
+from gateway.tenants.directory import Tenant, TenantDirectory, TenantLimits, key_digest
 from protocol.keys import TENANT_PATTERN, Keys
 from shared.logging import get_logger
 
