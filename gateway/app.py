@@ -7,7 +7,9 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from gateway.appkeys import (
+from gateway.batch.ingester import BatchIngester
+from gateway.batch.jobs import JobStore
+from gateway.core.appkeys import (
     FLEET,
     JOBS,
     LIMITER,
@@ -23,10 +25,10 @@ from gateway.appkeys import (
     TENANTS,
     TOKENIZE,
 )
-from gateway.batch.ingester import BatchIngester
-from gateway.batch.jobs import JobStore
+from gateway.core.metrics import GatewayMetrics
+from gateway.core.settings import GatewaySettings
+from gateway.core.tasks import TaskSet, running_until_stopped
 from gateway.fleet import FleetTracker
-from gateway.metrics import GatewayMetrics
 from gateway.middlewares import auth_middleware, error_middleware, request_id_middleware
 from gateway.models import ModelRegistry
 from gateway.openapi import openapi_document
@@ -37,8 +39,6 @@ from gateway.requests.pubsub import event_router
 from gateway.requests.store import RequestStore
 from gateway.routes import ROUTES
 from gateway.routing import PrefixRouter
-from gateway.settings import GatewaySettings
-from gateway.tasks import TaskSet, running_until_stopped
 from gateway.tenants.limits import TenantLimiter
 from gateway.tenants.registry import TenantRegistry
 from gateway.tokenize_pool import TokenizePool

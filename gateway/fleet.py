@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from gateway.core.metrics import GatewayMetrics
+from gateway.core.tasks import every
 from gateway.errors import Unavailable
-from gateway.metrics import GatewayMetrics
 from gateway.requests.store import RequestStore
 from gateway.routing import PrefixRouter, ReplicaView
-from gateway.tasks import every
 from protocol import registry
 from protocol.keys import CONSUMER_GROUP, Keys
 from protocol.prefix_hash import SUMMARY_HASH_BYTES

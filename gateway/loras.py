@@ -17,10 +17,10 @@ import redis.asyncio as aioredis
 from aiohttp import web
 from pydantic import Field
 
-from gateway.appkeys import FLEET, MODELS, REDIS, SETTINGS, STORE
+from gateway.core.appkeys import FLEET, MODELS, REDIS, SETTINGS, STORE
+from gateway.core.shapes import StrictModel
 from gateway.errors import BadRequest, ModelNotFound
 from gateway.models import ServedModel
-from gateway.openai.schemas import StrictModel
 from gateway.requests.serving import read_body
 from gateway.tenants.access import Caller, PermissionDenied, caller
 from protocol.keys import Keys

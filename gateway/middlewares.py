@@ -11,7 +11,7 @@ from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 from pydantic import ValidationError
 
-from gateway.appkeys import API_KEY, METRICS, REQUEST_ID, SETTINGS, TENANT, TENANTS
+from gateway.core.appkeys import API_KEY, METRICS, REQUEST_ID, SETTINGS, TENANT, TENANTS
 from gateway.errors import (
     AuthenticationFailed,
     Unavailable,

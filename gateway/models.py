@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.core.settings import ModelSpec
 from gateway.errors import BadRequest, ModelNotFound
-from gateway.settings import ModelSpec
 from gateway.token_pieces import PieceEncoder
 from shared.errors import ModelLoadError
 from shared.model_config import load_model_config

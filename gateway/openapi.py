@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, TypeAdapter
 
+from gateway.core.shapes import ErrorResponse
 from gateway.middlewares import ADMIN_PATHS, is_guarded
-from gateway.responses import ErrorResponse
 from gateway.routes import ROUTES, Route
 
 REF = "#/components/schemas/{model}"

@@ -8,7 +8,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
 
-from gateway.appkeys import FLEET, METRICS, MODELS, QUEUE_TIMES, REDIS, STORE
+from gateway.core.appkeys import FLEET, METRICS, MODELS, QUEUE_TIMES, REDIS, STORE
 from gateway.errors import NotFound
 from gateway.fleet_metrics import read_fleet_metrics
 from gateway.loras import adapter_cards, resolve_model

@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from gateway.appkeys import REDIS, SETTINGS, STORE
-from gateway.tasks import every
+from gateway.core.appkeys import REDIS, SETTINGS, STORE
+from gateway.core.tasks import every
 from protocol import registry
 from shared.logging import get_logger
 

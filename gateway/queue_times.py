@@ -9,7 +9,7 @@ import asyncio
 
 from redis.exceptions import RedisError
 
-from gateway.metrics import GatewayMetrics
+from gateway.core.metrics import GatewayMetrics
 from gateway.requests.store import RequestStore
 from shared.logging import get_logger
 

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from aiohttp import web
 
 from gateway.app import create_app
+from gateway.core.settings import GatewaySettings
 from gateway.middlewares import AccessLogger
-from gateway.settings import GatewaySettings
 from shared.gc_tuning import tune_for_serving
 from shared.logging import get_logger
 

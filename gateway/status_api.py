@@ -11,7 +11,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from gateway.appkeys import REDIS, STORE
+from gateway.core.appkeys import REDIS, STORE
 from gateway.fleet_view import collect_fleet_view
 
 _PAGE = Path(__file__).with_name("status_page.html")

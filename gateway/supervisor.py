@@ -39,7 +39,7 @@ from shared.logging import configure_logging, get_logger
 from shared.pdeathsig import die_with_parent
 
 if TYPE_CHECKING:
-    from gateway.settings import GatewaySettings
+    from gateway.core.settings import GatewaySettings
 
 READY_TIMEOUT_S = 300.0  # a worker loads every fronted model's tokenizer before it opens the port
 STOP_TIMEOUT_S = 20.0

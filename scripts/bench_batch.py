@@ -29,8 +29,8 @@ import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import aiohttp
 import redis
 
+from gateway.core.settings import ModelSpec
 from gateway.models import ServedModel
-from gateway.settings import ModelSpec
 from protocol import registry
 from protocol.keys import Keys
 from scheduler.engine import LLMEngine

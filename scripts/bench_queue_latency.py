@@ -20,7 +20,7 @@ from pathlib import Path
 import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import redis
 
-from gateway.settings import GatewaySettings, ModelSpec
+from gateway.core.settings import GatewaySettings, ModelSpec
 from gateway.tenants.directory import Tenant, TenantLimits
 from protocol.keys import Keys
 from testkit.checkpoints import tiny_llama_with_smollm2_tokenizer

@@ -119,7 +119,7 @@ async def step_times(settings, bodies: list[bytes], tenant=None) -> dict[str, li
     from aiohttp.test_utils import make_mocked_request
 
     from gateway.app import create_app
-    from gateway.appkeys import LIMITER, MODELS, SETTINGS, STORE, TOKENIZE
+    from gateway.core.appkeys import LIMITER, MODELS, SETTINGS, STORE, TOKENIZE
     from gateway.openai.params import plan_chat
     from gateway.openai.schemas import ChatCompletionRequest
     from gateway.requests.serving import admit, admit_tenant, following, new_req_id, submissions

@@ -94,7 +94,7 @@ def test_every_metric_the_dashboard_queries_is_one_the_fleet_serves() -> None:
 
     from prometheus_client import generate_latest
 
-    from gateway.metrics import GatewayMetrics
+    from gateway.core.metrics import GatewayMetrics
     from scheduler.engine_metrics import EngineMetrics
     from scheduler.scheduler import Scheduler, SchedulerConfig
 

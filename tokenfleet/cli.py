@@ -307,7 +307,7 @@ def _batch_settings(args: argparse.Namespace) -> dict:
     """What every batch ingester takes from its flags, the gateway's own and `tokenfleet batch
     ingester`'s alike: the models (folders and served names), the key prefix and the tenants
     (whose max_batch_lines_in_flight it keeps). GatewaySettings' fields."""
-    from gateway.settings import ModelSpec
+    from gateway.core.settings import ModelSpec
     from gateway.tenants.directory import TenantDirectory
 
     paths = _list_value(args, "model") or [resolve_model(None)]
@@ -324,7 +324,7 @@ def _batch_settings(args: argparse.Namespace) -> dict:
 
 def ingester_settings(args: argparse.Namespace):
     """`tokenfleet batch ingester`'s flags -> the GatewaySettings its BatchIngester runs with."""
-    from gateway.settings import GatewaySettings
+    from gateway.core.settings import GatewaySettings
     from tokenfleet.up import recorded_redis_url
 
     return GatewaySettings(redis_url=args.redis_url or recorded_redis_url(),
@@ -334,7 +334,7 @@ def ingester_settings(args: argparse.Namespace):
 
 def gateway_settings(args: argparse.Namespace):
     """`tokenfleet gateway`'s flags -> its GatewaySettings (InvalidRequestError naming a bad flag)."""
-    from gateway.settings import GatewaySettings
+    from gateway.core.settings import GatewaySettings
 
     for name, value in (("port", args.port), ("max-n", args.max_n), ("max-body-bytes", args.max_body_bytes),
                         ("workers", args.workers)):

@@ -14,15 +14,14 @@ from typing import Literal
 from aiohttp import web
 from pydantic import Field
 
-from gateway.appkeys import JOBS, REDIS, TENANT
 from gateway.batch.entry import check_metadata, parse_window
 from gateway.batch.files_api import FILE_ID_PATTERN, stored_file
 from gateway.batch.jobs import JOB_STATES, Job, new_job_id
 from gateway.batch.lines import URLS, endpoint_mismatch
+from gateway.core.appkeys import JOBS, REDIS, TENANT
+from gateway.core.shapes import Shape, StrictModel
 from gateway.errors import BadRequest, Conflict, NotFound
-from gateway.openai.schemas import StrictModel
 from gateway.requests.serving import read_body
-from gateway.responses import Shape
 from gateway.tenants.access import caller, visible_ids
 from protocol.keys import JOB_ID_PATTERN
 

@@ -19,10 +19,10 @@ import uuid
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from gateway.appkeys import JOBS, REDIS, SETTINGS
 from gateway.batch.jobs import TERMINAL_JOB_STATES, Job
+from gateway.core.appkeys import JOBS, REDIS, SETTINGS
+from gateway.core.shapes import Shape
 from gateway.errors import BadRequest, NotFound
-from gateway.responses import Shape
 from gateway.tenants.access import Caller, caller, visible_ids
 from protocol import lua
 

@@ -48,15 +48,15 @@ from gateway.batch.lines import (
 )
 from gateway.batch.notices import read_notices
 from gateway.batch.record import TERMINAL_JOB_STATES
+from gateway.core.metrics import GatewayMetrics
+from gateway.core.settings import GatewaySettings
 from gateway.errors import GatewayError, ModelNotFound
 from gateway.loras import find_adapter
-from gateway.metrics import GatewayMetrics
 from gateway.models import ModelRegistry
 from gateway.openai.format import ChoiceOutput, chat_completion, text_completion
 from gateway.openai.params import Plan, plan_chat, plan_completion
 from gateway.requests.records import ResultRecord
 from gateway.requests.store import RequestStore
-from gateway.settings import GatewaySettings
 from gateway.tenants.registry import TenantRegistry
 from protocol.abandoned import claim_abandoned_async
 from protocol.keys import INGESTER_GROUP, JOB_ID_PATTERN, Keys

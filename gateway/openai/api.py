@@ -8,10 +8,10 @@ import time
 
 from aiohttp import web
 
-from gateway.appkeys import LIMITER, METRICS, QUEUE_TIMES, SETTINGS, STORE, TOKENIZE
+from gateway.core.appkeys import LIMITER, METRICS, QUEUE_TIMES, SETTINGS, STORE, TOKENIZE
+from gateway.core.metrics import GatewayMetrics
 from gateway.errors import BadRequest, RateLimited, Unavailable, UpstreamFailed
 from gateway.loras import resolve_model
-from gateway.metrics import GatewayMetrics
 from gateway.openai.format import ChoiceOutput, ChunkMaker, chat_completion, text_completion
 from gateway.openai.params import Plan, plan_chat, plan_completion
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest

@@ -13,12 +13,12 @@ import hashlib
 import time
 from dataclasses import dataclass, field
 
+from gateway.core.settings import GatewaySettings
 from gateway.errors import BadRequest
 from gateway.models import ServedModel
 from gateway.openai.chat_tools import chat_grammar, chat_tools
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.openai.tools import prompt_messages
-from gateway.settings import GatewaySettings
 from shared.sampling import SamplingParams
 
 

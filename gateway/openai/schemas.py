@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from gateway.core.shapes import StrictModel
 from gateway.errors import BadRequest
 from gateway.openai import bounds
 from shared.sampling import MAX_TOP_LOGPROBS
@@ -23,10 +24,6 @@ from shared.sampling import MAX_TOP_LOGPROBS
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 Name = Annotated[str, Field(max_length=bounds.MAX_NAME_CHARS)]
 Description = Annotated[str, Field(max_length=bounds.MAX_DESCRIPTION_CHARS)]
-
-
-class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(StrictModel):

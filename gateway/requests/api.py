@@ -12,7 +12,7 @@ import time
 from aiohttp import web
 from pydantic import TypeAdapter
 
-from gateway.appkeys import API_KEY, LIMITER, MODELS, SETTINGS, STORE, TOKENIZE
+from gateway.core.appkeys import API_KEY, LIMITER, MODELS, SETTINGS, STORE, TOKENIZE
 from gateway.errors import BadRequest, Conflict, NotFound
 from gateway.loras import resolve_model
 from gateway.models import ServedModel

@@ -12,7 +12,7 @@ from typing import TypeVar
 from aiohttp import web
 from pydantic import TypeAdapter
 
-from gateway.appkeys import (
+from gateway.core.appkeys import (
     FLEET,
     LIMITER,
     METRICS,

@@ -17,7 +17,7 @@ import time
 
 from aiohttp import web
 
-from gateway.appkeys import LIMITER, MODELS, QUEUE_TIMES, SETTINGS, STORE, TOKENIZE
+from gateway.core.appkeys import LIMITER, MODELS, QUEUE_TIMES, SETTINGS, STORE, TOKENIZE
 from gateway.errors import BadRequest, GatewayError, NotFound, UpstreamFailed
 from gateway.models import ServedModel
 from gateway.openai.params import Plan, plan_chat

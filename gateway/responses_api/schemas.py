@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from gateway.core.shapes import StrictModel
 from gateway.errors import BadRequest
-from gateway.openai.schemas import StrictModel
 
 MAX_METADATA_KEYS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 

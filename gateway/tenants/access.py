@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from gateway.appkeys import TENANT, TENANTS
+from gateway.core.appkeys import TENANT, TENANTS
 from gateway.errors import GatewayError
 
 

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from gateway.app import create_app
-from gateway.settings import GatewaySettings, ModelSpec
+from gateway.core.settings import GatewaySettings, ModelSpec
 from protocol.keys import keys_for
 from shared.redis_client import connect
 from testkit.sse import data_of

@@ -11,7 +11,7 @@ import pytest
 import pytest_asyncio
 
 from gateway.app import create_app
-from gateway.settings import GatewaySettings, ModelSpec
+from gateway.core.settings import GatewaySettings, ModelSpec
 from gateway.tenants.directory import TenantDirectory
 from testkit.sse import DONE, data_fields
 from tests.fleet_helpers import TINY_CHAT

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from gateway.app import create_app
-from gateway.settings import GatewaySettings, ModelSpec
+from gateway.core.settings import GatewaySettings, ModelSpec
 from tests.gateway.fake_scheduler import FakeScheduler
 from tokenfleet.redis_server import RedisServer
 

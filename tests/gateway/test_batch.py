@@ -18,7 +18,7 @@ import pytest_asyncio
 import redis
 
 from gateway.app import create_app
-from gateway.settings import GatewaySettings, ModelSpec
+from gateway.core.settings import GatewaySettings, ModelSpec
 from protocol.keys import Keys
 from tests.gateway.batch_fleet import (
     TINY_CHAT,

@@ -10,8 +10,8 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
+from gateway.core.metrics import GatewayMetrics
 from gateway.fleet import FleetTracker
-from gateway.metrics import GatewayMetrics
 from gateway.requests.store import RequestStore
 from protocol import registry
 from protocol.keys import Keys

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from gateway.app import create_app
+from gateway.core.settings import GatewaySettings, ModelSpec
 from gateway.openapi import openapi_document
-from gateway.settings import GatewaySettings, ModelSpec
 from tests.gateway.conftest import MODEL
 from tests.gateway.fake_scheduler import FakeScheduler
 

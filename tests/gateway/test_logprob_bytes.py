@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from gateway.core.settings import ModelSpec
 from gateway.models import ServedModel
 from gateway.openai.format import TextOffsets, chat_logprobs, completion_logprobs
-from gateway.settings import ModelSpec
 
 TEXT = "héllo 😀 世界 🦙 €5"
 

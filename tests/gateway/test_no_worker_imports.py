@@ -18,8 +18,8 @@ import asyncio, json, sys
 from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.app import create_app
-from gateway.appkeys import MODELS
-from gateway.settings import GatewaySettings, ModelSpec
+from gateway.core.appkeys import MODELS
+from gateway.core.settings import GatewaySettings, ModelSpec
 
 
 async def main(url, folder):

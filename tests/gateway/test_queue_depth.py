@@ -10,7 +10,7 @@ import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
 
-from gateway.appkeys import QUEUE_DEPTHS
+from gateway.core.appkeys import QUEUE_DEPTHS
 from gateway.queue_depth import QueueDepths
 from gateway.requests.store import GatewayKeys, RequestStore
 from protocol.keys import CONSUMER_GROUP, Keys

@@ -8,7 +8,7 @@ import pytest
 import pytest_asyncio
 
 from gateway.app import create_app
-from gateway.settings import GatewaySettings, ModelSpec
+from gateway.core.settings import GatewaySettings, ModelSpec
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
 from tests.gateway.fake_scheduler import FakeScheduler

@@ -8,8 +8,8 @@ import pytest
 from aiohttp import web
 from redis.exceptions import ClusterDownError
 
-from gateway.appkeys import METRICS
-from gateway.metrics import GatewayMetrics
+from gateway.core.appkeys import METRICS
+from gateway.core.metrics import GatewayMetrics
 from gateway.middlewares import error_middleware
 
 pytestmark = pytest.mark.asyncio

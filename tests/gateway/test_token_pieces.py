@@ -138,8 +138,8 @@ def test_those_checks_matter_pieces_encoded_alone_there_differ(make) -> None:
 
 
 def test_a_served_model_encodes_chats_from_their_pieces(smollm2) -> None:
+    from gateway.core.settings import ModelSpec
     from gateway.models import ServedModel
-    from gateway.settings import ModelSpec
 
     model = ServedModel.load(ModelSpec.from_path(str(smollm2)))
     system = {"role": "system", "content": "You answer in rhymes. " * 50}

@@ -1,10 +1,17 @@
-"""Response shapes, for /openapi.json (the handlers build the same shapes as dicts)."""
+"""The shapes of the HTTP responses, for /openapi.json (the handlers build the same shapes as
+dicts), and the base of every request body (StrictModel: unknown fields refused)."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
+
+
+class StrictModel(BaseModel):
+    """A request body: an unknown field, a wrong type or a NaN is a 400 naming the field."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class Shape(BaseModel):

@@ -6,15 +6,15 @@ import redis.asyncio as aioredis
 from aiohttp import web
 
 from gateway.batch.jobs import JobStore
+from gateway.core.metrics import GatewayMetrics
+from gateway.core.settings import GatewaySettings
+from gateway.core.tasks import TaskSet
 from gateway.fleet import FleetTracker
-from gateway.metrics import GatewayMetrics
 from gateway.models import ModelRegistry
 from gateway.queue_depth import QueueDepths
 from gateway.queue_times import QueueTimes
 from gateway.requests.pubsub import EventRouter
 from gateway.requests.store import RequestStore
-from gateway.settings import GatewaySettings
-from gateway.tasks import TaskSet
 from gateway.tenants.directory import Tenant
 from gateway.tenants.limits import TenantLimiter
 from gateway.tenants.registry import TenantRegistry
