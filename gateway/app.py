@@ -30,7 +30,6 @@ from gateway.core.settings import GatewaySettings
 from gateway.core.tasks import TaskSet, running_until_stopped
 from gateway.fleet import FleetTracker
 from gateway.middlewares import auth_middleware, error_middleware, request_id_middleware
-from gateway.models import ModelRegistry
 from gateway.openapi import openapi_document
 from gateway.presence import presence_ctx
 from gateway.queue_depth import QueueDepths
@@ -41,7 +40,8 @@ from gateway.routes import ROUTES
 from gateway.routing import PrefixRouter
 from gateway.tenants.limits import TenantLimiter
 from gateway.tenants.registry import TenantRegistry
-from gateway.tokenize_pool import TokenizePool
+from gateway.tokens.models import ModelRegistry
+from gateway.tokens.tokenize_pool import TokenizePool
 from protocol.keys import keys_for
 from shared.logging import get_logger
 from shared.redis_client import connect_async

@@ -20,9 +20,9 @@ from pydantic import Field
 from gateway.core.appkeys import FLEET, MODELS, REDIS, SETTINGS, STORE
 from gateway.core.shapes import StrictModel
 from gateway.errors import BadRequest, ModelNotFound
-from gateway.models import ServedModel
 from gateway.requests.serving import read_body
 from gateway.tenants.access import Caller, PermissionDenied, caller
+from gateway.tokens.models import ServedModel
 from protocol.keys import Keys
 from protocol.lora_registry import LORA_NAME_PATTERN, LoraRecord
 from shared.lora_config import read_lora_config

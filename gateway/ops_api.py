@@ -12,7 +12,7 @@ from gateway.core.appkeys import FLEET, METRICS, MODELS, QUEUE_TIMES, REDIS, STO
 from gateway.errors import NotFound
 from gateway.fleet_metrics import read_fleet_metrics
 from gateway.loras import adapter_cards, resolve_model
-from gateway.models import ServedModel
+from gateway.tokens.models import ServedModel
 
 
 async def health(request: web.Request) -> web.Response:

@@ -30,7 +30,7 @@ import aiohttp
 import redis
 
 from gateway.core.settings import ModelSpec
-from gateway.models import ServedModel
+from gateway.tokens.models import ServedModel
 from protocol import registry
 from protocol.keys import Keys
 from scheduler.engine import LLMEngine

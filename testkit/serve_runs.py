@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import redis
 
-from gateway.models import ServedModel
+from gateway.tokens.models import ServedModel
 from protocol.keys import Keys
 from protocol.result_record import F
 from shared.net import free_port

@@ -158,7 +158,7 @@ def run_ingester(settings) -> int:
     import signal
 
     from gateway.batch.ingester import BatchIngester
-    from gateway.models import ModelRegistry
+    from gateway.tokens.models import ModelRegistry
 
     async def go() -> int:
         models = await asyncio.to_thread(ModelRegistry.load, settings.models)

@@ -52,12 +52,12 @@ from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import GatewaySettings
 from gateway.errors import GatewayError, ModelNotFound
 from gateway.loras import find_adapter
-from gateway.models import ModelRegistry
 from gateway.openai.format import ChoiceOutput, chat_completion, text_completion
 from gateway.openai.params import Plan, plan_chat, plan_completion
 from gateway.requests.records import ResultRecord
 from gateway.requests.store import RequestStore
 from gateway.tenants.registry import TenantRegistry
+from gateway.tokens.models import ModelRegistry
 from protocol.abandoned import claim_abandoned_async
 from protocol.keys import INGESTER_GROUP, JOB_ID_PATTERN, Keys
 from protocol.messages import RequestMessage

@@ -10,7 +10,6 @@ from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import GatewaySettings
 from gateway.core.tasks import TaskSet
 from gateway.fleet import FleetTracker
-from gateway.models import ModelRegistry
 from gateway.queue_depth import QueueDepths
 from gateway.queue_times import QueueTimes
 from gateway.requests.pubsub import EventRouter
@@ -18,7 +17,8 @@ from gateway.requests.store import RequestStore
 from gateway.tenants.directory import Tenant
 from gateway.tenants.limits import TenantLimiter
 from gateway.tenants.registry import TenantRegistry
-from gateway.tokenize_pool import TokenizePool
+from gateway.tokens.models import ModelRegistry
+from gateway.tokens.tokenize_pool import TokenizePool
 
 SETTINGS = web.AppKey("settings", GatewaySettings)
 METRICS = web.AppKey("metrics", GatewayMetrics)

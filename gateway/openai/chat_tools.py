@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.errors import BadRequest
-from gateway.models import ServedModel
 from gateway.openai.schemas import ChatCompletionRequest
 from gateway.openai.structured import check_schema, response_format_grammar
 from gateway.openai.tools import tool_call_grammar, tool_format
+from gateway.tokens.models import ServedModel
 
 
 @dataclass

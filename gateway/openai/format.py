@@ -12,11 +12,11 @@ import codecs
 import math
 from dataclasses import dataclass, field
 
-from gateway.models import ServedModel
 from gateway.openai.params import Plan
 from gateway.openai.tools import ToolCallStream, parse_tool_calls
 from gateway.requests.records import Delta
 from gateway.requests.sse import Template, encode_basestring, frame
+from gateway.tokens.models import ServedModel
 
 _UNSET = object()
 MISSING_LOGPROB = -9999.0  # what vLLM reports for -inf or an unknown logprob (JSON has no -inf)

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 from gateway.core.settings import GatewaySettings
 from gateway.errors import BadRequest
-from gateway.models import ServedModel
 from gateway.openai.chat_tools import chat_grammar, chat_tools
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.openai.tools import prompt_messages
+from gateway.tokens.models import ServedModel
 from shared.sampling import SamplingParams
 
 

@@ -17,12 +17,12 @@ from pydantic import Field, TypeAdapter
 
 from gateway.core.appkeys import MODELS, TOKENIZE
 from gateway.core.shapes import StrictModel
-from gateway.models import ServedModel
 from gateway.openai import bounds
 from gateway.openai.params import message_dicts
 from gateway.openai.schemas import ChatMessage, Tool
 from gateway.openai.tools import prompt_messages
 from gateway.requests.serving import read_body
+from gateway.tokens.models import ServedModel
 from shared.tokenizer import encode_ids
 
 

@@ -15,7 +15,6 @@ from pydantic import TypeAdapter
 from gateway.core.appkeys import API_KEY, LIMITER, MODELS, SETTINGS, STORE, TOKENIZE
 from gateway.errors import BadRequest, Conflict, NotFound
 from gateway.loras import resolve_model
-from gateway.models import ServedModel
 from gateway.openai.format import (
     ChoiceOutput,
     cached_tokens_of,
@@ -37,6 +36,7 @@ from gateway.requests.serving import (
 )
 from gateway.requests.sse import Template, dumps, encode_basestring, frame
 from gateway.tenants.access import caller
+from gateway.tokens.models import ServedModel
 
 SUBMIT = TypeAdapter(SubmitRequest)
 _REQ_ID = re.compile(r"^[0-9a-f]{32}$")

@@ -19,7 +19,6 @@ from aiohttp import web
 
 from gateway.core.appkeys import LIMITER, MODELS, QUEUE_TIMES, SETTINGS, STORE, TOKENIZE
 from gateway.errors import BadRequest, GatewayError, NotFound, UpstreamFailed
-from gateway.models import ServedModel
 from gateway.openai.params import Plan, plan_chat
 from gateway.requests.follow import Watch
 from gateway.requests.serving import (
@@ -43,6 +42,7 @@ from gateway.responses_api.store import ResponseStore
 from gateway.responses_api.translate import chat_request, normalize_input, renamed
 from gateway.tenants.access import caller
 from gateway.tenants.directory import Tenant
+from gateway.tokens.models import ServedModel
 from protocol.result_record import ErrorCode
 
 _ID = re.compile(r"^resp_([0-9a-f]{32})$")

@@ -36,7 +36,7 @@ def make_client(settings, aiohttp_client):
 
 @pytest.fixture
 def tokenizer(smollm2):
-    from gateway.models import _load_tokenizer
+    from gateway.tokens.models import _load_tokenizer
 
     return _load_tokenizer(str(smollm2))
 

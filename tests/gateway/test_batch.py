@@ -354,7 +354,7 @@ async def test_an_intake_longer_than_the_lease_is_not_done_twice(redis_server, t
 
     from gateway.batch.ingester import BatchIngester
     from gateway.batch.lines import LineItem
-    from gateway.models import ModelRegistry
+    from gateway.tokens.models import ModelRegistry
 
     settings = GatewaySettings(redis_url=redis_server.url, models=[ModelSpec.from_path(str(tiny_chat))],
                                batch_lease_s=0.3, batch_max_inflight=1)

@@ -44,7 +44,7 @@ class ServedGateway:
 
 @pytest.fixture(scope="module")
 def gateway_url(module_redis, smollm2):
-    from gateway.models import _load_tokenizer
+    from gateway.tokens.models import _load_tokenizer
 
     with FakeScheduler(module_redis.url, MODEL, _load_tokenizer(str(smollm2)), max_reply_tokens=8):
         served = ServedGateway(GatewaySettings(redis_url=module_redis.url,

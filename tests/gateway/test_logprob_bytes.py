@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from gateway.core.settings import ModelSpec
-from gateway.models import ServedModel
 from gateway.openai.format import TextOffsets, chat_logprobs, completion_logprobs
+from gateway.tokens.models import ServedModel
 
 TEXT = "héllo 😀 世界 🦙 €5"
 

@@ -20,7 +20,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 
 @pytest_asyncio.fixture
 async def qwen_client(redis_server, tiny_qwen, aiohttp_client):
-    from gateway.models import _load_tokenizer
+    from gateway.tokens.models import _load_tokenizer
 
     settings = GatewaySettings(redis_url=redis_server.url, models=[ModelSpec.from_path(str(tiny_qwen), NAME)],
                                poll_s=0.5)

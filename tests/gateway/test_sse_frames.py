@@ -13,13 +13,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.models import ServedModel
 from gateway.openai.format import ChoiceOutput, ChunkMaker, chat_completion
 from gateway.openai.params import ChoicePlan, Plan
 from gateway.requests.api import EventFrames, _event_data, _kind
 from gateway.requests.follow import decode_delta
 from gateway.requests.records import Delta
 from gateway.requests.sse import Template, dumps
+from gateway.tokens.models import ServedModel
 from protocol.messages import ErrorEvent, MessageDecodeError, TokenEvent, decode_event
 from shared.sampling import SamplingParams
 

@@ -1,4 +1,4 @@
-"""A chat's ids from its pieces' cached ids (gateway/token_pieces.py) are exactly the ids of the
+"""A chat's ids from its pieces' cached ids (gateway/tokens/token_pieces.py) are exactly the ids of the
 whole text, and the encoder is refused for tokenizers where that does not hold by construction."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import random
 import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from gateway.models import _load_tokenizer
-from gateway.token_pieces import PieceEncoder
+from gateway.tokens.models import _load_tokenizer
+from gateway.tokens.token_pieces import PieceEncoder
 from shared.tokenizer import encode_ids
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
@@ -139,7 +139,7 @@ def test_those_checks_matter_pieces_encoded_alone_there_differ(make) -> None:
 
 def test_a_served_model_encodes_chats_from_their_pieces(smollm2) -> None:
     from gateway.core.settings import ModelSpec
-    from gateway.models import ServedModel
+    from gateway.tokens.models import ServedModel
 
     model = ServedModel.load(ModelSpec.from_path(str(smollm2)))
     system = {"role": "system", "content": "You answer in rhymes. " * 50}

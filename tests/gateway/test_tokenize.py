@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from gateway.core.settings import ModelSpec
-from gateway.models import ServedModel
 from gateway.openai.params import plan_chat
 from gateway.openai.schemas import ChatCompletionRequest
+from gateway.tokens.models import ServedModel
 from tests.gateway.conftest import MODEL
 
 pytestmark = pytest.mark.asyncio

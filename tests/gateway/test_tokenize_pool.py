@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from gateway.models import ServedModel
-from gateway.tokenize_pool import THREAD_NAME
+from gateway.tokens.models import ServedModel
+from gateway.tokens.tokenize_pool import THREAD_NAME
 from tests.gateway.conftest import MODEL
 
 pytestmark = pytest.mark.asyncio

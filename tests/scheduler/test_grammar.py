@@ -98,7 +98,7 @@ def test_a_takeover_rebuilds_the_grammar_from_the_stored_tokens(tiny_chat):
 
 
 def test_only_the_sampled_constrained_rows_get_a_mask(smollm2):
-    from gateway.models import _load_tokenizer
+    from gateway.tokens.models import _load_tokenizer
 
     grammars = Grammars(_load_tokenizer(str(smollm2)), 49152, [2])
     grammars.add("json", json.dumps({"type": "json_object"}), [])
@@ -135,7 +135,7 @@ def test_in_a_ray_group_the_mask_reaches_the_rank_that_samples(tiny_chat, group)
 
 
 def test_logits_wider_than_the_tokenizer_never_allow_the_padding_ids(smollm2):
-    from gateway.models import _load_tokenizer
+    from gateway.tokens.models import _load_tokenizer
 
     padded = 49152 + 64  # models round their vocabulary up; those ids are no tokenizer's tokens
     grammars = Grammars(_load_tokenizer(str(smollm2)), padded, [2])

@@ -14,7 +14,7 @@ from typing import Any
 
 from gateway.core.settings import ModelSpec
 from gateway.errors import BadRequest, ModelNotFound
-from gateway.token_pieces import PieceEncoder
+from gateway.tokens.token_pieces import PieceEncoder
 from shared.errors import ModelLoadError
 from shared.model_config import load_model_config
 from shared.token_bytes import token_bytes_reader
@@ -42,7 +42,7 @@ class ServedModel:
     _token_bytes: dict[int, bytes] = field(default_factory=dict)  # token id -> its own bytes (logprobs)
     _read_token_bytes: Callable[[int], bytes] | None = field(default=None, repr=False)
     # A chat template's text, encoded from its pieces' cached ids (None: this tokenizer's
-    # encodings are not its pieces', gateway/token_pieces.py): a shared system prompt once.
+    # encodings are not its pieces', gateway/tokens/token_pieces.py): a shared system prompt once.
     _pieces: PieceEncoder | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -121,7 +121,7 @@ class ServedModel:
         return text
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The token's own bytes (gateway/token_bytes.py): part of a character's for a token
+        """The token's own bytes (shared/token_bytes.py): part of a character's for a token
         that splits one, where its text alone would be U+FFFD."""
         data = self._token_bytes.get(token_id)
         if data is None:
