@@ -28,16 +28,16 @@ from gateway.core.appkeys import (
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import GatewaySettings
 from gateway.core.tasks import TaskSet, running_until_stopped
-from gateway.fleet import FleetTracker
+from gateway.fleet.queue_depth import QueueDepths
+from gateway.fleet.queue_times import QueueTimes
+from gateway.fleet.routing import PrefixRouter
+from gateway.fleet.tracker import FleetTracker
 from gateway.middlewares import auth_middleware, error_middleware, request_id_middleware
 from gateway.openapi import openapi_document
 from gateway.presence import presence_ctx
-from gateway.queue_depth import QueueDepths
-from gateway.queue_times import QueueTimes
 from gateway.requests.pubsub import event_router
 from gateway.requests.store import RequestStore
 from gateway.routes import ROUTES
-from gateway.routing import PrefixRouter
 from gateway.tenants.limits import TenantLimiter
 from gateway.tenants.registry import TenantRegistry
 from gateway.tokens.models import ModelRegistry

@@ -10,7 +10,7 @@ from redis.exceptions import RedisError
 
 from gateway.core.appkeys import FLEET, METRICS, MODELS, QUEUE_TIMES, REDIS, STORE
 from gateway.errors import NotFound
-from gateway.fleet_metrics import read_fleet_metrics
+from gateway.fleet.engine_metrics import read_fleet_metrics
 from gateway.loras import adapter_cards, resolve_model
 from gateway.tokens.models import ServedModel
 

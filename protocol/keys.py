@@ -146,7 +146,7 @@ class Keys:
 
     def replica_stream(self, model: str, scheduler_id: str, partition: int = 0) -> str:
         """One scheduler's own stream: requests the gateway routed to it for the prefixes it
-        holds (gateway/routing.py). It reads this one first; a peer takes what waited too long
+        holds (gateway/fleet/routing.py). It reads this one first; a peer takes what waited too long
         there, and everything once it is dead or draining (service/replica_streams.py). Routing
         runs on one server only (partition 0): its submit checks the replica's heartbeat in the
         same script, which a cluster cannot do in one slot."""

@@ -1,7 +1,7 @@
 """The fleet-wide prefix-cache hit rate of N replicas on a Zipf-distributed set of system prompts,
 with prefix-aware routing and without, from the real parts: each replica's cache is a real
 BlockManager (scheduler/block_manager.py), its summary the real PrefixSummary, and the choice
-the gateway's own choose_replica (gateway/routing.py). No model, no Redis: seconds on a CPU.
+the gateway's own choose_replica (gateway/fleet/routing.py). No model, no Redis: seconds on a CPU.
 
     .venv/bin/python scripts/sim_routing.py                       # 16 replicas, 1,000 prompts
     .venv/bin/python scripts/sim_routing.py --replicas 4 --zipf 0.8
@@ -29,7 +29,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gateway.routing import ReplicaView, choose_replica  # noqa: E402
+from gateway.fleet.routing import ReplicaView, choose_replica  # noqa: E402
 from protocol.prefix_hash import SUMMARY_HASH_BYTES  # noqa: E402
 from scheduler.block_manager import SUMMARY_DEPTH_BLOCKS, BlockManager  # noqa: E402
 from scheduler.request import Request  # noqa: E402

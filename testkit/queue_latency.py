@@ -52,7 +52,7 @@ def chat_bodies(model: str, num: int, *, system_words: int = 800, seed: int = 0)
 
 
 def fake_heartbeat(client: redis.Redis, keys: Keys, model: str) -> None:
-    """A scheduler's heartbeat hash (gateway/fleet.py reads it): the gateway then serves the model."""
+    """A scheduler's heartbeat hash (gateway/fleet/tracker.py reads it): the gateway then serves the model."""
     client.hset(keys.scheduler("bench-queue-1"), mapping={"model": model, "updated_at": time.time(),
                                                           "max_num_seqs": 256})
     registry.beat(client, keys, registry.SCHEDULERS, "bench-queue-1", 24 * 3600)

@@ -30,7 +30,7 @@ def flag_table(parser: argparse.ArgumentParser, rows: tuple[tuple[str, type, obj
         flag(parser, name, type=kind, default=default, help=text)
 
 
-ROUTING_MODES = ("prefix", "none")  # the gateway's --routing (gateway/routing.py)
+ROUTING_MODES = ("prefix", "none")  # the gateway's --routing (gateway/fleet/routing.py)
 REDIS_URL_HELP = ("redis://[user:password@]host:port/db, or rediss:// for TLS (TLS options in the query: "
                   "?ssl_ca_certs=ca.pem), or redis+cluster://host:port,host:port for a Redis Cluster")
 

@@ -9,9 +9,9 @@ from gateway.batch.jobs import JobStore
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import GatewaySettings
 from gateway.core.tasks import TaskSet
-from gateway.fleet import FleetTracker
-from gateway.queue_depth import QueueDepths
-from gateway.queue_times import QueueTimes
+from gateway.fleet.queue_depth import QueueDepths
+from gateway.fleet.queue_times import QueueTimes
+from gateway.fleet.tracker import FleetTracker
 from gateway.requests.pubsub import EventRouter
 from gateway.requests.store import RequestStore
 from gateway.tenants.directory import Tenant

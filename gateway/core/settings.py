@@ -48,7 +48,7 @@ class GatewaySettings:
     keepalive_s: float = 15.0  # SSE comment lines on idle streams, at most this far apart
     scheduler_grace_s: float = 10.0  # a scheduler seen this recently still counts as live
     fleet_refresh_s: float = 1.0  # how often heartbeats and queue depths are read
-    routing: str = "prefix"  # prefix: chats go to the replica caching their prefix (gateway/routing.py); none
+    routing: str = "prefix"  # prefix: chats go to the replica caching their prefix (gateway/fleet/routing.py); none
     cancel_wait_s: float = 2.0  # DELETE waits this long for the terminal state
     # Batch jobs (gateway/batch_ingester.py, /v1/files, /v1/batches).
     batch_ingester: bool = True  # run a batch ingester inside this process

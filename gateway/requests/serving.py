@@ -57,7 +57,7 @@ async def read_body(request: web.Request, schema: type[T] | TypeAdapter) -> tupl
 
 async def admit(request: web.Request, model: str, num_requests: int) -> None:
     """503 when no scheduler serves the model, 429 when its queue is full (against this
-    process's estimate of the depth, read anew before a refusal: gateway/queue_depth.py)."""
+    process's estimate of the depth, read anew before a refusal: gateway/fleet/queue_depth.py)."""
     settings = request.app[SETTINGS]
     await request.app[FLEET].require(model)
     if settings.max_queue > 0:

@@ -2,7 +2,7 @@
 --
 -- KEYS[1] the request's record (tf:res)       KEYS[2] the stream it queues in (its partition's)
 -- KEYS[3] its Idempotency-Key's key (untouched without ARGV[4])
--- Routed to a replica (one server only: gateway/routing.py), 3 more:
+-- Routed to a replica (one server only: gateway/fleet/routing.py), 3 more:
 -- KEYS[4] the replica's heartbeat   KEYS[5] its drain key   KEYS[6] its own stream
 -- ARGV[1] the record's ttl (s)      ARGV[2] the request message
 -- ARGV[3] the Idempotency-Key's value ('' = no key)      ARGV[4] the key's ttl (s)

@@ -11,7 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.core.metrics import GatewayMetrics
-from gateway.fleet import FleetTracker
+from gateway.fleet.tracker import FleetTracker
 from gateway.requests.store import RequestStore
 from protocol import registry
 from protocol.keys import Keys

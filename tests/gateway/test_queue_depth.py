@@ -1,4 +1,4 @@
-"""Admission against max_queue (gateway/queue_depth.py) on a real Redis: an estimate between
+"""Admission against max_queue (gateway/fleet/queue_depth.py) on a real Redis: an estimate between
 reads (no round trip per request), read anew before any refusal."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest_asyncio
 import redis.asyncio as aioredis
 
 from gateway.core.appkeys import QUEUE_DEPTHS
-from gateway.queue_depth import QueueDepths
+from gateway.fleet.queue_depth import QueueDepths
 from gateway.requests.store import GatewayKeys, RequestStore
 from protocol.keys import CONSUMER_GROUP, Keys
 from tests.gateway.conftest import MODEL

@@ -8,9 +8,9 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
+from gateway.fleet.routing import PrefixRouter, ReplicaView, choose_replica
 from gateway.requests.records import ResultRecord
 from gateway.requests.store import GatewayKeys, RequestStore, Submission
-from gateway.routing import PrefixRouter, ReplicaView, choose_replica
 from protocol.messages import RequestMessage
 from protocol.prefix_hash import block_hashes, summary_hash
 from shared.sampling import SamplingParams
@@ -130,7 +130,7 @@ def test_a_request_on_an_adapter_goes_to_the_least_loaded_replica_holding_it() -
 
 
 def test_a_heartbeat_names_the_adapters_a_replica_holds_and_its_largest_rank() -> None:
-    from gateway.fleet import SchedulerInfo
+    from gateway.fleet.tracker import SchedulerInfo
 
     beat = {b"model": b"m", b"loras_loaded": b'["sql", "chat"]', b"max_lora_rank": b"16"}
     info = SchedulerInfo.parse("s1", beat)

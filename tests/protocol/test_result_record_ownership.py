@@ -29,7 +29,7 @@ FIELDS = {value for name, value in vars(F).items() if name.isupper()}
 OWN_FIELDS = FIELDS - {"state", "model", "api", "text", "usage", "error", "logprobs", "top_logprobs",
                        "finish_reason", "tenant", "stream", "custom_id", "prompt_tokens", "scheduler",
                        "deadline", "owner", "seq", "token_ids", "prompt_logprobs", "echo"}
-# b"model" is also a field of a scheduler's heartbeat hash (gateway/fleet.py parses it).
+# b"model" is also a field of a scheduler's heartbeat hash (gateway/fleet/tracker.py parses it).
 BYTES_FIELDS = FIELDS - {"model"}
 HASH_COMMANDS = {"hget", "hmget", "hset", "hsetnx", "hdel", "hexists", "hincrby", "hincrbyfloat"}
 

@@ -25,7 +25,7 @@ def read_signals(client: redis.Redis, keys: Keys, model: str, *, now: float | No
     tenants = sorted(t.decode() if isinstance(t, bytes) else t for t in members)
     streams = [stream for kind in REQUEST_KINDS for tenant in [None, *tenants]
                for stream in keys.request_streams(model, kind, tenant)]
-    # Requests routed to one replica queue in its own stream (gateway/routing.py).
+    # Requests routed to one replica queue in its own stream (gateway/fleet/routing.py).
     replicas = sorted(r.decode() for r in client.smembers(keys.replica_streams(model)))
     streams += [keys.replica_stream(model, r) for r in replicas]
     for stream in streams:

@@ -17,8 +17,8 @@ import redis.asyncio as aioredis
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.tasks import every
 from gateway.errors import Unavailable
+from gateway.fleet.routing import PrefixRouter, ReplicaView
 from gateway.requests.store import RequestStore
-from gateway.routing import PrefixRouter, ReplicaView
 from protocol import registry
 from protocol.keys import CONSUMER_GROUP, Keys
 from protocol.prefix_hash import SUMMARY_HASH_BYTES
@@ -36,7 +36,7 @@ class SchedulerInfo:
     kv_usage: float
     max_num_seqs: int
     updated_at: float
-    # For routing by prefix (gateway/routing.py) and the fleet's prefix-cache hit rate.
+    # For routing by prefix (gateway/fleet/routing.py) and the fleet's prefix-cache hit rate.
     block_size: int = 16
     prefix_summary_depth: int = 0
     draining: bool = False

@@ -132,7 +132,7 @@ def choose_replica(prompt_token_ids: list[int], replicas: list[ReplicaView], *,
 
 
 class PrefixRouter:
-    """The gateway's routing state: each model's replicas as last read (gateway/fleet.py)."""
+    """The gateway's routing state: each model's replicas as last read (gateway/fleet/tracker.py)."""
 
     def __init__(self, metrics=None) -> None:
         self.metrics = metrics  # GatewayMetrics, or None
