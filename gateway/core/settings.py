@@ -48,9 +48,10 @@ class GatewaySettings:
     keepalive_s: float = 15.0  # SSE comment lines on idle streams, at most this far apart
     scheduler_grace_s: float = 10.0  # a scheduler seen this recently still counts as live
     fleet_refresh_s: float = 1.0  # how often heartbeats and queue depths are read
-    routing: str = "prefix"  # prefix: chats go to the replica caching their prefix (gateway/fleet/routing.py); none
+    # prefix: chats go to the replica caching their prefix (gateway/fleet/routing.py); none
+    routing: str = "prefix"
     cancel_wait_s: float = 2.0  # DELETE waits this long for the terminal state
-    # Batch jobs (gateway/batch_ingester.py, /v1/files, /v1/batches).
+    # Batch jobs (gateway/batch/ingester.py, /v1/files, /v1/batches).
     batch_ingester: bool = True  # run a batch ingester inside this process
     batch_max_inflight: int = 1024  # per job: lines queued whose output is not written yet
     batch_max_lines: int = 1_000_000  # per job
