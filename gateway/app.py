@@ -35,9 +35,9 @@ from gateway.fleet.tracker import FleetTracker
 from gateway.middlewares import auth_middleware, error_middleware, request_id_middleware
 from gateway.openapi import openapi_document
 from gateway.presence import presence_ctx
-from gateway.requests.pubsub import event_router
-from gateway.requests.store import RequestStore
 from gateway.routes import ROUTES
+from gateway.serving.pubsub import event_router
+from gateway.serving.store import RequestStore
 from gateway.tenants.limits import TenantLimiter
 from gateway.tenants.registry import TenantRegistry
 from gateway.tokens.models import ModelRegistry

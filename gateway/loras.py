@@ -20,7 +20,7 @@ from pydantic import Field
 from gateway.core.appkeys import FLEET, MODELS, REDIS, SETTINGS, STORE
 from gateway.core.shapes import StrictModel
 from gateway.errors import BadRequest, ModelNotFound
-from gateway.requests.serving import read_body
+from gateway.serving.handlers import read_body
 from gateway.tenants.access import Caller, PermissionDenied, caller
 from gateway.tokens.models import ServedModel
 from protocol.keys import Keys

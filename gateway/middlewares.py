@@ -19,7 +19,7 @@ from gateway.errors import (
     http_error_response,
     validation_error,
 )
-from gateway.requests.serving import ClientGone
+from gateway.serving.handlers import ClientGone
 from gateway.tenants.access import require_admin
 from shared.errors import TokenfleetError
 from shared.logging import get_logger

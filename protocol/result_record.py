@@ -5,7 +5,7 @@ step's progress, the terminal write), and the gateway and the batch ingester rea
 them build and read the hash through this module; tests/protocol/test_result_record_ownership.py
 fails when a field name is spelled anywhere else. (The Lua scripts name the fields they touch in
 their own text: the write script in service/result_store.py, the submit and finish-unclaimed
-scripts in gateway/requests/store.py.)
+scripts in gateway/serving/store.py.)
 """
 
 from __future__ import annotations

@@ -122,7 +122,7 @@ async def step_times(settings, bodies: list[bytes], tenant=None) -> dict[str, li
     from gateway.core.appkeys import LIMITER, MODELS, SETTINGS, STORE, TOKENIZE
     from gateway.openai.params import plan_chat
     from gateway.openai.schemas import ChatCompletionRequest
-    from gateway.requests.serving import admit, admit_tenant, following, new_req_id, submissions
+    from gateway.serving.handlers import admit, admit_tenant, following, new_req_id, submissions
 
     app = create_app(settings)
     runner = web.AppRunner(app)

@@ -21,7 +21,7 @@ from gateway.batch.lines import URLS, endpoint_mismatch
 from gateway.core.appkeys import JOBS, REDIS, TENANT
 from gateway.core.shapes import Shape, StrictModel
 from gateway.errors import BadRequest, Conflict, NotFound
-from gateway.requests.serving import read_body
+from gateway.serving.handlers import read_body
 from gateway.tenants.access import caller, visible_ids
 from protocol.keys import JOB_ID_PATTERN
 

@@ -53,9 +53,10 @@ from gateway.core.settings import GatewaySettings
 from gateway.errors import GatewayError, ModelNotFound
 from gateway.loras import find_adapter
 from gateway.openai.format import ChoiceOutput, chat_completion, text_completion
-from gateway.openai.params import Plan, plan_chat, plan_completion
-from gateway.requests.records import ResultRecord
-from gateway.requests.store import RequestStore
+from gateway.openai.params import plan_chat, plan_completion
+from gateway.serving.plan import Plan
+from gateway.serving.records import ResultRecord
+from gateway.serving.store import RequestStore
 from gateway.tenants.registry import TenantRegistry
 from gateway.tokens.models import ModelRegistry
 from protocol.abandoned import claim_abandoned_async

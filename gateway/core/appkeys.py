@@ -12,8 +12,8 @@ from gateway.core.tasks import TaskSet
 from gateway.fleet.queue_depth import QueueDepths
 from gateway.fleet.queue_times import QueueTimes
 from gateway.fleet.tracker import FleetTracker
-from gateway.requests.pubsub import EventRouter
-from gateway.requests.store import RequestStore
+from gateway.serving.pubsub import EventRouter
+from gateway.serving.store import RequestStore
 from gateway.tenants.directory import Tenant
 from gateway.tenants.limits import TenantLimiter
 from gateway.tenants.registry import TenantRegistry

@@ -1,6 +1,6 @@
 """Admission against a model's queue depth (`max_queue`) without a Redis round trip per request.
 
-Reading the depth costs two round trips (gateway/requests/store.py, queue_depth): 0.4-0.8 ms of
+Reading the depth costs two round trips (gateway/serving/store.py, queue_depth): 0.4-0.8 ms of
 every request's time to its XADD when each request read it (issue 27). Instead each process
 keeps each model's depth as last read, plus what it admitted since that read began (counted
 from the read's start: an admission the read may already have seen counts twice, never zero
@@ -17,7 +17,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from gateway.requests.store import RequestStore
+from gateway.serving.store import RequestStore
 from shared.logging import get_logger
 
 log = get_logger("tokenfleet.gateway.queue_depth")

@@ -10,7 +10,7 @@ import asyncio
 from redis.exceptions import RedisError
 
 from gateway.core.metrics import GatewayMetrics
-from gateway.requests.store import RequestStore
+from gateway.serving.store import RequestStore
 from shared.logging import get_logger
 
 FLUSH_S = 2.0

@@ -18,7 +18,7 @@ from gateway.core.metrics import GatewayMetrics
 from gateway.core.tasks import every
 from gateway.errors import Unavailable
 from gateway.fleet.routing import PrefixRouter, ReplicaView
-from gateway.requests.store import RequestStore
+from gateway.serving.store import RequestStore
 from protocol import registry
 from protocol.keys import CONSUMER_GROUP, Keys
 from protocol.prefix_hash import SUMMARY_HASH_BYTES

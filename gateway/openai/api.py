@@ -13,10 +13,10 @@ from gateway.core.metrics import GatewayMetrics
 from gateway.errors import BadRequest, RateLimited, Unavailable, UpstreamFailed
 from gateway.loras import resolve_model
 from gateway.openai.format import ChoiceOutput, ChunkMaker, chat_completion, text_completion
-from gateway.openai.params import Plan, plan_chat, plan_completion
+from gateway.openai.params import plan_chat, plan_completion
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.requests.follow import Watch
-from gateway.requests.serving import (
+from gateway.serving.follow import Watch
+from gateway.serving.handlers import (
     ClientGone,
     EventStream,
     admit,
@@ -29,7 +29,8 @@ from gateway.requests.serving import (
     submissions,
     tenant_leases,
 )
-from gateway.requests.sse import frame
+from gateway.serving.plan import Plan
+from gateway.serving.sse import frame
 from protocol.result_record import ErrorCode
 
 # The ids of a call's requests, one per choice in choice order: what GET /v1/requests/{id}

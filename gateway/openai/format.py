@@ -2,7 +2,7 @@
 
 Built as plain dicts; gateway/core/shapes.py describes the same shapes for /openapi.json, and
 the tests check one against the other. A stream's chunk of a plain text delta (almost every
-token) comes from a template of that same dict (gateway/requests/sse.py): the same bytes,
+token) comes from a template of that same dict (gateway/serving/sse.py): the same bytes,
 without building and encoding a dict per token.
 """
 
@@ -12,10 +12,10 @@ import codecs
 import math
 from dataclasses import dataclass, field
 
-from gateway.openai.params import Plan
 from gateway.openai.tools import ToolCallStream, parse_tool_calls
-from gateway.requests.records import Delta
-from gateway.requests.sse import Template, encode_basestring, frame
+from gateway.serving.plan import Plan
+from gateway.serving.records import Delta
+from gateway.serving.sse import Template, encode_basestring, frame
 from gateway.tokens.models import ServedModel
 
 _UNSET = object()

@@ -21,7 +21,7 @@ from gateway.openai import bounds
 from gateway.openai.params import message_dicts
 from gateway.openai.schemas import ChatMessage, Tool
 from gateway.openai.tools import prompt_messages
-from gateway.requests.serving import read_body
+from gateway.serving.handlers import read_body
 from gateway.tokens.models import ServedModel
 from shared.tokenizer import encode_ids
 

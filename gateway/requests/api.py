@@ -22,11 +22,10 @@ from gateway.openai.format import (
     chat_logprobs,
     text_completion,
 )
-from gateway.openai.params import ChoicePlan, Plan, plan_chat, plan_completion
+from gateway.openai.params import plan_chat, plan_completion
 from gateway.openai.schemas import SubmitChat, SubmitRequest
-from gateway.requests.follow import EXPIRED_MESSAGE
-from gateway.requests.records import Delta, ResultRecord
-from gateway.requests.serving import (
+from gateway.serving.follow import EXPIRED_MESSAGE
+from gateway.serving.handlers import (
     EventStream,
     admit,
     admit_tenant,
@@ -34,7 +33,9 @@ from gateway.requests.serving import (
     read_body,
     submissions,
 )
-from gateway.requests.sse import Template, dumps, encode_basestring, frame
+from gateway.serving.plan import ChoicePlan, Plan
+from gateway.serving.records import Delta, ResultRecord
+from gateway.serving.sse import Template, dumps, encode_basestring, frame
 from gateway.tenants.access import caller
 from gateway.tokens.models import ServedModel
 

@@ -19,9 +19,14 @@ from aiohttp import web
 
 from gateway.core.appkeys import LIMITER, MODELS, QUEUE_TIMES, SETTINGS, STORE, TOKENIZE
 from gateway.errors import BadRequest, GatewayError, NotFound, UpstreamFailed
-from gateway.openai.params import Plan, plan_chat
-from gateway.requests.follow import Watch
-from gateway.requests.serving import (
+from gateway.openai.params import plan_chat
+from gateway.responses_api.events import Pieces, ResponseEvents
+from gateway.responses_api.objects import RESPONSE_PREFIX, Outcome, output_items, response_id, response_object
+from gateway.responses_api.schemas import ResponseCreate
+from gateway.responses_api.store import ResponseStore
+from gateway.responses_api.translate import chat_request, normalize_input, renamed
+from gateway.serving.follow import Watch
+from gateway.serving.handlers import (
     ClientGone,
     EventStream,
     admit,
@@ -33,13 +38,9 @@ from gateway.requests.serving import (
     submissions,
     tenant_leases,
 )
-from gateway.requests.sse import frame
-from gateway.requests.store import Submission
-from gateway.responses_api.events import Pieces, ResponseEvents
-from gateway.responses_api.objects import RESPONSE_PREFIX, Outcome, output_items, response_id, response_object
-from gateway.responses_api.schemas import ResponseCreate
-from gateway.responses_api.store import ResponseStore
-from gateway.responses_api.translate import chat_request, normalize_input, renamed
+from gateway.serving.plan import Plan
+from gateway.serving.sse import frame
+from gateway.serving.store import Submission
 from gateway.tenants.access import caller
 from gateway.tenants.directory import Tenant
 from gateway.tokens.models import ServedModel

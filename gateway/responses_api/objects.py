@@ -13,8 +13,8 @@ import hashlib
 from dataclasses import dataclass
 
 from gateway.openai.format import cached_tokens_of, chat_message
-from gateway.openai.params import Plan
-from gateway.requests.records import ResultRecord
+from gateway.serving.plan import Plan
+from gateway.serving.records import ResultRecord
 
 RESPONSE_PREFIX = "resp_"
 

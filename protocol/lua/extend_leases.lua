@@ -1,4 +1,4 @@
--- extend_leases: a queued request's tenant lease lasts its full term (gateway/requests/store.py).
+-- extend_leases: a queued request's tenant lease lasts its full term (gateway/serving/store.py).
 --
 -- KEYS[1] the tenant's lease set (tf:tenant:{name}:leases: member req id, score its expiry)
 -- ARGV[1] now   ARGV[2] when the leases lapse   ARGV[3...] req ids

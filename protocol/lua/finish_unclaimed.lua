@@ -1,6 +1,6 @@
 -- finish_unclaimed: end a request nobody has claimed yet, in the gateway (cancel, or a passed
 -- deadline): the record and event a scheduler would write, and the entry leaves the queue.
--- (gateway/requests/store.py, RequestStore.finish_unclaimed.) A scheduler that already read
+-- (gateway/serving/store.py, RequestStore.finish_unclaimed.) A scheduler that already read
 -- the entry finds the terminal state on claim and just acks.
 --
 -- KEYS[1] the request's record      KEYS[2] the stream its entry is in (the record's `stream`

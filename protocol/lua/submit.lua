@@ -1,4 +1,4 @@
--- submit: queue one request (gateway/requests/store.py, RequestStore._submit_call, lays the call out).
+-- submit: queue one request (gateway/serving/store.py, RequestStore._submit_call, lays the call out).
 --
 -- KEYS[1] the request's record (tf:res)       KEYS[2] the stream it queues in (its partition's)
 -- KEYS[3] its Idempotency-Key's key (untouched without ARGV[4])

@@ -115,7 +115,7 @@ def test_reads_split_by_partition_and_a_blocking_read_waits_for_an_entry(redis_c
 
 @pytest.mark.asyncio
 async def test_the_gateway_s_submit_waits_for_a_replica_and_queues_in_its_partition(redis_cluster) -> None:
-    from gateway.requests.store import RequestStore, Submission
+    from gateway.serving.store import RequestStore, Submission
 
     client = connect_async(redis_cluster.url)
     keys = keys_for(redis_cluster.url)

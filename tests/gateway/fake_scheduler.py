@@ -2,7 +2,7 @@
 (consumer group, claim, the fenced ResultStore write that mirrors and publishes, heartbeats,
 cancellation) but "generates" a fixed reply, one token per event, without a model.
 
-It also writes the proposed `offsets` field (see gateway/records.py), unless told not to.
+It also writes the proposed `offsets` field (see gateway/serving/records.py), unless told not to.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 
 from gateway.core.metrics import GatewayMetrics
 from gateway.fleet.tracker import FleetTracker
-from gateway.requests.store import RequestStore
+from gateway.serving.store import RequestStore
 from protocol import registry
 from protocol.keys import Keys
 from tests.gateway.conftest import MODEL

@@ -1,4 +1,4 @@
-"""The gateway's own pub/sub client (gateway/requests/pubsub.py) on a real Redis: it
+"""The gateway's own pub/sub client (gateway/serving/pubsub.py) on a real Redis: it
 authenticates, delivers each event to every listener of its channel, and after losing its
 connection it comes back, subscribes again and tells each listener to re-read the record."""
 
@@ -12,8 +12,8 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from gateway.requests import pubsub
-from gateway.requests.pubsub import RESYNC, EventRouter, Liveness
+from gateway.serving import pubsub
+from gateway.serving.pubsub import RESYNC, EventRouter, Liveness
 from protocol.keys import Keys
 
 
@@ -100,7 +100,7 @@ class _Counting:
 
 @pytest.mark.asyncio
 async def test_a_watch_of_several_choices_subscribes_them_all_at_once(redis_server) -> None:
-    from gateway.requests.follow import Watch
+    from gateway.serving.follow import Watch
 
     router = EventRouter(redis_server.url, Keys())
     await router.start()

@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 
 from gateway.core.appkeys import QUEUE_DEPTHS
 from gateway.fleet.queue_depth import QueueDepths
-from gateway.requests.store import GatewayKeys, RequestStore
+from gateway.serving.store import GatewayKeys, RequestStore
 from protocol.keys import CONSUMER_GROUP, Keys
 from tests.gateway.conftest import MODEL
 

@@ -9,8 +9,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.fleet.routing import PrefixRouter, ReplicaView, choose_replica
-from gateway.requests.records import ResultRecord
-from gateway.requests.store import GatewayKeys, RequestStore, Submission
+from gateway.serving.records import ResultRecord
+from gateway.serving.store import GatewayKeys, RequestStore, Submission
 from protocol.messages import RequestMessage
 from protocol.prefix_hash import block_hashes, summary_hash
 from shared.sampling import SamplingParams

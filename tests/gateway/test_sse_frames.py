@@ -1,7 +1,7 @@
 """The SSE bytes a stream sends are the bytes the plain way gives: the chunk dict (OpenAI's
 chat.completion.chunk / text_completion shape) through json.dumps(ensure_ascii=False,
 separators=(",", ":")), framed as `data: ...\\n\\n` -- what the gateway sent before the
-per-token templates (gateway/requests/sse.py). Also: the gateway's fast event decode gives
+per-token templates (gateway/serving/sse.py). Also: the gateway's fast event decode gives
 the Delta that protocol.messages' strict decode gives."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.openai.format import ChoiceOutput, ChunkMaker, chat_completion
-from gateway.openai.params import ChoicePlan, Plan
 from gateway.requests.api import EventFrames, _event_data, _kind
-from gateway.requests.follow import decode_delta
-from gateway.requests.records import Delta
-from gateway.requests.sse import Template, dumps
+from gateway.serving.follow import decode_delta
+from gateway.serving.plan import ChoicePlan, Plan
+from gateway.serving.records import Delta
+from gateway.serving.sse import Template, dumps
 from gateway.tokens.models import ServedModel
 from protocol.messages import ErrorEvent, MessageDecodeError, TokenEvent, decode_event
 from shared.sampling import SamplingParams

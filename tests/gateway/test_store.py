@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.requests.store import GatewayKeys, RequestStore, Submission
+from gateway.serving.store import GatewayKeys, RequestStore, Submission
 from protocol.keys import CONSUMER_GROUP, Keys
 from protocol.messages import RequestMessage
 from shared.sampling import SamplingParams

@@ -13,7 +13,7 @@ import uuid
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.requests.store import GatewayKeys, RequestStore, Submission
+from gateway.serving.store import GatewayKeys, RequestStore, Submission
 from gateway.tenants.directory import Tenant, TenantLimits
 from gateway.tenants.limits import TenantLimiter
 from protocol.messages import RequestMessage

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from gateway.requests.records import Delta, ResultRecord
+from gateway.serving.records import Delta, ResultRecord
 from scheduler.engine import LLMEngine
 from service.scheduler_service import SchedulerService, ServiceSettings
 from shared.config import EngineConfig

@@ -32,7 +32,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
 from gateway.fleet.routing import PrefixRouter
-from gateway.requests.records import ResultRecord
+from gateway.serving.records import ResultRecord
 from protocol import lua
 from protocol.keys import CONSUMER_GROUP, Keys
 from protocol.messages import ErrorEvent, RequestMessage

@@ -25,10 +25,10 @@ from gateway.core.appkeys import (
     TENANT,
 )
 from gateway.errors import BadRequest, RateLimited
-from gateway.openai.params import Plan
-from gateway.requests.follow import Watch
-from gateway.requests.sse import comment, frame
-from gateway.requests.store import Submission
+from gateway.serving.follow import Watch
+from gateway.serving.plan import Plan
+from gateway.serving.sse import comment, frame
+from gateway.serving.store import Submission
 from gateway.tenants.directory import Tenant
 from gateway.tenants.limits import OUTPUT_ESTIMATE_TOKENS
 from gateway.tokens.models import ServedModel

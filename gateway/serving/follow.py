@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import msgpack
 
-from gateway.requests.pubsub import RESYNC, EventRouter, Listener
-from gateway.requests.records import Delta, ResultRecord
-from gateway.requests.store import RequestStore
+from gateway.serving.pubsub import RESYNC, EventRouter, Listener
+from gateway.serving.records import Delta, ResultRecord
+from gateway.serving.store import RequestStore
 from protocol.messages import WIRE_VERSION, MessageDecodeError, decode_event
 from protocol.result_record import EXPIRED_MESSAGE
 from shared.logging import get_logger
