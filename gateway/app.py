@@ -7,8 +7,9 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from gateway.batch.ingester import BatchIngester
-from gateway.batch.jobs import JobStore
+from gateway.api.batch.ingester import BatchIngester
+from gateway.api.batch.jobs import JobStore
+from gateway.api.ops.presence import presence_ctx
 from gateway.core.appkeys import (
     FLEET,
     JOBS,
@@ -34,7 +35,6 @@ from gateway.fleet.routing import PrefixRouter
 from gateway.fleet.tracker import FleetTracker
 from gateway.middlewares import auth_middleware, error_middleware, request_id_middleware
 from gateway.openapi import openapi_document
-from gateway.presence import presence_ctx
 from gateway.routes import ROUTES
 from gateway.serving.pubsub import event_router
 from gateway.serving.store import RequestStore

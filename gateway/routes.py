@@ -8,15 +8,17 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from pydantic import BaseModel, TypeAdapter
 
-from gateway import loras, ops_api, status_api
-from gateway.batch import batches_api, files_api
+from gateway.api.batch import batches_api, files_api
+from gateway.api.models import api as models_api
+from gateway.api.openai import tokenize_api
+from gateway.api.openai.api import chat_completions, completions
+from gateway.api.openai.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.api.ops import api as ops_api
+from gateway.api.ops import status_api
+from gateway.api.requests import api as requests_api
+from gateway.api.responses import api as responses_api
+from gateway.api.responses.schemas import ResponseCreate
 from gateway.core import shapes
-from gateway.openai import tokenize_api
-from gateway.openai.api import chat_completions, completions
-from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.requests import api as requests_api
-from gateway.responses_api import api as responses_api
-from gateway.responses_api.schemas import ResponseCreate
 from protocol.keys import JOB_ID_PATTERN
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -67,16 +69,16 @@ ROUTES = [
           ("TokenizeRequest", tokenize_api.TOKENIZE_BODY), shapes.Tokenized, errors=(400, 401, 404, 413)),
     Route("POST", "/detokenize", tokenize_api.detokenize, "Token ids back to text (vLLM's /detokenize)",
           tokenize_api.Detokenize, shapes.Detokenized, errors=(400, 401, 404, 413)),
-    Route("GET", "/v1/models", ops_api.list_models, "Models that a live scheduler serves",
+    Route("GET", "/v1/models", models_api.list_models, "Models that a live scheduler serves",
           response=shapes.ModelList, errors=(401, 503)),
-    Route("GET", "/v1/models/{model}", ops_api.get_model, "One served model", response=shapes.ModelCard,
+    Route("GET", "/v1/models/{model}", models_api.get_model, "One served model", response=shapes.ModelCard,
           errors=(401, 404, 503),
           parameters=[{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]),
-    Route("POST", "/v1/load_lora_adapter", loras.load_lora_adapter,
+    Route("POST", "/v1/load_lora_adapter", models_api.load_lora_adapter,
           "Serve a LoRA adapter (a PEFT folder the schedulers can read) under a name (vLLM's route)",
-          loras.LoadLoraAdapter, shapes.LoraAdapter, errors=(400, 401, 404, 413)),
-    Route("POST", "/v1/unload_lora_adapter", loras.unload_lora_adapter, "Stop serving a LoRA adapter",
-          loras.UnloadLoraAdapter, shapes.LoraAdapter, errors=(400, 401, 403, 404, 413)),
+          models_api.LoadLoraAdapter, shapes.LoraAdapter, errors=(400, 401, 404, 413)),
+    Route("POST", "/v1/unload_lora_adapter", models_api.unload_lora_adapter, "Stop serving a LoRA adapter",
+          models_api.UnloadLoraAdapter, shapes.LoraAdapter, errors=(400, 401, 403, 404, 413)),
     Route("POST", "/v1/requests", requests_api.submit,
           "Submit a request (202 + Location); Idempotency-Key makes retries safe",
           ("SubmitRequest", requests_api.SUBMIT), shapes.RequestStatus, status=202,

@@ -5,7 +5,7 @@ process: its clock costs the client nothing), and the client leaves once the res
 headers came (the gateway then cancels the request, which removes its entry).
 
 Also the same steps timed one by one inside a gateway app of this process (no HTTP), on the
-same Redis: what each of chat_completions' steps before the XADD costs (gateway/openai/api.py)."""
+same Redis: what each of chat_completions' steps before the XADD costs (gateway/api/openai/api.py)."""
 
 from __future__ import annotations
 
@@ -118,10 +118,10 @@ async def step_times(settings, bodies: list[bytes], tenant=None) -> dict[str, li
     from aiohttp import web
     from aiohttp.test_utils import make_mocked_request
 
+    from gateway.api.openai.params import plan_chat
+    from gateway.api.openai.schemas import ChatCompletionRequest
     from gateway.app import create_app
     from gateway.core.appkeys import LIMITER, MODELS, SETTINGS, STORE, TOKENIZE
-    from gateway.openai.params import plan_chat
-    from gateway.openai.schemas import ChatCompletionRequest
     from gateway.serving.handlers import admit, admit_tenant, following, new_req_id, submissions
 
     app = create_app(settings)

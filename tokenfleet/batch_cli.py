@@ -14,9 +14,9 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from gateway.batch.entry import JobRefused, check_entry
-from gateway.batch.jobs import TERMINAL_JOB_STATES, Job, JobStore, new_job_id
-from gateway.batch.lines import endpoint_mismatch
+from gateway.api.batch.entry import JobRefused, check_entry
+from gateway.api.batch.jobs import TERMINAL_JOB_STATES, Job, JobStore, new_job_id
+from gateway.api.batch.lines import endpoint_mismatch
 from protocol.keys import keys_for
 from shared.errors import InvalidRequestError, TokenfleetError
 from shared.redis_client import connect_async
@@ -157,7 +157,7 @@ def run_ingester(settings) -> int:
     (tokenfleet/cli.py's ingester_settings, from the same flags as the gateway's own ingester)."""
     import signal
 
-    from gateway.batch.ingester import BatchIngester
+    from gateway.api.batch.ingester import BatchIngester
     from gateway.tokens.models import ModelRegistry
 
     async def go() -> int:

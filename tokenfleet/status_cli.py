@@ -1,6 +1,6 @@
 """`tokenfleet status [--json]`: the fleet at a glance, from Redis alone (like `ray status`).
 
-The view is gateway/fleet_view.py's, the same one the gateway's status page polls."""
+The view is gateway/api/ops/fleet_view.py's, the same one the gateway's status page polls."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 
 from redis.exceptions import RedisError
 
-from gateway.fleet_view import collect_fleet_view
+from gateway.api.ops.fleet_view import collect_fleet_view
 from protocol.keys import keys_for
 from shared.errors import TokenfleetError
 from shared.redis_client import connect_async

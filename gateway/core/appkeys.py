@@ -5,7 +5,7 @@ from __future__ import annotations
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from gateway.batch.jobs import JobStore
+from gateway.api.batch.jobs import JobStore
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import GatewaySettings
 from gateway.core.tasks import TaskSet

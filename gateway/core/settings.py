@@ -51,7 +51,7 @@ class GatewaySettings:
     # prefix: chats go to the replica caching their prefix (gateway/fleet/routing.py); none
     routing: str = "prefix"
     cancel_wait_s: float = 2.0  # DELETE waits this long for the terminal state
-    # Batch jobs (gateway/batch/ingester.py, /v1/files, /v1/batches).
+    # Batch jobs (gateway/api/batch/ingester.py, /v1/files, /v1/batches).
     batch_ingester: bool = True  # run a batch ingester inside this process
     batch_max_inflight: int = 1024  # per job: lines queued whose output is not written yet
     batch_max_lines: int = 1_000_000  # per job

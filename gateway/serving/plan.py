@@ -1,6 +1,6 @@
 """What a call's body becomes before it is queued: one (prompt ids, SamplingParams) per choice,
 and everything the handlers need to shape its answer. Each API builds it from its own body
-(gateway/openai/params.py builds the chat's and the completion's); queueing, following and
+(gateway/api/openai/params.py builds the chat's and the completion's); queueing, following and
 charging a tenant read it here, whichever API made it."""
 
 from __future__ import annotations
@@ -38,12 +38,14 @@ class Plan:
     is_prompt_only: bool = False  # echo with max_tokens 0: the prompt alone (one token made, dropped)
     prompt_logprobs: int | None = None  # vLLM's parameter: its shape, with the top N, on each choice
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
-    tool_format: str | None = None  # chat with tools: the format calls are read in (gateway/openai/tools.py)
+    # chat with tools: the format calls are read in (gateway/api/openai/tools.py)
+    tool_format: str | None = None
     parallel_tool_calls: bool = True  # False: an answer's first call only
     is_tool_choice_forced: bool = False  # required or named: the answer is calls, never content
     max_tokens_given: bool = True  # False: a chat without max_tokens (its choices run to a default)
     created: int = field(default_factory=lambda: int(time.time()))
-    lora_name: str | None = None  # the LoRA adapter the call named as its model (gateway/loras.py)
+    # The LoRA adapter the call named as its model (gateway/api/models/adapters.py).
+    lora_name: str | None = None
 
     @property
     def served_name(self) -> str:

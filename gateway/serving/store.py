@@ -113,7 +113,7 @@ class RequestStore:
         """Tenants' requests on one server: the tenant set, the scripts and the leases in one
         pipeline, which Redis runs in order (the set before the entries, the leases after).
         A lease is renewed for a request whose Idempotency-Key queued nothing too: its caller
-        ends that lease at once (gateway/requests/api.py)."""
+        ends that lease at once (gateway/api/requests/api.py)."""
         pipe = self.client.pipeline(transaction=False)
         for sub in tenanted:
             pipe.sadd(self.keys.tenants(sub.message.model), sub.message.tenant)

@@ -82,7 +82,7 @@ class ServedModel:
                     add_generation_prompt: bool = True) -> tuple[str, list[int]]:
         """The chat template's text (ending with the assistant's turn opening, unless
         add_generation_prompt is False: /tokenize) and its ids; `tools` go to a template that
-        renders them itself (gateway/openai/tools.py)."""
+        renders them itself (gateway/api/openai/tools.py)."""
         if not self.has_chat_template:
             raise BadRequest(f"model {self.name!r} has no chat template; use /v1/completions",
                              param="messages")

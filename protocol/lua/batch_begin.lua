@@ -1,5 +1,5 @@
 -- batch_begin: an entry's intake starts: the job's record in validating unless it exists, in one
--- step, so no reader ever sees half a record (gateway/batch/jobs.py, JobStore.begin, which then
+-- step, so no reader ever sees half a record (gateway/api/batch/jobs.py, JobStore.begin, which then
 -- lists the job and maps the entry to it: the fleet's shared keys, idempotent commands).
 --
 -- KEYS[1] the job's hash

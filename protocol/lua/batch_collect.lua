@@ -1,4 +1,4 @@
--- batch_collect: write one line's output, once (gateway/batch/jobs.py, JobStore.collect).
+-- batch_collect: write one line's output, once (gateway/api/batch/jobs.py, JobStore.collect).
 --
 -- KEYS[1] the job's hash   KEYS[2] its outputs   KEYS[3] its written bitmap
 -- KEYS[4...] the line's request records (deleted: the output holds what they held)

@@ -1,5 +1,5 @@
 -- batch_commit: intake is done: the staged lines become the job's and the job starts
--- (gateway/batch/jobs.py, JobStore.commit, which then lists it as active and acknowledges its
+-- (gateway/api/batch/jobs.py, JobStore.commit, which then lists it as active and acknowledges its
 -- entry in tf:batch:in: those are the fleet's shared keys, on any shard).
 --
 -- KEYS[1] the job's hash   KEYS[2] its staging list   KEYS[3] its lines   (one slot: the job's)

@@ -1,5 +1,5 @@
 -- batch_create: the record of a job submitted through the gateway or the CLI, in validating, so
--- it can be read back at once (gateway/batch/jobs.py, JobStore.create: its entry was just added
+-- it can be read back at once (gateway/api/batch/jobs.py, JobStore.create: its entry was just added
 -- to tf:batch:in, the fleet's shared stream; an intake that got there first made the record
 -- itself, from the same entry, and this one keeps it).
 --

@@ -1,5 +1,5 @@
 -- batch_feed: queue the next lines of a batch job, or write them off as error lines
--- (gateway/batch/jobs.py, JobStore.feed lays the call out).
+-- (gateway/api/batch/jobs.py, JobStore.feed lays the call out).
 --
 -- KEYS[1] the job's hash   KEYS[2] its lines   KEYS[3] the request stream   KEYS[4] its outputs
 -- KEYS[5] its written bitmap   KEYS[6...] the records of the 'R' items, in order

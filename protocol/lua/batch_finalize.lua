@@ -1,5 +1,5 @@
 -- batch_finalize: the last step of a job: its end state, and its working keys go
--- (gateway/batch/jobs.py, JobStore.finalize, which then takes it out of the active set: a
+-- (gateway/api/batch/jobs.py, JobStore.finalize, which then takes it out of the active set: a
 -- shared key; the ingesters' maintenance also unlists an active job that is over).
 --
 -- KEYS[1] the job's hash   KEYS[2] its lines   KEYS[3] its written bitmap   (one slot: the job's)

@@ -1,4 +1,4 @@
--- batch_refuse: a job that intake refused (gateway/batch/jobs.py, JobStore.refuse, which then
+-- batch_refuse: a job that intake refused (gateway/api/batch/jobs.py, JobStore.refuse, which then
 -- acknowledges its entry in tf:batch:in).
 --
 -- KEYS[1] the job's hash

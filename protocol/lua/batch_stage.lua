@@ -1,6 +1,6 @@
 -- batch_stage: an intake's lines go to the job's staging list, fenced by the intake's token: an
 -- intake that another ingester took over (its claim lapsed) finds its token replaced and stops,
--- so two intakes never interleave their lines (gateway/batch/jobs.py, JobStore.stage).
+-- so two intakes never interleave their lines (gateway/api/batch/jobs.py, JobStore.stage).
 --
 -- KEYS[1] the job's hash   KEYS[2] its staging list
 -- ARGV[1] the intake's token   ARGV[2] '1' to start the list over   ARGV[3...] the packed lines

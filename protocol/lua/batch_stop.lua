@@ -1,4 +1,4 @@
--- batch_stop: stop a job (gateway/batch/jobs.py, JobStore.stop).
+-- batch_stop: stop a job (gateway/api/batch/jobs.py, JobStore.stop).
 --
 -- KEYS[1] the job's hash
 -- ARGV[1] 'cancelled' (a client asked) or 'expired'   ARGV[2] now

@@ -113,7 +113,7 @@ async def test_tenants_limits_hold_across_shards(gateway):
 
 
 async def test_a_batch_job_writes_every_line_once(gateway, redis_cluster):
-    from gateway.batch.jobs import JobStore
+    from gateway.api.batch.jobs import JobStore
     from protocol.keys import keys_for
     from shared.redis_client import connect_async
     from tests.gateway.batch_fleet import job_lines

@@ -147,7 +147,7 @@ async def test_the_gateway_s_submit_waits_for_a_replica_and_queues_in_its_partit
 
 @pytest.mark.asyncio
 async def test_status_shows_every_shard(redis_cluster) -> None:
-    from gateway.fleet_view import collect_fleet_view
+    from gateway.api.ops.fleet_view import collect_fleet_view
     from tokenfleet.status_cli import format_view
 
     client = connect_async(redis_cluster.url)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from gateway.openai.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SubmitChat
+from gateway.api.openai.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SubmitChat
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 

@@ -352,8 +352,8 @@ async def test_an_intake_longer_than_the_lease_is_not_done_twice(redis_server, t
     staged lines). Every line is staged once, in order. No scheduler: nothing runs."""
     import redis.asyncio as aioredis
 
-    from gateway.batch.ingester import BatchIngester
-    from gateway.batch.lines import LineItem
+    from gateway.api.batch.ingester import BatchIngester
+    from gateway.api.batch.lines import LineItem
     from gateway.tokens.models import ModelRegistry
 
     settings = GatewaySettings(redis_url=redis_server.url, models=[ModelSpec.from_path(str(tiny_chat))],

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.batch.jobs import IntakeLost, JobStore
+from gateway.api.batch.jobs import IntakeLost, JobStore
 from protocol.keys import Keys
 
 pytestmark = pytest.mark.asyncio

@@ -9,8 +9,8 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from gateway.batch.jobs import JobStore
-from gateway.fleet_view import collect_fleet_view
+from gateway.api.batch.jobs import JobStore
+from gateway.api.ops.fleet_view import collect_fleet_view
 from protocol.keys import Keys
 from tests.gateway.corrupt_jobs import CORRUPT, GOOD_ID, check_batches, check_rows, write_records
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from gateway.batch.entry import check_metadata, job_id_for_entry, parse_metadata, parse_window
-from gateway.batch.jobs import item_req_id, parse_item_req_id, unwritten
-from gateway.batch.lines import (
+from gateway.api.batch.entry import check_metadata, job_id_for_entry, parse_metadata, parse_window
+from gateway.api.batch.jobs import item_req_id, parse_item_req_id, unwritten
+from gateway.api.batch.lines import (
     LineItem,
     check_lines,
     endpoint_mismatch,
@@ -111,7 +111,7 @@ def test_ids_windows_and_the_written_bitmap() -> None:
 
 
 def test_a_refusal_keeps_the_rest_routes_error_type() -> None:
-    from gateway.batch.lines import refusal_of
+    from gateway.api.batch.lines import refusal_of
 
     refusal = refusal_of(BadRequest("too long", param="messages", code="context_length_exceeded"))
     assert refusal == {"status_code": 400, "code": "context_length_exceeded", "message": "too long",

@@ -1,4 +1,4 @@
-"""Every list- and string-valued field of a generation request has a bound (gateway/openai/bounds.py):
+"""Every list- and string-valued field of a generation request has a bound (gateway/api/openai/bounds.py):
 a body past one is a 400 naming the field on chat, completions, /v1/requests and in a batch line,
 and nothing of it reaches Redis (fake scheduler, real Redis)."""
 
@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from gateway.batch.lines import parse_line
+from gateway.api.batch.lines import parse_line
+from gateway.api.openai import bounds
 from gateway.errors import BadRequest
-from gateway.openai import bounds
 from protocol.keys import Keys
 from tests.gateway.conftest import MODEL
 

@@ -128,7 +128,7 @@ async def test_a_corrupt_registry_leaves_the_live_scheduler_listed(make_client, 
 
 @pytest.mark.asyncio
 async def test_a_gateway_is_listed_while_it_runs_and_unlisted_when_it_stops(make_client, redis_server):
-    from gateway.presence import gateway_id
+    from gateway.api.ops.presence import gateway_id
 
     plain = redis_server.client()
     client = await make_client()

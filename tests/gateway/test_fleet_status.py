@@ -10,8 +10,8 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.api.ops.presence import gateway_id
 from gateway.fleet.engine_metrics import merge_expositions
-from gateway.presence import gateway_id
 from protocol import registry
 from protocol.keys import Keys
 from protocol.messages import DeadLetter

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from gateway.api.openai.format import TextOffsets, chat_logprobs, completion_logprobs
 from gateway.core.settings import ModelSpec
-from gateway.openai.format import TextOffsets, chat_logprobs, completion_logprobs
 from gateway.tokens.models import ServedModel
 
 TEXT = "héllo 😀 世界 🦙 €5"

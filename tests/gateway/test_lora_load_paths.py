@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from gateway.loras import _check_load_path
+from gateway.api.models.api import _check_load_path
 from gateway.tenants.access import Caller, PermissionDenied
 
 TENANT = Caller("team-a", sees_everything=False)

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.openai.format import ChoiceOutput, ChunkMaker, chat_completion
-from gateway.requests.api import EventFrames, _event_data, _kind
+from gateway.api.openai.format import ChoiceOutput, ChunkMaker, chat_completion
+from gateway.api.requests.api import EventFrames, _event_data, _kind
 from gateway.serving.follow import decode_delta
 from gateway.serving.plan import ChoicePlan, Plan
 from gateway.serving.records import Delta

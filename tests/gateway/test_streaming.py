@@ -92,7 +92,7 @@ async def test_seeds_are_derived_per_choice(make_client, fake_scheduler):
 
 async def test_a_constrained_answer_without_max_tokens_is_bounded_by_the_documented_default(make_client,
                                                                                           fake_scheduler):
-    from gateway.openai.params import DEFAULT_CONSTRAINED_MAX_TOKENS
+    from gateway.api.openai.params import DEFAULT_CONSTRAINED_MAX_TOKENS
 
     client = await make_client()
     free = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from gateway.api.openai.params import plan_chat
+from gateway.api.openai.schemas import ChatCompletionRequest
 from gateway.core.settings import ModelSpec
-from gateway.openai.params import plan_chat
-from gateway.openai.schemas import ChatCompletionRequest
 from gateway.tokens.models import ServedModel
 from tests.gateway.conftest import MODEL
 

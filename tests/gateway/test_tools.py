@@ -8,7 +8,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from gateway.openai.tools import (
+from gateway.api.openai.tools import (
     FALLBACK_PROMPT,
     HERMES,
     LLAMA3,
@@ -164,7 +164,7 @@ def _forced_matcher(smollm2, names: list[str], parallel: bool):
 
 
 def test_a_forced_choice_allows_compact_calls_only_and_a_bounded_number_of_them(smollm2):
-    from gateway.openai.tools import MAX_PARALLEL_TOOL_CALLS
+    from gateway.api.openai.tools import MAX_PARALLEL_TOOL_CALLS
 
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
     matcher = _forced_matcher(smollm2, ["get_weather", "get_time"], parallel=True)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from gateway.api.openai.api import _raise_for
+from gateway.api.openai.format import ChoiceOutput
 from gateway.errors import BadRequest, UpstreamFailed
-from gateway.openai.api import _raise_for
-from gateway.openai.format import ChoiceOutput
 from protocol.messages import pack_list_chunk
 from protocol.result_record import (
     ErrorCode,

@@ -166,8 +166,8 @@ def test_a_json_schema_without_strict_false_allows_only_the_properties_it_names(
     allowed where it does not forbid them). The gateway writes the spec the scheduler compiles."""
     from transformers import AutoTokenizer
 
-    from gateway.openai.schemas import ResponseFormat
-    from gateway.openai.structured import response_format_grammar
+    from gateway.api.openai.schemas import ResponseFormat
+    from gateway.api.openai.structured import response_format_grammar
 
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2))
     grammars = Grammars(tokenizer, 49152, [2])

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gateway.api.openai.schemas import ChatCompletionRequest
+from gateway.api.openai.structured import check_schema, response_format_grammar
+from gateway.api.openai.tools import tool_call_grammar, tool_format
 from gateway.errors import BadRequest
-from gateway.openai.schemas import ChatCompletionRequest
-from gateway.openai.structured import check_schema, response_format_grammar
-from gateway.openai.tools import tool_call_grammar, tool_format
 from gateway.tokens.models import ServedModel
 
 

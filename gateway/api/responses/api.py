@@ -2,7 +2,7 @@
 event stream with ?stream=true&starting_after=N), POST /v1/responses/{id}/cancel, and
 GET /v1/responses/{id}/input_items.
 
-A response is one queued chat request (gateway/responses_api/translate.py) whose id is the
+A response is one queued chat request (gateway/api/responses/translate.py) whose id is the
 response's (`resp_<req_id>`). A stored response keeps its spec beside the request's record;
 its object and its events are rebuilt from the two by whichever gateway is asked, so a
 `background` response needs no gateway at all while it runs: a scheduler that dies hands it to
@@ -17,14 +17,14 @@ import time
 
 from aiohttp import web
 
+from gateway.api.openai.params import plan_chat
+from gateway.api.responses.events import Pieces, ResponseEvents
+from gateway.api.responses.objects import RESPONSE_PREFIX, Outcome, output_items, response_id, response_object
+from gateway.api.responses.schemas import ResponseCreate
+from gateway.api.responses.store import ResponseStore
+from gateway.api.responses.translate import chat_request, normalize_input, renamed
 from gateway.core.appkeys import LIMITER, MODELS, QUEUE_TIMES, SETTINGS, STORE, TOKENIZE
 from gateway.errors import BadRequest, GatewayError, NotFound, UpstreamFailed
-from gateway.openai.params import plan_chat
-from gateway.responses_api.events import Pieces, ResponseEvents
-from gateway.responses_api.objects import RESPONSE_PREFIX, Outcome, output_items, response_id, response_object
-from gateway.responses_api.schemas import ResponseCreate
-from gateway.responses_api.store import ResponseStore
-from gateway.responses_api.translate import chat_request, normalize_input, renamed
 from gateway.serving.follow import Watch
 from gateway.serving.handlers import (
     ClientGone,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-from gateway.responses_api.objects import Outcome, message_item, output_items, response_object
+from gateway.api.responses.objects import Outcome, message_item, output_items, response_object
 from gateway.serving.records import Delta, ResultRecord
 
 _FINAL_EVENTS = {"completed": "response.completed", "incomplete": "response.incomplete"}

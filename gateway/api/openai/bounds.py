@@ -1,6 +1,6 @@
 """The bound on every list- and string-valued field of a generation request, in one place.
 
-The schemas (gateway/openai/schemas.py) apply them to chat, completions, the submit-and-poll
+The schemas (gateway/api/openai/schemas.py) apply them to chat, completions, the submit-and-poll
 `/v1/requests` bodies and batch lines alike; going past one is a 400 naming the field. Why they
 matter: a request's lists are copied into each of its choices, written to Redis in its message,
 and read by the scheduler on every token, so one unbounded body would slow every user's steps.

@@ -22,9 +22,9 @@ from typing import Literal
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gateway.batch.entry import URLS
+from gateway.api.batch.entry import URLS
+from gateway.api.openai.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.errors import BadRequest, GatewayError, error_body, validation_error
-from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
 
 BODY_SCHEMAS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
 ENDPOINT_INPUTS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}  # a body's must-have

@@ -33,9 +33,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from gateway.batch.entry import ENTRY_FIELDS, JobRefused, check_entry, job_id_for_entry
-from gateway.batch.jobs import IntakeLost, Job, JobStore, item_req_id, parse_item_req_id, unwritten
-from gateway.batch.lines import (
+from gateway.api.batch.entry import ENTRY_FIELDS, JobRefused, check_entry, job_id_for_entry
+from gateway.api.batch.jobs import IntakeLost, Job, JobStore, item_req_id, parse_item_req_id, unwritten
+from gateway.api.batch.lines import (
     LineItem,
     check_lines,
     endpoint_mismatch,
@@ -46,14 +46,14 @@ from gateway.batch.lines import (
     refused_line,
     split_lines,
 )
-from gateway.batch.notices import read_notices
-from gateway.batch.record import TERMINAL_JOB_STATES
+from gateway.api.batch.notices import read_notices
+from gateway.api.batch.record import TERMINAL_JOB_STATES
+from gateway.api.models.adapters import find_adapter
+from gateway.api.openai.format import ChoiceOutput, chat_completion, text_completion
+from gateway.api.openai.params import plan_chat, plan_completion
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import GatewaySettings
 from gateway.errors import GatewayError, ModelNotFound
-from gateway.loras import find_adapter
-from gateway.openai.format import ChoiceOutput, chat_completion, text_completion
-from gateway.openai.params import plan_chat, plan_completion
 from gateway.serving.plan import Plan
 from gateway.serving.records import ResultRecord
 from gateway.serving.store import RequestStore
@@ -151,7 +151,7 @@ class BatchIngester:
                     log.exception("batch_feed_failed", job_id=job_id, error=repr(exc))
 
     async def _collect_loop(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():  # (each partition's notices on a cluster: gateway/batch/notices.py)
+        while not stop.is_set():  # (each partition's notices on a cluster: gateway/api/batch/notices.py)
             notices = await read_notices(self.client, self.consumer, self.keys.batch_done_streams)
             for stream, entries in notices:
                 await self.collect(entries, stream)

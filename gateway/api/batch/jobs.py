@@ -30,9 +30,9 @@ import uuid
 import numpy as np
 import redis.asyncio as aioredis
 
-from gateway.batch.record import JOB_STATES as JOB_STATES  # (re-exported: where callers look for them)
-from gateway.batch.record import TERMINAL_JOB_STATES as TERMINAL_JOB_STATES
-from gateway.batch.record import Job
+from gateway.api.batch.record import JOB_STATES as JOB_STATES  # (re-exported: where callers look for them)
+from gateway.api.batch.record import TERMINAL_JOB_STATES as TERMINAL_JOB_STATES
+from gateway.api.batch.record import Job
 from protocol import lua
 from protocol.keys import INGESTER_GROUP, JOB_ID_PATTERN, Keys
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import hashlib
 
+from gateway.api.openai.chat_tools import chat_grammar, chat_tools
+from gateway.api.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.api.openai.tools import prompt_messages
 from gateway.core.settings import GatewaySettings
 from gateway.errors import BadRequest
-from gateway.openai.chat_tools import chat_grammar, chat_tools
-from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
-from gateway.openai.tools import prompt_messages
 from gateway.serving.plan import ChoicePlan, Plan
 from gateway.tokens.models import ServedModel
 from shared.sampling import SamplingParams

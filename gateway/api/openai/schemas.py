@@ -4,9 +4,9 @@ Every OpenAI parameter we run is declared; a parameter we do not run is either a
 unknown field is rejected by extra="forbid") or declared so that only its no-op value is
 accepted (`tools: []`, `logit_bias: {}`...), so nothing a client asks for is silently ignored.
 Cross-field rules raise BadRequest (which pydantic lets through) to name their field.
-Every list- and string-valued field has a bound (gateway/openai/bounds.py): past it, a 400
+Every list- and string-valued field has a bound (gateway/api/openai/bounds.py): past it, a 400
 naming the field. Rules that need the model (context window, vocabulary) live in
-gateway/openai/params.py.
+gateway/api/openai/params.py.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from gateway.api.openai import bounds
 from gateway.core.shapes import StrictModel
 from gateway.errors import BadRequest
-from gateway.openai import bounds
 from shared.sampling import MAX_TOP_LOGPROBS
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1

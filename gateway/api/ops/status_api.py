@@ -3,7 +3,7 @@
 pids, jobs and errors, so with --api-key it needs a key, and with tenants an admin tenant's
 (the auth middleware's ADMIN_PATHS; --public-metrics opens it): the page asks for that key
 when /fleet.json refuses it. The page is one self-contained file
-(gateway/status_page.html): no build step, nothing fetched from elsewhere."""
+(gateway/api/ops/status_page.html): no build step, nothing fetched from elsewhere."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 from aiohttp import web
 
+from gateway.api.ops.fleet_view import collect_fleet_view
 from gateway.core.appkeys import REDIS, STORE
-from gateway.fleet_view import collect_fleet_view
 
 _PAGE = Path(__file__).with_name("status_page.html")
 

@@ -19,7 +19,7 @@ import uuid
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from gateway.batch.jobs import TERMINAL_JOB_STATES, Job
+from gateway.api.batch.jobs import TERMINAL_JOB_STATES, Job
 from gateway.core.appkeys import JOBS, REDIS, SETTINGS
 from gateway.core.shapes import Shape
 from gateway.errors import BadRequest, NotFound

@@ -1,4 +1,4 @@
-"""GET /health, /ready, /metrics, /v1/models, /openapi.json."""
+"""GET /health, /ready and /metrics."""
 
 from __future__ import annotations
 
@@ -9,10 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
 
 from gateway.core.appkeys import FLEET, METRICS, MODELS, QUEUE_TIMES, REDIS, STORE
-from gateway.errors import NotFound
 from gateway.fleet.engine_metrics import read_fleet_metrics
-from gateway.loras import adapter_cards, resolve_model
-from gateway.tokens.models import ServedModel
 
 
 async def health(request: web.Request) -> web.Response:
@@ -51,32 +48,3 @@ async def metrics(request: web.Request) -> web.Response:
     except (RedisError, OSError):
         pass  # the gateway's own metrics still answer while Redis is away
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
-def _card(model: ServedModel) -> dict:
-    return {"id": model.name, "object": "model", "created": model.created, "owned_by": "tokenfleet",
-            "max_model_len": model.context_window}
-
-
-async def list_models(request: web.Request) -> web.Response:
-    """The fronted models that a live scheduler serves now."""
-    fleet = request.app[FLEET]
-    await fleet.refresh()
-    served = set(fleet.served_models)
-    cards = [_card(m) for m in request.app[MODELS] if m.name in served]
-    cards += await adapter_cards(request, served)  # each with its base as `parent`
-    return web.json_response({"object": "list", "data": cards})
-
-
-async def get_model(request: web.Request) -> web.Response:
-    name = request.match_info["model"]
-    model, lora_name = await resolve_model(request, name)
-    fleet = request.app[FLEET]
-    await fleet.refresh()
-    if not fleet.is_served(model.name):
-        raise NotFound(f"no live scheduler serves the model {name!r}", param="model", code="model_not_found")
-    if lora_name is not None:
-        cards = await adapter_cards(request, {model.name})
-        return web.json_response(next(c for c in cards if c["id"] == name))
-    return web.json_response(_card(model))
-

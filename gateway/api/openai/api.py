@@ -8,13 +8,13 @@ import time
 
 from aiohttp import web
 
+from gateway.api.models.adapters import resolve_model
+from gateway.api.openai.format import ChoiceOutput, ChunkMaker, chat_completion, text_completion
+from gateway.api.openai.params import plan_chat, plan_completion
+from gateway.api.openai.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.core.appkeys import LIMITER, METRICS, QUEUE_TIMES, SETTINGS, STORE, TOKENIZE
 from gateway.core.metrics import GatewayMetrics
 from gateway.errors import BadRequest, RateLimited, Unavailable, UpstreamFailed
-from gateway.loras import resolve_model
-from gateway.openai.format import ChoiceOutput, ChunkMaker, chat_completion, text_completion
-from gateway.openai.params import plan_chat, plan_completion
-from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.serving.follow import Watch
 from gateway.serving.handlers import (
     ClientGone,

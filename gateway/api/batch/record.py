@@ -13,7 +13,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from gateway.batch.entry import check_metadata
+from gateway.api.batch.entry import check_metadata
 from protocol.keys import JOB_ID_PATTERN
 
 TERMINAL_JOB_STATES = ("completed", "failed", "cancelled", "expired")

@@ -3,7 +3,7 @@
 The Responses API is the chat API with another shape: its input items become chat messages
 (a `function_call` item an assistant's tool call, a `function_call_output` a tool message),
 its flat function tools become chat tools, `text.format` becomes `response_format`. The chat
-path (gateway/openai/params.py) then does everything else: the chat template, the tool-call
+path (gateway/api/openai/params.py) then does everything else: the chat template, the tool-call
 format and grammar, the structured-output grammar, the context-window check. A field of the
 input that we cannot serve (an image, a file, a reasoning item, a built-in tool) is refused
 here with its full path.
@@ -20,8 +20,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from gateway.api.openai.schemas import ChatCompletionRequest
 from gateway.errors import BadRequest, GatewayError, validation_error
-from gateway.openai.schemas import ChatCompletionRequest
 
 _MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 _BUILT_IN_TOOLS = ("web_search", "web_search_preview", "file_search", "computer", "computer_use_preview",

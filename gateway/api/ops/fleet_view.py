@@ -24,8 +24,8 @@ import time
 
 import redis.asyncio as aioredis
 
-from gateway.batch.jobs import JobStore
-from gateway.redis_shards import collect_shards
+from gateway.api.batch.jobs import JobStore
+from gateway.api.ops.redis_shards import collect_shards
 from protocol import registry
 from protocol.keys import CONSUMER_GROUP, REQUEST_KINDS, Keys
 from protocol.messages import DeadLetter, MessageDecodeError

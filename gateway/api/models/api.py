@@ -1,29 +1,21 @@
-"""LoRA adapters at the gateway: a call's `model` naming an adapter, the adapters in
-`/v1/models`, and vLLM's `POST /v1/load_lora_adapter` / `/v1/unload_lora_adapter`.
-
-The adapters live in Redis (protocol/lora_registry.py), read afresh at each call that names
-one (one HGET per base model), so a load or an unload through any gateway holds at once on
-every gateway. An adapter a tenant loaded is that tenant's: to everyone else it does not exist
-(404, as an unknown name).
-"""
+"""GET /v1/models (the fronted models a live scheduler serves, and the LoRA adapters the caller
+may call on them) and vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter."""
 
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable, Iterable
 
-import redis.asyncio as aioredis
 from aiohttp import web
 from pydantic import Field
 
+from gateway.api.models.adapters import adapter_cards, find_visible, resolve_model
 from gateway.core.appkeys import FLEET, MODELS, REDIS, SETTINGS, STORE
 from gateway.core.shapes import StrictModel
-from gateway.errors import BadRequest, ModelNotFound
+from gateway.errors import BadRequest, ModelNotFound, NotFound
 from gateway.serving.handlers import read_body
 from gateway.tenants.access import Caller, PermissionDenied, caller
 from gateway.tokens.models import ServedModel
-from protocol.keys import Keys
 from protocol.lora_registry import LORA_NAME_PATTERN, LoraRecord
 from shared.lora_config import read_lora_config
 from shared.model_config import load_model_config
@@ -40,54 +32,32 @@ class UnloadLoraAdapter(StrictModel):
     lora_name: str = Field(pattern=LORA_NAME_PATTERN)
 
 
-def _visible(record: LoraRecord, who: Caller) -> bool:
-    return record.owner is None or who.can_see(record.owner)
+def _card(model: ServedModel) -> dict:
+    return {"id": model.name, "object": "model", "created": model.created, "owned_by": "tokenfleet",
+            "max_model_len": model.context_window}
 
 
-async def find_adapter(client: aioredis.Redis, keys: Keys, models: Iterable[ServedModel], name: str,
-                       may_call: Callable[[LoraRecord], bool]) -> tuple[ServedModel, LoraRecord] | None:
-    """The base model and record of the adapter `name`, if `may_call` it; None: none."""
-    for model in models:
-        data = await client.hget(keys.loras(model.name), name)
-        if data is not None:
-            record = LoraRecord.decode(data)
-            return (model, record) if may_call(record) else None
-    return None
+async def list_models(request: web.Request) -> web.Response:
+    """The fronted models that a live scheduler serves now."""
+    fleet = request.app[FLEET]
+    await fleet.refresh()
+    served = set(fleet.served_models)
+    cards = [_card(m) for m in request.app[MODELS] if m.name in served]
+    cards += await adapter_cards(request, served)  # each with its base as `parent`
+    return web.json_response({"object": "list", "data": cards})
 
 
-async def _find(request: web.Request, name: str) -> tuple[ServedModel, LoraRecord] | None:
-    """The base model and record of the adapter `name` that the caller may call; None: none."""
-    who = caller(request)
-    return await find_adapter(request.app[REDIS], request.app[STORE].keys, request.app[MODELS], name,
-                              lambda record: _visible(record, who))
-
-
-async def resolve_model(request: web.Request, name: str | None) -> tuple[ServedModel, str | None]:
-    """A call's `model`: a fronted base model (and no adapter), or an adapter and its base."""
-    models = request.app[MODELS]
-    if name is None or name in models.names:
-        return models.get(name), None
-    found = await _find(request, name)
-    if found is None:
-        raise ModelNotFound(f"the model {name!r} does not exist (served: {', '.join(models.names)}, "
-                            "and the LoRA adapters in /v1/models)", param="model")
-    return found[0], name
-
-
-async def adapter_cards(request: web.Request, served: set[str]) -> list[dict]:
-    """/v1/models' entries for the adapters the caller may call on the served base models."""
-    keys, client, who = request.app[STORE].keys, request.app[REDIS], caller(request)
-    cards = []
-    for model in request.app[MODELS]:
-        if model.name not in served:
-            continue
-        for _, data in sorted((await client.hgetall(keys.loras(model.name))).items()):
-            record = LoraRecord.decode(data)
-            if _visible(record, who):
-                cards.append({"id": record.name, "object": "model", "created": model.created,
-                              "owned_by": record.owner or "tokenfleet", "max_model_len": model.context_window,
-                              "root": record.path, "parent": model.name})
-    return cards
+async def get_model(request: web.Request) -> web.Response:
+    name = request.match_info["model"]
+    model, lora_name = await resolve_model(request, name)
+    fleet = request.app[FLEET]
+    await fleet.refresh()
+    if not fleet.is_served(model.name):
+        raise NotFound(f"no live scheduler serves the model {name!r}", param="model", code="model_not_found")
+    if lora_name is not None:
+        cards = await adapter_cards(request, {model.name})
+        return web.json_response(next(c for c in cards if c["id"] == name))
+    return web.json_response(_card(model))
 
 
 def _check_load_path(who: Caller, path: str, roots: tuple[str, ...]) -> None:
@@ -132,7 +102,7 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
 
 async def unload_lora_adapter(request: web.Request) -> web.Response:
     body, _ = await read_body(request, UnloadLoraAdapter)
-    found = await _find(request, body.lora_name)
+    found = await find_visible(request, body.lora_name)
     if found is None:
         raise ModelNotFound(f"no LoRA adapter named {body.lora_name!r} is loaded", param="lora_name")
     model, record = found

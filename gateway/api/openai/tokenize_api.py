@@ -15,12 +15,12 @@ from typing import Annotated, Literal
 from aiohttp import web
 from pydantic import Field, TypeAdapter
 
+from gateway.api.openai import bounds
+from gateway.api.openai.params import message_dicts
+from gateway.api.openai.schemas import ChatMessage, Tool
+from gateway.api.openai.tools import prompt_messages
 from gateway.core.appkeys import MODELS, TOKENIZE
 from gateway.core.shapes import StrictModel
-from gateway.openai import bounds
-from gateway.openai.params import message_dicts
-from gateway.openai.schemas import ChatMessage, Tool
-from gateway.openai.tools import prompt_messages
 from gateway.serving.handlers import read_body
 from gateway.tokens.models import ServedModel
 from shared.tokenizer import encode_ids

@@ -12,18 +12,18 @@ import time
 from aiohttp import web
 from pydantic import TypeAdapter
 
-from gateway.core.appkeys import API_KEY, LIMITER, MODELS, SETTINGS, STORE, TOKENIZE
-from gateway.errors import BadRequest, Conflict, NotFound
-from gateway.loras import resolve_model
-from gateway.openai.format import (
+from gateway.api.models.adapters import resolve_model
+from gateway.api.openai.format import (
     ChoiceOutput,
     cached_tokens_of,
     chat_completion,
     chat_logprobs,
     text_completion,
 )
-from gateway.openai.params import plan_chat, plan_completion
-from gateway.openai.schemas import SubmitChat, SubmitRequest
+from gateway.api.openai.params import plan_chat, plan_completion
+from gateway.api.openai.schemas import SubmitChat, SubmitRequest
+from gateway.core.appkeys import API_KEY, LIMITER, MODELS, SETTINGS, STORE, TOKENIZE
+from gateway.errors import BadRequest, Conflict, NotFound
 from gateway.serving.follow import EXPIRED_MESSAGE
 from gateway.serving.handlers import (
     EventStream,

@@ -14,10 +14,10 @@ from typing import Literal
 from aiohttp import web
 from pydantic import Field
 
-from gateway.batch.entry import check_metadata, parse_window
-from gateway.batch.files_api import FILE_ID_PATTERN, stored_file
-from gateway.batch.jobs import JOB_STATES, Job, new_job_id
-from gateway.batch.lines import URLS, endpoint_mismatch
+from gateway.api.batch.entry import check_metadata, parse_window
+from gateway.api.batch.files_api import FILE_ID_PATTERN, stored_file
+from gateway.api.batch.jobs import JOB_STATES, Job, new_job_id
+from gateway.api.batch.lines import URLS, endpoint_mismatch
 from gateway.core.appkeys import JOBS, REDIS, TENANT
 from gateway.core.shapes import Shape, StrictModel
 from gateway.errors import BadRequest, Conflict, NotFound

@@ -3,7 +3,7 @@
 What we serve is declared with its type; what OpenAI's reference has and we do not serve is
 declared too, but only its no-op value passes (null, [], "disabled"...): anything else is a
 400 naming the field, so nothing a client asks for is silently ignored. The input items, the
-tools and `text.format` are checked item by item in gateway/responses_api/translate.py, where
+tools and `text.format` are checked item by item in gateway/api/responses/translate.py, where
 each refusal can name its full path (`input[2].content[0].type`, `tools[1].type`).
 """
 

@@ -12,7 +12,7 @@ import codecs
 import math
 from dataclasses import dataclass, field
 
-from gateway.openai.tools import ToolCallStream, parse_tool_calls
+from gateway.api.openai.tools import ToolCallStream, parse_tool_calls
 from gateway.serving.plan import Plan
 from gateway.serving.records import Delta
 from gateway.serving.sse import Template, encode_basestring, frame

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from gateway.openai.format import cached_tokens_of, chat_message
+from gateway.api.openai.format import cached_tokens_of, chat_message
 from gateway.serving.plan import Plan
 from gateway.serving.records import ResultRecord
 
