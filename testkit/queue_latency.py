@@ -120,8 +120,8 @@ async def step_times(settings, bodies: list[bytes], tenant=None) -> dict[str, li
 
     from gateway.api.openai.params import plan_chat
     from gateway.api.openai.schemas import ChatCompletionRequest
-    from gateway.app import create_app
     from gateway.core.appkeys import LIMITER, MODELS, SETTINGS, STORE, TOKENIZE
+    from gateway.http.app import create_app
     from gateway.serving.handlers import admit, admit_tenant, following, new_req_id, submissions
 
     app = create_app(settings)

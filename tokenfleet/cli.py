@@ -292,11 +292,11 @@ def _add_gateway_parser(commands) -> None:
 
 
 def _cmd_gateway(args: argparse.Namespace) -> int:
-    from gateway.server import serve
+    from gateway.http.server import serve
 
     settings = gateway_settings(args)
     if args.workers > 1:
-        from gateway.supervisor import run_workers
+        from gateway.http.supervisor import run_workers
 
         return run_workers(settings, args.workers)
     serve(settings)

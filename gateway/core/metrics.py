@@ -2,7 +2,7 @@
 
 With several gateway processes on one port (`tokenfleet gateway --workers N`), the
 processes run prometheus_client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR, set by
-gateway/supervisor.py), and /metrics, whichever process answers, renders the files of all
+gateway/http/supervisor.py), and /metrics, whichever process answers, renders the files of all
 of them: counters and histograms summed, active_streams summed over the live processes,
 the fleet's gauges (queue depth, live schedulers, active batch jobs) as last set.
 """

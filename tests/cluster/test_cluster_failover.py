@@ -11,8 +11,8 @@ import time
 import aiohttp
 import pytest
 
-from gateway.app import create_app
 from gateway.core.settings import GatewaySettings, ModelSpec
+from gateway.http.app import create_app
 from protocol.keys import keys_for
 from shared.redis_client import connect
 from testkit.sse import data_of

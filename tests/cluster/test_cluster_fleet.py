@@ -10,8 +10,8 @@ import json
 import pytest
 import pytest_asyncio
 
-from gateway.app import create_app
 from gateway.core.settings import GatewaySettings, ModelSpec
+from gateway.http.app import create_app
 from gateway.tenants.directory import TenantDirectory
 from testkit.sse import DONE, data_fields
 from tests.fleet_helpers import TINY_CHAT

@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from gateway.app import create_app
 from gateway.core.settings import GatewaySettings, ModelSpec
+from gateway.http.app import create_app
 from tests.gateway.fake_scheduler import FakeScheduler
 from tokenfleet.redis_server import RedisServer
 

@@ -17,8 +17,8 @@ import pytest
 import pytest_asyncio
 import redis
 
-from gateway.app import create_app
 from gateway.core.settings import GatewaySettings, ModelSpec
+from gateway.http.app import create_app
 from protocol.keys import Keys
 from tests.gateway.batch_fleet import (
     TINY_CHAT,

@@ -11,8 +11,8 @@ import pytest
 import pytest_asyncio
 import redis
 
-from gateway.app import create_app
 from gateway.core.settings import GatewaySettings, ModelSpec
+from gateway.http.app import create_app
 from tests.gateway.batch_fleet import TINY_CHAT, job_lines, read_outputs, wait_for_job, wait_written
 from tests.gateway.conftest import RealScheduler
 

@@ -12,9 +12,9 @@ from aiohttp import web
 from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from gateway.app import create_app
 from gateway.core.settings import GatewaySettings, ModelSpec
-from gateway.openapi import openapi_document
+from gateway.http.app import create_app
+from gateway.http.openapi import openapi_document
 from tests.gateway.conftest import MODEL
 from tests.gateway.fake_scheduler import FakeScheduler
 

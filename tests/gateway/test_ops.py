@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gateway.routes import ROUTES
+from gateway.http.routes import ROUTES
 from tests.gateway.conftest import MODEL
 from tokenfleet.cli import _list_value, build_parser
 
@@ -79,7 +79,7 @@ async def test_openapi_describes_every_route(make_client):
 
 
 def test_openapi_says_the_fleet_views_need_a_key_as_the_gateway_does():
-    from gateway.openapi import openapi_document
+    from gateway.http.openapi import openapi_document
 
     def access(**config) -> dict:
         paths = openapi_document(**config)["paths"]

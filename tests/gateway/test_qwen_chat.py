@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import pytest_asyncio
 
-from gateway.app import create_app
 from gateway.core.settings import GatewaySettings, ModelSpec
+from gateway.http.app import create_app
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
 from tests.gateway.fake_scheduler import FakeScheduler

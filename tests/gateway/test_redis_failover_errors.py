@@ -10,7 +10,7 @@ from redis.exceptions import ClusterDownError
 
 from gateway.core.appkeys import METRICS
 from gateway.core.metrics import GatewayMetrics
-from gateway.middlewares import error_middleware
+from gateway.http.middlewares import error_middleware
 
 pytestmark = pytest.mark.asyncio
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.app import create_app
+from gateway.http.app import create_app
 from tests.gateway.conftest import MODEL
 from tokenfleet.cli import build_parser, fleet_options, gateway_settings, main
 from tokenfleet.up import Fleet

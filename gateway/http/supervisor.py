@@ -56,7 +56,7 @@ def _worker_main(settings: GatewaySettings, index: int, ready, parent_pid: int) 
         return  # the parent died before the kernel could be told
     configure_logging(os.environ.get("TOKENFLEET_LOG_LEVEL", "WARNING"))
     # Only now: the gateway's modules bind their loggers as they are imported.
-    from gateway.server import serve
+    from gateway.http.server import serve
 
     serve(settings, reuse_port=True, on_ready=lambda: ready.put((index, os.getpid())))
 

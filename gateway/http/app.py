@@ -33,9 +33,9 @@ from gateway.fleet.queue_depth import QueueDepths
 from gateway.fleet.queue_times import QueueTimes
 from gateway.fleet.routing import PrefixRouter
 from gateway.fleet.tracker import FleetTracker
-from gateway.middlewares import auth_middleware, error_middleware, request_id_middleware
-from gateway.openapi import openapi_document
-from gateway.routes import ROUTES
+from gateway.http.middlewares import auth_middleware, error_middleware, request_id_middleware
+from gateway.http.openapi import openapi_document
+from gateway.http.routes import ROUTES
 from gateway.serving.pubsub import event_router
 from gateway.serving.store import RequestStore
 from gateway.tenants.limits import TenantLimiter

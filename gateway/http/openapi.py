@@ -5,8 +5,8 @@ from __future__ import annotations
 from pydantic import BaseModel, TypeAdapter
 
 from gateway.core.shapes import ErrorResponse
-from gateway.middlewares import ADMIN_PATHS, is_guarded
-from gateway.routes import ROUTES, Route
+from gateway.http.middlewares import ADMIN_PATHS, is_guarded
+from gateway.http.routes import ROUTES, Route
 
 REF = "#/components/schemas/{model}"
 # One Server-Sent Event: `data` is a JSON object (a chunk, or a token event with `id: <seq>`)
@@ -56,7 +56,7 @@ def _operation(route: Route, components: _Components) -> dict:
 
 def _access(op: dict, path: str, components: _Components, *, secured: bool, public_views: bool,
             tenants: bool) -> None:
-    """Who may call it, as the auth middleware decides (gateway/middlewares.py)."""
+    """Who may call it, as the auth middleware decides (gateway/http/middlewares.py)."""
     if not is_guarded(path, secured=secured, public_views=public_views):
         op["security"] = []
     elif path in ADMIN_PATHS:

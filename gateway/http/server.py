@@ -1,5 +1,5 @@
 """`tokenfleet gateway`: serve the app until SIGINT/SIGTERM; with --workers N, as one of N
-processes sharing the port (gateway/supervisor.py starts and watches them)."""
+processes sharing the port (gateway/http/supervisor.py starts and watches them)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from gateway.app import create_app
 from gateway.core.settings import GatewaySettings
-from gateway.middlewares import AccessLogger
+from gateway.http.app import create_app
+from gateway.http.middlewares import AccessLogger
 from shared.gc_tuning import tune_for_serving
 from shared.logging import get_logger
 
