@@ -120,9 +120,13 @@ async def step_times(settings, bodies: list[bytes], tenant=None) -> dict[str, li
 
     from gateway.api.openai.params import plan_chat
     from gateway.api.openai.schemas import ChatCompletionRequest
-    from gateway.core.appkeys import LIMITER, MODELS, SETTINGS, STORE, TOKENIZE
+    from gateway.core.appkeys import SETTINGS
     from gateway.http.app import create_app
     from gateway.serving.handlers import admit, admit_tenant, following, new_req_id, submissions
+    from gateway.serving.store import STORE
+    from gateway.tenants.limits import LIMITER
+    from gateway.tokens.models import MODELS
+    from gateway.tokens.tokenize_pool import TOKENIZE
 
     app = create_app(settings)
     runner = web.AppRunner(app)

@@ -16,14 +16,23 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
-from gateway.serving.store import RequestStore
+from aiohttp import web
+
 from shared.logging import get_logger
 
 log = get_logger("tokenfleet.gateway.queue_depth")
 
 REFRESH_S = 0.05  # an estimate's read older than this is renewed in the background
 MAX_AGE_S = 1.0  # one older than this is not used: the request waits for a read
+
+
+class DepthReader(Protocol):
+    """Where a model's queue depth is read: the RequestStore (gateway/serving/store.py), which
+    sits above this room and is passed in."""
+
+    async def queue_depth(self, model: str) -> int: ...
 
 
 @dataclass
@@ -34,7 +43,7 @@ class _Reading:
 
 
 class QueueDepths:
-    def __init__(self, store: RequestStore, *, refresh_s: float = REFRESH_S,
+    def __init__(self, store: DepthReader, *, refresh_s: float = REFRESH_S,
                  max_age_s: float = MAX_AGE_S) -> None:
         self.store = store
         self.refresh_s = refresh_s
@@ -93,3 +102,7 @@ class QueueDepths:
         for pending in list(self._reads.values()):
             pending.cancel()
         await asyncio.gather(*list(self._reads.values()), return_exceptions=True)
+
+
+# The app's key of this process's one QueueDepths (opened in gateway/http/app.py's cleanup_ctx).
+QUEUE_DEPTHS = web.AppKey("queue_depths", QueueDepths)  # admission against max_queue

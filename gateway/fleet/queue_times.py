@@ -6,11 +6,12 @@ call (redis-py spends ~0.1 ms of CPU per command here)."""
 from __future__ import annotations
 
 import asyncio
+from typing import Protocol
 
+from aiohttp import web
 from redis.exceptions import RedisError
 
 from gateway.core.metrics import GatewayMetrics
-from gateway.serving.store import RequestStore
 from shared.logging import get_logger
 
 FLUSH_S = 2.0
@@ -19,8 +20,15 @@ MAX_PENDING = 512  # a flush starts early past this many waiting ids
 log = get_logger("tokenfleet.gateway.queue_times")
 
 
+class TimingReader(Protocol):
+    """Where the calls' timings are read: the RequestStore (gateway/serving/store.py), which sits
+    above this room and is passed in."""
+
+    async def timings(self, req_ids: list[str]) -> list[tuple[float | None, float | None]]: ...
+
+
 class QueueTimes:
-    def __init__(self, store: RequestStore, metrics: GatewayMetrics) -> None:
+    def __init__(self, store: TimingReader, metrics: GatewayMetrics) -> None:
         self.store = store
         self.metrics = metrics
         self._pending: list[tuple[str, str]] = []  # (model, req_id) of calls that ended
@@ -54,3 +62,7 @@ class QueueTimes:
                 pass
             self._wake.clear()
             await self.flush()
+
+
+# The app's key of this process's one QueueTimes (opened in gateway/http/app.py's cleanup_ctx).
+QUEUE_TIMES = web.AppKey("queue_times", QueueTimes)

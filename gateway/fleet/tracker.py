@@ -13,12 +13,13 @@ import time
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from aiohttp import web
 
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.tasks import every
 from gateway.errors import Unavailable
+from gateway.fleet.queue_depth import DepthReader
 from gateway.fleet.routing import PrefixRouter, ReplicaView
-from gateway.serving.store import RequestStore
 from protocol import registry
 from protocol.keys import CONSUMER_GROUP, Keys
 from protocol.prefix_hash import SUMMARY_HASH_BYTES
@@ -62,7 +63,7 @@ class SchedulerInfo:
 class FleetTracker:
     """Which schedulers are alive and each fronted model's queue depth, as the gateway last read them."""
 
-    def __init__(self, client: aioredis.Redis, keys: Keys, store: RequestStore, metrics: GatewayMetrics,
+    def __init__(self, client: aioredis.Redis, keys: Keys, store: DepthReader, metrics: GatewayMetrics,
                  model_names: list[str], *, grace_s: float, refresh_s: float,
                  router: PrefixRouter | None = None) -> None:
         self.router = router  # None: every request goes to the shared streams
@@ -156,3 +157,7 @@ class FleetTracker:
     async def run(self, stop: asyncio.Event) -> None:
         """Refresh every refresh_s until stop is set."""
         await every(self.refresh_s, stop, self.refresh, "fleet_refresh_failed")
+
+
+# The app's key of this process's one FleetTracker (opened in gateway/http/app.py's cleanup_ctx).
+FLEET = web.AppKey("fleet", FleetTracker)

@@ -8,40 +8,25 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from gateway.api.batch.ingester import BatchIngester
-from gateway.api.batch.jobs import JobStore
+from gateway.api.batch.jobs import JOBS, JobStore
 from gateway.api.ops.presence import presence_ctx
-from gateway.core.appkeys import (
-    FLEET,
-    JOBS,
-    LIMITER,
-    METRICS,
-    MODELS,
-    QUEUE_DEPTHS,
-    QUEUE_TIMES,
-    REDIS,
-    ROUTER,
-    SETTINGS,
-    STORE,
-    TASKS,
-    TENANTS,
-    TOKENIZE,
-)
+from gateway.core.appkeys import METRICS, REDIS, SETTINGS, TASKS
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import GatewaySettings
 from gateway.core.tasks import TaskSet, running_until_stopped
-from gateway.fleet.queue_depth import QueueDepths
-from gateway.fleet.queue_times import QueueTimes
+from gateway.fleet.queue_depth import QUEUE_DEPTHS, QueueDepths
+from gateway.fleet.queue_times import QUEUE_TIMES, QueueTimes
 from gateway.fleet.routing import PrefixRouter
-from gateway.fleet.tracker import FleetTracker
+from gateway.fleet.tracker import FLEET, FleetTracker
 from gateway.http.middlewares import auth_middleware, error_middleware, request_id_middleware
 from gateway.http.openapi import openapi_document
 from gateway.http.routes import ROUTES
-from gateway.serving.pubsub import event_router
-from gateway.serving.store import RequestStore
-from gateway.tenants.limits import TenantLimiter
-from gateway.tenants.registry import TenantRegistry
-from gateway.tokens.models import ModelRegistry
-from gateway.tokens.tokenize_pool import TokenizePool
+from gateway.serving.pubsub import ROUTER, event_router
+from gateway.serving.store import STORE, RequestStore
+from gateway.tenants.limits import LIMITER, TenantLimiter
+from gateway.tenants.registry import TENANTS, TenantRegistry
+from gateway.tokens.models import MODELS, ModelRegistry
+from gateway.tokens.tokenize_pool import TOKENIZE, TokenizePool
 from protocol.keys import keys_for
 from shared.logging import get_logger
 from shared.redis_client import connect_async

@@ -11,7 +11,7 @@ from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 from pydantic import ValidationError
 
-from gateway.core.appkeys import API_KEY, METRICS, REQUEST_ID, SETTINGS, TENANT, TENANTS
+from gateway.core.appkeys import API_KEY, METRICS, REQUEST_ID, SETTINGS
 from gateway.errors import (
     AuthenticationFailed,
     Unavailable,
@@ -20,7 +20,8 @@ from gateway.errors import (
     validation_error,
 )
 from gateway.serving.handlers import ClientGone
-from gateway.tenants.access import require_admin
+from gateway.tenants.access import TENANT, require_admin
+from gateway.tenants.registry import TENANTS
 from shared.errors import TokenfleetError
 from shared.logging import get_logger
 from shared.redis_client import redis_away

@@ -12,25 +12,18 @@ from typing import TypeVar
 from aiohttp import web
 from pydantic import TypeAdapter
 
-from gateway.core.appkeys import (
-    FLEET,
-    LIMITER,
-    METRICS,
-    QUEUE_DEPTHS,
-    REQUEST_ID,
-    ROUTER,
-    SETTINGS,
-    STORE,
-    TASKS,
-    TENANT,
-)
+from gateway.core.appkeys import METRICS, REQUEST_ID, SETTINGS, TASKS
 from gateway.errors import BadRequest, RateLimited
+from gateway.fleet.queue_depth import QUEUE_DEPTHS
+from gateway.fleet.tracker import FLEET
 from gateway.serving.follow import Watch
 from gateway.serving.plan import Plan
+from gateway.serving.pubsub import ROUTER
 from gateway.serving.sse import comment, frame
-from gateway.serving.store import Submission
+from gateway.serving.store import STORE, Submission
+from gateway.tenants.access import TENANT
 from gateway.tenants.directory import Tenant
-from gateway.tenants.limits import OUTPUT_ESTIMATE_TOKENS
+from gateway.tenants.limits import LIMITER, OUTPUT_ESTIMATE_TOKENS
 from gateway.tokens.models import ServedModel
 from protocol.messages import RequestMessage
 

@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import hiredis
+from aiohttp import web
 from redis.asyncio.cluster import RedisCluster
 from redis.connection import SSLConnection, UnixDomainSocketConnection, parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -413,3 +414,7 @@ def _tls_context(options: dict) -> ssl.SSLContext:
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
     return context
+
+
+# The app's key of this process's one EventRouter (opened in gateway/http/app.py's cleanup_ctx).
+ROUTER = web.AppKey("router", EventRouter)

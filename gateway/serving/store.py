@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from aiohttp import web
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
@@ -293,3 +294,7 @@ class RequestStore:
     async def find_idempotency(self, redis_key: str) -> dict | None:
         value = await self.client.get(redis_key)
         return json.loads(value) if value is not None else None
+
+
+# The app's key of this process's one RequestStore (opened in gateway/http/app.py's cleanup_ctx).
+STORE = web.AppKey("store", RequestStore)

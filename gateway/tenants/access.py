@@ -15,8 +15,12 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from gateway.core.appkeys import TENANT, TENANTS
 from gateway.errors import GatewayError
+from gateway.tenants.directory import Tenant
+from gateway.tenants.registry import TENANTS
+
+# Put on each request by the auth middleware (gateway/http/middlewares.py) for its handler.
+TENANT = web.RequestKey("tenant", Tenant | None)  # None: a plain --api-key, no tenant's limits
 
 
 class PermissionDenied(GatewayError):
@@ -76,3 +80,4 @@ async def visible_ids(client: aioredis.Redis, index: str, record_key: Callable[[
         if len(ids) < chunk:  # the index's end
             break
     return list(found)[:count]
+

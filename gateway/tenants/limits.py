@@ -25,6 +25,7 @@ import math
 import time
 
 import redis.asyncio as aioredis
+from aiohttp import web
 from limits import RateLimitItemPerMinute
 from limits.aio.storage import RedisClusterStorage, RedisStorage
 from limits.aio.strategies import SlidingWindowCounterRateLimiter
@@ -159,3 +160,7 @@ def _window_storage(client: aioredis.Redis, keys: Keys, redis_url: str | None):
                                    **cluster_options(redis_url))
     return RedisStorage("async+redis://", implementation="redispy", connection_pool=client.connection_pool,
                         key_prefix=prefix)
+
+
+# The app's key of this process's one TenantLimiter (opened in gateway/http/app.py's cleanup_ctx).
+LIMITER = web.AppKey("limiter", TenantLimiter)

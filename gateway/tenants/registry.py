@@ -19,6 +19,7 @@ import time
 from dataclasses import fields
 
 import redis.asyncio as aioredis
+from aiohttp import web
 
 from gateway.tenants.directory import Tenant, TenantDirectory, TenantLimits, key_digest
 from protocol.keys import TENANT_PATTERN, Keys
@@ -93,3 +94,7 @@ def _limits(name: str, raw: dict[bytes, bytes]) -> TenantLimits:
         if text and values[f.name] is None:
             log.warning("tenant_limit_unreadable", tenant=name, limit=f.name, value=text)
     return TenantLimits(**values)
+
+
+# The app's key of this process's one TenantRegistry (opened in gateway/http/app.py's cleanup_ctx).
+TENANTS = web.AppKey("tenants", TenantRegistry)  # API key -> tenant

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from aiohttp import web
+
 from gateway.core.settings import ModelSpec
 from gateway.errors import BadRequest, ModelNotFound
 from gateway.tokens.token_pieces import PieceEncoder
@@ -161,3 +163,7 @@ class ModelRegistry:
             raise ModelNotFound(f"the model {name!r} does not exist (served: {', '.join(self._models)})",
                                 param="model")
         return model
+
+
+# The app's key of this process's one ModelRegistry (opened in gateway/http/app.py's cleanup_ctx).
+MODELS = web.AppKey("models", ModelRegistry)

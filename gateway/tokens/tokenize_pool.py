@@ -17,6 +17,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from aiohttp import web
+
 T = TypeVar("T")
 
 THREAD_NAME = "tokenize"
@@ -32,3 +34,7 @@ class TokenizePool:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+# The app's key of this process's one TokenizePool (opened in gateway/http/app.py's cleanup_ctx).
+TOKENIZE = web.AppKey("tokenize", TokenizePool)  # chat templates and tokenizers, off the event loop

@@ -18,7 +18,7 @@ import asyncio, json, sys
 from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.http.app import create_app
-from gateway.core.appkeys import MODELS
+from gateway.tokens.models import MODELS
 from gateway.core.settings import GatewaySettings, ModelSpec
 
 

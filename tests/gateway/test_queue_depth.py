@@ -10,8 +10,7 @@ import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
 
-from gateway.core.appkeys import QUEUE_DEPTHS
-from gateway.fleet.queue_depth import QueueDepths
+from gateway.fleet.queue_depth import QUEUE_DEPTHS, QueueDepths
 from gateway.serving.store import GatewayKeys, RequestStore
 from protocol.keys import CONSUMER_GROUP, Keys
 from tests.gateway.conftest import MODEL

@@ -10,7 +10,7 @@ import time
 import aiohttp
 import pytest
 
-from gateway.core.appkeys import ROUTER
+from gateway.serving.pubsub import ROUTER
 from protocol.keys import Keys
 from testkit.sse import DONE, data_fields
 from tests.gateway.conftest import MODEL

@@ -16,13 +16,13 @@ from pydantic import Field
 
 from gateway.api.batch.entry import check_metadata, parse_window
 from gateway.api.batch.files_api import FILE_ID_PATTERN, stored_file
-from gateway.api.batch.jobs import JOB_STATES, Job, new_job_id
+from gateway.api.batch.jobs import JOB_STATES, JOBS, Job, new_job_id
 from gateway.api.batch.lines import URLS, endpoint_mismatch
-from gateway.core.appkeys import JOBS, REDIS, TENANT
+from gateway.core.appkeys import REDIS
 from gateway.core.shapes import Shape, StrictModel
 from gateway.errors import BadRequest, Conflict, NotFound
 from gateway.serving.handlers import read_body
-from gateway.tenants.access import caller, visible_ids
+from gateway.tenants.access import TENANT, caller, visible_ids
 from protocol.keys import JOB_ID_PATTERN
 
 

@@ -19,8 +19,8 @@ import uuid
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from gateway.api.batch.jobs import TERMINAL_JOB_STATES, Job
-from gateway.core.appkeys import JOBS, REDIS, SETTINGS
+from gateway.api.batch.jobs import JOBS, TERMINAL_JOB_STATES, Job
+from gateway.core.appkeys import REDIS, SETTINGS
 from gateway.core.shapes import Shape
 from gateway.errors import BadRequest, NotFound
 from gateway.tenants.access import Caller, caller, visible_ids

@@ -29,6 +29,7 @@ import uuid
 
 import numpy as np
 import redis.asyncio as aioredis
+from aiohttp import web
 
 from gateway.api.batch.record import JOB_STATES as JOB_STATES  # (re-exported: where callers look for them)
 from gateway.api.batch.record import TERMINAL_JOB_STATES as TERMINAL_JOB_STATES
@@ -287,3 +288,7 @@ def unwritten(bits: bytes, count: int) -> list[int]:
     flags = np.unpackbits(np.frombuffer(bits, dtype=np.uint8))[:count]
     missing = np.flatnonzero(flags == 0).tolist()
     return missing + list(range(len(flags), count))  # past the bitmap's end: not set either
+
+
+# The app's key of this process's one JobStore (opened in gateway/http/app.py's cleanup_ctx).
+JOBS = web.AppKey("jobs", JobStore)

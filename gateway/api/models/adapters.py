@@ -14,10 +14,11 @@ from collections.abc import Callable, Iterable
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from gateway.core.appkeys import MODELS, REDIS, STORE
+from gateway.core.appkeys import REDIS
 from gateway.errors import ModelNotFound
+from gateway.serving.store import STORE
 from gateway.tenants.access import Caller, caller
-from gateway.tokens.models import ServedModel
+from gateway.tokens.models import MODELS, ServedModel
 from protocol.keys import Keys
 from protocol.lora_registry import LoraRecord
 

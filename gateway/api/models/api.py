@@ -10,12 +10,14 @@ from aiohttp import web
 from pydantic import Field
 
 from gateway.api.models.adapters import adapter_cards, find_visible, resolve_model
-from gateway.core.appkeys import FLEET, MODELS, REDIS, SETTINGS, STORE
+from gateway.core.appkeys import REDIS, SETTINGS
 from gateway.core.shapes import StrictModel
 from gateway.errors import BadRequest, ModelNotFound, NotFound
+from gateway.fleet.tracker import FLEET
 from gateway.serving.handlers import read_body
+from gateway.serving.store import STORE
 from gateway.tenants.access import Caller, PermissionDenied, caller
-from gateway.tokens.models import ServedModel
+from gateway.tokens.models import MODELS, ServedModel
 from protocol.lora_registry import LORA_NAME_PATTERN, LoraRecord
 from shared.lora_config import read_lora_config
 from shared.model_config import load_model_config

@@ -12,9 +12,10 @@ from gateway.api.models.adapters import resolve_model
 from gateway.api.openai.format import ChoiceOutput, ChunkMaker, chat_completion, text_completion
 from gateway.api.openai.params import plan_chat, plan_completion
 from gateway.api.openai.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.core.appkeys import LIMITER, METRICS, QUEUE_TIMES, SETTINGS, STORE, TOKENIZE
+from gateway.core.appkeys import METRICS, SETTINGS
 from gateway.core.metrics import GatewayMetrics
 from gateway.errors import BadRequest, RateLimited, Unavailable, UpstreamFailed
+from gateway.fleet.queue_times import QUEUE_TIMES
 from gateway.serving.follow import Watch
 from gateway.serving.handlers import (
     ClientGone,
@@ -31,6 +32,9 @@ from gateway.serving.handlers import (
 )
 from gateway.serving.plan import Plan
 from gateway.serving.sse import frame
+from gateway.serving.store import STORE
+from gateway.tenants.limits import LIMITER
+from gateway.tokens.tokenize_pool import TOKENIZE
 from protocol.result_record import ErrorCode
 
 # The ids of a call's requests, one per choice in choice order: what GET /v1/requests/{id}

@@ -19,10 +19,10 @@ from gateway.api.openai import bounds
 from gateway.api.openai.params import message_dicts
 from gateway.api.openai.schemas import ChatMessage, Tool
 from gateway.api.openai.tools import prompt_messages
-from gateway.core.appkeys import MODELS, TOKENIZE
 from gateway.core.shapes import StrictModel
 from gateway.serving.handlers import read_body
-from gateway.tokens.models import ServedModel
+from gateway.tokens.models import MODELS, ServedModel
+from gateway.tokens.tokenize_pool import TOKENIZE
 from shared.tokenizer import encode_ids
 
 

@@ -8,8 +8,12 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
 
-from gateway.core.appkeys import FLEET, METRICS, MODELS, QUEUE_TIMES, REDIS, STORE
+from gateway.core.appkeys import METRICS, REDIS
 from gateway.fleet.engine_metrics import read_fleet_metrics
+from gateway.fleet.queue_times import QUEUE_TIMES
+from gateway.fleet.tracker import FLEET
+from gateway.serving.store import STORE
+from gateway.tokens.models import MODELS
 
 
 async def health(request: web.Request) -> web.Response:

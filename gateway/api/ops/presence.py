@@ -17,8 +17,9 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from gateway.core.appkeys import REDIS, SETTINGS, STORE
+from gateway.core.appkeys import REDIS, SETTINGS
 from gateway.core.tasks import every
+from gateway.serving.store import STORE
 from protocol import registry
 from shared.logging import get_logger
 

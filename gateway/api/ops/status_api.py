@@ -12,7 +12,8 @@ from pathlib import Path
 from aiohttp import web
 
 from gateway.api.ops.fleet_view import collect_fleet_view
-from gateway.core.appkeys import REDIS, STORE
+from gateway.core.appkeys import REDIS
+from gateway.serving.store import STORE
 
 _PAGE = Path(__file__).with_name("status_page.html")
 

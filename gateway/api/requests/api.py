@@ -22,7 +22,7 @@ from gateway.api.openai.format import (
 )
 from gateway.api.openai.params import plan_chat, plan_completion
 from gateway.api.openai.schemas import SubmitChat, SubmitRequest
-from gateway.core.appkeys import API_KEY, LIMITER, MODELS, SETTINGS, STORE, TOKENIZE
+from gateway.core.appkeys import API_KEY, SETTINGS
 from gateway.errors import BadRequest, Conflict, NotFound
 from gateway.serving.follow import EXPIRED_MESSAGE
 from gateway.serving.handlers import (
@@ -36,8 +36,11 @@ from gateway.serving.handlers import (
 from gateway.serving.plan import ChoicePlan, Plan
 from gateway.serving.records import Delta, ResultRecord
 from gateway.serving.sse import Template, dumps, encode_basestring, frame
+from gateway.serving.store import STORE
 from gateway.tenants.access import caller
-from gateway.tokens.models import ServedModel
+from gateway.tenants.limits import LIMITER
+from gateway.tokens.models import MODELS, ServedModel
+from gateway.tokens.tokenize_pool import TOKENIZE
 
 SUBMIT = TypeAdapter(SubmitRequest)
 _REQ_ID = re.compile(r"^[0-9a-f]{32}$")

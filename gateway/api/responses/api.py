@@ -23,8 +23,9 @@ from gateway.api.responses.objects import RESPONSE_PREFIX, Outcome, output_items
 from gateway.api.responses.schemas import ResponseCreate
 from gateway.api.responses.store import ResponseStore
 from gateway.api.responses.translate import chat_request, normalize_input, renamed
-from gateway.core.appkeys import LIMITER, MODELS, QUEUE_TIMES, SETTINGS, STORE, TOKENIZE
+from gateway.core.appkeys import SETTINGS
 from gateway.errors import BadRequest, GatewayError, NotFound, UpstreamFailed
+from gateway.fleet.queue_times import QUEUE_TIMES
 from gateway.serving.follow import Watch
 from gateway.serving.handlers import (
     ClientGone,
@@ -40,10 +41,12 @@ from gateway.serving.handlers import (
 )
 from gateway.serving.plan import Plan
 from gateway.serving.sse import frame
-from gateway.serving.store import Submission
+from gateway.serving.store import STORE, Submission
 from gateway.tenants.access import caller
 from gateway.tenants.directory import Tenant
-from gateway.tokens.models import ServedModel
+from gateway.tenants.limits import LIMITER
+from gateway.tokens.models import MODELS, ServedModel
+from gateway.tokens.tokenize_pool import TOKENIZE
 from protocol.result_record import ErrorCode
 
 _ID = re.compile(r"^resp_([0-9a-f]{32})$")
