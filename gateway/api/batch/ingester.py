@@ -4,10 +4,10 @@ and writes each line's result to `tf:batch:{job}:out`. It runs inside every gate
 
 Four loops:
 - intake: one entry of `tf:batch:in` (consumer group "ingesters") -> the job checked line by
-  line, its lines staged, then committed in one atomic step (gateway/batch_jobs.py);
-- feed: every active job is topped up to `batch_max_inflight` queued-but-unwritten lines,
-  a compare-and-set per chunk, so that a million-line job holds at most that many requests
-  in Redis at once;
+  line, its lines staged, then committed in one atomic step (jobs.py);
+- feed: every active job is topped up to `batch_max_inflight` queued-but-unwritten lines
+  (each line's requests made by line_requests.py), a compare-and-set per chunk, so that a
+  million-line job holds at most that many requests in Redis at once;
 - collect: the schedulers append a notice to `tf:batch:done` with each batch item's terminal
   state; the line's output is built (the same response object the REST route answers) and
   appended once (a bitmap per job makes a repeat a no-op);
@@ -35,34 +35,26 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.api.batch.entry import ENTRY_FIELDS, JobRefused, check_entry, job_id_for_entry
 from gateway.api.batch.jobs import IntakeLost, Job, JobStore, item_req_id, parse_item_req_id, unwritten
+from gateway.api.batch.line_requests import LineRequests
 from gateway.api.batch.lines import (
     LineItem,
     check_lines,
     endpoint_mismatch,
-    error_line,
-    output_line,
-    parse_line,
-    refusal_of,
-    refused_line,
     split_lines,
 )
 from gateway.api.batch.notices import read_notices
 from gateway.api.batch.record import TERMINAL_JOB_STATES
 from gateway.api.models.adapters import find_adapter
-from gateway.api.openai.format import ChoiceOutput, chat_completion, text_completion
-from gateway.api.openai.params import plan_chat, plan_completion
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import GatewaySettings
-from gateway.errors import GatewayError, ModelNotFound
-from gateway.serving.plan import Plan
+from gateway.errors import GatewayError
 from gateway.serving.records import ResultRecord
 from gateway.serving.store import RequestStore
 from gateway.tenants.registry import TenantRegistry
 from gateway.tokens.models import ModelRegistry
 from protocol.abandoned import claim_abandoned_async
 from protocol.keys import INGESTER_GROUP, JOB_ID_PATTERN, Keys
-from protocol.messages import RequestMessage
-from protocol.result_record import F, queued_fields
+from protocol.result_record import F
 from shared.logging import get_logger
 
 FEED_CHUNK = 128  # lines queued per compare-and-set
@@ -78,6 +70,7 @@ class BatchIngester:
         self.models = models
         self.settings = settings
         self.jobs = JobStore(client, keys, record_ttl_s=settings.result_ttl_s)
+        self.lines = LineRequests(client, keys, models, settings)  # a line as requests, and back
         # Whose limits a tenant's job feeds under (its max_batch_lines_in_flight).
         self.tenants = TenantRegistry(settings.tenants, client if settings.tenants_from_redis else None, keys)
         # The gateway's own cancel (flag + message), for the queued lines of a stopping job.
@@ -298,8 +291,8 @@ class BatchIngester:
             return False
         raws = await self.jobs.head_lines(job_id, count)
         items = [LineItem.unpack(raw) for raw in raws]
-        target = await self._job_target(job)
-        make = self._written_off if job.ending else functools.partial(self._queue_item, target=target)
+        target = await self.lines.target(job)
+        make = self.lines.written_off if job.ending else functools.partial(self.lines.queued, target=target)
         parts = [make(job, item) for item in items]  # each: ["E", ...] written now, or ["R", ...] queued
         args = [arg for part in parts for arg in part]
         mode = "end" if job.ending else "run"
@@ -310,18 +303,6 @@ class BatchIngester:
             await self._finalize(job_id)
         return result in (1, -2)  # -2: another ingester moved first; look again
 
-    async def _job_target(self, job: Job) -> tuple[str | None, str | None]:
-        """The base model a job's lines queue for, and the LoRA adapter they run with (None: the
-        base). An adapter unloaded since the job started: its lines go to the only base model, whose
-        schedulers refuse them (no such adapter) - or, with several, fail here."""
-        if job.model is None or job.model in self.models.names:
-            return job.model, None
-        found = await find_adapter(self.client, self.keys, self.models, job.model,
-                                   lambda record: record.owner in (None, job.tenant))
-        if found is None:
-            return (self.models.names[0] if len(self.models.names) == 1 else None), job.model
-        return found[0].name, job.model
-
     async def _tenant_room(self, job: Job) -> int:
         """Lines the job's tenant may still have queued (its max_batch_lines_in_flight, over all
         its jobs). Ingesters feeding two of its jobs at once may overshoot by a chunk each."""
@@ -330,51 +311,6 @@ class BatchIngester:
         if cap is None:
             return FEED_CHUNK
         return cap - await self.jobs.tenant_lines_in_flight(tenant.name)
-
-    def _written_off(self, job: Job, item: LineItem) -> list[object]:
-        code = f"batch_{job.ending}"
-        message = "the job was cancelled before this line ran" if job.ending == "cancelled" else \
-            "the job's completion window ended before this line ran"
-        return ["E", item.index, item.custom_id or "",
-                error_line(item.custom_id, item_req_id(job.id, item.index, 0), code, message)]
-
-    def _queue_item(self, job: Job, item: LineItem,
-                    target: tuple[str | None, str | None] | None = None) -> list[object]:
-        req0 = item_req_id(job.id, item.index, 0)
-        if item.error is not None:
-            return ["E", item.index, item.custom_id or "", refused_line(item.custom_id, req0, item.error)]
-        try:
-            line, plan = self._plan(job, item, target or (job.model, None))
-        except GatewayError as exc:
-            refused = refused_line(item.custom_id, req0, refusal_of(exc))
-            return ["E", item.index, item.custom_id or "", refused]
-        now = time.time()
-        args: list[object] = []
-        for c, choice in enumerate(plan.choices):
-            req_id = item_req_id(job.id, item.index, c)
-            message = RequestMessage.make(req_id, plan.model.name, choice.prompt_ids, choice.sampling,
-                                          kind="batch", priority=plan.priority, arrival_time=now,
-                                          batch_job_id=job.id, custom_id=line.custom_id, tenant=job.tenant,
-                                          lora_name=plan.lora_name)
-            record = queued_fields(model=plan.model.name, api=plan.api, queued_at=now,
-                                   prompt_tokens=len(choice.prompt_ids), top_logprobs=plan.logprobs,
-                                   batch=(job.id, item.index, len(plan.choices), item.raw, line.custom_id))
-            args += ["R", self.keys.result(req_id), message.encode(), len(record)]
-            for name, value in record.items():
-                args += [name, value]
-        return args
-
-    def _plan(self, job: Job, item: LineItem, target: tuple[str | None, str | None]) -> tuple[object, Plan]:
-        """A line's plan, for `target` (_job_target: the base model, and the adapter or None)."""
-        line, body = parse_line(item.raw)
-        base, lora_name = target
-        if lora_name is not None and base is None:
-            raise ModelNotFound(f"the LoRA adapter {lora_name!r} is no longer loaded", param="model")
-        model = self.models.get(base)
-        plan = plan_chat(body, model, self.settings) if line.url == "/v1/chat/completions" else \
-            plan_completion(body, model, self.settings)
-        plan.lora_name = lora_name
-        return line, plan
 
     # -- collecting -----------------------------------------------------------------------
 
@@ -417,44 +353,13 @@ class BatchIngester:
         if any(record is None or not record.is_terminal for record in records):
             return 0  # the last choice's notice will bring it here again
         custom_id = first.custom_id
-        ok, line = self._output(job, LineItem(index, first.batch_line, custom_id), records,
-                                await self._job_target(job))
+        ok, line = self.lines.output(job, LineItem(index, first.batch_line, custom_id), records,
+                                await self.lines.target(job))
         record_keys = [self.keys.result(r) for r in req_ids]
         written = await self.jobs.collect(job.id, index, custom_id, ok, line, record_keys)
         if written:
             self.metrics.batch_lines.labels("completed" if ok else "failed").inc()
         return written
-
-    def _output(self, job: Job, item: LineItem, records: list[ResultRecord],
-                target: tuple[str | None, str | None]) -> tuple[bool, str]:
-        req0 = records[0].req_id
-        refused = next((r for r in records if r.is_refused), None)
-        if refused is not None:  # the scheduler itself refused the input: what the REST route says
-            refusal = {"status_code": 400, "code": "invalid_request", "param": None,
-                       "message": refused.error["message"]}
-            return False, refused_line(item.custom_id, req0, refusal)
-        stopped = next((r for r in records if r.state in ("cancelled", "expired")), None)
-        if stopped is not None:
-            code = f"batch_{job.ending}" if job.ending else stopped.state
-            message = f"the request was {stopped.state} before it ended"
-            return False, error_line(item.custom_id, req0, code, message)
-        failed = next((r for r in records if r.state == "failed"), None)
-        if failed is not None:
-            error = failed.error or {}
-            return False, error_line(item.custom_id, req0, error.get("code", "request_failed"),
-                                     error.get("message", "the request failed"))
-        try:
-            _, plan = self._plan(job, item, target)
-        except GatewayError as exc:  # cannot happen for a line that was queued, but never lose it
-            return False, error_line(item.custom_id, req0, exc.code or "invalid_value", exc.message)
-        outputs = [ChoiceOutput(c) for c in range(len(records))]
-        for out, record in zip(outputs, records, strict=True):
-            out.add(record.delta_after(0, plan.model.decode))
-        if plan.api == "chat":
-            body = chat_completion(plan, "chatcmpl-" + req0, outputs)
-        else:
-            body = text_completion(plan, "cmpl-" + req0, outputs)
-        return True, output_line(item.custom_id, req0, body)
 
     # -- maintenance ----------------------------------------------------------------------
 
