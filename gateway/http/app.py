@@ -102,7 +102,7 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _batch_ctx(app: web.Application) -> AsyncIterator[None]:
-    """The batch ingester of this process (gateway/batch_ingester.py), unless turned off."""
+    """The batch ingester of this process (gateway/api/batch/ingester.py), unless turned off."""
     settings = app[SETTINGS]
     if not settings.batch_ingester:
         yield
