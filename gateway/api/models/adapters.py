@@ -1,5 +1,6 @@
 """LoRA adapters at the gateway: a call's `model` naming an adapter (resolve_model), and the
-adapters a caller may call, for `/v1/models` (their load and unload routes: api.py).
+adapters a caller may call, listed on `/v1/models` (the routes, load and unload among them, are
+api.py's).
 
 The adapters live in Redis (protocol/lora_registry.py), read afresh at each call that names
 one (one HGET per base model), so a load or an unload through any gateway holds at once on
