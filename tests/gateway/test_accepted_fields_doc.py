@@ -8,7 +8,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from gateway.api.openai.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SubmitChat
+from gateway.api.openai.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from gateway.api.requests.schemas import SubmitChat
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 

@@ -293,19 +293,3 @@ class CompletionRequest(SamplingFields):
             raise BadRequest("max_tokens must be at least 1 (0 only with echo: the prompt alone)",
                              param="max_tokens")
         return self
-
-
-class SubmitFields(StrictModel):
-    deadline: float | None = Field(None, description="unix time; expires if still queued after it")
-    timeout: float | None = Field(None, gt=0, description="seconds from now; sets the deadline")
-
-
-class SubmitChat(ChatCompletionRequest, SubmitFields):
-    kind: Literal["chat"]
-
-
-class SubmitCompletion(CompletionRequest, SubmitFields):
-    kind: Literal["completion"]
-
-
-SubmitRequest = Annotated[SubmitChat | SubmitCompletion, Field(discriminator="kind")]

@@ -21,7 +21,7 @@ from gateway.api.openai.format import (
     text_completion,
 )
 from gateway.api.openai.params import plan_chat, plan_completion
-from gateway.api.openai.schemas import SubmitChat, SubmitRequest
+from gateway.api.requests.schemas import SubmitChat, SubmitRequest
 from gateway.core.appkeys import API_KEY, SETTINGS
 from gateway.errors import BadRequest, Conflict, NotFound
 from gateway.serving.follow import EXPIRED_MESSAGE
