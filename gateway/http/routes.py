@@ -10,15 +10,18 @@ from pydantic import BaseModel, TypeAdapter
 
 from gateway.api.batch import batches_api, files_api
 from gateway.api.models import api as models_api
+from gateway.api.models.shapes import LoraAdapter, ModelCard, ModelList
 from gateway.api.openai import tokenize_api
 from gateway.api.openai.api import chat_completions, completions
 from gateway.api.openai.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.api.openai.shapes import ChatCompletion, Completion, Detokenized, Tokenized
 from gateway.api.ops import api as ops_api
 from gateway.api.ops import status_api
+from gateway.api.ops.shapes import Health, Ready
 from gateway.api.requests import api as requests_api
+from gateway.api.requests.shapes import RequestStatus
 from gateway.api.responses import api as responses_api
 from gateway.api.responses.schemas import ResponseCreate
-from gateway.core import shapes
 from protocol.keys import JOB_ID_PATTERN
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -62,34 +65,34 @@ class Route:
 
 ROUTES = [
     Route("POST", "/v1/chat/completions", chat_completions, "Chat completion (SSE with stream: true)",
-          ChatCompletionRequest, shapes.ChatCompletion, sse=True),
+          ChatCompletionRequest, ChatCompletion, sse=True),
     Route("POST", "/v1/completions", completions, "Text completion (SSE with stream: true)",
-          CompletionRequest, shapes.Completion, sse=True),
+          CompletionRequest, Completion, sse=True),
     Route("POST", "/tokenize", tokenize_api.tokenize, "A prompt's or a chat's token ids (vLLM's /tokenize)",
-          ("TokenizeRequest", tokenize_api.TOKENIZE_BODY), shapes.Tokenized, errors=(400, 401, 404, 413)),
+          ("TokenizeRequest", tokenize_api.TOKENIZE_BODY), Tokenized, errors=(400, 401, 404, 413)),
     Route("POST", "/detokenize", tokenize_api.detokenize, "Token ids back to text (vLLM's /detokenize)",
-          tokenize_api.Detokenize, shapes.Detokenized, errors=(400, 401, 404, 413)),
+          tokenize_api.Detokenize, Detokenized, errors=(400, 401, 404, 413)),
     Route("GET", "/v1/models", models_api.list_models, "Models that a live scheduler serves",
-          response=shapes.ModelList, errors=(401, 503)),
-    Route("GET", "/v1/models/{model}", models_api.get_model, "One served model", response=shapes.ModelCard,
+          response=ModelList, errors=(401, 503)),
+    Route("GET", "/v1/models/{model}", models_api.get_model, "One served model", response=ModelCard,
           errors=(401, 404, 503),
           parameters=[{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]),
     Route("POST", "/v1/load_lora_adapter", models_api.load_lora_adapter,
           "Serve a LoRA adapter (a PEFT folder the schedulers can read) under a name (vLLM's route)",
-          models_api.LoadLoraAdapter, shapes.LoraAdapter, errors=(400, 401, 404, 413)),
+          models_api.LoadLoraAdapter, LoraAdapter, errors=(400, 401, 404, 413)),
     Route("POST", "/v1/unload_lora_adapter", models_api.unload_lora_adapter, "Stop serving a LoRA adapter",
-          models_api.UnloadLoraAdapter, shapes.LoraAdapter, errors=(400, 401, 403, 404, 413)),
+          models_api.UnloadLoraAdapter, LoraAdapter, errors=(400, 401, 403, 404, 413)),
     Route("POST", "/v1/requests", requests_api.submit,
           "Submit a request (202 + Location); Idempotency-Key makes retries safe",
-          ("SubmitRequest", requests_api.SUBMIT), shapes.RequestStatus, status=202,
+          ("SubmitRequest", requests_api.SUBMIT), RequestStatus, status=202,
           errors=(400, 401, 404, 409, 413, 429, 503),
           parameters=[{"name": "Idempotency-Key", "in": "header", "required": False,
                        "schema": {"type": "string", "minLength": 1, "maxLength": 255}}]),
     Route("GET", "/v1/requests/{req_id}", requests_api.get_request,
-          "Status, output so far, usage and timings of a submitted request", response=shapes.RequestStatus,
+          "Status, output so far, usage and timings of a submitted request", response=RequestStatus,
           errors=(401, 404, 503), parameters=[REQ_ID_PARAM]),
     Route("DELETE", "/v1/requests/{req_id}", requests_api.cancel_request, "Cancel a submitted request",
-          response=shapes.RequestStatus, errors=(401, 404, 503), parameters=[REQ_ID_PARAM]),
+          response=RequestStatus, errors=(401, 404, 503), parameters=[REQ_ID_PARAM]),
     Route("GET", "/v1/requests/{req_id}/events", requests_api.events,
           "The request's tokens as SSE (id: <seq>); resumes after Last-Event-ID", sse=True, sse_only=True,
           errors=(400, 401, 404, 503),
@@ -146,9 +149,9 @@ ROUTES = [
     Route("POST", "/v1/batches/{batch_id}/cancel", batches_api.cancel,
           "Cancel a batch job: queued lines are cancelled, unqueued ones written off",
           response=batches_api.BatchObject, errors=(401, 404, 409, 503), parameters=[BATCH_ID_PARAM]),
-    Route("GET", "/health", ops_api.health, "The process is up", response=shapes.Health, errors=()),
+    Route("GET", "/health", ops_api.health, "The process is up", response=Health, errors=()),
     Route("GET", "/ready", ops_api.ready, "Redis answers and a live scheduler serves a fronted model",
-          response=shapes.Ready, errors=(503,)),
+          response=Ready, errors=(503,)),
     Route("GET", "/metrics", ops_api.metrics, "Prometheus metrics: the gateway's and every live scheduler's",
           errors=()),
     Route("GET", "/", status_api.status_page, "The live status page of the fleet (HTML)", errors=(),

@@ -1,6 +1,6 @@
 """OpenAI's response shapes: chat.completion(.chunk), text_completion, logprobs, usage.
 
-Built as plain dicts; gateway/core/shapes.py describes the same shapes for /openapi.json, and
+Built as plain dicts; shapes.py describes the same shapes for /openapi.json, and
 the tests check one against the other. A stream's chunk of a plain text delta (almost every
 token) comes from a template of that same dict (gateway/serving/sse.py): the same bytes,
 without building and encoding a dict per token.
