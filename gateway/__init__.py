@@ -16,7 +16,7 @@ Its rooms, each importing only the rooms below it (pyproject.toml's import-linte
                (store, pub/sub, follow, records), SSE frames, the handlers' common steps
     fleet/     the fleet as the gateway sees it: live schedulers, queue depths and times,
                prefix routing (fleet/ and tokens/ share a layer: neither imports the other)
-    tokens/    the fronted models: tokenizers, chat templates, token pieces and bytes
+    tokens/    the fronted models: tokenizers, chat templates, a chat's token pieces
     core/      settings, metrics, background tasks, the app's shared keys, HTTP body shapes
     tenants/   who a key belongs to, its limits, what it may see
     errors.py  the errors a client sees, in OpenAI's shape
