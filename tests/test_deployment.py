@@ -100,7 +100,7 @@ def test_every_metric_the_dashboard_queries_is_one_the_fleet_serves() -> None:
 
     gateway = GatewayMetrics()
     for model in ("m",):  # labelled series appear once touched
-        gateway.fleet.queue_depth.labels(model).set(0)
+        gateway.queue_depth.labels(model).set(0)
         gateway.live_schedulers.labels(model).set(0)
         gateway.ttft.labels(model).observe(0.1)
         gateway.itl.labels(model).observe(0.1)
