@@ -21,10 +21,10 @@
 - `added_latency`: what the gateway + pub/sub path adds per token, against a listener on Redis;
 - what each script measures, the script keeping its command line and its table: `gpu_throughput`
   (bench_gpu), `gpu_profile` (profile_gpu), `structured_runs` (bench_structured), `prefix_cache_runs`
-  (bench_prefix_cache), `pp_runs` (bench_pp), `batch_runs` (bench_batch), `gateway_streams`
-  (bench_gateway), `autoscale_runs` (bench_autoscale), `routing_runs` (bench_routing), `routing_sim`
-  (sim_routing), `dispatch_runs` (bench_dispatch), `host_loop` (bench_host_loop), `redis_shard_load`
-  (bench_redis_shards);
+  (bench_prefix_cache), `pp_runs` (bench_pp), `batch_runs` (bench_batch), `mixed_runs`
+  (bench_mixed_gpu), `gateway_streams` (bench_gateway), `autoscale_runs` (bench_autoscale),
+  `routing_runs` (bench_routing), `routing_sim` (sim_routing), `dispatch_runs` (bench_dispatch),
+  `host_loop` (bench_host_loop), `redis_shard_load` (bench_redis_shards);
 - `runs`: the command line, a timestamped log, percentiles, SIGTERM as an exception;
 - `chaos/`: the chaos harness (scripts/chaos.py runs it, tests/test_chaos.py too).
 """
