@@ -10,6 +10,7 @@
 - `roofline`: the hardware measured in the same run, and a workload's floors at its rates;
 - `engine_runs`: an in-process engine warmed up and stepped over a workload;
 - `hf_baseline`: the transformers baselines (static `generate`, batch-1 decode, continuous batching);
+- `hf_agreement`: the engine's greedy tokens and logits against transformers' (gpu_check);
 - `quant_linears`: every FP8 product candidate against bf16, one linear at a time;
 - `grammar_probes`: timers on an in-process engine's grammar work;
 - `processes`: child processes of a benchmark, on tokenfleet.supervise; a scheduler and a
