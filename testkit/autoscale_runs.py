@@ -10,6 +10,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from tokenfleet.autoscale.policy import ScalingPolicy
 from tokenfleet.autoscale.signals import read_heartbeats
 from tokenfleet.redis_server import RedisServer
 
+ArgvFor = Callable[[str, str | None], list[str]]  # (replica id, group) -> argv
 MODEL_NAME = "bench"
 PROMPT = list(range(100, 132))  # 32 tokens, the same for every request (the wait is what differs)
 
@@ -51,7 +53,9 @@ class Run:
         return "".join(digits)
 
 
-def scheduler_argv(args: argparse.Namespace, model: str, redis_url: str):
+def scheduler_argv(args: argparse.Namespace, model: str, redis_url: str) -> ArgvFor:
+    """The argv of a replica's `tokenfleet scheduler` process, by replica id (and group)."""
+
     def argv_for(replica_id: str, group: str | None) -> list[str]:
         return [sys.executable, "-m", "tokenfleet.cli", "scheduler", "--redis-url", redis_url,
                 "--model", model, "--model-name", MODEL_NAME, "--scheduler-id", replica_id,
@@ -67,7 +71,8 @@ def wait_serving(client: redis.Redis, count: int, timeout_s: float = 600) -> Non
         time.sleep(0.2)
 
 
-def measure_capacity(args: argparse.Namespace, client: redis.Redis, children: Children, argv_for) -> float:
+def measure_capacity(args: argparse.Namespace, client: redis.Redis, children: Children,
+                     argv_for: ArgvFor) -> float:
     children.spawn("capacity", argv_for("capacity-0", None))
     wait_serving(client, 1)
     num = 8 * args.max_num_seqs
@@ -113,7 +118,8 @@ def step_load(args: argparse.Namespace, client: redis.Redis, rate: float, run: R
         run.waits.append(float(record[b"started_at"]) - arrival)
 
 
-def fixed_run(args, client, argv_for, log_dir: Path, num_replicas: int, rate: float) -> Run:
+def fixed_run(args: argparse.Namespace, client: redis.Redis, argv_for: ArgvFor, log_dir: Path,
+              num_replicas: int, rate: float) -> Run:
     run = Run(f"fixed {num_replicas}")
     children = Children(log_dir)
     try:
@@ -127,7 +133,8 @@ def fixed_run(args, client, argv_for, log_dir: Path, num_replicas: int, rate: fl
     return run
 
 
-def autoscaled_run(args, client, argv_for, log_dir: Path, rate: float) -> Run:
+def autoscaled_run(args: argparse.Namespace, client: redis.Redis, argv_for: ArgvFor, log_dir: Path,
+                   rate: float) -> Run:
     run = Run(f"autoscale 1-{args.max_replicas}")
     policy = ScalingPolicy(min_replicas=1, max_replicas=args.max_replicas,
                            target_queue_per_replica=args.target_queue, target_wait_s=args.target_wait_s,

@@ -28,7 +28,7 @@ COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_finished", "num_pr
             "entries_routed", "entries_stolen", "entries_fallback")
 
 
-def workload(args) -> list[dict]:
+def workload(args: argparse.Namespace) -> list[dict]:
     rng = random.Random(args.seed)
     systems = [prompt_text(rng, args.system_words) for _ in range(args.prompts)]
     return [{"messages": [{"role": "system", "content": systems[p]},
@@ -45,7 +45,7 @@ def counters(client: redis.Redis) -> dict[str, dict[str, int]]:
     return out
 
 
-async def drive(url: str, model: str, chats: list[dict], args) -> list[Result]:
+async def drive(url: str, model: str, chats: list[dict], args: argparse.Namespace) -> list[Result]:
     rng = random.Random(args.seed + 1)
     arrivals, t = [], 0.0
     for _ in chats:
@@ -66,7 +66,7 @@ async def drive(url: str, model: str, chats: list[dict], args) -> list[Result]:
     return results
 
 
-def run_mode(mode: str, model_dir: Path, chats: list[dict], args, work: Path) -> dict:
+def run_mode(mode: str, model_dir: Path, chats: list[dict], args: argparse.Namespace, work: Path) -> dict:
     home = work / mode
     (home / "logs").mkdir(parents=True)
     os.environ["TOKENFLEET_HOME"] = str(home)
