@@ -33,6 +33,8 @@ class Admission:
     def _can_preempt(self, request: Request) -> bool:
         """Under a pipeline a request in a step in flight stays (its stages may still write its
         K/V); under async scheduling the step in flight's result is dropped, as for an abort."""
+        if request.loading_step_id is not None:
+            return False  # its load may still write its blocks: they are not to be handed out
         return self.config.async_scheduling or not request.num_in_flight_tokens
 
     def _schedule_waiting(self, plan: StepPlan, until: int | None, *, capped: bool) -> bool:
@@ -60,20 +62,55 @@ class Admission:
                     # Wait one step and take those blocks from the cache, rather than compute them
                     # twice (a burst of chats with one system prompt computes it once).
                     return False
+                host_slots = self._host_hits(request, len(cached_block_ids))
+                if host_slots:
+                    # Its next blocks come from the host tier: loaded by this step, computed after.
+                    num_load_tokens = len(host_slots) * self.config.block_size
+                    if not self._make_room(request, num_load_tokens, plan, cached_block_ids):
+                        return False
+                    self._start_load(request, len(cached_block_ids), host_slots, plan)
+                    self._start(request, num_host_tokens=num_load_tokens)
+                    continue
             num_new_tokens = self._num_new_tokens(
                 request, token_budget, len(cached_block_ids) * self.config.block_size)
             if not self._make_room(request, num_new_tokens, plan, cached_block_ids):
                 return False  # strict order: later requests do not jump ahead of a stuck one
-            self.block_manager.record_first_admission(request)
-            self._waiting.remove(request)
-            self._fair_share.started(request)
-            request.status = RequestStatus.RUNNING
-            self._running.append(request)
-            if self.lora_slots is not None:
-                self.lora_slots.started(request.lora)
+            self._start(request)
             plan.add(request, num_new_tokens)
             self._note_computing(request, num_new_tokens, plan)
         return True
+
+    def _start(self, request: Request, num_host_tokens: int = 0) -> None:
+        """A waiting request, its blocks allocated, joins the running ones."""
+        self.block_manager.record_first_admission(request, num_host_tokens)
+        if num_host_tokens and self.host_tier is not None:
+            self.host_tier.counters.num_hit_tokens += num_host_tokens
+        self._waiting.remove(request)
+        self._fair_share.started(request)
+        request.status = RequestStatus.RUNNING
+        self._running.append(request)
+        if self.lora_slots is not None:
+            self.lora_slots.started(request.lora)
+
+    def _host_hits(self, request: Request, num_cached_blocks: int) -> list[int]:
+        """The host slots holding the request's blocks after its `num_cached_blocks` GPU hits (at
+        most up to its last token's block, which is computed); [] without a host tier."""
+        if self.host_tier is None:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.config.block_size
+        return self.host_tier.match(request.block_hashes[num_cached_blocks:max_blocks])
+
+    def _start_load(self, request: Request, num_cached_blocks: int, host_slots: list[int],
+                    plan: StepPlan) -> None:
+        """The request's new blocks after its GPU hits are loaded from `host_slots` by this step;
+        it counts them computed, and runs once the step is back (finishing.py, _loads_done)."""
+        end = num_cached_blocks + len(host_slots)
+        self.host_tier.load(host_slots, request.block_ids[num_cached_blocks:end], self.block_manager)
+        request.num_computed_tokens = end * self.config.block_size
+        request.loading_step_id = self._next_step_id
+        self._loading.setdefault(self._next_step_id, []).append(request)
+        # A newcomer with the same prefix waits for these blocks rather than load them again.
+        plan.computing_block_hashes.update(request.block_hashes[num_cached_blocks:end])
 
     def _note_computing(self, request: Request, num_new_tokens: int, plan: StepPlan) -> None:
         if num_new_tokens <= 1 or not self.config.enable_prefix_caching:
@@ -133,6 +170,9 @@ class Admission:
         self._computing_in_flight.clear()
         for request in list(self._running):  # their steps in flight died with the group
             self._preempt(request, plan)
+        if self.host_tier is not None:  # the host pools died with the group too
+            self.host_tier.reset(self.block_manager)
+        self._loading.clear()
         self.block_manager.reset_prefix_cache()  # the K/V behind it died with the group
         if self.lora_slots is not None:
             self.lora_slots.forget_slots()  # so did the adapters in the runners' slots
@@ -149,6 +189,7 @@ class Admission:
         self._free_blocks(request)
         request.num_computed_tokens = 0
         request.num_in_flight_tokens = request.num_pending_tokens = 0  # their results are dropped
+        request.loading_step_id = None  # (only a dead group's: a loading request is not preempted)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         bisect.insort(self._waiting, request, key=importance)

@@ -39,6 +39,7 @@ class Finishing:
             raise WorkerError(f"result of step {step_result.step_id} for batch {batch.step_id}")
         self._computing_in_flight.subtract(scheduler_output.computing_block_hashes)
         self._computing_in_flight += Counter()  # drops the hashes no step computes any more
+        self._copies_done(batch.step_id, step_result)
         outputs = [self._report_abort(request) for request in self._aborted]
         self._aborted = []
         sampled_tokens = iter(step_result.sampled)
@@ -69,6 +70,18 @@ class Finishing:
         if next(sampled_tokens, None) is not None:
             raise WorkerError(f"step {batch.step_id}: more sampled tokens than sampled works")
         return outputs
+
+    def _copies_done(self, step_id: int, step_result: StepResult) -> None:
+        """The host tier's copies of the step are complete: the requests whose prefix it loaded
+        run from the next step on, their loaded blocks findable in the GPU cache."""
+        if self.host_tier is None:
+            return
+        self.host_tier.step_done(step_id, self.block_manager, step_result.kv_load_seconds)
+        for request in self._loading.pop(step_id, []):
+            if request.loading_step_id != step_id or request.status is not RequestStatus.RUNNING:
+                continue  # aborted meanwhile: its blocks went back with the copies' holds
+            request.loading_step_id = None
+            self.block_manager.register_full_blocks(request)
 
     def _report_abort(self, request: Request) -> RequestOutput:
         self._forget(request.req_id)

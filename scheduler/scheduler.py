@@ -28,6 +28,7 @@ from scheduler.detokenizer import IncrementalDetokenizer, Tokenizer
 from scheduler.fair_share import FairShare
 from scheduler.finishing import Finishing
 from scheduler.grammar import Grammars
+from scheduler.host_tier import HostTier
 from scheduler.lora_slots import LoraSlots
 from scheduler.request import Request, RequestStatus
 from scheduler.speculative.proposers import Proposer
@@ -50,6 +51,12 @@ class Scheduler(Admission, StepComposition, Finishing):
         self.grammars = grammars
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
+        # Copies of full blocks in the ranks' host memory (host_tier.py); None: no host tier.
+        self.host_tier = None
+        if config.num_host_kv_blocks:
+            self.host_tier = HostTier(config.num_host_kv_blocks, config.kv_block_bytes)
+            self.block_manager.newly_registered = []
+        self._loading: dict[int, list[Request]] = {}  # step id -> requests whose prefix it loads
         self._tokenizer = tokenizer
         # A sequence may not outgrow the model's window, nor the whole cache: a request
         # alone must always fit, or preempting it and resuming it would loop forever.

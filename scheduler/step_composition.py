@@ -57,6 +57,8 @@ class StepComposition:
         if top is not None and top >= BATCH_PRIORITY:  # batch work alone: short steps, for the next chat
             token_budget = self.latency_budget.batch_step_tokens(token_budget, len(self._running))
         plan = StepPlan(token_budget=token_budget, max_num_seqs=self._step_seq_budget())
+        if self.host_tier is not None:  # blocks filled since the last step go to the host
+            self.host_tier.plan_stores(self.block_manager)
         plan.top_priority = top
         plan.can_speculate = self.speculator is not None and self.speculator.step_allows(len(self._running))
         if plan.can_speculate and self.speculator.batches_proposals:  # (n-gram: nothing to do ahead)
@@ -81,6 +83,8 @@ class StepComposition:
         batch = StepBatch(step_id=self._next_step_id, works=works)
         if self.lora_slots is not None:
             batch.lora_loads = self.lora_slots.take_loads()
+        if self.host_tier is not None:
+            batch.kv_stores, batch.kv_loads = self.host_tier.take_copies(batch.step_id)
         if works:  # a batch without works never reaches the runners: its frees wait for the next
             batch.freed_req_ids, self._freed_req_ids = self._freed_req_ids, []
         if self.grammars is not None:  # the runner fills it once the forward runs (shared/step.py)
@@ -141,6 +145,8 @@ class StepComposition:
                 break  # the rest go with the next step (a pipeline's share)
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted for another request earlier in this loop
+            if request.loading_step_id is not None:
+                continue  # its prefix is being loaded from the host tier
             if request.num_in_flight_tokens and not self._can_schedule_ahead(request):
                 continue  # in a step in flight: its next step waits for that one's token
             if request.priority != top:

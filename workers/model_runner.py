@@ -34,6 +34,7 @@ from workers import prompt_logprobs, spec_verify
 from workers.device import resolve_device, resolve_dtype
 from workers.device_sample import HostSample
 from workers.grammar_mask import apply_token_mask
+from workers.host_kv_pool import KVCopies
 from workers.host_staging import HostStaging
 from workers.layers import fp8_tuning
 from workers.layers.kv_fp8 import kv_cache_dtype
@@ -66,6 +67,7 @@ class LaunchedStep:
     # sampled, then their verification (the driver's).
     draft_logits: torch.Tensor | None = None
     verify: spec_verify.DeviceVerify | None = None
+    kv_copies: KVCopies | None = None  # the host tier's copies it carries (workers/host_kv_pool.py)
 
 class ModelRunner(RunnerBuild):
     def __init__(self, config: EngineConfig, tp: TensorParallel, stage: PipelineStage = SINGLE_STAGE) -> None:
@@ -99,6 +101,7 @@ class ModelRunner(RunnerBuild):
         self.lora = self._wrap_lora()  # None unless the engine serves adapters
         self.num_kv_blocks = self._decide_num_kv_blocks()  # what the scheduler may hand out
         self.kv_caches = self._allocate_kv_cache()  # holds one more: the scratch block
+        self.host_kv = self._allocate_host_kv()  # the host KV tier's pool; None: no tier
         self.block_tables = self._new_block_tables()
         # FP8 products are chosen by timing them: now, not in the first served step when graphs
         # are off (with graphs the capture's warm-up would do it). Nothing without FP8 layers.
@@ -203,10 +206,15 @@ class ModelRunner(RunnerBuild):
         waits for nothing on CUDA."""
         timer = self.tp.timer
         start = timer.start(self.device) if timer else None
+        # Queued before the forward: the copies wait for the earlier steps only, never this one.
+        copies = self.host_kv.copy(batch.kv_stores, batch.kv_loads) if self.host_kv is not None else None
+        if not batch.works:  # a step of copies alone
+            return LaunchedStep(batch.step_id, None, kv_copies=copies)
         logits, sampled_works, prompt, drafts = self._forward(batch)
         if timer:
             timer.stop("step", start)
-        launched = LaunchedStep(batch.step_id, None, prompt_logprobs=prompt, draft_logits=drafts)
+        launched = LaunchedStep(batch.step_id, None, prompt_logprobs=prompt, draft_logits=drafts,
+                                kv_copies=copies)
         if batch.samples_late and logits is not None and self.is_driver:
             launched.late = (batch, logits, sampled_works)  # until `sample`
         else:
@@ -250,17 +258,22 @@ class ModelRunner(RunnerBuild):
 
     def finish(self, launched: LaunchedStep) -> StepResult | None:
         """The step's StepResult (driver) or None (other ranks). The step's one host
-        synchronisation: waiting for the sampled ids' copy."""
+        synchronisation: waiting for the sampled ids' copy (and for the host tier's copies, which
+        the scheduler counts complete once the step is back)."""
         self.sample(launched)  # a late step not sampled yet (run to its end by `execute`)
+        copies = launched.kv_copies
+        if copies is not None:
+            copies.wait()
         if not self.is_driver:
             return None
         prompt = launched.prompt_logprobs.to_host() if launched.prompt_logprobs is not None else {}
+        load_seconds = copies.load_seconds if copies is not None else 0.0
         if launched.host is None:
-            return StepResult(launched.step_id, [], prompt)
+            return StepResult(launched.step_id, [], prompt, load_seconds)
         tokens = launched.host.tokens()
         if launched.verify is not None:
             spec_verify.apply(tokens, launched.verify)
-        return StepResult(launched.step_id, tokens, prompt)
+        return StepResult(launched.step_id, tokens, prompt, load_seconds)
 
     def close(self) -> None:
         """Give back everything this runner took on its device: the CUDA graphs and their memory
@@ -282,6 +295,9 @@ class ModelRunner(RunnerBuild):
         self.decode_graphs = self.mixed_graphs = None
         self.sampler = None
         self.block_tables = self.staging = self.pending_tokens = None
+        if self.host_kv is not None:
+            self.host_kv.close()  # (it holds a view of the KV cache)
+        self.host_kv = None
         if self.kv_caches is not None:
             with torch.no_grad():
                 self.kv_caches.set_()  # an empty storage: the cache's memory is free now

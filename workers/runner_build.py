@@ -14,6 +14,7 @@ from shared.errors import ModelLoadError
 from shared.model_config import ModelConfig
 from workers.cuda_graphs import DecodeGraphs, use_cuda_graphs
 from workers.device_block_tables import DeviceBlockTables
+from workers.host_kv_pool import HostKVPool
 from workers.layers.quantization import METHODS, building_with, method_named
 from workers.lora.manager import LoraManager
 from workers.mixed_graphs import MixedGraphs
@@ -175,6 +176,27 @@ class RunnerBuild:
         self.log.info("kv_cache_allocated", num_blocks=self.num_kv_blocks, dtype=str(self.kv_dtype),
                       bytes=(self.num_kv_blocks + 1) * self.kv_block_bytes)
         return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+
+    def _allocate_host_kv(self) -> HostKVPool | None:
+        """The host tier's pool (workers/host_kv_pool.py): its share of kv_offloading_size, in
+        blocks of its shard, the same number on every rank; None when the tier is off."""
+        size = self.config.kv_offloading_size
+        if not size:
+            return None
+        local = int(size * 2**30 / self.world_size) // self.kv_block_bytes
+        num_blocks = all_reduce_min(self.world_size, local)
+        if num_blocks < 1:
+            raise ModelLoadError(f"--kv-offloading-size {size} GiB holds no KV block "
+                                 f"({self.kv_block_bytes * self.world_size} bytes over the replica's ranks)")
+        start = time.perf_counter()
+        pool = HostKVPool(self.kv_caches, num_blocks)
+        self.log.info("host_kv_pool_allocated", num_blocks=num_blocks, bytes=num_blocks * pool.block_bytes,
+                      pinned=pool.pool.is_pinned(), seconds=round(time.perf_counter() - start, 2))
+        return pool
+
+    @property
+    def num_host_kv_blocks(self) -> int:
+        return self.host_kv.num_blocks if self.host_kv is not None else 0
 
     @property
     def kv_cache_bytes(self) -> int:
