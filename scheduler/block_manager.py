@@ -68,9 +68,9 @@ class BlockManager:
         # how many of them were found in the cache.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-        # With a host tier: (hash, block id) of each block registered since the tier last took
-        # them (scheduler/host_tier.py copies them to the host); None: nobody asks.
-        self.newly_registered: list[tuple[BlockHash, int]] | None = None
+        # With a host tier: (hash, block id, its index in its chain) of each block registered since
+        # the tier last took them (scheduler/host_tier.py copies them to the host); None: nobody asks.
+        self.newly_registered: list[tuple[BlockHash, int, int]] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -227,7 +227,7 @@ class BlockManager:
                 self._block_of_hash[block_hash] = block_id
                 self._hash_of_block[block_id] = block_hash
                 if self.newly_registered is not None:
-                    self.newly_registered.append((block_hash, block_id))
+                    self.newly_registered.append((block_hash, block_id, index))
         if request.num_registered_blocks < SUMMARY_DEPTH_BLOCKS:
             self._touch_heads(hashes[:num_full])
         request.num_registered_blocks = num_full

@@ -22,14 +22,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from protocol.prefix_hash import BlockHash
-from scheduler.block_manager import BlockManager
+from scheduler.block_manager import SUMMARY_DEPTH_BLOCKS, BlockManager
 
 
 @dataclass
 class _StepCopies:
     """The copies one step carries."""
 
-    stores: list[tuple[BlockHash, int, int]] = field(default_factory=list)  # (hash, GPU block, slot)
+    # (hash, GPU block, slot, whether it is among its chain's first SUMMARY_DEPTH_BLOCKS)
+    stores: list[tuple[BlockHash, int, int, bool]] = field(default_factory=list)
     loads: list[tuple[int, int]] = field(default_factory=list)  # (slot, GPU block)
 
 
@@ -56,6 +57,9 @@ class HostTier:
         self._free_slots: list[int] = list(range(num_blocks - 1, -1, -1))
         self._pinned: Counter[int] = Counter()  # slot -> loads in flight reading it
         self._storing: set[BlockHash] = set()  # hashes whose store is in flight
+        # Held hashes within the first SUMMARY_DEPTH_BLOCKS of their chain, least recently used
+        # first: what the prefix summary names (service/prefix_summary.py).
+        self._heads: OrderedDict[BlockHash, None] = OrderedDict()
         self._next = _StepCopies()  # the copies the next batch carries
         self._in_flight: dict[int, _StepCopies] = {}  # step id -> its copies
         self.counters = HostTierCounters()
@@ -69,13 +73,11 @@ class HostTier:
         """Fraction of the host blocks holding (or receiving) a block, in [0, 1]."""
         return self.num_used_blocks / self.num_blocks
 
-    def __contains__(self, block_hash: BlockHash) -> bool:
-        return block_hash in self._slot_of_hash
-
-    def recent_hashes(self, limit: int) -> list[BlockHash]:
-        """Up to `limit` hashes the tier holds, most recently used first (the prefix summary)."""
+    def recent_head_hashes(self, limit: int) -> list[BlockHash]:
+        """Up to `limit` held hashes of the first SUMMARY_DEPTH_BLOCKS blocks of their chains,
+        most recently used first (the prefix summary)."""
         hashes = []
-        for block_hash in reversed(self._slot_of_hash):
+        for block_hash in reversed(self._heads):
             if len(hashes) >= limit:
                 break
             hashes.append(block_hash)
@@ -91,6 +93,8 @@ class HostTier:
             if slot is None:
                 break
             self._slot_of_hash.move_to_end(block_hash)
+            if block_hash in self._heads:
+                self._heads.move_to_end(block_hash)
             slots.append(slot)
         return slots
 
@@ -109,7 +113,7 @@ class HostTier:
         """Copy the blocks the GPU cache registered since the last call to the host with the next
         batch, but those the tier holds or receives already; each GPU block held until then."""
         registered = blocks.newly_registered or []
-        for block_hash, block_id in registered:
+        for block_hash, block_id, index in registered:
             if block_hash in self._slot_of_hash:
                 self._slot_of_hash.move_to_end(block_hash)
                 continue
@@ -120,7 +124,7 @@ class HostTier:
                 break  # every slot is being read or written: these blocks stay GPU-only
             blocks.hold([block_id])
             self._storing.add(block_hash)
-            self._next.stores.append((block_hash, block_id, slot))
+            self._next.stores.append((block_hash, block_id, slot, index < SUMMARY_DEPTH_BLOCKS))
         registered.clear()
 
     def _take_slot(self) -> int | None:
@@ -129,6 +133,7 @@ class HostTier:
         for block_hash, slot in self._slot_of_hash.items():  # least recently used first
             if not self._pinned[slot]:
                 del self._slot_of_hash[block_hash]
+                self._heads.pop(block_hash, None)
                 return slot
         return None
 
@@ -140,7 +145,7 @@ class HostTier:
         if not copies.stores and not copies.loads:
             return [], []
         self._in_flight[step_id] = copies
-        return [(block_id, slot) for _, block_id, slot in copies.stores], list(copies.loads)
+        return [(block_id, slot) for _, block_id, slot, _ in copies.stores], list(copies.loads)
 
     def step_done(self, step_id: int, blocks: BlockManager, load_seconds: float = 0.0) -> None:
         """Step `step_id` is back, its copies complete: stored blocks become findable, held GPU
@@ -148,9 +153,11 @@ class HostTier:
         copies = self._in_flight.pop(step_id, None)
         if copies is None:
             return
-        for block_hash, block_id, slot in copies.stores:
+        for block_hash, block_id, slot, is_head in copies.stores:
             self._storing.discard(block_hash)
             self._slot_of_hash[block_hash] = slot
+            if is_head:
+                self._heads[block_hash] = None
             blocks.release([block_id])
         for slot, block_id in copies.loads:
             self._pinned[slot] -= 1
@@ -168,11 +175,12 @@ class HostTier:
         """The worker group died, its host pools with it: forget every block, let go of every
         GPU block a copy held (their requests were preempted)."""
         for copies in [*self._in_flight.values(), self._next]:
-            blocks.release([block_id for _, block_id, _ in copies.stores])
+            blocks.release([block_id for _, block_id, _, _ in copies.stores])
             blocks.release([block_id for _, block_id in copies.loads])
         self._in_flight.clear()
         self._next = _StepCopies()
         self._slot_of_hash.clear()
+        self._heads.clear()
         self._pinned.clear()
         self._storing.clear()
         self._free_slots = list(range(self.num_blocks - 1, -1, -1))

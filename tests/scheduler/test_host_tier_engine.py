@@ -13,7 +13,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from protocol.prefix_hash import SUMMARY_HASH_BYTES, block_hashes, summary_hash
 from scheduler.engine import LLMEngine
+from scheduler.engine_metrics import EngineMetrics
+from service.prefix_summary import PrefixSummary
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
 from shared.step import StepResult
@@ -68,6 +71,7 @@ def test_prefixes_back_from_the_host_match_no_tier_and_transformers(tiny_checkpo
     with LLMEngine(engine_config(folder, tier=True)) as engine:
         with_tier, cached_with = run_one_by_one(engine, prompts)
         counters = engine.scheduler.host_tier.counters
+        exposition = EngineMetrics(engine.scheduler, "tiny", "s0").exposition().decode()
     assert with_tier == without
     # The second turns were pushed out of the 24-block GPU cache (but for the system prompt, which
     # every first turn refreshed): the tier brings back all of their first turn's full blocks.
@@ -76,6 +80,9 @@ def test_prefixes_back_from_the_host_match_no_tier_and_transformers(tiny_checkpo
     assert counters.num_loaded_blocks > 0
     assert counters.num_hit_tokens == sum(cached_with[-3:]) - sum(cached_without[-3:])
     assert counters.num_stored_blocks > 0
+    assert f'tokenfleet:external_prefix_cache_hits_total{{model_name="tiny",scheduler="s0"}} ' \
+           f'{float(counters.num_hit_tokens)}' in exposition
+    assert "tokenfleet:kv_offload_loaded_bytes_total" in exposition and "kv_offload_usage_perc" in exposition
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     for prompt, ours in zip(prompts[-3:], with_tier[-3:], strict=True):
         assert_greedy_matches(ours, hf_greedy(hf, prompt, NUM_NEW_TOKENS), allow_near_tie=True)
@@ -206,6 +213,20 @@ def test_a_step_of_copies_alone_returns_an_empty_result(tiny_checkpoints):
         scheduler.update_from_output(output, result)
         assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
         assert scheduler.host_tier.counters.num_stored_blocks == 36 // 4
+
+
+def test_the_prefix_summary_names_host_blocks_after_gpu_blocks(tiny_checkpoints):
+    prompts = conversations(4)
+    with LLMEngine(engine_config(tiny_checkpoints["llama"], tier=True)) as engine:
+        run_one_by_one(engine, prompts[:6])  # the first turns, pushed out to the host by the last three
+        summary = PrefixSummary(engine.scheduler)
+        blob = summary.build()
+        fields = summary.heartbeat_fields()
+    hashes = [blob[i:i + SUMMARY_HASH_BYTES] for i in range(0, len(blob), SUMMARY_HASH_BYTES)]
+    gpu, host = hashes[:fields["prefix_summary_gpu_hashes"]], hashes[fields["prefix_summary_gpu_hashes"]:]
+    first_turn = {summary_hash(h) for h in block_hashes(prompts[0], 4)}
+    last_prompt = {summary_hash(h) for h in block_hashes(prompts[5], 4)}
+    assert last_prompt <= set(gpu) and first_turn <= set(host) and not first_turn & set(gpu)
 
 
 @pytest.mark.slow
