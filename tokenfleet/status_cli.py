@@ -67,7 +67,8 @@ def _kv_use(s: dict) -> str:
     """GPU KV use, and the host tier's (with the prompt tokens it served) when there is one."""
     text = f"{100 * s['kv_usage']:.1f}%"
     if s.get("num_host_kv_blocks"):
-        text += f" +host {100 * s.get('host_kv_usage', 0.0):.1f}% ({s.get('host_kv_hit_tokens', 0)} hit tok)"
+        hits = s.get("host_kv_hit_tokens", 0)
+        text += f" +host {100 * s.get('host_kv_usage', 0.0):.1f}% ({hits:,} hit tok)"
     return text
 
 

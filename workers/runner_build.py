@@ -183,6 +183,9 @@ class RunnerBuild:
         size = self.config.kv_offloading_size
         if not size:
             return None
+        if not self.config.enable_prefix_caching:
+            raise ModelLoadError("--kv-offloading-size needs prefix caching (the host tier sits under it); "
+                                 "drop --no-prefix-caching or the tier")
         local = int(size * 2**30 / self.world_size) // self.kv_block_bytes
         num_blocks = all_reduce_min(self.world_size, local)
         if num_blocks < 1:
