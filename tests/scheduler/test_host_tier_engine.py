@@ -200,6 +200,40 @@ def test_async_scheduling_with_the_tier_matches_without(tiny_checkpoints):
     assert with_tier == without and all(cached[-3:])
 
 
+def test_an_fp8_kv_cache_comes_back_from_the_host_byte_for_byte(tiny_checkpoints):
+    folder = tiny_checkpoints["llama"]
+    prompts = conversations(21)
+    with LLMEngine(engine_config(folder, tier=False, kv_cache_dtype="fp8")) as engine:
+        without, _ = run_one_by_one(engine, prompts)
+    with LLMEngine(engine_config(folder, tier=True, kv_cache_dtype="fp8")) as engine:
+        with_tier, cached = run_one_by_one(engine, prompts)
+        assert engine.executor.runner.kv_caches.dtype == torch.float8_e4m3fn
+        assert engine.scheduler.host_tier.counters.num_loaded_blocks > 0
+    assert with_tier == without and all(cached[-3:])
+
+
+def test_a_failed_group_leaves_no_copy_holding_a_block(tiny_checkpoints):
+    """A worker group dies with a load in flight: every running request is preempted, the tier
+    forgets what the dead group's host pools held, and no GPU block stays held."""
+    prompts = conversations(13)
+    with LLMEngine(engine_config(tiny_checkpoints["llama"], tier=True)) as engine:
+        run_one_by_one(engine, prompts[:6])
+        scheduler, manager = engine.scheduler, engine.scheduler.block_manager
+        req_id = engine.add_request(prompts[6], GREEDY)
+        output = scheduler.schedule()
+        assert output.batch.kv_loads
+        scheduler.preempt_all_running()  # (the engine's recovery: the step died with the group)
+        assert manager.num_free_blocks == manager.num_blocks
+        assert scheduler.host_tier.num_used_blocks == 0 and not scheduler._loading
+        engine.executor.restart()
+        tokens = []  # it runs again, recomputing what the tier forgot
+        while engine.has_unfinished_requests():
+            tokens += [t for out in engine.step() if out.req_id == req_id for t in out.new_token_ids]
+    with LLMEngine(engine_config(tiny_checkpoints["llama"], tier=False)) as engine:
+        [reference] = engine.generate([prompts[6]], GREEDY)
+    assert tokens == reference.token_ids
+
+
 def test_a_step_of_copies_alone_returns_an_empty_result(tiny_checkpoints):
     with LLMEngine(engine_config(tiny_checkpoints["llama"], tier=True)) as engine:
         [result] = engine.generate([list(range(3, 40))], SamplingParams(temperature=0.0, max_tokens=1))
@@ -239,5 +273,18 @@ def test_prefixes_back_from_the_host_match_no_tier_at_tp2(tiny_checkpoints):
     with LLMEngine(engine_config(folder, tier=True, tp=2)) as engine:
         with_tier, cached = run_one_by_one(engine, prompts)
         assert engine.executor.num_host_kv_blocks > 0
+        assert engine.scheduler.host_tier.counters.num_loaded_blocks > 0
+    assert with_tier == without and all(cached[-3:])
+
+
+@pytest.mark.slow
+@needs_two_ranks
+def test_prefixes_back_from_the_host_match_no_tier_with_two_pipeline_stages(tiny_checkpoints):
+    folder = tiny_checkpoints["llama"]
+    prompts = conversations(5)
+    with LLMEngine(engine_config(folder, tier=False, pp=2)) as engine:
+        without, _ = run_one_by_one(engine, prompts)
+    with LLMEngine(engine_config(folder, tier=True, pp=2)) as engine:
+        with_tier, cached = run_one_by_one(engine, prompts)
         assert engine.scheduler.host_tier.counters.num_loaded_blocks > 0
     assert with_tier == without and all(cached[-3:])
