@@ -72,8 +72,14 @@ class HostKVPool:
         self._gpu = kv_caches.view(torch.uint8)
         row = self._gpu.shape[-1]
         is_cuda = self.device.type == "cuda"
-        self.pool = torch.empty((num_blocks, layers, two, block_size, heads, row), dtype=torch.uint8,
-                                pin_memory=is_cuda)
+        self.pool = torch.empty((num_blocks, layers, two, block_size, heads, row), dtype=torch.uint8)
+        # Pinned in place (cudaHostRegister), not through pin_memory=True, whose caching host
+        # allocator rounds a size up to a power of two: 48 GiB asked would pin 64.
+        self._is_registered = False
+        if is_cuda:
+            cudart = torch.cuda.cudart()
+            torch.cuda.check_error(cudart.cudaHostRegister(self.pool.data_ptr(), self.pool.numel(), 0))
+            self._is_registered = True
         self.block_bytes = self.pool[0].numel()
         self._stream = torch.cuda.Stream(self.device) if is_cuda else None
 
@@ -125,5 +131,8 @@ class HostKVPool:
         if self._stream is not None:
             with contextlib.suppress(RuntimeError):
                 self._stream.synchronize()
+        if self._is_registered:
+            self._is_registered = False
+            torch.cuda.cudart().cudaHostUnregister(self.pool.data_ptr())
         self.pool = torch.empty(0, dtype=torch.uint8)
         self._gpu = None  # a view that would keep the KV cache's storage alive
