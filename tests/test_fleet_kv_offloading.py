@@ -18,6 +18,7 @@ from shared.config import EngineConfig
 from shared.net import free_port
 from shared.sampling import SamplingParams
 from tests.fleet_helpers import KEYS, TINY_CHAT, UpProcess
+from tokenfleet.cli import main
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +34,7 @@ def _prompts() -> tuple[list[int], list[list[int]], list[int]]:
     return first, [tokens(200) for _ in range(3)], first + tokens(20)
 
 
-def test_a_conversation_comes_back_from_the_host_tier_through_up(tiny_chat, tmp_path) -> None:
+def test_a_conversation_comes_back_from_the_host_tier_through_up(tiny_chat, tmp_path, capsys) -> None:
     first, others, second = _prompts()
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     with LLMEngine(EngineConfig(model=str(tiny_chat), dtype="float32", num_kv_blocks=32)) as engine:
@@ -61,5 +62,11 @@ def test_a_conversation_comes_back_from_the_host_tier_through_up(tiny_chat, tmp_
             assert time.monotonic() < deadline, beats.hgetall(beat_key)
             time.sleep(0.2)
         assert int(beats.hget(beat_key, "num_host_kv_blocks")) > 0
+        # `tokenfleet status` shows the tier beside the GPU cache's use.
+        redis_url = json.loads((home / "fleet.json").read_text())["redis_url"]
+        assert main(["status", "--redis-url", redis_url]) == 0
+        out = capsys.readouterr().out
+        assert [line for line in out.splitlines() if f"{TINY_CHAT}-0" in line and "+host" in line
+                and "hit tok" in line], out
     finally:
         assert up.stop() == 0, up.output[-3000:]
