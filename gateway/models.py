@@ -14,10 +14,10 @@ from typing import Any
 
 from gateway.errors import BadRequest, ModelNotFound
 from gateway.settings import ModelSpec
-from gateway.token_bytes import token_bytes_reader
 from gateway.token_pieces import PieceEncoder
 from shared.errors import ModelLoadError
 from shared.model_config import load_model_config
+from shared.token_bytes import token_bytes_reader
 from shared.tokenizer import encode_ids, load_tokenizer
 
 

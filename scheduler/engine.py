@@ -39,6 +39,7 @@ from scheduler.scheduler import RequestOutput, Scheduler, SchedulerConfig, Sched
 from scheduler.speculative.draft_model import build_draft_proposer, check_draft_model
 from scheduler.step_trace import open_from_env as open_step_trace
 from scheduler.step_trace import write_step as trace_step
+from shared import gc_tuning
 from shared.config import EngineConfig
 from shared.errors import InvalidRequestError, ModelLoadError, WorkerError
 from shared.logging import get_logger
@@ -140,6 +141,9 @@ class LLMEngine:
         # Steps submitted and not yet collected, oldest first: (output, executor handle, scheduled at,
         # submitted at).
         self._in_flight: collections.deque[tuple[SchedulerOutput, object, float, float]] = collections.deque()
+        # The engine owns its runtime: from here to close() Python's collector is tuned for
+        # serving (shared/gc_tuning.py), for the Python API, `generate` and the service alike.
+        gc_tuning.hold()
         self._last_collected_at = 0.0  # when the last step's result came back (perf_counter)
         self.num_group_restarts = 0
         self.num_steps = 0  # steps that ran on the workers
@@ -354,6 +358,14 @@ class LLMEngine:
         prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
         self.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
         self.calibrate_step_cost(rng)
+        self.prepare_grammars()
+        gc_tuning.refreeze()  # the kernels and graphs the warm-up built live as long as the engine
+
+    def prepare_grammars(self) -> None:
+        """Structured outputs' tables and compiler built now (scheduler/grammar.py), so that the
+        first constrained request costs what the hundredth does. The service calls it at its start."""
+        if self.scheduler.grammars is not None:
+            self.scheduler.grammars.prepare()
 
     def calibrate_step_cost(self, rng: random.Random | None = None) -> None:
         """Time steps of 16, 32, ... up to max_num_batched_tokens tokens (one prompt each, with its
@@ -378,6 +390,7 @@ class LLMEngine:
         if getattr(self, "_is_closed", False):
             return
         self._is_closed = True
+        gc_tuning.release()
         self.executor.shutdown()
         if self.scheduler.speculator is not None:
             self.scheduler.speculator.close()  # a draft model's weights and KV cache

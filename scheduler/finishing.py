@@ -132,15 +132,19 @@ class Finishing:
             if request.is_finished:
                 break
         logprobs = None
+        wants_logprobs = request.sampling.logprobs is not None
         if not request.is_finished:
             request.output_token_ids.append(sampled.token_id)
-            if request.sampling.logprobs is not None:
-                logprobs = [TokenLogprobs(sampled.token_id, sampled.logprob, sampled.top_logprobs)]
-                request.output_logprobs.extend(logprobs)
             text_delta += self._detokenize_and_check_stop(request, sampled.token_id)
             new_token_ids.append(sampled.token_id)
+            # As OpenAI: the token that ended the request by being a stop token (EOS, a stop
+            # token id) adds no text, so it gets no logprobs entry either; the entries' bytes
+            # then rebuild the content.
+            if wants_logprobs and not request.ended_on_stop_token:
+                logprobs = [TokenLogprobs(sampled.token_id, sampled.logprob, sampled.top_logprobs)]
+                request.output_logprobs.extend(logprobs)
         # Jump-forward (scheduler/grammar.py): text the grammar forces now, appended unsampled.
-        forced = self.grammars.forced_tokens(request.req_id) if self.grammars and logprobs is None else []
+        forced = self.grammars.forced_tokens(request.req_id) if self.grammars and not wants_logprobs else []
         for token_id in itertools.takewhile(lambda _: not request.is_finished, forced):
             request.output_token_ids.append(token_id)
             new_token_ids.append(token_id)

@@ -46,6 +46,7 @@ import functools
 import json
 import os
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -131,12 +132,36 @@ class Grammars:
         self.jump_forward = jump_forward
         self.num_fill_threads = num_fill_threads
         self._cores = available_cores()
-        self._compiler = None  # built at the first constrained request (it reads the whole vocab)
+        self._compiler = None  # built by prepare() at start-up, else at the first constrained request
         self._batch_matchers: dict[int, object] = {}  # threads -> xgrammar.BatchGrammarMatcher
         self._matchers: dict[str, object] = {}  # req_id -> xgrammar.GrammarMatcher
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._matchers
+
+    def prepare(self) -> None:
+        """Build at start-up what the first constrained request would otherwise wait for: the
+        tokenizer's tables over the whole vocabulary and the compiler (seconds for a 128k
+        vocabulary), the JSON grammar `json_object` uses, and the batch fill's matcher and
+        threads. Does nothing without a tokenizer or where xgrammar is not installed."""
+        if self._tokenizer is None:
+            return
+        try:
+            import xgrammar as xgr
+        except ImportError:
+            return
+        started = time.perf_counter()
+        grammar = self._compile(json.dumps({"type": "json_object"}))
+        # Two matchers through the batch fill (one row is filled alone), so that its threads
+        # are started and the bitmask path is warm.
+        rows = [xgr.GrammarMatcher(grammar) for _ in range(2)]
+        self._fill([0, 1], rows)
+        logger.info("grammars_prepared", seconds=round(time.perf_counter() - started, 3),
+                    vocab_size=self._vocab_size)
+
+    @property
+    def is_prepared(self) -> bool:
+        return self._compiler is not None
 
     def __len__(self) -> int:
         return len(self._matchers)

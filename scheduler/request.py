@@ -96,7 +96,7 @@ class Request:
     # The stop string or stop token id that ended the request; None for EOS, length, abort.
     stop_reason: str | int | None = None
     output_text: str = ""  # text streamed so far (stop strings and held-back text excluded)
-    # One entry per output token, only when sampling.logprobs is not None.
+    # One entry per output token (but a stop token that ended it), only when sampling.logprobs is set.
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # sampling.prompt_logprobs set: entry i scores prompt token i + 1 ([token_id, logprob, top]),
     # filled chunk by chunk as the prefill's steps come back; sent with the first output token.
@@ -145,6 +145,12 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def ended_on_stop_token(self) -> bool:
+        """Stopped by its last token being EOS or a stop token id (which add no text), not by a
+        stop string or the length."""
+        return self.status == RequestStatus.FINISHED_STOPPED and not isinstance(self.stop_reason, str)
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
         """all_token_ids[start:end] without building the whole list (hot path: every step)."""

@@ -35,7 +35,6 @@ from protocol import registry
 from protocol.keys import Keys
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
-from shared.gc_tuning import tune_for_serving
 from shared.sampling import SamplingParams
 from testkit.processes import Children, start_gateway, start_scheduler
 from testkit.runs import print_command
@@ -68,7 +67,6 @@ def in_process(model: str, lines: list[dict], args) -> tuple[float, int]:
                           max_num_batched_tokens=args.max_num_batched_tokens)
     with LLMEngine(config) as engine:
         engine.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
-        tune_for_serving()  # as the scheduler runs (shared/gc_tuning.py)
         start = time.perf_counter()
         outputs = engine.generate(prompts, params)
         seconds = time.perf_counter() - start

@@ -25,8 +25,8 @@ import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import torch
 
 from scheduler.engine import LLMEngine
+from shared import gc_tuning
 from shared.config import EngineConfig
-from shared.gc_tuning import tune_for_serving
 from shared.logging import configure_logging
 from testkit.multiturn_runs import load_rates, make_conversations, run_conversations
 from testkit.quant_runs import SMOKE_LLAMA
@@ -69,7 +69,7 @@ def measure(folder, args, vocab: int, tier: bool) -> dict:
         # The kernels compile for these shapes now, not in the first measured turns.
         max_len = min(engine.max_model_len, args.num_kv_blocks * 16 // 2)
         engine.generate(warmup_prompts(vocab, max_len), greedy(8))
-        tune_for_serving()
+        gc_tuning.refreeze()  # (as LLMEngine.warm_up does: what the warm-up built lives on)
         out = {}
         for name, num, seed in (("within", args.within, 1), ("beyond", args.beyond, 2)):
             conversations = make_conversations(num, args.turns, system_tokens=args.system_tokens,

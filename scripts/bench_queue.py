@@ -23,7 +23,6 @@ import _repo  # noqa: F401 - first: it puts the repository on sys.path
 from protocol.messages import unpack_list_chunks
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
-from shared.gc_tuning import tune_for_serving
 from testkit.processes import Children, start_scheduler
 from testkit.redis_queue import read_results, submit_requests, wait_drained
 from testkit.runs import print_command
@@ -48,7 +47,6 @@ def main() -> None:
 
     with LLMEngine(config) as engine:
         engine.generate(workload.prompts[:2], greedy(2))  # warm-up
-        tune_for_serving()  # as the scheduler runs (shared/gc_tuning.py)
         start = time.perf_counter()
         direct = engine.generate(workload.prompts, params)
         in_process_s = time.perf_counter() - start

@@ -110,6 +110,7 @@ class SchedulerService(Maintenance):
     # -- the loop -----------------------------------------------------------------------
 
     def run(self, stop: threading.Event) -> None:
+        self.engine.prepare_grammars()  # before the first read: no request waits for it
         listener = threading.Thread(target=self._listen_for_cancels, args=(stop,), daemon=True)
         listener.start()
         renewer = threading.Thread(target=self.renewer.run, args=(stop,), name="claim-renewer", daemon=True)

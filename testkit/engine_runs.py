@@ -9,7 +9,6 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from shared.gc_tuning import tune_for_serving
 from testkit.roofline import sync
 from testkit.workloads import Workload, greedy, warmup_prompts
 
@@ -29,10 +28,8 @@ def start_local_ray(env_vars: dict[str, str]) -> None:
 
 def warm_up(engine: LLMEngine, vocab_size: int) -> None:
     """First-call costs (kernel compiles, cuBLAS plans, prefill attention) are not throughput.
-    Then this process's garbage collector is tuned as a serving process's is once it has started
-    (shared/gc_tuning.py), so that an in-process engine compares with the fleet's scheduler."""
+    (The engine tunes the garbage collector itself, as the fleet's scheduler runs it.)"""
     engine.generate(warmup_prompts(vocab_size, engine.max_model_len), greedy(8))
-    tune_for_serving()
 
 
 @dataclass

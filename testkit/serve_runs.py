@@ -24,7 +24,6 @@ import redis
 from gateway.models import ServedModel
 from protocol.keys import Keys
 from protocol.result_record import F
-from shared.gc_tuning import tune_for_serving
 from shared.net import free_port
 from testkit import py_spy
 from testkit.arrivals import Chats, ServingRow, run_chats
@@ -206,7 +205,6 @@ def engine_rows(args: argparse.Namespace, folder: Path, rates: list[float], *,
         served.tokenizer = engine.tokenizer
         warm = Chats([0.0] * 4, [engine.encode("warm up the engine", chat=True)] * 4, [8] * 4)
         run_chats(engine, warm, "warm-up")
-        tune_for_serving()  # as the fleet's scheduler runs (shared/gc_tuning.py)
         for rate in rates:
             planned = fleet_bench.plan_requests(bench_args(args, "", rate), MODEL_NAME)
             chats = Chats([p.arrival for p in planned],

@@ -97,12 +97,39 @@ async def test_chat_logprobs_match_greedy_choices(sdk):
     response = await sdk.chat.completions.create(model=MODEL, messages=CAPITAL, max_tokens=8, temperature=0,
                                                  logprobs=True, top_logprobs=3)
     content = response.choices[0].logprobs.content
-    assert len(content) == response.usage.completion_tokens
+    ended_on_eos = response.choices[0].finish_reason == "stop"  # the end token is not listed
+    assert len(content) == response.usage.completion_tokens - ended_on_eos
     for item in content:
         assert len(item.top_logprobs) == 3
         assert item.top_logprobs[0].token == item.token  # greedy: the chosen token is the likeliest
         assert item.logprob == pytest.approx(item.top_logprobs[0].logprob, abs=1e-4)
         assert bytes(item.bytes).decode() == item.token
+
+
+async def test_logprobs_leave_out_the_end_token_so_their_bytes_rebuild_the_content(sdk):
+    # The greedy answer ends with <|im_end|> (finish_reason stop) well within 48 tokens; OpenAI lists
+    # no entry for the end token, on chat and completions, streamed and not.
+    chat = await sdk.chat.completions.create(model=MODEL, messages=CAPITAL, max_tokens=48, temperature=0,
+                                             logprobs=True)
+    assert chat.choices[0].finish_reason == "stop"
+    content = chat.choices[0].logprobs.content
+    assert b"".join(bytes(item.bytes) for item in content).decode() == chat.choices[0].message.content
+    assert len(content) == chat.usage.completion_tokens - 1  # the end token is counted, not listed
+    stream = await sdk.chat.completions.create(model=MODEL, messages=CAPITAL, max_tokens=48, temperature=0,
+                                               logprobs=True, stream=True)
+    streamed = [item async for chunk in stream for choice in chunk.choices
+                if choice.logprobs is not None for item in choice.logprobs.content or []]
+    assert [item.token for item in streamed] == [item.token for item in content]
+    prompt, period = "The capital of France is", {"stop_token_ids": [30]}  # "." (id 30) as a stop token
+    text = await sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=48, temperature=0, logprobs=1,
+                                        extra_body=period)
+    choice = text.choices[0]
+    assert choice.finish_reason == "stop"
+    assert "".join(choice.logprobs.tokens) == choice.text
+    stream = await sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=48, temperature=0,
+                                          logprobs=1, extra_body=period, stream=True)
+    tokens = [t async for chunk in stream for c in chunk.choices if c.logprobs for t in c.logprobs.tokens]
+    assert "".join(tokens) == choice.text
 
 
 async def test_submit_poll_and_reattach_half_way_equals_the_non_streamed_result(real_client):

@@ -96,6 +96,44 @@ def test_incomplete_trailing_character_is_flushed_at_finish(tokenizer) -> None:
     assert detokenizer.finish() == tokenizer.decode(partial_char)
 
 
+def test_bytes_that_can_never_become_a_character_are_sent_at_once(tokenizer) -> None:
+    # A lone continuation byte, then a lead byte cut short by a plain letter: no later byte makes
+    # either valid, so each goes out as U+FFFD with its token (a full decode shows the same).
+    detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode("a"))
+    lone_continuation, lead = byte_token_ids(tokenizer, "é")[1], byte_token_ids(tokenizer, "é")[0]
+    assert detokenizer.add_token(lone_continuation) == "\ufffd"
+    assert detokenizer.add_token(lead) == ""  # may still complete
+    assert detokenizer.add_token(tokenizer.encode("b")[0]) == "\ufffdb"
+
+
+def test_text_before_a_character_still_arriving_is_sent_without_waiting_for_it(tokenizer) -> None:
+    detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode("a"))
+    word, char = tokenizer.encode(" hello"), byte_token_ids(tokenizer, "日")
+    deltas = [detokenizer.add_token(t) for t in word + char]
+    assert "".join(deltas[: len(word)]) == " hello"
+    assert deltas[len(word):] == ["", "", "日"]
+
+
+def test_a_random_model_over_a_vocabulary_of_byte_strings_streams_nearly_every_token() -> None:
+    # The seed model's stand-in: a synthetic qwen.tiktoken of 151,643 ranks, mostly random byte
+    # strings, and random ids as a random-weight model samples them. Holding back every delta
+    # that ended in U+FFFD left half of the tokens without text, in runs of up to 11.
+    from shared.qwen_tokenizer import QwenTokenizer
+    from testkit.qwen_checkpoints import synthetic_ranks
+
+    qwen = QwenTokenizer(synthetic_ranks(151_643))
+    rng = random.Random(0)
+    num_empty = num_tokens = 0
+    for _ in range(20):
+        ids = [rng.randrange(151_643) for _ in range(100)]
+        detokenizer = IncrementalDetokenizer(qwen, [1, 2, 3])
+        deltas = stream(detokenizer, ids)
+        assert "".join(deltas) == qwen.decode(ids)
+        num_empty += sum(delta == "" for delta in deltas[:-1])
+        num_tokens += len(ids)
+    assert num_empty / num_tokens < 0.02
+
+
 def test_special_tokens_are_skipped(tokenizer) -> None:
     detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode("a"))
     ids = tokenizer.encode("hello") + [tokenizer.eos_token_id] + tokenizer.encode(" world")

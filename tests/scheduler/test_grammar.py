@@ -185,3 +185,36 @@ def test_a_json_schema_without_strict_false_allows_only_the_properties_it_names(
         else:
             with pytest.raises(InvalidRequestError):
                 grammars.add(f"extra-{strict}", grammar, extra)
+
+
+def test_the_first_constrained_request_finds_the_compiler_and_json_grammar_built_at_start_up(
+        smollm2, monkeypatch):
+    # What the first constrained request would wait on: the tokenizer's tables and the compiler
+    # (built once per engine), and the compile of its grammar. After prepare_grammars (start-up:
+    # the service's run, warm_up) none of them is built for it: json_object is a cache hit.
+    import xgrammar as xgr
+
+    with _engine(smollm2) as engine:
+        engine.prepare_grammars()
+        built: list[str] = []
+        for name in ("TokenizerInfo", "GrammarCompiler"):
+            cls = getattr(xgr, name)
+            monkeypatch.setattr(xgr, name,
+                                lambda *a, _cls=cls, _name=name, **k: built.append(_name) or _cls(*a, **k))
+        compiler = engine.scheduler.grammars._compiler
+        cache_before = compiler.get_cache_size_bytes()
+        json_object = json.dumps({"type": "json_object"})
+        [result] = engine.generate(["Paris as a JSON object:"], _params(0, json_object, max_tokens=8))
+        assert built == []
+        assert compiler.get_cache_size_bytes() == cache_before  # its grammar was compiled already
+        assert result.text.startswith("{")
+
+
+def test_without_start_up_the_first_constrained_request_builds_the_compiler(smollm2):
+    # The same engine not prepared: the compiler is what its first constrained request builds (so
+    # the test above pins something that start-up moved).
+    with _engine(smollm2) as engine:
+        assert not engine.scheduler.grammars.is_prepared
+        json_object = json.dumps({"type": "json_object"})
+        engine.generate(["Paris as a JSON object:"], _params(0, json_object, max_tokens=4))
+        assert engine.scheduler.grammars.is_prepared

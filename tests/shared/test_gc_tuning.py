@@ -33,3 +33,31 @@ def test_the_startup_heap_is_frozen_and_young_collections_are_rarer_once() -> No
     assert found["after"]["threshold"] == 10_000
     assert found["after"]["frozen"] >= 1000  # the startup heap, the 1,000 lists among it
     assert found["unfreezes_at_exit"] == 1  # registered once, though called twice
+
+
+_ENGINE_CHILD = """
+import gc, json, sys
+from scheduler.engine import LLMEngine
+from shared.config import EngineConfig
+from shared.sampling import SamplingParams
+seen = {"before": [gc.get_threshold()[0], gc.get_freeze_count()]}
+with LLMEngine(EngineConfig(model=sys.argv[1], dtype="float32", num_kv_blocks=64),
+               load_tokenizer_files=False) as engine:
+    seen["serving"] = [gc.get_threshold()[0], gc.get_freeze_count()]
+    engine.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+seen["closed"] = [gc.get_threshold()[0], gc.get_freeze_count()]
+print(json.dumps(seen))
+"""
+
+
+def test_an_engine_used_in_process_tunes_the_collector_until_it_is_closed(tiny_checkpoints) -> None:
+    # The Python API (no CLI, no tune_for_serving call) gets the serving tuning from the engine
+    # itself; closing the last engine gives the frozen heap back to the collector.
+    proc = subprocess.run([sys.executable, "-c", _ENGINE_CHILD, str(tiny_checkpoints["llama"])], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["before"] == [700, 0]
+    threshold, frozen = seen["serving"]
+    assert threshold == 10_000 and frozen > 10_000  # torch, the model: the startup heap
+    assert seen["closed"] == [700, 0]

@@ -46,6 +46,13 @@ def _decoder_types(tokenizer: Any) -> set[str]:
 
 def token_bytes_reader(tokenizer: Any) -> Callable[[int], bytes]:
     """token id -> its bytes, for this tokenizer's kind of vocabulary."""
+    reader = exact_token_bytes_reader(tokenizer)
+    return reader if reader is not None else (lambda token_id: tokenizer.decode([token_id]).encode())
+
+
+def exact_token_bytes_reader(tokenizer: Any) -> Callable[[int], bytes] | None:
+    """token id -> its bytes where the vocabulary spells them (a piece of a character included);
+    None for a vocabulary of another kind, whose tokens are known only by their decoded text."""
     if callable(getattr(tokenizer, "token_bytes", None)):
         listed = tokenizer.token_bytes()  # (a special token's is empty: its text is used)
         return lambda token_id: (listed[token_id] if 0 <= token_id < len(listed) and listed[token_id]
@@ -76,4 +83,4 @@ def token_bytes_reader(tokenizer: Any) -> Callable[[int], bytes]:
         return byte_level
     if "ByteFallback" in kinds or "Metaspace" in kinds:
         return sentencepiece
-    return decoded
+    return None
