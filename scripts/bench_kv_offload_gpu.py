@@ -18,7 +18,6 @@ lower and output tok/s 1.3x with the tier; within it, at most 2% of either lost;
 from __future__ import annotations
 
 import argparse
-import gc
 import shutil
 
 import _repo  # noqa: F401 - first: it puts the repository on sys.path
@@ -30,7 +29,7 @@ from shared.config import EngineConfig
 from shared.logging import configure_logging
 from testkit.multiturn_runs import load_rates, make_conversations, run_conversations
 from testkit.quant_runs import SMOKE_LLAMA
-from testkit.random_models import LLAMA3_8B, checkpoint_folder, module_bytes, random_llama
+from testkit.random_models import LLAMA3_8B, save_random_llama
 from testkit.runs import log, print_command
 from testkit.workloads import greedy, warmup_prompts
 
@@ -90,11 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging("WARNING")
     shape = SMOKE_LLAMA if args.smoke else LLAMA3_8B
     vocab = shape["vocab_size"]
-    model = random_llama(shape, torch.device(args.device))
-    folder = checkpoint_folder(module_bytes(model))
-    model.save_pretrained(folder)
-    del model
-    gc.collect()
+    folder = save_random_llama(shape, torch.device(args.device)).folder
     try:
         without = measure(folder, args, vocab, tier=False)
         with_tier = measure(folder, args, vocab, tier=True)

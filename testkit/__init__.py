@@ -25,7 +25,8 @@
   (bench_prefix_cache), `pp_runs` (bench_pp), `batch_runs` (bench_batch), `mixed_runs`
   (bench_mixed_gpu), `gateway_streams` (bench_gateway), `autoscale_runs` (bench_autoscale),
   `routing_runs` (bench_routing), `routing_sim` (sim_routing), `dispatch_runs` (bench_dispatch),
-  `host_loop` (bench_host_loop), `redis_shard_load` (bench_redis_shards);
+  `host_loop` (bench_host_loop), `redis_shard_load` (bench_redis_shards), `multiturn_runs`
+  (bench_kv_offload_gpu);
 - `runs`: the command line, a timestamped log, percentiles, SIGTERM as an exception;
 - `chaos/`: the chaos harness (scripts/chaos.py runs it, tests/test_chaos.py too).
 """
