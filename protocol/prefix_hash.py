@@ -24,6 +24,11 @@ ROOT_HASH: BlockHash = hashlib.sha256(b"tokenfleet-kv-block").digest()
 # only (a false match misroutes one request, it never shares K/V), 4x smaller than the digest.
 SUMMARY_HASH_BYTES = 8
 
+# A block a replica holds in its host KV tier counts this much of a block in its GPU cache when the
+# gateway weighs where a prompt's prefix is held: loading it back is cheaper than recomputing it,
+# dearer than finding it on the GPU. A summary lists its GPU hashes first, then its host ones.
+HOST_TIER_WEIGHT = 0.5
+
 
 def rope_root(rope_offset: int) -> BlockHash:
     """The root of the chains of sequences whose rotary table is another (rope_offset != 0:

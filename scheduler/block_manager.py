@@ -7,6 +7,10 @@ nobody holds stays in the cache, free to be taken back by the next request with 
 prefix, until a new block is needed and none is left that holds nothing: then the least
 recently used cached one is evicted. Only full blocks are shared; a request's last partial
 block (where it writes) is its own.
+
+A copy between the GPU and the host tier (scheduler/host_tier.py) holds the blocks it reads or
+writes like a request does (`hold` / `release`): a block whose store has not read it yet, or
+whose load has not written it yet, is never handed out again.
 """
 
 from __future__ import annotations
@@ -64,6 +68,9 @@ class BlockManager:
         # how many of them were found in the cache.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # With a host tier: (hash, block id, its index in its chain) of each block registered since
+        # the tier last took them (scheduler/host_tier.py copies them to the host); None: nobody asks.
+        self.newly_registered: list[tuple[BlockHash, int, int]] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -155,15 +162,35 @@ class BlockManager:
             request.block_ids.append(self._take_empty())
         return True
 
-    def record_first_admission(self, request: Request) -> None:
+    def record_first_admission(self, request: Request, num_host_tokens: int = 0) -> None:
         """Count the request in prefix_cache_queries / _hits (once: a preempted request that
-        comes back is not counted again) and remember its hit for its usage."""
+        comes back is not counted again) and remember its hit for its usage, which counts the
+        `num_host_tokens` loaded from the host tier too (they are not hits of this cache)."""
         if request.num_cached_tokens is not None:
             return
         request.num_cached_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
         if self.enable_prefix_caching:
             self.prefix_cache_queries += request.num_prompt_tokens
-            self.prefix_cache_hits += request.num_cached_tokens
+            self.prefix_cache_hits += max(0, request.num_cached_tokens - num_host_tokens)
+
+    def hold(self, block_ids: Sequence[int]) -> None:
+        """One more holder of each block (a copy in flight): not handed out before `release`."""
+        for block_id in block_ids:
+            self._take(block_id)
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        """Drop a `hold`; a block nobody holds any more is free (cached if it has a hash)."""
+        for block_id in block_ids:
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                if block_id in self._hash_of_block:
+                    self._free_cached[block_id] = None
+                else:
+                    self._empty_block_ids.append(block_id)
+
+    def block_of(self, block_hash: BlockHash) -> int | None:
+        """The block holding `block_hash` in this cache, if any."""
+        return self._block_of_hash.get(block_hash)
 
     def _take(self, block_id: int) -> None:
         if self._ref_counts[block_id] == 0:
@@ -199,6 +226,8 @@ class BlockManager:
             if block_hash not in self._block_of_hash and block_id not in self._hash_of_block:
                 self._block_of_hash[block_hash] = block_id
                 self._hash_of_block[block_id] = block_hash
+                if self.newly_registered is not None:
+                    self.newly_registered.append((block_hash, block_id, index))
         if request.num_registered_blocks < SUMMARY_DEPTH_BLOCKS:
             self._touch_heads(hashes[:num_full])
         request.num_registered_blocks = num_full
@@ -208,13 +237,7 @@ class BlockManager:
         holds keeps its cached prefix, if it has one, until it is evicted."""
         # Reversed: the tail of a sequence is evicted before its head, which more requests
         # share, and an empty block freed first is handed out again first.
-        for block_id in reversed(request.block_ids):
-            self._ref_counts[block_id] -= 1
-            if self._ref_counts[block_id] == 0:
-                if block_id in self._hash_of_block:
-                    self._free_cached[block_id] = None
-                else:
-                    self._empty_block_ids.append(block_id)
+        self.release(request.block_ids[::-1])
         request.block_ids = []
         request.num_registered_blocks = 0
 
@@ -239,3 +262,5 @@ class BlockManager:
         self._block_of_hash.clear()
         self._hash_of_block.clear()
         self._head_hashes.clear()
+        if self.newly_registered is not None:
+            self.newly_registered.clear()

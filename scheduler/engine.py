@@ -128,6 +128,8 @@ class LLMEngine:
                 itl_slowdown=config.itl_slowdown,
                 max_loras=config.max_loras if config.enable_lora else 0,
                 speculative=config.speculative_config,
+                num_host_kv_blocks=self.executor.num_host_kv_blocks,
+                kv_block_bytes=self.executor.kv_block_bytes,
             ),
             self.tokenizer,
             Grammars(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),
@@ -260,7 +262,7 @@ class LLMEngine:
                     break  # no step ahead while one would leave such a request out of it
                 started = time.perf_counter()
                 output = self.scheduler.schedule()
-                if not output.batch.works:  # only aborts (or preemption) to report
+                if not output.batch.works and not output.batch.has_kv_copies:  # only aborts (or preemption)
                     done = self.scheduler.update_from_output(output, StepResult(output.batch.step_id, []))
                     if done or output.preempted_req_ids:
                         self._observe(output, done, started)
@@ -282,7 +284,8 @@ class LLMEngine:
         # or from its submission (when the device had nothing before it) to its own result.
         step_ms = (collected - max(self._last_collected_at, submitted)) * 1000
         self._last_collected_at = collected
-        self.scheduler.observe_step(output, step_ms)
+        if output.batch.works:  # (a step of host-tier copies alone says nothing of step costs)
+            self.scheduler.observe_step(output, step_ms)
         if self.step_trace is not None:
             trace_step(self.step_trace, output, step_ms, self.scheduler)
         self._num_failed_steps = 0

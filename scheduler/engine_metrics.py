@@ -18,6 +18,10 @@ Counting rules (as vLLM v1 counts them):
   drafts), num_draft_tokens, num_accepted_tokens, num_accepted_tokens_per_pos{position} and
   num_emitted_tokens (accepted plus the target's own token, less what a stop cut). The acceptance
   rate is accepted / draft tokens; the mean accepted length is 1 + accepted / drafts.
+- host KV tier (with --kv-offloading-size only; scheduler/host_tier.py): external_prefix_cache_hits
+  (vLLM's name for prompt tokens found outside the GPU cache: here loaded from the host), and
+  kv_offload_{stored,loaded}_{blocks,bytes}, kv_offload_load_seconds (the load rate in bytes per
+  second is rate(loaded_bytes) / rate(load_seconds)), kv_offload_usage_perc.
 """
 
 from __future__ import annotations
@@ -83,6 +87,31 @@ class _SchedulerState(Collector):
             yield family
         if scheduler.speculator is not None:
             yield from _spec_decode_families(scheduler.speculator, labels)
+        if scheduler.host_tier is not None:
+            yield from _host_tier_families(scheduler.host_tier, labels)
+
+
+# Host KV tier counters: metric name -> (HostTierCounters field, what it counts).
+HOST_TIER_COUNTERS = (
+    ("external_prefix_cache_hits", "num_hit_tokens", "prompt tokens loaded from the host KV tier"),
+    ("kv_offload_stored_blocks", "num_stored_blocks", "KV blocks copied to the host tier"),
+    ("kv_offload_loaded_blocks", "num_loaded_blocks", "KV blocks loaded back from the host tier"),
+    ("kv_offload_stored_bytes", "num_stored_bytes", "bytes copied to the host tier, every rank's"),
+    ("kv_offload_loaded_bytes", "num_loaded_bytes", "bytes loaded from the host tier, every rank's"),
+    ("kv_offload_load_seconds", "load_seconds", "seconds the driver rank's loads took (bytes / seconds: "
+                                                "the load rate)"),
+)
+
+
+def _host_tier_families(host_tier, labels: list[str]):
+    for name, field, doc in HOST_TIER_COUNTERS:
+        family = CounterMetricFamily(PREFIX + name, doc, labels=LABELS)
+        family.add_metric(labels, getattr(host_tier.counters, field))
+        yield family
+    family = GaugeMetricFamily(PREFIX + "kv_offload_usage_perc", "fraction of the host tier's blocks in use, "
+                               "0 to 1", labels=LABELS)
+    family.add_metric(labels, host_tier.usage)
+    yield family
 
 
 def _spec_decode_families(speculator, labels: list[str]):

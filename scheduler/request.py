@@ -87,6 +87,9 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
     num_cached_tokens: int | None = None
+    # Host tier (scheduler/host_tier.py): the step whose copies load this request's prefix into
+    # its blocks; it runs no step before that one is back. None: not loading.
+    loading_step_id: int | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None

@@ -49,6 +49,10 @@ class SchedulerConfig:
     speculative: SpeculativeConfig | None = None
     # LoRA adapters: how many may share a step (the runners' slots); 0: no adapters served.
     max_loras: int = 0
+    # The host tier under the prefix cache (scheduler/host_tier.py): its blocks (0: none), and one
+    # block's bytes over every rank (for the metrics).
+    num_host_kv_blocks: int = 0
+    kv_block_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "num_kv_blocks", "block_size", "max_num_seqs",
@@ -67,6 +71,8 @@ class SchedulerConfig:
             raise ValueError(f"itl_target_ms must be >= 0, got {self.itl_target_ms}")
         if not self.itl_slowdown >= 1:
             raise ValueError(f"itl_slowdown must be >= 1, got {self.itl_slowdown}")
+        if self.num_host_kv_blocks and not self.enable_prefix_caching:
+            raise ValueError("the host KV tier sits under the prefix cache: it needs prefix caching on")
         if self.async_scheduling and self.pipeline_depth > 1:
             raise ValueError("async_scheduling needs pipeline_depth 1 (a pipeline overlaps its steps)")
 

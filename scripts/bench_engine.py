@@ -28,14 +28,12 @@ import torch
 from shared.config import EngineConfig
 from shared.logging import configure_logging
 from shared.model_config import load_model_config
-from testkit.cpu_engine_runs import Measurement, run_engine, run_transformers
-from testkit.roofline import ModelShape, exact_flops, matmul_rate, read_bandwidth, roofline
+from testkit.cpu_engine_runs import Measurement, measure_rates, run_engine, run_transformers
+from testkit.roofline import ModelShape, exact_flops, roofline
 from testkit.runs import print_command
 from testkit.workloads import Workload, uniform_workload
 from workers.device import DTYPES
 
-MATMUL_SIZE = 2048
-MATMUL_SECONDS = 2.0  # how long to repeat the matmul for one rate
 # Below this share of the cores, something else ran during the measurement: say so. Quiet
 # runs get 99%; at 87% a run was seen 38% slower (threads wait on the one descheduled).
 MIN_CPU_SHARE = 0.95
@@ -149,18 +147,6 @@ def main(argv: list[str] | None = None) -> None:
     caption = (f"{args.dtype}, {len(workload.prompts)} requests, {torch.get_num_threads()} threads, "
                f"matmul {rate / 1e9:,.0f} GFLOP/s, read {bandwidth / 1e9:.0f} GB/s")
     print_table(floors, workload, measurements, caption)
-
-
-def measure_rates(dtype: str, when: str) -> dict[str, float]:
-    """FLOP/s of float32 matmul (and of `dtype`'s), and memory read bytes/s ("read"); printed."""
-    cpu = torch.device("cpu")
-    names = ["float32"] if dtype == "float32" else ["float32", dtype]
-    rates = {name: matmul_rate(cpu, DTYPES[name], MATMUL_SIZE, MATMUL_SECONDS) for name in names}
-    rates["read"] = read_bandwidth(cpu, 512 << 20)
-    shown = ", ".join(f"{name} {rates[name] / 1e9:,.0f}" for name in names)
-    print(f"{when}: matmul {MATMUL_SIZE}^3 {shown} GFLOP/s; memory read {rates['read'] / 1e9:.1f} GB/s",
-          flush=True)
-    return rates
 
 
 if __name__ == "__main__":

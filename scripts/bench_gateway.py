@@ -43,29 +43,19 @@ Goal: no errors, under 100 KiB per stream, under 2 ms added at the median.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
 import signal
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import _repo  # noqa: F401 - first: it puts the repository on sys.path
 
 from shared.logging import configure_logging
-from testkit.added_latency import latencies
-from testkit.chat_streams import Counter, check_stream, run_clients
-from testkit.checkpoints import tiny_llama_with_smollm2_tokenizer
-from testkit.processes import Children, RssSampler, start_gateway, start_scheduler
-from testkit.redis_queue import EventListener
-from testkit.runs import percentile, print_command, raise_fd_limit
-from tokenfleet.redis_server import RedisServer
+from testkit.gateway_streams import GatewayRun, run
+from testkit.processes import Children
+from testkit.runs import percentile, print_command
 
-MODEL_NAME = "tiny"
-PROMPT_TOKENS_BOUND = 64  # the chat-templated prompts below stay under this many tokens
 GOAL_KIB_PER_STREAM = 100.0
 GOAL_ADDED_MS = 2.0
 
@@ -80,75 +70,11 @@ def spread(values: list[float]) -> str:
     return " / ".join(ms(percentile(values, q)) for q in (50, 90, 99))
 
 
-# -- main ------------------------------------------------------------------------------------------
-
-def run(args: argparse.Namespace, tmp: Path, children: Children) -> None:
-    raise_fd_limit(4 * args.streams + 256)  # children inherit it: the gateway holds every stream too
-    model = tiny_llama_with_smollm2_tokenizer(tmp / "tiny")
-    redis_server = RedisServer(tmp / "redis")
-    redis_server.start()
-    try:
-        _run_with_redis(args, tmp, children, model, redis_server)
-    finally:
-        # A second Ctrl-C (or SIGTERM) must not cut the cleanup short.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        children.stop()
-        try:
-            redis_server.stop()
-        except subprocess.TimeoutExpired:
-            redis_server.process.kill()
-            redis_server.process.wait(timeout=5)
-
-
-def _run_with_redis(args: argparse.Namespace, tmp: Path, children: Children, model: Path,
-                    redis_server: RedisServer) -> None:
-    blocks_per_seq = math.ceil((PROMPT_TOKENS_BOUND + args.max_tokens) / 16) + 1
-    num_kv_blocks = args.streams * blocks_per_seq + 64
-    sched_flags = ["--model-name", MODEL_NAME, "--dtype", "float32",
-                   "--max-num-seqs", str(max(args.streams, 8)), "--max-num-batched-tokens", "4096",
-                   "--num-kv-blocks", str(num_kv_blocks)]
-    if args.scheduler_threads:
-        sched_flags += ["--num-threads", str(args.scheduler_threads)]
-    start_scheduler(children, redis_server.url, model, *sched_flags)
-    profile = ()
-    if args.profile_gateway:
-        profile = ("-m", "cProfile", "-o", str(Path(args.profile_gateway).resolve()))
-    base, gateway_pid = start_gateway(children, redis_server.url, model, "--model-name", MODEL_NAME,
-                                      "--max-queue", "0", port=args.port or None, python_flags=profile)
-    url = f"{base}/v1/chat/completions"
-
-    # Warm-up: the first requests pay for imports, the chat template's compilation, pools.
-    counter = Counter()
-    warm, _ = asyncio.run(run_clients(url, MODEL_NAME, args.warmup_streams, 8, 0.0, counter))
-    for s in warm:
-        check_stream(s, 8)
-    if any(s.error for s in warm):
-        raise RuntimeError(f"warm-up failed: {[s.error for s in warm if s.error][:3]}\n"
-                           f"{children.tail('gateway')}\n{children.tail('scheduler')}")
-    time.sleep(1.0)
-
-    with EventListener(redis_server.port, tmp / "listener.pickle") as listener:
-        sampler = RssSampler(gateway_pid)
-        before = statistics.median(sampler.rss() for _ in range(5))
-        cpu_before = sampler.proc.cpu_times()
-        sampler.reset_hwm()
-        sampler.start()
-        counter = Counter()
-        streams, wall_s = asyncio.run(run_clients(url, MODEL_NAME, args.streams, args.max_tokens, args.ramp_s,
-                                                  counter))
-        peak = sampler.finish()
-        cpu_after = sampler.proc.cpu_times()
-        children.check()
-        time.sleep(0.5)  # the listener has every event by now
-    events = listener.events()
-
-    for s in streams:
-        check_stream(s, args.max_tokens)
-    errors = [s for s in streams if s.error is not None]
-    client_gaps, step_gaps, added_itl, added, matched, unmatched = latencies(streams, events)
+def print_table(args: argparse.Namespace, r: GatewayRun) -> None:
+    errors, before, peak, wall_s = r.errors, r.rss_before, r.rss_peak, r.wall_s
+    user_s, sys_s = r.user_s, r.sys_s
+    client_gaps, step_gaps, added_itl, added = r.client_gaps, r.step_gaps, r.added_itl, r.added
     num_tokens = args.streams * args.max_tokens
-    user_s, sys_s = cpu_after.user - cpu_before.user, cpu_after.system - cpu_before.system
     per_token_us = 1e6 / max(num_tokens, 1)
     kib_per_stream = (peak - before) / args.streams / 1024
     added_median = percentile(added_itl, 50)
@@ -157,7 +83,7 @@ def _run_with_redis(args: argparse.Namespace, tmp: Path, children: Children, mod
     print(f"\n| one gateway, {args.streams} concurrent SSE streams x {args.max_tokens} tokens "
           f"(tiny model, float32) | value | goal |")
     print("| --- | --- | --- |")
-    print(f"| streams: errors / held open at once | {len(errors)} / {counter.max_open} | 0 errors |")
+    print(f"| streams: errors / held open at once | {len(errors)} / {r.max_open} | 0 errors |")
     print(f"| gateway RSS before streams / peak, MiB | {before / 2**20:.1f} / {peak / 2**20:.1f} | |")
     print(f"| gateway memory per stream, KiB | {kib_per_stream:.1f} | < {GOAL_KIB_PER_STREAM:.0f} |")
     print(f"| scheduler step interval on pub/sub (baseline), median / p90 / p99 ms | {spread(step_gaps)} | |")
@@ -171,12 +97,12 @@ def _run_with_redis(args: argparse.Namespace, tmp: Path, children: Children, mod
     print(f"| wall time, s / output tok/s | {wall_s:.1f} / {num_tokens / wall_s:.0f} | |")
     goals = [not errors, kib_per_stream < GOAL_KIB_PER_STREAM,
              not math.isnan(added_median) and added_median * 1e3 < GOAL_ADDED_MS]
-    print(f"\nchunks matched to listener events: {matched} ({unmatched} unmatched); "
-          f"peak RSS {'sampled every 10 ms and VmHWM' if sampler.hwm_reset else 'sampled every 10 ms'}")
+    print(f"\nchunks matched to listener events: {r.matched} ({r.unmatched} unmatched); "
+          f"peak RSS {'sampled every 10 ms and VmHWM' if r.hwm_reset else 'sampled every 10 ms'}")
     print(f"goals met: {'yes' if all(goals) else 'no'} (errors {'ok' if goals[0] else 'FAIL'}, "
           f"memory {'ok' if goals[1] else 'FAIL'}, added latency {'ok' if goals[2] else 'FAIL'})")
-    if counter.max_open < args.streams:
-        print(f"warning: only {counter.max_open} of {args.streams} streams were open at once "
+    if r.max_open < args.streams:
+        print(f"warning: only {r.max_open} of {args.streams} streams were open at once "
               "(raise --max-tokens or lower --ramp-s)")
     for s in errors[:5]:
         print(f"  stream {s.index}: {s.error}")
@@ -208,7 +134,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_gateway-") as tmp:
         children = Children(Path(tmp))
         try:
-            run(args, Path(tmp), children)
+            print_table(args, run(args, Path(tmp), children))
         except KeyboardInterrupt:
             print("interrupted; every process stopped", file=sys.stderr)
             sys.exit(130)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import _repo  # noqa: F401 - first: it puts the repository on sys.path
@@ -24,33 +23,10 @@ import _repo  # noqa: F401 - first: it puts the repository on sys.path
 from scheduler.engine import LLMEngine
 from shared import gc_tuning
 from shared.config import EngineConfig
-from shared.step import SampledToken, StepBatch, StepResult
 from testkit.checkpoints import SMOLLM2_VOCAB_SIZE, tiny_llama_with_smollm2_tokenizer
+from testkit.host_loop import SamplingOnlyExecutor, run_burst
 from testkit.runs import print_command
-from testkit.workloads import Workload, greedy, sharegpt_workload
-
-
-class SamplingOnlyExecutor:
-    """submit/collect of an executor that runs no model: token 5 for every sampled work."""
-
-    def submit(self, batch: StepBatch) -> StepBatch:
-        return batch
-
-    def collect(self, batch: StepBatch) -> StepResult:
-        return StepResult(batch.step_id, [SampledToken(w.req_id, 5, None, None) for w in batch.works
-                                          if w.is_sampled])
-
-
-def run_burst(engine: LLMEngine, workload: Workload) -> tuple[float, int]:
-    """(seconds, steps) to run every request of the workload to its max_tokens."""
-    start = time.perf_counter()
-    for prompt, max_tokens in zip(workload.prompts, workload.max_tokens, strict=True):
-        engine.add_request(prompt, greedy(max_tokens))
-    steps = 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        steps += 1
-    return time.perf_counter() - start, steps
+from testkit.workloads import sharegpt_workload
 
 
 def main() -> None:

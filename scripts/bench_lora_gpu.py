@@ -19,7 +19,6 @@ one after the other: the base alone (no --enable-lora), then one with --enable-l
 from __future__ import annotations
 
 import argparse
-import gc
 import shutil
 
 import _repo  # noqa: F401 - first: it puts the repository on sys.path
@@ -29,7 +28,7 @@ from shared.logging import configure_logging
 from testkit.lora_adapters import write_random_adapter
 from testkit.lora_runs import first_load_ms, lora_engine, measure
 from testkit.quant_runs import SMOKE_LLAMA
-from testkit.random_models import LLAMA3_8B, checkpoint_folder, module_bytes, random_llama
+from testkit.random_models import LLAMA3_8B, save_random_llama
 from testkit.runs import log, print_command
 from testkit.workloads import sharegpt_workload
 
@@ -55,11 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     num_requests = args.num_requests or (16 if args.smoke else 500)
     workload = sharegpt_workload(num_requests, vocab, prompt_max=200 if args.smoke else 1024,
                                  output_max=32 if args.smoke else 512)
-    model = random_llama(shape, device)
-    folder = checkpoint_folder(module_bytes(model))
-    model.save_pretrained(folder)
-    del model
-    gc.collect()
+    folder = save_random_llama(shape, device).folder
     try:
         log("writing adapters")
         adapters = {f"lora{i}": str(write_random_adapter(folder, folder / "adapters" / f"lora{i}",

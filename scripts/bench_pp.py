@@ -28,8 +28,6 @@ from shared.config import MULTICAST_OFF_ENV
 os.environ.update(MULTICAST_OFF_ENV)  # before torch, NCCL or Ray start
 
 import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import gc  # noqa: E402
 import random  # noqa: E402
 import shutil  # noqa: E402
 import time  # noqa: E402
@@ -37,72 +35,18 @@ import traceback  # noqa: E402
 
 import torch  # noqa: E402
 
-from scheduler.engine import LLMEngine  # noqa: E402
 from shared.config import EngineConfig  # noqa: E402
 from shared.logging import configure_logging  # noqa: E402
 from testkit import random_models  # noqa: E402
-from testkit.engine_runs import engine_decode_latency, run_engine_workload, start_local_ray, warm_up  # noqa: E402
-from testkit.random_models import LLAMA3_8B, checkpoint_folder, module_bytes, random_llama  # noqa: E402
+from testkit.engine_runs import start_local_ray  # noqa: E402
+from testkit.pp_runs import measure, traffic  # noqa: E402
+from testkit.random_models import LLAMA3_8B, checkpoint_folder, save_random_llama  # noqa: E402
 from testkit.runs import log, print_command  # noqa: E402
-from testkit.workloads import greedy, sharegpt_workload  # noqa: E402
+from testkit.workloads import sharegpt_workload  # noqa: E402
 from workers.model_runner import format_bytes  # noqa: E402
 
 TINY_LLAMA = {**random_models.TINY_LLAMA, "num_hidden_layers": 4}  # two layers per stage
 LAYOUTS = {"TP=1": dict(tp=1, pp=1), "TP=2": dict(tp=2, pp=1), "PP=2": dict(tp=1, pp=2)}
-
-
-def rank_calls(engine: LLMEngine, method: str) -> list:
-    import ray
-
-    return ray.get([getattr(actor, method).remote() for actor in engine.executor.actors], timeout=120)
-
-
-def measure(name: str, config: EngineConfig, args, vocab_size: int, prompts, workload, device) -> dict:
-    found: dict = {"name": name}
-    start = time.perf_counter()
-    engine = LLMEngine(config, load_tokenizer_files=False)
-    try:
-        found["load_s"] = time.perf_counter() - start
-        found["weight_bytes"] = engine.executor.rank_weight_bytes()
-        found["kv_blocks"] = engine.executor.num_kv_blocks
-        found["graphs"] = [len(sizes) for sizes in rank_calls(engine, "decode_graph_sizes")]
-        log(f"{name}: loaded in {found['load_s']:.0f} s, weights per rank "
-            f"{[format_bytes(b) for b in found['weight_bytes']]}, {found['kv_blocks']} KV blocks, "
-            f"graphs per rank {found['graphs']}")
-        warm_up(engine, vocab_size)
-        found["greedy"] = [r.token_ids for r in engine.generate(prompts, greedy(args.num_tokens))]
-        run = run_engine_workload(engine, workload, 240.0, device)
-        found["rate"], found["notes"] = run.output_rate, run.notes
-        log(f"{name}: {run.output_rate:,.0f} output tok/s ({run.notes})")
-        found["batch1_ms"] = 1e3 * engine_decode_latency(engine, vocab_size, device,
-                                                                   num_output=args.batch1_tokens)
-        log(f"{name}: batch-1 {found['batch1_ms']:.2f} ms/token")
-        found["peak_in_flight"] = engine.executor.peak_in_flight
-    finally:
-        engine.close()
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return found
-
-
-def traffic(name: str, config: EngineConfig, workload, device) -> dict:
-    """Bytes each rank moved between GPUs, per step, on a short eager run with every collective
-    and stage hand-off counted."""
-    engine = LLMEngine(dataclasses.replace(config, time_collectives=True, cuda_graphs=False),
-                       load_tokenizer_files=False)
-    try:
-        rank_calls(engine, "collective_times")  # forget the load and warm-up
-        steps_before = engine.num_steps
-        run = run_engine_workload(engine, workload, 120.0, device)
-        times = rank_calls(engine, "collective_times")
-        num_steps = engine.num_steps - steps_before
-    finally:
-        engine.close()
-    rank0 = times[0]
-    return {"name": name, "steps": num_steps, "tokens": run.num_total_tokens,
-            "collective_bytes": rank0.collective_bytes, "p2p_bytes": rank0.p2p_bytes,
-            "share": (rank0.collective_ms + rank0.p2p_ms) / rank0.step_ms if rank0.step_ms else None}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -131,13 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     results, flows = [], []
     try:
         start = time.perf_counter()
-        model = random_llama(shape, device)
-        num_params, checkpoint_bytes = sum(p.numel() for p in model.parameters()), module_bytes(model)
-        model.save_pretrained(folder)
-        del model
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        _, num_params, checkpoint_bytes = save_random_llama(shape, device, folder)
         log(f"checkpoint: {num_params / 1e9:.2f} B parameters, {format_bytes(checkpoint_bytes)} "
             f"in {time.perf_counter() - start:.0f} s")
         vocab = shape["vocab_size"]

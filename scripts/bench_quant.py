@@ -31,7 +31,6 @@ its batch-1 decode latency. Reported against bf16, measured in the same run:
 from __future__ import annotations
 
 import argparse
-import gc
 import random
 import shutil
 import time
@@ -52,7 +51,7 @@ from testkit.quant_runs import (
     measure,
 )
 from testkit.quant_runs import engine_config as engine_config  # (how its engines are built: tested)
-from testkit.random_models import LLAMA3_8B, checkpoint_folder, module_bytes, random_llama
+from testkit.random_models import LLAMA3_8B, save_random_llama
 from testkit.runs import log, print_command
 from testkit.workloads import sharegpt_workload
 from workers.layers import fp8_tuning
@@ -130,12 +129,7 @@ def main(argv: list[str] | None = None) -> None:
                                  output_max=48 if args.smoke else 512)
     rng = random.Random(7)
     prompts = [[rng.randrange(shape["vocab_size"]) for _ in range(rng.randrange(16, 200))] for _ in range(16)]
-    model = random_llama(shape, device)
-    bf16_bytes = module_bytes(model)
-    folder = checkpoint_folder(bf16_bytes)
-    model.save_pretrained(folder)
-    del model
-    gc.collect()
+    folder, _, bf16_bytes = save_random_llama(shape, device)
     budget = int(0.6 * bf16_bytes)
     results = []
     try:

@@ -23,19 +23,11 @@ from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
 from shared.logging import configure_logging
 from testkit.runs import log, print_command
-from testkit.spec_runs import compare_row, prompts_of, run_workload, spec_config
+from testkit.spec_runs import compare_row, prompts_of, spec_config, warm_up
 from workers.default_model import fetch_default_model
 from workers.device import resolve_device
 
 SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
-
-
-def warm_up(engine: LLMEngine, num_batch: int) -> None:
-    """Each workload once, short: a step shape first met while measuring (a verify step of a
-    size or dtype not seen yet) would time Triton's compilation, not the step."""
-    for workload, max_tokens, alone in (("copy", 24, True), ("chat", 16, True), ("batch", 8, False)):
-        run_workload(engine, prompts_of(engine, workload, num_batch)[:1 if alone else None], max_tokens,
-                     one_at_a_time=alone)
 
 
 def main() -> int:

@@ -24,144 +24,16 @@ it on. Prints the command first and the tables last.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
-import random
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import torch
 
 from scheduler.engine import LLMEngine
-from scheduler.grammar import Grammars, available_cores
+from scheduler.grammar import available_cores
 from shared.config import EngineConfig
 from shared.logging import configure_logging
-from shared.sampling import SamplingParams
-from testkit.checkpoints import SMOLLM2_VOCAB_SIZE, tiny_llama_with_smollm2_tokenizer
-from testkit.grammar_probes import Probes, probed
-from testkit.random_models import checkpoint_folder, write_llama3_8b_with_smollm2_tokenizer
-from testkit.roofline import sync
 from testkit.runs import print_command
-
-# An answer that cannot end within the run: its "body" string must run to thousands of characters.
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "title": {"type": "string", "maxLength": 40},
-        "body": {"type": "string", "minLength": 4096},
-        "tags": {"type": "array", "items": {"type": "string"}},
-    },
-    "required": ["title", "body", "tags"],
-    "additionalProperties": False,
-}
-GRAMMAR = json.dumps({"type": "json_schema", "schema": SCHEMA})
-FILL_ROWS = (64, 256, 512)  # --smoke: the first two, a quarter of them
-FILL_THREADS = (1, 2, 4, 8, 16)
-
-
-@dataclass
-class Pass:
-    name: str
-    step_s: list[float] = field(default_factory=list)  # timed decode steps
-
-    @property
-    def mean_ms(self) -> float:
-        return sum(self.step_s) / len(self.step_s) * 1e3
-
-
-def decode_pass(engine: LLMEngine, name: str, prompts: list[list[int]], grammars: list[str | None],
-                num_steps: int, device: torch.device, probes: Probes | None = None) -> Pass:
-    result = Pass(name)
-    req_ids = [engine.add_request(ids, SamplingParams(temperature=1.0, seed=i, max_tokens=num_steps + 8,
-                                                      ignore_eos=True, grammar=grammar))
-               for i, (ids, grammar) in enumerate(zip(prompts, grammars, strict=True))]
-    requests = [engine.scheduler.get_request(r) for r in req_ids]
-    timing = [False]
-    context = probed(engine, device, probes, timing) if probes is not None else contextlib.nullcontext()
-    with context:
-        while engine.has_unfinished_requests():
-            is_full = engine.scheduler.num_running_requests == len(prompts)
-            timing[0] = (len(result.step_s) < num_steps and is_full
-                         and all(r.num_computed_tokens >= r.num_prompt_tokens for r in requests))
-            sync(device)
-            start = time.perf_counter()
-            engine.step()
-            sync(device)
-            if timing[0]:
-                result.step_s.append(time.perf_counter() - start)
-            elif len(result.step_s) >= num_steps:
-                for req_id in req_ids:
-                    engine.abort(req_id)
-    if len(result.step_s) < num_steps // 2:
-        raise RuntimeError(f"{name}: only {len(result.step_s)} full decode steps (a grammar ended early?)")
-    return result
-
-
-def throughput(engine: LLMEngine, prompts: list[list[int]], output_len: int, grammar: str | None) -> float:
-    """Output tokens per second of the whole workload, run to the end."""
-    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=output_len, ignore_eos=True, grammar=grammar)
-              for i in range(len(prompts))]
-    start = time.perf_counter()
-    results = engine.generate(prompts, params)
-    elapsed = time.perf_counter() - start
-    return sum(len(r.token_ids) for r in results) / elapsed
-
-
-def fill_scaling(engine: LLMEngine, rng: random.Random, fill_rows: tuple[int, ...],
-                 fill_threads: tuple[int, ...]) -> dict[tuple[int, int], float]:
-    """(rows, threads) -> ms per fill, matchers advanced by random allowed tokens (a random model
-    under the mask writes such answers)."""
-    vocab = engine.model_config.vocab_size
-    grammars = Grammars(engine.tokenizer, vocab, sorted(engine.eos_token_ids))
-    works = []
-    for i in range(max(fill_rows)):
-        grammars.add(f"f{i}", GRAMMAR, [])
-        works.append(_fake_work(f"f{i}"))
-    for _ in range(16):  # walk every matcher into its own state
-        mask = grammars.fill(works)
-        for row, work in zip(mask.rows, works, strict=True):
-            allowed = _allowed(mask.bits[row], vocab)
-            grammars.accept(work.req_id, allowed[rng.randrange(len(allowed))])
-    times = {}
-    for rows in fill_rows:
-        for threads in fill_threads:
-            grammars.num_fill_threads = threads
-            grammars.fill(works[:rows])
-            start = time.perf_counter()
-            for _ in range(10):
-                grammars.fill(works[:rows])
-            times[rows, threads] = (time.perf_counter() - start) / 10 * 1e3
-    return times
-
-
-def _fake_work(req_id: str):
-    from shared.step import SequenceWork
-
-    return SequenceWork(req_id, [0], 1, [0], True, SamplingParams())
-
-
-def _allowed(bits: torch.Tensor, vocab: int) -> list[int]:
-    ids = torch.arange(vocab)
-    return ids[(bits.repeat_interleave(32)[:vocab] >> (ids % 32)) & 1 == 1].tolist()
-
-
-def prepare_model(args: argparse.Namespace) -> tuple[str, str]:
-    """(model folder, description)."""
-    from workers.default_model import fetch_default_model
-
-    if args.model:
-        return args.model, args.model
-    if args.smoke:
-        folder = Path(checkpoint_folder(1 << 26)) / "tiny"
-        return str(tiny_llama_with_smollm2_tokenizer(folder)), "tiny random llama, SmolLM2's vocab"
-    if args.device == "cpu":
-        return str(fetch_default_model()), "SmolLM2-135M-Instruct"
-    folder = checkpoint_folder(17 << 30)
-    tokenizer = Path(args.tokenizer) if args.tokenizer else None
-    write_llama3_8b_with_smollm2_tokenizer(folder, torch.device(args.device), tokenizer)
-    return str(folder), f"Llama-3-8B shape, vocab {SMOLLM2_VOCAB_SIZE:,}, random weights"
+from testkit.structured_runs import FILL_ROWS, FILL_THREADS, StructuredRun, prepare_model, run_passes
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -204,43 +76,22 @@ def main(argv: list[str] | None = None) -> None:
                                      cuda_graph_max_batch_size=max_seqs, num_threads=args.threads,
                                      async_scheduling=async_scheduling)
     args.async_scheduling = "on" if config.async_scheduling else "off"
-    rng = random.Random(0)
     with LLMEngine(config) as engine:
-        vocab = min(engine.model_config.vocab_size, SMOLLM2_VOCAB_SIZE)
-
-        def prompts(n: int, length: int | None = None) -> list[list[int]]:
-            return [[rng.randrange(3, vocab) for _ in range(length or rng.randint(args.prompt_len // 2,
-                                                                                    args.prompt_len * 4))]
-                    for _ in range(n)]
-
-        small, large = prompts(args.batch, args.prompt_len), prompts(mixed_batch, args.prompt_len)
-        every, none = [GRAMMAR] * args.batch, [None] * args.batch
-        decode_pass(engine, "warm-up", small, every, 4, device)  # compiles the schema
-        decode_pass(engine, "warm-up", small, none, 4, device)
-        free = decode_pass(engine, "(a)", small, none, num_steps, device)
-        constrained = decode_pass(engine, "(b)", small, every, num_steps, device)
-        probes = Probes()
-        probed_pass = decode_pass(engine, "(c)", small, every, num_steps, device, probes)
-        quarter = [GRAMMAR if i % 4 == 0 else None for i in range(mixed_batch)]
-        mixed_free = decode_pass(engine, "(d)", large, [None] * mixed_batch, num_steps, device)
-        mixed = decode_pass(engine, "(e)", large, quarter, num_steps, device)
-        workload = prompts(num_requests)
-        throughput(engine, workload[:8], 4, GRAMMAR)  # warm-up of generate's shapes
-        free_tps = throughput(engine, workload, output_len, None)
-        constrained_tps = throughput(engine, workload, output_len, GRAMMAR)
-        fills = fill_scaling(engine, rng, fill_rows, fill_threads)
-    print_tables(args, description, num_steps, free, constrained, probed_pass, probes, mixed_free, mixed,
-                 (num_requests, output_len, free_tps, constrained_tps), fills)
+        run = run_passes(engine, args.batch, mixed_batch, args.prompt_len, num_steps, num_requests,
+                         output_len, fill_rows, fill_threads, device)
+    print_tables(args, description, num_steps, run, num_requests, output_len)
 
 
-def print_tables(args, description, num_steps, free, constrained, probed_pass, probes, mixed_free, mixed,
-                 workload, fills) -> None:
+def print_tables(args: argparse.Namespace, description: str, num_steps: int, run: StructuredRun,
+                 num_requests: int, output_len: int) -> None:
+    free, constrained, probed_pass, probes = run.free, run.constrained, run.probed, run.probes
+    mixed_free, mixed, free_tps, constrained_tps, fills = (run.mixed_free, run.mixed, run.free_tps,
+                                                           run.constrained_tps, run.fills)
     n = len(probed_pass.step_s)
     pick, fill, apply, accept = (getattr(probes, k) / n * 1e3 for k in ("pick", "fill", "apply", "accept"))
     hidden = probes.num_hidden / max(1, probes.num_fills)
     exposed_fill = fill * (1 - hidden) if args.device.startswith("cuda") else fill
     base = free.mean_ms
-    num_requests, output_len, free_tps, constrained_tps = workload
     print(f"\nmodel: {description}; device {args.device}; {num_steps} timed decode steps per pass; "
           f"{available_cores()} cores; torch {torch.__version__}; async scheduling {args.async_scheduling}")
     print("\n| measure | ms per step | of the unconstrained step | target |")

@@ -18,9 +18,9 @@ import torch
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
-from shared.step import SequenceWork, StepBatch
+from testkit.hf_agreement import agreement
 from testkit.runs import print_command
-from testkit.workloads import greedy, uniform_workload
+from testkit.workloads import uniform_workload
 
 
 def main() -> None:
@@ -44,26 +44,7 @@ def main() -> None:
     prompts = uniform_workload(args.num_prompts, vocab, prompt_lens=(4, 300), output_lens=(1, 1)).prompts
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                                     num_kv_blocks=4096))
-    ours = engine.generate(prompts, greedy(args.num_tokens))
-
-    full, prefixes, rel = 0, [], []
-    for prompt, result in zip(prompts, ours, strict=True):
-        with torch.no_grad():
-            ids = torch.tensor([prompt], device=args.device)
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.num_tokens,
-                              min_new_tokens=args.num_tokens, do_sample=False, eos_token_id=None,
-                              pad_token_id=0)[0, len(prompt):].tolist()
-            ref_logits = hf(ids).logits[0, -1].float()
-        pairs = enumerate(zip(result.token_ids, ref, strict=True))
-        prefix = next((i for i, (a, b) in pairs if a != b), len(ref))
-        prefixes.append(prefix)
-        full += prefix == len(ref)
-        blocks = list(range(2048, 2048 + -(-len(prompt) // 16)))  # blocks no request holds (4096 in all)
-        work = SequenceWork("check", prompt, 0, blocks, True, greedy(args.num_tokens))
-        logits, _ = engine.executor.runner.forward(StepBatch(-1, [work]), use_graphs=False)
-        our_logits = logits[0].float().to(args.device)
-        rel.append(float((our_logits - ref_logits).abs().max() / ref_logits.abs().max()))
-
+    full, prefixes, rel = agreement(engine, hf, prompts, args.num_tokens, args.device)
     question = "What is the capital of France?"
     [chat] = engine.generate([question], SamplingParams(temperature=0.0, max_tokens=32), chat=True)
     where = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device

@@ -14,132 +14,17 @@ read per second (the bound: K/V bytes over the copy bandwidth).
 from __future__ import annotations
 
 import argparse
-import random
 import shutil
-import time
 
 import _repo  # noqa: F401 - first: it puts the repository on sys.path
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
-from testkit.random_models import LLAMA3_8B, checkpoint_folder, random_llama
+from testkit.gpu_profile import kernel_rows, profile_steps
+from testkit.random_models import LLAMA3_8B, checkpoint_folder, save_random_llama
 from testkit.runs import print_command
 from testkit.workloads import greedy, sharegpt_workload
-
-
-def attention_step(query_lens: list[int], cached: list[int], *, num_heads: int = 32, num_kv_heads: int = 8,
-                   head_dim: int = 128, page_size: int = 16, kv_dtype: torch.dtype = torch.bfloat16) -> dict:
-    """One layer's paged-attention inputs on the GPU, Llama-3-8B heads by default: sequence s
-    has cached[s] tokens before the step and query_lens[s] in it, its pages scattered at random;
-    q in bf16, the K/V cache in kv_dtype (bf16, or float8_e4m3fn for an FP8 cache)."""
-    gen = torch.Generator().manual_seed(0)
-    seq_lens = [c + n for c, n in zip(cached, query_lens, strict=True)]
-    pages_per_seq = [-(-n // page_size) for n in seq_lens]
-    order = torch.randperm(sum(pages_per_seq), generator=gen)
-    tables = torch.zeros((len(seq_lens), max(pages_per_seq)), dtype=torch.long)
-    used = 0
-    for s, n in enumerate(pages_per_seq):
-        tables[s, :n] = order[used:used + n]
-        used += n
-    cache_shape = (len(order), page_size, num_kv_heads, head_dim)
-    cuda_gen = torch.Generator(device="cuda").manual_seed(0)  # long contexts: GBs of cache
-    step = dict(q=torch.randn(sum(query_lens), num_heads, head_dim, generator=gen),
-                k_cache=torch.randn(cache_shape, generator=cuda_gen, device="cuda"),
-                v_cache=torch.randn(cache_shape, generator=cuda_gen, device="cuda"),
-                block_tables=tables, seq_lens=torch.tensor(seq_lens),
-                query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()]))
-    def dtype(name: str, t: torch.Tensor) -> torch.dtype:
-        if not t.is_floating_point():
-            return t.dtype
-        return kv_dtype if name in ("k_cache", "v_cache") else torch.bfloat16
-
-    return {name: t.to(device="cuda", dtype=dtype(name, t)) for name, t in step.items()}
-
-
-def replay_of(call):
-    """call() captured in a CUDA graph (after one eager run that compiles it): its replay."""
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    return graph.replay
-
-
-def bench_kernels(only: str | None = None, only_configs: str | None = None) -> None:
-    """Times the attention kernel per config on decode and mixed steps shaped like the workload
-    (only: the steps whose name holds this text; only_configs: the configs whose text holds this,
-    and the default)."""
-    import triton
-
-    from workers.layers import triton_attention as ta
-
-    rng = random.Random(0)
-    decode_steps = {
-        "decode b=256, ctx 16..1500": ([1] * 256, [rng.randint(16, 1500) for _ in range(256)]),
-        "decode b=64, ctx 16..1500": ([1] * 64, [rng.randint(16, 1500) for _ in range(64)]),
-        # bench_quant.py's long-context workload: 8k-token prompts, 512 outputs
-        "decode b=64, ctx 8192..8704": ([1] * 64, [rng.randint(8192, 8704) for _ in range(64)]),
-    }
-    mixed_steps = {
-        "mixed 100 dec + 30 prefills": ([1] * 100 + [rng.randint(16, 500) for _ in range(30)],
-                                        [rng.randint(16, 1000) for _ in range(100)] + [0] * 30),
-        "mixed 250 dec + 2 prefills": ([1] * 250 + [300, 180],
-                                       [rng.randint(16, 1000) for _ in range(250)] + [0, 0]),
-        "prefill 8 x 1000": ([1000] * 8, [0] * 8),
-    }
-    # module setting -> value; each config is applied over the defaults ("segments": the split-K
-    # of decode launches, forced, instead of decode_segments' choice by occupancy)
-    decode_configs = [{}, {"DECODE_BLOCK_N": 64}, {"NUM_STAGES": 3}, {"NUM_WARPS": 8}, {"segments": 2},
-                      {"segments": 4}, {"DECODE_BLOCK_N": 64, "segments": 2}]
-    # An FP8 cache: widened to float16 (the default) or to bf16, and the split that suits its
-    # cheaper tiles.
-    fp8_configs = [{}, {"FP8_WIDEN_FP16": False}, {"segments": 2}, {"segments": 4}, {"NUM_STAGES": 3},
-                   {"NUM_STAGES": 3, "segments": 2}, {"DECODE_BLOCK_N": 64, "segments": 2},
-                   {"NUM_WARPS": 8, "segments": 2}]
-    mixed_configs = [{}, {"SPLIT_MIXED": False}, {"MIXED_BLOCK_N": 32}, {"MIXED_BLOCK_M": 128},
-                     {"MIXED_BLOCK_M": 128, "MIXED_NUM_WARPS": 8},
-                     {"MIXED_BLOCK_M": 128, "MIXED_BLOCK_N": 32}, {"NUM_STAGES": 3}]
-    settings = ("DECODE_BLOCK_N", "MIXED_BLOCK_N", "MIXED_BLOCK_M", "NUM_WARPS", "MIXED_NUM_WARPS",
-                "NUM_STAGES", "SPLIT_MIXED", "FP8_WIDEN_FP16")
-    defaults = {name: getattr(ta, name) for name in settings}
-    # Eager (launch and partial buffers included, as do_bench sees them: a split launch's second
-    # kernel and allocations can leave the GPU idle) and as a CUDA-graph replay, as served.
-    print("| step | K/V | config | us eager | us graph | K/V GB/s (graph) |\n"
-          "| --- | --- | --- | ---: | ---: | ---: |")
-    cases = [(name, case, torch.bfloat16, mixed_configs) for name, case in mixed_steps.items()]
-    cases += [(name, case, kv, decode_configs if kv == torch.bfloat16 else fp8_configs)
-              for name, case in decode_steps.items() for kv in (torch.bfloat16, torch.float8_e4m3fn)]
-    cases = [case for case in cases if only is None or only in case[0]]
-    for name, (query_lens, cached), kv_dtype, configs in cases:
-        step = attention_step(query_lens, cached, kv_dtype=kv_dtype)
-        kv_bytes = (sum(c + n for c, n in zip(cached, query_lens, strict=True)) * 8 * 128 * 2
-                    * step["k_cache"].element_size())
-        num_decodes = next((i for i, n in enumerate(query_lens) if n > 1), len(query_lens))
-        args = (step["q"], step["k_cache"], step["v_cache"], step["block_tables"], step["seq_lens"],
-                step["query_start_loc"], max(query_lens), 128**-0.5, num_decodes)
-        for config in configs:
-            if config and only_configs is not None and only_configs not in str(config):
-                continue
-            config = dict(config)
-            segments = config.pop("segments", None)
-            for setting, value in {**defaults, **config}.items():
-                setattr(ta, setting, value)
-            row = f"| {name} | {str(kv_dtype).removeprefix('torch.')} | " \
-                  f"{config or 'default'}{f' segments={segments}' if segments else ''} |"
-            try:
-                def call(args=args, segments=segments):
-                    return ta.paged_attention(*args, num_segments=segments)
-                ms = triton.testing.do_bench(call, warmup=50, rep=200, return_mode="median")
-                graph_ms = triton.testing.do_bench(replay_of(call), warmup=50, rep=200, return_mode="median")
-                print(f"{row} {ms * 1e3:.1f} | {graph_ms * 1e3:.1f} | {kv_bytes / graph_ms / 1e6:,.0f} |",
-                      flush=True)
-            except Exception as exc:  # noqa: BLE001 - a config that does not compile is a row too
-                print(f"{row} failed: {type(exc).__name__}: {str(exc)[:80]} | |", flush=True)
-    for setting, value in defaults.items():
-        setattr(ta, setting, value)
 
 
 def main() -> None:
@@ -151,14 +36,13 @@ def main() -> None:
     args = parser.parse_args()
     print_command()
     if args.kernels:
-        bench_kernels(args.steps, args.configs)
+        print("| step | K/V | config | us eager | us graph | K/V GB/s (graph) |\n"
+              "| --- | --- | --- | ---: | ---: | ---: |")
+        for row in kernel_rows(args.steps, args.configs):
+            print(row, flush=True)
         return
     device = torch.device("cuda")
-    model = random_llama(LLAMA3_8B, device)
-    folder = checkpoint_folder(16 << 30)
-    model.save_pretrained(folder, safe_serialization=True)
-    del model
-    torch.cuda.empty_cache()
+    folder = save_random_llama(LLAMA3_8B, device, checkpoint_folder(16 << 30)).folder
     try:
         engine = LLMEngine(EngineConfig(model=str(folder), device="cuda", dtype="bfloat16",
                                         max_num_seqs=256, max_num_batched_tokens=8192),
@@ -167,42 +51,9 @@ def main() -> None:
         engine.generate([workload.prompts[0][:16]], greedy(4))
         for prompt, num_out in zip(workload.prompts, workload.max_tokens, strict=True):
             engine.add_request(prompt, greedy(num_out))
-        # kind -> [steps, seconds in execute, tokens]; a step is "mixed" when any work has a
-        # prefill chunk (then it runs eagerly), else "decode" (a CUDA-graph replay).
-        stats = {"decode": [0, 0.0, 0], "mixed": [0, 0.0, 0]}
-        profiled = {"decode": 0, "mixed": 0}
-        prof_tables = {}
-        mixed_sizes = []  # (prefill tokens, decodes) per mixed step
-        execute = engine.executor.submit  # in-process: submit runs the step
-
-        def timed_execute(batch):
-            kind = "mixed" if any(len(w.token_ids) > 1 for w in batch.works) else "decode"
-            num_tokens = sum(len(w.token_ids) for w in batch.works)
-            if kind == "mixed":
-                num_decodes = sum(len(w.token_ids) == 1 for w in batch.works)
-                mixed_sizes.append((num_tokens - num_decodes, num_decodes))
-            do_profile = profiled[kind] < 3 and stats[kind][0] >= 20
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            if do_profile:
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    result = execute(batch)
-                    torch.cuda.synchronize()
-                profiled[kind] += 1
-                prof_tables.setdefault(kind, []).append((prof, num_tokens))
-            else:
-                result = execute(batch)
-            torch.cuda.synchronize()
-            stats[kind][0] += 1
-            stats[kind][1] += time.perf_counter() - t0
-            stats[kind][2] += num_tokens
-            return result
-
-        engine.executor.submit = timed_execute
-        start = time.perf_counter()
-        while engine.has_unfinished_requests():
-            engine.step()
-        total = time.perf_counter() - start
+        profile = profile_steps(engine)
+        stats, total = profile.stats, profile.total_s
+        mixed_sizes, prof_tables = profile.mixed_sizes, profile.prof_tables
         print(f"\ntotal {total:.1f} s, {args.num_requests} requests (each execute synchronised)", flush=True)
         print("| step kind | steps | seconds in execute | ms per step | tokens per step |\n"
               "| --- | ---: | ---: | ---: | ---: |")

@@ -5,6 +5,9 @@ the hashes of the blocks within the first SUMMARY_DEPTH_BLOCKS of their chains: 
 the requests it has admitted (their blocks are being computed and will be cached: the next chat
 with that prefix should come here rather than start a second copy elsewhere while the first is
 still in prefill), then its cached ones, the most recently used first; at most `max_hashes`.
+With a host KV tier, the hashes of the heads it holds follow (the heartbeat's
+`prefix_summary_gpu_hashes` says how many come before them), so that the gateway weighs them
+below GPU blocks (protocol.prefix_hash.HOST_TIER_WEIGHT).
 The gateway hashes a prompt's first blocks with the same function (protocol/prefix_hash.py) and
 counts how many leading ones a replica's summary names (gateway/routing.py). Its cost per
 heartbeat is bounded by `max_hashes`, not by the cache's size (the block manager keeps the
@@ -31,6 +34,7 @@ class PrefixSummary:
         self.scheduler = scheduler
         self.max_hashes = max_hashes
         self.last_hashes = 0
+        self.last_gpu_hashes = 0  # of last_hashes, those of the GPU cache (the host tier's follow)
         self.last_build_us = 0.0
 
     def build(self, admitted: Iterable[Request] = ()) -> bytes:
@@ -49,6 +53,11 @@ class PrefixSummary:
             if len(heads) >= self.max_hashes:
                 break
             heads[block_hash[:SUMMARY_HASH_BYTES]] = None
+        self.last_gpu_hashes = min(len(heads), self.max_hashes)
+        host_tier = self.scheduler.host_tier
+        if host_tier is not None:
+            for block_hash in host_tier.recent_head_hashes(self.max_hashes - self.last_gpu_hashes):
+                heads.setdefault(block_hash[:SUMMARY_HASH_BYTES], None)  # (GPU ones stay GPU ones)
         blob = b"".join(list(heads)[:self.max_hashes])
         self.last_hashes = min(len(heads), self.max_hashes)
         self.last_build_us = round((time.perf_counter() - started) * 1e6, 1)
@@ -57,6 +66,6 @@ class PrefixSummary:
     def heartbeat_fields(self) -> dict[str, object]:
         """What the gateway needs to hash prompts alike, and what the last summary cost."""
         return {"block_size": self.scheduler.config.block_size, "prefix_summary_depth": SUMMARY_DEPTH_BLOCKS,
-                "prefix_summary_hashes": self.last_hashes,
+                "prefix_summary_hashes": self.last_hashes, "prefix_summary_gpu_hashes": self.last_gpu_hashes,
                 "prefix_summary_bytes": self.last_hashes * SUMMARY_HASH_BYTES,
                 "prefix_summary_build_us": self.last_build_us}

@@ -55,8 +55,15 @@ class SchedulerTelemetry:
         spec = {} if speculator is None else {
             "spec_num_drafts": speculator.num_drafts, "spec_num_draft_tokens": speculator.num_draft_tokens,
             "spec_num_accepted_tokens": speculator.num_accepted_tokens}
+        host_tier = self.engine.scheduler.host_tier
+        # The host KV tier (scheduler/host_tier.py): its blocks, use, hits and load traffic; 0 without.
+        host_kv = {"num_host_kv_blocks": 0} if host_tier is None else {
+            "num_host_kv_blocks": host_tier.num_blocks, "host_kv_usage": round(host_tier.usage, 4),
+            "host_kv_hit_tokens": host_tier.counters.num_hit_tokens,
+            "host_kv_loaded_bytes": host_tier.counters.num_loaded_bytes,
+            "host_kv_load_seconds": round(host_tier.counters.load_seconds, 6)}
         return {
-            **self._engine_fields, **spec,
+            **self._engine_fields, **spec, **host_kv,
             "host": socket.gethostname(), "pid": os.getpid(),
             "started_at": self._started_at,
             "prompt_tokens_per_s": round(rates.prompt_tokens_per_s, 2),

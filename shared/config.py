@@ -82,6 +82,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context window
     # Reuse the KV blocks of prompt prefixes computed before (hash-addressed full blocks).
     enable_prefix_caching: bool = True
+    # GiB of host memory (pinned on CUDA) per replica, split across its ranks, holding copies of
+    # full KV blocks under the prefix cache (docs/kv-offloading.md); 0: no host tier.
+    kv_offloading_size: float = 0.0
     # Submit step n+1 before collecting step n: sampled ids stay on the device and feed the next
     # step's inputs; stop checks act one step late (scheduler/scheduler.py). Ignored under
     # pipeline parallelism, whose steps in flight already overlap.

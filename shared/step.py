@@ -97,10 +97,20 @@ class StepBatch:
     samples_late: bool = field(default=False, compare=False)
     # Adapters the runners load into slots before this step (LoRA engines only).
     lora_loads: list[LoraLoad] = field(default_factory=list)
+    # The host KV tier's copies (scheduler/host_tier.py, workers/host_kv_pool.py), each rank on
+    # its own shard, on a stream of their own: (GPU block, host slot) pairs to store, (host slot,
+    # GPU block) pairs to load. Complete on every rank when the step's result comes back.
+    kv_stores: list[tuple[int, int]] = field(default_factory=list)
+    kv_loads: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return sum(len(w.token_ids) for w in self.works)
+
+    @property
+    def has_kv_copies(self) -> bool:
+        """Whether the step carries host-tier copies (it runs even with no works)."""
+        return bool(self.kv_stores or self.kv_loads)
 
     def resolve_token_mask(self) -> TokenBitmask | None:
         """The step's token mask: mask_filler's, called now (the first time), else token_mask."""
@@ -123,7 +133,8 @@ class StepBatch:
                   w.prompt_logprob_ids, w.lora_slot, w.num_draft_tokens)
                  for w in self.works]
         loads = [tuple(vars(load).values()) for load in self.lora_loads]
-        return _batch_from_wire, (self.step_id, works, self.token_mask, self.freed_req_ids, loads)
+        return _batch_from_wire, (self.step_id, works, self.token_mask, self.freed_req_ids, loads,
+                                  self.kv_stores, self.kv_loads)
 
 
 @dataclass
@@ -145,15 +156,18 @@ class StepResult:
     # req_id -> one entry per SequenceWork.prompt_logprob_ids of its work, in order:
     # [token_id, logprob, [[id, logprob], ...] | None] (the top N when sampling.prompt_logprobs > 0)
     prompt_logprobs: dict[str, list] = field(default_factory=dict)
+    # Seconds the driver rank's host-tier loads of this step took (0.0: none), for the load rate.
+    kv_load_seconds: float = 0.0
 
     def __reduce__(self):
         sampled = [(s.req_id, s.token_id, s.logprob, s.top_logprobs, s.num_accepted_drafts)
                    for s in self.sampled]
-        return _result_from_wire, (self.step_id, sampled, self.prompt_logprobs)
+        return _result_from_wire, (self.step_id, sampled, self.prompt_logprobs, self.kv_load_seconds)
 
 
 def _batch_from_wire(step_id: int, works: list[tuple], token_mask: TokenBitmask | None,
-                     freed_req_ids: list[str], lora_loads: list[tuple] = ()) -> StepBatch:
+                     freed_req_ids: list[str], lora_loads: list[tuple] = (), kv_stores: list = (),
+                     kv_loads: list = ()) -> StepBatch:
     return StepBatch(step_id, [
         SequenceWork(req_id, token_ids, start_pos, block_ids, is_sampled, SamplingParams(*sampling),
                      num_output_tokens, prompt_token_ids, output_token_ids, is_token_pending, rope_offset,
@@ -161,8 +175,11 @@ def _batch_from_wire(step_id: int, works: list[tuple], token_mask: TokenBitmask 
         for (req_id, token_ids, start_pos, block_ids, is_sampled, sampling, num_output_tokens,
              prompt_token_ids, output_token_ids, is_token_pending, rope_offset, prompt_logprob_ids,
              lora_slot, num_draft_tokens) in works
-    ], token_mask, freed_req_ids=freed_req_ids, lora_loads=[LoraLoad(*load) for load in lora_loads])
+    ], token_mask, freed_req_ids=freed_req_ids, lora_loads=[LoraLoad(*load) for load in lora_loads],
+        kv_stores=list(kv_stores), kv_loads=list(kv_loads))
 
 
-def _result_from_wire(step_id: int, sampled: list[tuple], prompt_logprobs: dict[str, list]) -> StepResult:
-    return StepResult(step_id, [SampledToken(*fields) for fields in sampled], prompt_logprobs)
+def _result_from_wire(step_id: int, sampled: list[tuple], prompt_logprobs: dict[str, list],
+                      kv_load_seconds: float = 0.0) -> StepResult:
+    sampled_tokens = [SampledToken(*fields) for fields in sampled]
+    return StepResult(step_id, sampled_tokens, prompt_logprobs, kv_load_seconds)

@@ -10,6 +10,7 @@
 - `roofline`: the hardware measured in the same run, and a workload's floors at its rates;
 - `engine_runs`: an in-process engine warmed up and stepped over a workload;
 - `hf_baseline`: the transformers baselines (static `generate`, batch-1 decode, continuous batching);
+- `hf_agreement`: the engine's greedy tokens and logits against transformers' (gpu_check);
 - `quant_linears`: every FP8 product candidate against bf16, one linear at a time;
 - `grammar_probes`: timers on an in-process engine's grammar work;
 - `processes`: child processes of a benchmark, on tokenfleet.supervise; a scheduler and a
@@ -19,6 +20,13 @@
 - `completion_streams`: streaming /v1/completions clients, every chunk timestamped;
 - `chat_streams`: many streaming chat clients held open at once, each stream checked strictly;
 - `added_latency`: what the gateway + pub/sub path adds per token, against a listener on Redis;
+- what each script measures, the script keeping its command line and its table: `gpu_throughput`
+  (bench_gpu), `gpu_profile` (profile_gpu), `structured_runs` (bench_structured), `prefix_cache_runs`
+  (bench_prefix_cache), `pp_runs` (bench_pp), `batch_runs` (bench_batch), `mixed_runs`
+  (bench_mixed_gpu), `gateway_streams` (bench_gateway), `autoscale_runs` (bench_autoscale),
+  `routing_runs` (bench_routing), `routing_sim` (sim_routing), `dispatch_runs` (bench_dispatch),
+  `host_loop` (bench_host_loop), `redis_shard_load` (bench_redis_shards), `multiturn_runs`
+  (bench_kv_offload_gpu);
 - `runs`: the command line, a timestamped log, percentiles, SIGTERM as an exception;
 - `chaos/`: the chaos harness (scripts/chaos.py runs it, tests/test_chaos.py too).
 """

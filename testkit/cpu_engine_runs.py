@@ -1,7 +1,8 @@
 """The two systems scripts/bench_engine.py times on the CPU, on one workload: tokenfleet's
 engine (`run_engine`) and transformers `generate` in static padded batches
 (`run_transformers`), each a Measurement of useful output tokens over wall time, with the
-share of the cores the process got meanwhile (Stopwatch)."""
+share of the cores the process got meanwhile (Stopwatch); the CPU's matmul and read rates
+(`measure_rates`), measured before and after them."""
 
 from __future__ import annotations
 
@@ -13,9 +14,13 @@ import torch
 from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
+from testkit.roofline import matmul_rate, read_bandwidth
 from testkit.workloads import Workload, greedy
+from workers.device import DTYPES
 
 HF_BATCH_SIZE = 16
+MATMUL_SIZE = 2048
+MATMUL_SECONDS = 2.0  # how long to repeat the matmul for one rate
 
 
 class Stopwatch:
@@ -154,3 +159,15 @@ def run_engine(config: EngineConfig, workload: Workload) -> Measurement:
         note=f"{counts['steps']} steps, {counts['preemptions']} preemptions, "
         f"{num_kv_blocks} KV blocks of {config.block_size} tokens",
     )
+
+
+def measure_rates(dtype: str, when: str) -> dict[str, float]:
+    """FLOP/s of float32 matmul (and of `dtype`'s), and memory read bytes/s ("read"); printed."""
+    cpu = torch.device("cpu")
+    names = ["float32"] if dtype == "float32" else ["float32", dtype]
+    rates = {name: matmul_rate(cpu, DTYPES[name], MATMUL_SIZE, MATMUL_SECONDS) for name in names}
+    rates["read"] = read_bandwidth(cpu, 512 << 20)
+    shown = ", ".join(f"{name} {rates[name] / 1e9:,.0f}" for name in names)
+    print(f"{when}: matmul {MATMUL_SIZE}^3 {shown} GFLOP/s; memory read {rates['read'] / 1e9:.1f} GB/s",
+          flush=True)
+    return rates

@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     import torch
@@ -60,6 +60,28 @@ def module_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+class SavedModel(NamedTuple):
+    folder: Path
+    num_params: int
+    num_bytes: int  # of its weights, as built (bf16)
+
+
+def save_random_llama(shape: dict, device: torch.device, folder: Path | None = None) -> SavedModel:
+    """random_llama(shape) saved as safetensors into `folder` (default: a checkpoint_folder with
+    room for it), then freed: the engines that load it get the device memory back."""
+    import gc
+
+    import torch
+
+    model = random_llama(shape, device)
+    num_params, num_bytes = sum(p.numel() for p in model.parameters()), module_bytes(model)
+    folder = folder or checkpoint_folder(num_bytes)
+    model.save_pretrained(folder)
+    del model
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+    return SavedModel(folder, num_params, num_bytes)
 
 
 def write_llama3_8b_with_smollm2_tokenizer(folder: Path, device: torch.device,
@@ -68,21 +90,12 @@ def write_llama3_8b_with_smollm2_tokenizer(folder: Path, device: torch.device,
     random bf16 weights built on the device, saved as safetensors, with SmolLM2's tokenizer files
     (from the folder `tokenizer`, default: the one `tokenfleet model fetch` makes). Returns its
     number of parameters. The device memory is handed back: the engine that loads it needs it."""
-    import gc
-
-    import torch
-
     from testkit.checkpoints import SMOLLM2_VOCAB_SIZE, copy_tokenizer
 
     if tokenizer is None:
         from workers.default_model import fetch_default_model
 
         tokenizer = fetch_default_model()
-    model = random_llama({**LLAMA3_8B, "vocab_size": SMOLLM2_VOCAB_SIZE}, device)
-    num_params = sum(p.numel() for p in model.parameters())
-    model.save_pretrained(folder)
-    del model
-    gc.collect()
-    torch.cuda.empty_cache()
+    saved = save_random_llama({**LLAMA3_8B, "vocab_size": SMOLLM2_VOCAB_SIZE}, device, folder)
     copy_tokenizer(tokenizer, folder)
-    return num_params
+    return saved.num_params

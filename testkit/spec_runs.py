@@ -103,6 +103,14 @@ def run_workload(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, *
     return timed
 
 
+def warm_up(engine: LLMEngine, num_batch: int) -> None:
+    """Each workload once, short: a step shape first met while measuring (a verify step of a
+    size or dtype not seen yet) would time Triton's compilation, not the step."""
+    for workload, max_tokens, alone in (("copy", 24, True), ("chat", 16, True), ("batch", 8, False)):
+        run_workload(engine, prompts_of(engine, workload, num_batch)[:1 if alone else None], max_tokens,
+                     one_at_a_time=alone)
+
+
 def compare_row(plain_engine, spec_engine, workload: str, prompts: list, max_tokens: int,
                 alone: bool) -> tuple:
     """One row of bench_spec.py's table: the workload on the plain engine, then the speculating

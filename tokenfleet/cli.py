@@ -221,6 +221,9 @@ def _add_bench_parser(commands) -> None:
     _flag(bench, "seed", type=int, default=0, help="seeds the prompts and the arrivals")
     _flag(bench, "timeout-s", type=float, default=300.0, help="a stream silent this long fails")
     _flag(bench, "json", action="store_true", help="one JSON object instead of the table")
+    from tokenfleet.bench_multiturn import add_multi_turn_flags
+
+    add_multi_turn_flags(bench, _flag)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -245,8 +248,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if not 0.0 <= args.json_share <= 1.0 or (args.json_share and args.completions):
         raise InvalidRequestError("--json-share must be in [0, 1], and chats only (not --completions)",
                                   param="json-share")
+    if args.multi_turn:
+        from tokenfleet.bench_multiturn import check_multi_turn_args
+
+        check_multi_turn_args(args)
     args.url = (args.url or recorded_fleet().get("gateway_url") or "http://127.0.0.1:8000").rstrip("/")
     try:
+        if args.multi_turn:
+            from tokenfleet.bench_multiturn import run_multi_turn_command
+
+            return run_multi_turn_command(args)
         return run_bench_command(args)
     except (OSError, RuntimeError) as exc:  # aiohttp's connection errors are OSErrors
         raise TokenfleetError(f"cannot benchmark {args.url}: {exc}") from None

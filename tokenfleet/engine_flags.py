@@ -94,6 +94,17 @@ def byte_count(text: str) -> int:
     return int(value)
 
 
+def gib_size(text: str) -> float:
+    """--kv-offloading-size 64 (GiB): a number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of GiB such as 64, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of GiB >= 0, got {text!r}")
+    return value
+
+
 def speculative_config(text: str) -> SpeculativeConfig | None:
     """--speculative-config '{"method": "ngram", ...}' (vLLM's JSON); "off" or "": none."""
     if text.strip().lower() in ("", "off", "none"):
@@ -181,6 +192,10 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                                      "(docs/speculative-decoding.md); default: off", speculative_config),
     EngineFlag("no-prefix-caching", "recompute every prompt instead of reusing the KV blocks of a prefix "
                                     "seen before", default=False, field="enable_prefix_caching", switch=True),
+    EngineFlag("kv-offloading-size", "GiB of host memory per replica (pinned on CUDA, split across its "
+                                     "ranks) that keeps copies of full KV blocks under the prefix cache, "
+                                     "loaded back instead of recomputed (docs/kv-offloading.md); 0: off",
+               gib_size, 0.0),
     EngineFlag("enable-lora", "serve LoRA adapters (PEFT folders) on the base model; off, the base path is "
                               "unchanged", default=False, switch=True, turns_on=True),
     EngineFlag("lora-modules", "adapters served from the start, as NAME=PATH (PEFT folders); a request names "

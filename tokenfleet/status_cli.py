@@ -63,6 +63,15 @@ def _speculation(s: dict) -> str:
     return f"{100 * accepted / drafted:.0f}%/{1 + accepted / drafts:.2f}"
 
 
+def _kv_use(s: dict) -> str:
+    """GPU KV use, and the host tier's (with the prompt tokens it served) when there is one."""
+    text = f"{100 * s['kv_usage']:.1f}%"
+    if s.get("num_host_kv_blocks"):
+        hits = s.get("host_kv_hit_tokens", 0)
+        text += f" +host {100 * s.get('host_kv_usage', 0.0):.1f}% ({hits:,} hit tok)"
+    return text
+
+
 def format_view(view: dict, redis_url: str) -> str:
     totals = view["totals"]
     at = time.strftime("%H:%M:%S", time.localtime(view["time"]))
@@ -78,7 +87,7 @@ def format_view(view: dict, redis_url: str) -> str:
     out += _table(columns, [
         [s["id"], s["model"], f"{s['tp']}x{s.get('pp', 1)}", f"{s['num_running']}/{s['max_num_seqs']}",
          s["num_waiting"],
-         f"{100 * s['kv_usage']:.1f}%", _rate(s["generation_tokens_per_s"]), s["num_finished"],
+         _kv_use(s), _rate(s["generation_tokens_per_s"]), s["num_finished"],
          _percent(s["prefix_cache_hits"] / s["prefix_cache_queries"] if s["prefix_cache_queries"] else None),
          f"{s.get('entries_routed', 0)}/{s.get('entries_stolen', 0)}/{s.get('entries_fallback', 0)}",
          _speculation(s), f"{s['heartbeat_age_s']:.1f}s ago"]

@@ -25,6 +25,8 @@ from workers.parallel import SINGLE_DEVICE
 
 class Executor(Protocol):
     num_kv_blocks: int
+    num_host_kv_blocks: int  # the host KV tier's blocks (0: none)
+    kv_block_bytes: int  # one KV block over every rank
     max_model_len: int
     block_size: int
 
@@ -65,6 +67,8 @@ class InProcessExecutor:
     def _start(self) -> None:
         self.runner = ModelRunner(self.config, SINGLE_DEVICE)
         self.num_kv_blocks = self.runner.num_kv_blocks
+        self.num_host_kv_blocks = self.runner.num_host_kv_blocks
+        self.kv_block_bytes = self.runner.kv_block_bytes
         self.max_model_len = self.runner.max_model_len
         self.block_size = self.runner.block_size
 

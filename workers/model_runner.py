@@ -16,12 +16,11 @@ launches step n+1 before it finishes step n: the runner keeps each step's sample
 device for the next step's pending inputs (`workers/pending_tokens.py`). Every path's inputs go up
 through one pinned staging ring (`workers/host_staging.py`), and read their block tables from one
 persistent device table that each step updates by diffs (`workers/device_block_tables.py`).
+How the runner is built (model, KV cache, graphs) is `workers/runner_build.py`.
 """
 
 from __future__ import annotations
 
-import gc
-import time
 from dataclasses import dataclass
 
 import torch
@@ -32,25 +31,27 @@ from shared.logging import get_logger
 from shared.model_config import ModelConfig, load_model_config
 from shared.step import SequenceWork, StepBatch, StepResult
 from workers import prompt_logprobs, spec_verify
-from workers.cuda_graphs import DecodeGraphs, use_cuda_graphs
 from workers.device import resolve_device, resolve_dtype
-from workers.device_block_tables import DeviceBlockTables
 from workers.device_sample import HostSample
 from workers.grammar_mask import apply_token_mask
+from workers.host_kv_pool import KVCopies
 from workers.host_staging import HostStaging
 from workers.layers import fp8_tuning
 from workers.layers.kv_fp8 import kv_cache_dtype
-from workers.layers.quantization import METHODS, building_with, method_named
-from workers.lora.manager import LoraManager
-from workers.mixed_graphs import MixedGraphs
-from workers.models.registry import MODEL_CLASSES
-from workers.parallel import TensorParallel, all_reduce_min
+from workers.parallel import TensorParallel
 from workers.pending_tokens import PendingTokens, share
 from workers.pipeline import SINGLE_STAGE, PipelineStage
 from workers.prompt_logprobs import DevicePromptLogprobs
+from workers.runner_build import (  # noqa: F401 - format_bytes, kv_blocks_for_budget: imported from here too
+    RunnerBuild,
+    format_bytes,
+    kv_blocks_for_budget,
+    release_device_memory,
+    resolve_quantization,
+)
 from workers.sampler import Sampler
 from workers.step_inputs import build_step_inputs
-from workers.weight_loader import load_weights, resident_weight_bytes
+from workers.weight_loader import resident_weight_bytes
 
 
 @dataclass
@@ -66,46 +67,9 @@ class LaunchedStep:
     # sampled, then their verification (the driver's).
     draft_logits: torch.Tensor | None = None
     verify: spec_verify.DeviceVerify | None = None
+    kv_copies: KVCopies | None = None  # the host tier's copies it carries (workers/host_kv_pool.py)
 
-
-def format_bytes(num_bytes: int) -> str:
-    return f"{num_bytes / 1e9:.2f} GB" if num_bytes >= 1e8 else f"{num_bytes / 1e6:.2f} MB"
-
-
-def kv_blocks_for_budget(free_bytes: int, *, fraction: float, activation_bytes: int, block_bytes: int) -> int:
-    """KV blocks a rank can hand out: `fraction` of `free_bytes`, less room for the largest step's
-    activations, less the scratch block. On CUDA `free_bytes` is what the driver reports free, so
-    whatever an earlier runner in the process still holds comes off this budget: that is why
-    `ModelRunner.close` gives everything back."""
-    budget = int(free_bytes * fraction) - activation_bytes
-    return max(0, budget // block_bytes - 1)
-
-
-def resolve_quantization(requested: str | None, model_config: ModelConfig,
-                         device: torch.device) -> str | None:
-    """The quantization to run: the flag's, or the checkpoint's own when it stores one."""
-    stored = model_config.checkpoint_quantization
-    if requested is not None and requested not in METHODS:
-        raise ModelLoadError(f"unknown quantization {requested!r}; choose one of {sorted(METHODS)}")
-    if stored and requested not in (None, stored):
-        raise ModelLoadError(f"the checkpoint stores {stored} weights; it cannot run as {requested}")
-    chosen = requested or stored
-    refusal = METHODS[chosen].refusal_on(device) if chosen else None
-    if refusal:
-        raise ModelLoadError(refusal)
-    return chosen
-
-
-def release_device_memory(device: torch.device) -> None:
-    """Collect reference cycles, then hand the caching allocator's free blocks (a destroyed CUDA
-    graph pool's included) back to the driver, where the next KV cache sizing can see them."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-
-
-class ModelRunner:
+class ModelRunner(RunnerBuild):
     def __init__(self, config: EngineConfig, tp: TensorParallel, stage: PipelineStage = SINGLE_STAGE) -> None:
         self.config = config
         self.tp = tp
@@ -137,6 +101,7 @@ class ModelRunner:
         self.lora = self._wrap_lora()  # None unless the engine serves adapters
         self.num_kv_blocks = self._decide_num_kv_blocks()  # what the scheduler may hand out
         self.kv_caches = self._allocate_kv_cache()  # holds one more: the scratch block
+        self.host_kv = self._allocate_host_kv()  # the host KV tier's pool; None: no tier
         self.block_tables = self._new_block_tables()
         # FP8 products are chosen by timing them: now, not in the first served step when graphs
         # are off (with graphs the capture's warm-up would do it). Nothing without FP8 layers.
@@ -149,181 +114,6 @@ class ModelRunner:
         keeps_ids = config.async_scheduling and stage.size == 1
         self.pending_tokens = PendingTokens(self.device, self.staging) if keeps_ids else None
         self.is_closed = False
-
-    def _wrap_lora(self) -> LoraManager | None:
-        """The model's projections wrapped with adapter slots (workers/lora/), before the KV cache
-        is sized (the slots' memory comes off its budget)."""
-        config = self.config
-        if not config.enable_lora:
-            return None
-        if self.quantization:
-            raise ModelLoadError("LoRA adapters are served on unquantized weights only; "
-                                 f"drop quantization={self.quantization!r} or --enable-lora")
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            # With CUDA graphs the dense path (fixed shapes: the graphs replay it); else segment-wise.
-            max_rows = max(config.max_num_batched_tokens, config.max_num_seqs)
-            manager = LoraManager(self.model, self.model_config, config.model, max_loras=config.max_loras,
-                                  max_lora_rank=config.max_lora_rank,
-                                  max_cpu_loras=config.max_cpu_loras or config.max_loras, max_rows=max_rows,
-                                  device=self.device, dense=use_cuda_graphs(config, self.device),
-                                  upload=self.staging.upload)
-        finally:
-            torch.set_default_dtype(previous)
-        self.log.info("lora_slots_allocated", max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
-                      bytes=manager.slot_bytes)
-        return manager
-
-    def _new_model(self, device: torch.device) -> torch.nn.Module:
-        cls = MODEL_CLASSES[self.model_config.model_type]
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)  # parameters are born in the serving dtype
-        try:
-            with torch.device(device), building_with(method_named(self.quantization)):
-                return cls(self.model_config, self.tp, self.max_model_len, self.stage)
-        except ValueError as exc:  # e.g. heads that do not divide by TP
-            raise ModelLoadError(f"cannot shard {self.config.model!r}: {exc}") from None
-        finally:
-            torch.set_default_dtype(previous)
-
-    def weight_bytes_needed(self) -> int:
-        """Bytes of this rank's weight shard, from the model's shapes alone (a meta-device
-        model: nothing is allocated, nothing read)."""
-        return resident_weight_bytes(self._new_model(torch.device("meta")))
-
-    def _check_weight_budget(self) -> None:
-        budget = self.config.max_weight_bytes_per_rank
-        if budget is None:
-            return
-        need = self.weight_bytes_needed()
-        if need > budget:
-            stage = self.stage
-            where = f" in pipeline stage {stage.index} of pp={stage.size}" if stage.size > 1 else ""
-            raise ModelLoadError(
-                f"the weights of {self.config.model!r} do not fit: rank {self.tp.rank} of "
-                f"tp={self.tp.size}{where} "
-                f"needs {format_bytes(need)} for its shard ({self.dtype}"
-                f"{', ' + self.quantization + ' linear weights' if self.quantization else ''}), over "
-                f"max_weight_bytes_per_rank = {format_bytes(budget)}; shard it over more ranks "
-                f"(about tp={-(-need * self.tp.size // budget)}, or more pipeline stages) or raise the budget"
-            )
-
-    def _build_model(self) -> torch.nn.Module:
-        start = time.perf_counter()
-        model = self._new_model(self.device)
-        load_weights(model, self.config.model)
-        model.eval()
-        self.log.info(
-            "model_loaded", model=self.config.model, device=str(self.device), dtype=str(self.dtype),
-            quantization=self.quantization,
-            weight_bytes=resident_weight_bytes(model), seconds=round(time.perf_counter() - start, 2),
-        )
-        return model
-
-    @property
-    def num_stage_layers(self) -> int:
-        """The layers this rank holds, and keeps KV for: its pipeline stage's."""
-        return len(self.stage.layers(self.model_config.num_layers))
-
-    @property
-    def kv_block_bytes(self) -> int:
-        cfg = self.model_config
-        kv_heads = self.tp.shard(cfg.num_kv_heads)[1]
-        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
-        return 2 * self.num_stage_layers * self.block_size * kv_heads * cfg.head_dim * elem
-
-    def _decide_num_kv_blocks(self) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        if self.device.type == "cuda":
-            # Blocks PyTorch caches but does not use (a closed engine's, say) are free for this
-            # cache too, but the driver counts them as taken until they are handed back.
-            torch.cuda.empty_cache()
-            free, _ = torch.cuda.mem_get_info(self.device)
-            # Leave room for activations of the largest step, and as much again for the mixed
-            # graphs' private pool (their largest bucket's activations).
-            activations = 64 * self.config.max_num_batched_tokens * self.model_config.hidden_size * 4
-            if self._mixed_graph_tokens():
-                activations += 64 * self._mixed_graph_tokens() * self.model_config.hidden_size * 4
-            local = kv_blocks_for_budget(free, fraction=self.config.kv_cache_memory_fraction,
-                                         activation_bytes=activations, block_bytes=self.kv_block_bytes)
-        else:
-            local = kv_blocks_for_budget(self.config.kv_cache_bytes_cpu, fraction=1.0, activation_bytes=0,
-                                         block_bytes=self.kv_block_bytes)
-        num_blocks = all_reduce_min(self.world_size, local)
-        if num_blocks < 1:
-            raise ModelLoadError("no memory is left for the KV cache after loading the weights")
-        return num_blocks
-
-    def _allocate_kv_cache(self) -> torch.Tensor:
-        cfg = self.model_config
-        # Block num_kv_blocks is the scratch block: padded rows of graph steps write there.
-        shape = (self.num_stage_layers, 2, self.num_kv_blocks + 1, self.block_size,
-                 self.tp.shard(cfg.num_kv_heads)[1], cfg.head_dim)
-        self.log.info("kv_cache_allocated", num_blocks=self.num_kv_blocks, dtype=str(self.kv_dtype),
-                      bytes=(self.num_kv_blocks + 1) * self.kv_block_bytes)
-        return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-
-    @property
-    def kv_cache_bytes(self) -> int:
-        if self.kv_caches is None:  # closed
-            return 0
-        return self.kv_caches.numel() * self.kv_caches.element_size()
-
-    def _new_block_tables(self) -> DeviceBlockTables:
-        # Spare rows: under async scheduling a request's leaving is announced a step or two late,
-        # while newcomers already take rows (and the tables take back the oldest unused if need be).
-        max_rows = self.config.max_num_seqs + min(self.config.max_num_seqs, 64)
-        return DeviceBlockTables(max_rows, -(-self.max_model_len // self.block_size),
-                                 pad_block=self.num_kv_blocks, device=self.device)  # the scratch block
-
-    def _capture_decode_graphs(self) -> DecodeGraphs | None:
-        if not use_cuda_graphs(self.config, self.device) or self.tp.timer is not None:
-            return None
-        if self.lora is not None and not self.lora.is_dense:  # (never: graphs make it dense)
-            return None
-        graphs = DecodeGraphs(
-            self.model, self.kv_caches, block_size=self.block_size, max_model_len=self.max_model_len,
-            scratch_block=self.num_kv_blocks,
-            max_batch_size=min(self.config.cuda_graph_max_batch_size, self.config.max_num_seqs),
-            device=self.device, dtype=self.dtype, tables=self.block_tables, staging=self.staging,
-        )
-        return self._captured(graphs, "cuda_graphs")
-
-    def _mixed_graph_tokens(self) -> int:
-        """The largest mixed step a graph replays; 0: none."""
-        if not use_cuda_graphs(self.config, self.device) or self.tp.timer is not None:
-            return 0
-        return min(self.config.cuda_graph_max_tokens, self.config.max_num_batched_tokens)
-
-    def _capture_mixed_graphs(self) -> MixedGraphs | None:
-        max_tokens = self._mixed_graph_tokens()
-        if max_tokens <= 0:
-            return None
-        graphs = MixedGraphs(
-            self.model, self.kv_caches, block_size=self.block_size, max_model_len=self.max_model_len,
-            scratch_block=self.num_kv_blocks, max_tokens=max_tokens,
-            num_decode_slots=self.config.max_num_seqs, hidden_size=self.model_config.hidden_size,
-            device=self.device, dtype=self.dtype, tables=self.block_tables, staging=self.staging,
-        )
-        return self._captured(graphs, "mixed_graphs")
-
-    def _captured(self, graphs: DecodeGraphs | MixedGraphs, name: str):
-        """`graphs` once captured on every rank; None (eager steps) when any rank failed."""
-        start = time.perf_counter()
-        try:
-            graphs.capture()
-            captured = 1
-        except Exception as exc:  # noqa: BLE001 - a capture failure costs speed, not service
-            self.log.warning(f"{name}_capture_failed", error=f"{type(exc).__name__}: {exc}"[:500])
-            captured = 0
-        if not all_reduce_min(self.world_size, captured):  # every rank must take the same path
-            graphs.close()
-            return None
-        self.log.info(f"{name}_captured", sizes=len(graphs.sizes), largest=graphs.sizes[-1],
-                      seconds=round(time.perf_counter() - start, 2))
-        return graphs
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch,
@@ -416,10 +206,15 @@ class ModelRunner:
         waits for nothing on CUDA."""
         timer = self.tp.timer
         start = timer.start(self.device) if timer else None
+        # Queued before the forward: the copies wait for the earlier steps only, never this one.
+        copies = self.host_kv.copy(batch.kv_stores, batch.kv_loads) if self.host_kv is not None else None
+        if not batch.works:  # a step of copies alone
+            return LaunchedStep(batch.step_id, None, kv_copies=copies)
         logits, sampled_works, prompt, drafts = self._forward(batch)
         if timer:
             timer.stop("step", start)
-        launched = LaunchedStep(batch.step_id, None, prompt_logprobs=prompt, draft_logits=drafts)
+        launched = LaunchedStep(batch.step_id, None, prompt_logprobs=prompt, draft_logits=drafts,
+                                kv_copies=copies)
         if batch.samples_late and logits is not None and self.is_driver:
             launched.late = (batch, logits, sampled_works)  # until `sample`
         else:
@@ -463,17 +258,22 @@ class ModelRunner:
 
     def finish(self, launched: LaunchedStep) -> StepResult | None:
         """The step's StepResult (driver) or None (other ranks). The step's one host
-        synchronisation: waiting for the sampled ids' copy."""
+        synchronisation: waiting for the sampled ids' copy (and for the host tier's copies, which
+        the scheduler counts complete once the step is back)."""
         self.sample(launched)  # a late step not sampled yet (run to its end by `execute`)
+        copies = launched.kv_copies
+        if copies is not None:
+            copies.wait()
         if not self.is_driver:
             return None
         prompt = launched.prompt_logprobs.to_host() if launched.prompt_logprobs is not None else {}
+        load_seconds = copies.load_seconds if copies is not None else 0.0
         if launched.host is None:
-            return StepResult(launched.step_id, [], prompt)
+            return StepResult(launched.step_id, [], prompt, load_seconds)
         tokens = launched.host.tokens()
         if launched.verify is not None:
             spec_verify.apply(tokens, launched.verify)
-        return StepResult(launched.step_id, tokens, prompt)
+        return StepResult(launched.step_id, tokens, prompt, load_seconds)
 
     def close(self) -> None:
         """Give back everything this runner took on its device: the CUDA graphs and their memory
@@ -495,6 +295,9 @@ class ModelRunner:
         self.decode_graphs = self.mixed_graphs = None
         self.sampler = None
         self.block_tables = self.staging = self.pending_tokens = None
+        if self.host_kv is not None:
+            self.host_kv.close()  # (it holds a view of the KV cache)
+        self.host_kv = None
         if self.kv_caches is not None:
             with torch.no_grad():
                 self.kv_caches.set_()  # an empty storage: the cache's memory is free now

@@ -56,6 +56,8 @@ class RankInfo:
     block_size: int
     wake_address: str | bytes  # this rank's wake socket: an AF_UNIX datagram address on its host
     node_id: str = ""  # its Ray node ("" outside Ray)
+    num_host_kv_blocks: int = 0  # its host KV pool's blocks (workers/host_kv_pool.py); 0: none
+    kv_block_bytes: int = 0  # one block of its shard, in its GPU cache and in its host pool
 
 
 @dataclass
@@ -112,7 +114,8 @@ class RankWorker:
         self.runner = ModelRunner(self.config, tp, stage)
         return RankInfo(self.rank, stage_index, os.getpid(), socket.gethostname(), self.runner.weight_bytes,
                         self.runner.num_kv_blocks, self.runner.max_model_len, self.runner.block_size,
-                        self._wake_socket.getsockname(), _ray_node_id())
+                        self._wake_socket.getsockname(), _ray_node_id(),
+                        self.runner.num_host_kv_blocks, self.runner.kv_block_bytes)
 
     def execute(self, batch: StepBatch | Park) -> StepResult | None:
         if isinstance(batch, Park):

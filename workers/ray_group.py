@@ -171,6 +171,8 @@ class RayWorkerGroup:
             self._can_park = True
             self._lock.notify_all()
         self.num_kv_blocks = min(info.num_kv_blocks for info in self.infos)
+        self.num_host_kv_blocks = min(info.num_host_kv_blocks for info in self.infos)
+        self.kv_block_bytes = sum(info.kv_block_bytes for info in self.infos)  # the replica's, all shards
         self.max_model_len = self.infos[0].max_model_len
         self.block_size = self.infos[0].block_size
         self.log.info("worker_group_ready", tp=tp, pp=pp, seconds=round(time.perf_counter() - start, 2),

@@ -5,7 +5,8 @@ Every scheduler publishes at its heartbeat the (truncated) hashes of its cached 
 blocks (service/prefix_summary.py). The gateway hashes the prompt's first full blocks with the
 block manager's own function (protocol/prefix_hash.py, at each replica's block size) and counts
 the leading ones each replica names: its match, in tokens, capped as the block manager caps a
-hit (the last token is always computed). Then:
+hit (the last token is always computed), a block named among its host KV tier's counting
+HOST_TIER_WEIGHT of one in its GPU cache (protocol/prefix_hash.py). Then:
 
 - no replica matches, or one replica serves the model: the shared stream, where whichever
   scheduler has room pulls it, as without routing;
@@ -35,7 +36,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from protocol.prefix_hash import BlockHash, block_hashes, summary_hash
+from protocol.prefix_hash import HOST_TIER_WEIGHT, BlockHash, block_hashes, summary_hash
 
 LOAD_WEIGHT = 0.5  # a full match on a replica at load 1 scores as half a match on an idle one
 CONSOLIDATE_FRACTION = 0.5  # a match every replica has is worth one copy only if this long
@@ -54,6 +55,7 @@ class ReplicaView:
     backlog: int = 0  # unread entries of its own stream, and what this gateway routed there since
     draining: bool = False
     loras: frozenset[str] = frozenset()  # the LoRA adapters in its device slots
+    host_prefixes: frozenset[bytes] = frozenset()  # summary hashes of its host KV tier's blocks
 
     @property
     def num_queued(self) -> int:
@@ -102,7 +104,8 @@ def choose_replica(prompt_token_ids: list[int], replicas: list[ReplicaView], *,
     if lora_name is not None:
         return choose_by_adapter(lora_name, candidates)
     hashes: dict[int, list[BlockHash]] = {}  # block size -> the prompt's hashes (replicas mostly agree)
-    matches: dict[str, int] = {}
+    matches: dict[str, float] = {}  # replica -> its match in tokens, host-tier blocks weighted
+    num_blocks: dict[str, int] = {}  # replica -> the leading blocks it holds in either tier
     matchable = 0  # tokens a hit could cover at most
     for replica in candidates:
         size = replica.block_size
@@ -111,13 +114,15 @@ def choose_replica(prompt_token_ids: list[int], replicas: list[ReplicaView], *,
         if len(known) < max_blocks:
             known = hashes[size] = block_hashes(prompt_token_ids, size, max_blocks)
         num_matched = matched_blocks(known[:max_blocks], replica.prefixes)
-        matches[replica.scheduler_id] = num_matched * size
+        num_host = matched_blocks(known[num_matched:max_blocks], replica.host_prefixes)
+        num_blocks[replica.scheduler_id] = num_matched + num_host
+        matches[replica.scheduler_id] = (num_matched + HOST_TIER_WEIGHT * num_host) * size
         matchable = max(matchable, max_blocks * size)
     best, least = max(matches.values()), min(matches.values())
     if best == 0 or (best == least and best < CONSOLIDATE_FRACTION * matchable):
         return Route(None, "no_match")
     # The rendezvous order of the replicas for this prefix: the same in every gateway.
-    key = next(hashes[r.block_size][matches[r.scheduler_id] // r.block_size - 1]
+    key = next(hashes[r.block_size][num_blocks[r.scheduler_id] - 1]
                for r in candidates if matches[r.scheduler_id] == best)
     rank = {r.scheduler_id: hashlib.sha256(key + r.scheduler_id.encode()).digest() for r in candidates}
     if best == least:  # every replica holds it: one copy is enough
@@ -126,9 +131,9 @@ def choose_replica(prompt_token_ids: list[int], replicas: list[ReplicaView], *,
         scored = [(matches[r.scheduler_id] / best - load_weight * r.load, rank[r.scheduler_id],
                    r.scheduler_id) for r in candidates if matches[r.scheduler_id] > least and r.has_room]
     if not scored:
-        return Route(None, "overloaded", best)
+        return Route(None, "overloaded", round(best))
     chosen = max(scored)[-1]
-    return Route(chosen, "routed", matches[chosen])
+    return Route(chosen, "routed", round(matches[chosen]))
 
 
 class PrefixRouter:

@@ -45,6 +45,7 @@ class SchedulerInfo:
     prefix_cache_hits: int = 0
     max_lora_rank: int = 0  # the largest LoRA adapter rank it serves; 0: it serves none
     loras_loaded: frozenset[str] = frozenset()  # the LoRA adapters in its device slots
+    prefix_summary_gpu_hashes: int = -1  # its summary's GPU hashes, before its host tier's; -1: all
 
     @classmethod
     def parse(cls, scheduler_id: str, raw: dict[bytes, bytes]) -> SchedulerInfo | None:
@@ -55,7 +56,8 @@ class SchedulerInfo:
                        int(raw.get(b"block_size", 16)), int(raw.get(b"prefix_summary_depth", 0)),
                        raw.get(b"draining", b"0") == b"1", int(raw.get(b"prefix_cache_queries", 0)),
                        int(raw.get(b"prefix_cache_hits", 0)), int(raw.get(b"max_lora_rank", 0)),
-                       frozenset(json.loads(raw.get(b"loras_loaded", b"[]"))))
+                       frozenset(json.loads(raw.get(b"loras_loaded", b"[]"))),
+                       int(raw.get(b"prefix_summary_gpu_hashes", -1)))
         except (KeyError, ValueError, TypeError):
             return None  # a half-written or foreign hash: not a scheduler we understand
 
@@ -130,11 +132,12 @@ class FleetTracker:
             summary = summary if isinstance(summary, bytes) else b""
             taken = int(pending["pending"]) if isinstance(pending, dict) else 0
             backlog = max(0, int(length) - taken) if isinstance(length, int) else 0
-            prefixes = frozenset(summary[i:i + SUMMARY_HASH_BYTES] for i in range(0, len(summary),
-                                                                                 SUMMARY_HASH_BYTES))
-            views.append(ReplicaView(info.scheduler_id, info.block_size, info.prefix_summary_depth, prefixes,
-                                     info.num_running, info.num_waiting, info.max_num_seqs, backlog,
-                                     info.draining, info.loras_loaded))
+            hashes = [summary[i:i + SUMMARY_HASH_BYTES] for i in range(0, len(summary), SUMMARY_HASH_BYTES)]
+            num_gpu = info.prefix_summary_gpu_hashes if info.prefix_summary_gpu_hashes >= 0 else len(hashes)
+            views.append(ReplicaView(info.scheduler_id, info.block_size, info.prefix_summary_depth,
+                                     frozenset(hashes[:num_gpu]), info.num_running, info.num_waiting,
+                                     info.max_num_seqs, backlog, info.draining, info.loras_loaded,
+                                     host_prefixes=frozenset(hashes[num_gpu:])))
         return views
 
     def is_served(self, model: str) -> bool:

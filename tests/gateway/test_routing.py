@@ -31,6 +31,18 @@ def test_the_replica_holding_the_longest_prefix_is_chosen() -> None:
     assert (route.scheduler_id, route.decision, route.matched_tokens) == ("b", "routed", 128)
 
 
+def test_host_tier_blocks_count_below_gpu_blocks_but_beyond_a_miss() -> None:
+    """A replica holding the whole prefix in its host KV tier (its first 2 blocks on the GPU) beats
+    one holding half of it on the GPU, and loses to one holding all of it on the GPU."""
+    prompt = [*SYSTEM, 7, 8, 9]
+    hashes = [summary_hash(h) for h in block_hashes(SYSTEM, 16)]
+    in_host = ReplicaView("host", 16, 64, frozenset(hashes[:2]), max_num_seqs=8,
+                          host_prefixes=frozenset(hashes[2:]))
+    route = choose_replica(prompt, [_holding("half", SYSTEM[:64]), in_host])
+    assert (route.scheduler_id, route.matched_tokens) == ("host", (2 + 0.5 * 6) * 16)
+    assert choose_replica(prompt, [_holding("gpu", SYSTEM), in_host]).scheduler_id == "gpu"
+
+
 def test_no_match_or_a_match_every_replica_has_goes_to_the_shared_stream() -> None:
     assert choose_replica([5] * 200, [_holding("a", SYSTEM), _holding("b", SYSTEM)]).decision == "no_match"
     both = [_holding("a", TEMPLATE), _holding("b", TEMPLATE)]

@@ -87,7 +87,8 @@ def test_the_summary_names_what_admitted_requests_are_computing_before_it_is_cac
     manager = BlockManager(num_blocks=64, block_size=4)
     cached = list(range(100, 112))
     _cached_hashes(manager, cached)
-    summary = PrefixSummary(SimpleNamespace(block_manager=manager, config=SimpleNamespace(block_size=4)),
+    summary = PrefixSummary(SimpleNamespace(block_manager=manager, config=SimpleNamespace(block_size=4),
+                                            host_tier=None),
                             max_hashes=5)
     computing = Request("c", list(range(500, 513)), SamplingParams())  # admitted, nothing computed yet
     blob = summary.build([computing])

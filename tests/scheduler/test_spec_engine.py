@@ -201,8 +201,8 @@ def test_verify_steps_replay_the_mixed_graphs_and_stay_greedy_identical(
     """On the runner's graph branches (their static buffers run eagerly here, as CUDA replays
     them), a step with drafts takes a mixed graph, whose rows are the eager step's, and scores
     every draft from them: the same tokens as plain decoding."""
-    monkeypatch.setattr("workers.model_runner.use_cuda_graphs", lambda config, device: True)
-    monkeypatch.setattr("workers.model_runner.DecodeGraphs.capture", lambda self: None)  # run eagerly
+    monkeypatch.setattr("workers.runner_build.use_cuda_graphs", lambda config, device: True)
+    monkeypatch.setattr("workers.runner_build.DecodeGraphs.capture", lambda self: None)  # run eagerly
     greedy = [p for p in PARAMS[:NUM_COMPARED] if p.logprobs is None]
     prompts = PROMPTS[: len(greedy)]
     config = EngineConfig(model=str(tiny), dtype="float32", device="cpu", block_size=4, num_kv_blocks=256,

@@ -134,3 +134,20 @@ async def test_bench_deals_its_requests_over_client_processes(make_client, fake_
     assert (summary["ok"], summary["failed"], summary["output_tokens"]) == (9, 0, 9 * 4)
     assert summary["ttft_ms"]["p50"] <= summary["e2e_ms"]["p50"]
     assert len(fake_scheduler.seen) == 9
+
+
+async def test_multi_turn_conversations_resend_their_history(make_client, fake_scheduler):
+    client = await make_client()
+    url = str(client.make_url("")).rstrip("/")
+    done = await bench("--url", url, "--multi-turn", "--conversations", "3", "--turns", "3", "--rate", "20",
+                       "--prefix-tokens", "20", "--prompt-words", "5", "--max-tokens", "4", "--json")
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert (summary["ok"], summary["conversations"], summary["turns"]) == (9, 3, 3)
+    assert sorted(summary["ttft_ms_by_turn"]) == ["0", "1", "2"]
+    # Each turn carried the system prompt and every earlier user message and reply of its conversation.
+    assert len(fake_scheduler.seen) == 9
+    lengths = sorted(len(m.prompt_token_ids) for m in fake_scheduler.seen)
+    assert lengths[-1] > 2 * lengths[0]
+    refused = await bench("--url", url, "--multi-turn", "--turns", "0")
+    assert refused.returncode != 0 and "--turns" in refused.stderr

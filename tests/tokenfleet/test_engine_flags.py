@@ -23,7 +23,7 @@ SAMPLES = {
     "num-cpus-per-rank": "0.5", "async-scheduling": "on", "no-prefix-caching": None,
     "grammar-jump-forward": None, "itl-target-ms": "12.5", "itl-slowdown": "2",
     "max-weight-bytes-per-rank": "24e9", "enable-lora": None, "lora-modules": "sql=/adapters/sql",
-    "max-loras": "4", "max-lora-rank": "64", "max-cpu-loras": "8",
+    "max-loras": "4", "max-lora-rank": "64", "max-cpu-loras": "8", "kv-offloading-size": "16",
     "speculative-config": '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}',
 }
 PLACEMENT_GROUP = "tokenfleet-replica-m-0"  # the one flag the launchers set per replica

@@ -427,7 +427,7 @@ def test_engine_on_the_graph_path_gives_the_eager_greedy_tokens(tiny_checkpoints
     with LLMEngine(EngineConfig(**config)) as engine:
         assert engine.executor.runner.decode_graphs is None
         expected = [r.token_ids for r in engine.generate(prompts, greedy)]
-    monkeypatch.setattr("workers.model_runner.use_cuda_graphs", lambda config, device: True)
+    monkeypatch.setattr("workers.runner_build.use_cuda_graphs", lambda config, device: True)
     # Decode graphs only: the fake graphs replay the last forward recorded, a DecodeGraphs one.
     with LLMEngine(EngineConfig(**config, cuda_graph_max_batch_size=4, cuda_graph_max_tokens=0)) as engine:
         graphs = engine.executor.runner.decode_graphs
@@ -446,7 +446,7 @@ def test_close_destroys_the_graphs_and_frees_their_buffers_while_a_script_still_
     from scheduler.engine import LLMEngine
     from tests.workers.runner_refs import alive, runner_weakrefs
 
-    monkeypatch.setattr("workers.model_runner.use_cuda_graphs", lambda config, device: True)
+    monkeypatch.setattr("workers.runner_build.use_cuda_graphs", lambda config, device: True)
     config = EngineConfig(model=str(tiny_checkpoints["llama"]), dtype="float32", device="cpu", block_size=4,
                           num_kv_blocks=64, max_num_seqs=4, cuda_graph_max_batch_size=4,
                           cuda_graph_max_tokens=0)

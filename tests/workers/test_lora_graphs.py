@@ -68,8 +68,8 @@ def test_engine_on_the_graph_paths_with_adapters_matches_transformers_peft(
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(3, 30))] for _ in range(4)]
     names = [None, *lora_adapters]
-    monkeypatch.setattr("workers.model_runner.use_cuda_graphs", lambda config, device: True)
-    monkeypatch.setattr("workers.model_runner.DecodeGraphs.capture", lambda self: None)  # run eagerly
+    monkeypatch.setattr("workers.runner_build.use_cuda_graphs", lambda config, device: True)
+    monkeypatch.setattr("workers.runner_build.DecodeGraphs.capture", lambda self: None)  # run eagerly
     config = EngineConfig(model=str(tiny_checkpoints["llama"]), dtype="float32", device="cpu", block_size=4,
                           num_kv_blocks=256, max_num_seqs=2, max_num_batched_tokens=16,
                           cuda_graph_max_tokens=16, enable_lora=True, max_loras=3,

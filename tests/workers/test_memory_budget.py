@@ -37,7 +37,7 @@ def test_budget_below_the_whole_model_is_refused_at_tp1_before_loading(tiny_chec
     def must_not_load(*args, **kwargs):
         raise AssertionError("weights were loaded before the budget check")
 
-    monkeypatch.setattr("workers.model_runner.load_weights", must_not_load)
+    monkeypatch.setattr("workers.runner_build.load_weights", must_not_load)
     with pytest.raises(ModelLoadError, match="max_weight_bytes_per_rank") as info:
         ModelRunner(_config(folder, max_weight_bytes_per_rank=budget), SINGLE_DEVICE)
     message = str(info.value)

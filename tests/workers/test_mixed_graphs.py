@@ -247,8 +247,8 @@ def test_engine_on_the_mixed_graph_path_gives_the_eager_greedy_tokens(tiny_check
                   num_kv_blocks=256, max_num_seqs=4, max_num_batched_tokens=32)
     with LLMEngine(EngineConfig(**config)) as engine:
         expected = [r.token_ids for r in engine.generate(prompts, greedy)]
-    monkeypatch.setattr("workers.model_runner.use_cuda_graphs", lambda config, device: True)
-    monkeypatch.setattr("workers.model_runner.DecodeGraphs.capture", lambda self: None)  # decodes eager
+    monkeypatch.setattr("workers.runner_build.use_cuda_graphs", lambda config, device: True)
+    monkeypatch.setattr("workers.runner_build.DecodeGraphs.capture", lambda self: None)  # decodes eager
     with LLMEngine(EngineConfig(**config, cuda_graph_max_tokens=32)) as engine:
         graphs = engine.executor.runner.mixed_graphs
         assert graphs is not None and graphs.sizes == [16, 32]

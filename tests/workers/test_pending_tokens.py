@@ -94,7 +94,7 @@ def test_async_engine_on_the_decode_graph_path_gives_the_eager_tokens(tiny_check
     config = dict(model=str(tiny_checkpoints["llama"]), dtype="float32", device="cpu", block_size=4,
                   num_kv_blocks=256, max_num_seqs=6)
     expected, _ = _engine_tokens(config, prompts)
-    monkeypatch.setattr("workers.model_runner.use_cuda_graphs", lambda config, device: True)
+    monkeypatch.setattr("workers.runner_build.use_cuda_graphs", lambda config, device: True)
     replays = []
     run = DecodeGraphs.run
 
@@ -116,8 +116,8 @@ def test_async_engine_on_the_mixed_graph_path_gives_the_eager_tokens(tiny_checkp
     config = dict(model=str(tiny_checkpoints["llama"]), dtype="float32", device="cpu", block_size=4,
                   num_kv_blocks=256, max_num_seqs=4, max_num_batched_tokens=32)
     expected, _ = _engine_tokens(config, prompts)
-    monkeypatch.setattr("workers.model_runner.use_cuda_graphs", lambda config, device: True)
-    monkeypatch.setattr("workers.model_runner.DecodeGraphs.capture", lambda self: None)  # decodes eager
+    monkeypatch.setattr("workers.runner_build.use_cuda_graphs", lambda config, device: True)
+    monkeypatch.setattr("workers.runner_build.DecodeGraphs.capture", lambda self: None)  # decodes eager
     replays = []
     run = MixedGraphs.run
 
@@ -189,7 +189,7 @@ def test_launching_steps_ahead_reads_nothing_of_the_device_on_any_path(tiny_chec
         expected.append([t.token_id for t in sampled])
         last.update((t.req_id, t.token_id) for t in sampled)
 
-    monkeypatch.setattr("workers.model_runner.use_cuda_graphs", lambda config, device: True)
+    monkeypatch.setattr("workers.runner_build.use_cuda_graphs", lambda config, device: True)
     monkeypatch.setattr(DecodeGraphs, "capture", lambda self: None)
     monkeypatch.setattr(MixedGraphs, "capture", lambda self: None)
     paths = []

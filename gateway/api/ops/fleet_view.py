@@ -57,6 +57,11 @@ def _scheduler(scheduler_id: str, f: dict[str, str], now: float) -> dict:
         "num_running": _num(f, "num_running", int), "num_waiting": _num(f, "num_waiting", int),
         "max_num_seqs": _num(f, "max_num_seqs", int), "kv_usage": _num(f, "kv_usage"),
         "num_kv_blocks": _num(f, "num_kv_blocks", int),
+        # The host KV tier (0 blocks: none): its use, prompt tokens loaded from it, its load traffic.
+        "num_host_kv_blocks": _num(f, "num_host_kv_blocks", int), "host_kv_usage": _num(f, "host_kv_usage"),
+        "host_kv_hit_tokens": _num(f, "host_kv_hit_tokens", int),
+        "host_kv_loaded_bytes": _num(f, "host_kv_loaded_bytes", int),
+        "host_kv_load_seconds": _num(f, "host_kv_load_seconds"),
         "prompt_tokens_per_s": _num(f, "prompt_tokens_per_s"),
         "generation_tokens_per_s": _num(f, "generation_tokens_per_s"),
         "num_prompt_tokens": _num(f, "num_prompt_tokens", int),
