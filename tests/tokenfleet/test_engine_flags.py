@@ -17,6 +17,7 @@ from tokenfleet.up import Fleet
 SAMPLES = {
     "tp": "2", "pp": "2", "executor": "ray", "device": "cpu", "dtype": "bfloat16", "max-model-len": "512",
     "num-kv-blocks": "64", "block-size": "32", "quantization": "int8", "kv-cache-dtype": "fp8",
+    "calculate-kv-scales": "off",
     "max-num-seqs": "8", "max-num-batched-tokens": "1024", "cuda-graph-max-batch-size": "4",
     "cuda-graph-max-tokens": "256",
     "num-threads": "2", "ray-address": "127.0.0.1:6380", "placement-strategy": "SPREAD",

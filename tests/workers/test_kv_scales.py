@@ -46,8 +46,9 @@ def test_a_measured_scale_is_the_power_of_two_that_leaves_headroom() -> None:
     assert float(kv_scales.measured_scale(torch.zeros(4))) == kv_scales.MIN_MEASURED_SCALE
     x = torch.randn(64, 3, 8) * 37
     for shift in (-12, 3, 10):
-        assert float(kv_scales.measured_scale(x * 2.0**shift)) == float(kv_scales.measured_scale(x)) * 2.0**shift
-        stored_amax = float(x.abs().amax() * 2.0**shift / kv_scales.measured_scale(x * 2.0**shift))
+        shifted = float(kv_scales.measured_scale(x * 2.0**shift))
+        assert shifted == float(kv_scales.measured_scale(x)) * 2.0**shift
+        stored_amax = float(x.abs().amax()) * 2.0**shift / shifted
         assert target / 2 < stored_amax <= target
 
 
@@ -88,10 +89,6 @@ def test_calculate_kv_scales_off_keeps_unit_scales_without_checkpoint_scales(tin
     assert set(_scales(runner)) == {(1.0, 1.0)}
 
 
-def _layer_names(folder, num_layers: int = 2) -> list[str]:
-    return [f"model.layers.{i}" for i in range(num_layers)]
-
-
 def test_scales_from_a_checkpoint_are_used_as_stored(tiny_checkpoints, tmp_path) -> None:
     """One layer in compressed-tensors' naming (k_proj/v_proj output_scale), one in AutoFP8's
     single kv_scale; the cache then stores value / scale, and no step re-measures them."""
@@ -123,7 +120,7 @@ def test_scales_from_a_checkpoint_are_used_as_stored(tiny_checkpoints, tmp_path)
     ({"model.layers.0.self_attn.k_scale": torch.tensor(-1.0)}, "positive and finite"),
     ({"model.layers.0.self_attn.k_scale": torch.tensor(0.5)}, r"\['k_scale'\] for model.layers.0"),
 ])
-def test_a_malformed_checkpoint_kv_scale_is_refused_by_name(extra, message, tiny_checkpoints, tmp_path) -> None:
+def test_a_malformed_checkpoint_kv_scale_is_refused_by_name(extra, message, tiny_checkpoints, tmp_path):
     folder = rescaled_kv_checkpoint(tiny_checkpoints["llama"], tmp_path / "bad", 1.0, extra)
     with pytest.raises(ModelLoadError, match=message):
         _runner(folder)
@@ -162,3 +159,79 @@ def test_checkpoint_scales_that_match_the_range_read_as_unit_scales_do_in_range(
     calibrated = _logits_of_steps(_runner(rescaled, calculate_kv_scales=False), PROMPT, NEXT_IDS)
     for a, b in zip(calibrated, unit, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _generate(folder, prompts: list[list[int]], max_tokens: int, logprobs: int | None = None, **config):
+    from scheduler.engine import LLMEngine
+
+    config = {"model": str(folder), "dtype": "float32", "block_size": 16, "num_kv_blocks": 256,
+              "max_num_seqs": 8, **config}
+    with LLMEngine(EngineConfig(**config)) as engine:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
+        return engine.generate(prompts, params)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (graphs)")
+def test_cuda_graphs_replay_the_scales_measured_after_their_capture(tiny_checkpoints, tmp_path):
+    """The graphs are captured at start, before the first real step measures the scales; they
+    read the scales from device memory, so decodes replayed from a graph use the measured ones:
+    the rescaled model's tokens are the original's (with 1.0 baked in they would saturate).
+    float32: its products are IEEE ones, exact under the power-of-two rescaling (bf16 steps
+    widen an FP8 cache's tiles to float16, where q / 1,024 loses its smallest elements)."""
+    folder = tiny_checkpoints["llama"]
+    rescaled = rescaled_kv_checkpoint(folder, tmp_path / "rescaled", FACTOR)
+    prompts = [PROMPT, PROMPT[:9], PROMPT[5:30]]
+    from scheduler.engine import LLMEngine
+
+    outputs = []
+    for model in (folder, rescaled):
+        config = EngineConfig(model=str(model), device="cuda", dtype="float32", kv_cache_dtype="fp8",
+                              num_kv_blocks=256, max_num_seqs=4)
+        with LLMEngine(config) as engine:
+            runner = engine.executor.runner
+            assert runner.decode_graphs is not None and runner.kv_scale_measurement.is_pending
+            results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+            assert not runner.kv_scale_measurement.is_pending
+        outputs.append([r.token_ids for r in results])
+    assert outputs[0] == outputs[1]
+
+
+CHATS = ["What is the capital of France?", "What is 2 + 2?", "Name the largest planet in the solar system.",
+         "Who wrote Romeo and Juliet?", "What color is the sky on a clear day?"]
+NEAR_TIE = 0.5  # nats, as tests/scheduler/test_kv_fp8_engine.py's SmolLM2 test bounds it
+
+
+def _chat_prompts(folder) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    prompts = []
+    for question in CHATS:
+        messages = [{"role": "user", "content": question}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        prompts.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
+    return prompts
+
+
+@pytest.mark.slow
+def test_smollm2_chats_with_fp8_weights_and_cache_do_not_depend_on_the_kv_range(smollm2, tmp_path) -> None:
+    """Real weights, FP8 weights and an FP8 KV cache, five chats x 24 greedy tokens. SmolLM2 with
+    K and V 64x larger (|K| up to ~1,300, as large as Qwen2's keys get) must answer token for
+    token as SmolLM2 does: under unit scales its keys saturated at 448 and every answer was
+    nonsense. And wherever the answers part from a full-precision model's, the FP8 pair chose a
+    token within NEAR_TIE nats of the full-precision best (the France question's first token is
+    such a tie: "The" leads "L" by 0.08 nats in float32, so any FP8 rounding may flip it)."""
+    prompts = _chat_prompts(smollm2)
+    fp8 = {"quantization": "fp8", "kv_cache_dtype": "fp8"}
+    answers = _generate(smollm2, prompts, 24, **fp8)
+    rescaled = rescaled_kv_checkpoint(smollm2, tmp_path / "smollm2_kv_x64", 64.0)
+    assert [r.token_ids for r in _generate(rescaled, prompts, 24, **fp8)] == [r.token_ids for r in answers]
+    full = _generate(smollm2, prompts, 24, logprobs=5)
+    for exact, quantized in zip(full, answers, strict=True):
+        pairs = zip(exact.token_ids, quantized.token_ids, strict=True)
+        where = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
+        if where is None:
+            continue
+        top = exact.logprobs[where].top_logprobs
+        chosen = dict(top).get(quantized.token_ids[where])
+        assert chosen is not None and top[0][1] - chosen <= NEAR_TIE, (where, top, quantized.token_ids)
