@@ -190,7 +190,8 @@ def test_cuda_graphs_replay_the_scales_measured_after_their_capture(tiny_checkpo
         with LLMEngine(config) as engine:
             runner = engine.executor.runner
             assert runner.decode_graphs is not None and runner.kv_scale_measurement.is_pending
-            results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+            greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+            results = engine.generate(prompts, greedy)
             assert not runner.kv_scale_measurement.is_pending
         outputs.append([r.token_ids for r in results])
     assert outputs[0] == outputs[1]
