@@ -47,7 +47,10 @@ def auto_on_off(text: str) -> bool | None:
     passes a bool on)."""
     if text.lower() == "auto":
         return None
-    return on_off(text)
+    try:
+        return on_off(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected auto, on or off, got {text!r}") from None
 
 
 def itl_target(text: str) -> float | None:

@@ -106,6 +106,18 @@ def test_async_scheduling_takes_on_or_off_and_names_itself_otherwise(tmp_path, c
     assert "--async-scheduling: expected on or off, got 'maybe'" in capsys.readouterr().err
 
 
+def test_calculate_kv_scales_takes_auto_on_or_off_and_names_itself_otherwise(tmp_path, capsys) -> None:
+    def parsed(*flags: str) -> EngineConfig:
+        return engine_config(build_parser().parse_args(["scheduler", "--model", str(tmp_path), *flags]))
+
+    assert parsed().calculate_kv_scales is None  # auto: measured where the checkpoint has none
+    assert parsed("--calculate-kv-scales", "on").calculate_kv_scales is True
+    assert parsed("--calculate-kv-scales", "off").calculate_kv_scales is False
+    with pytest.raises(SystemExit):
+        parsed("--calculate-kv-scales", "maybe")
+    assert "--calculate-kv-scales: expected auto, on or off, got 'maybe'" in capsys.readouterr().err
+
+
 def test_itl_target_takes_auto_off_or_milliseconds_and_the_slowdown_at_least_one(tmp_path, capsys) -> None:
     def parsed(*flags: str) -> EngineConfig:
         return engine_config(build_parser().parse_args(["scheduler", "--model", str(tmp_path), *flags]))
