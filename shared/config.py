@@ -116,6 +116,10 @@ class EngineConfig:
     # K/V storage: "auto" (the serving dtype) or "fp8" (e4m3 with a per-layer scale: twice the
     # blocks of bf16 in the same memory; workers/layers/kv_fp8.py).
     kv_cache_dtype: str = "auto"
+    # An FP8 cache's per-layer K/V scales (workers/layers/kv_scales.py): None (auto) measures them
+    # in the first real step where the checkpoint has none; True measures them even where it has;
+    # False never measures (the checkpoint's scales, else 1.0, vLLM's default).
+    calculate_kv_scales: bool | None = None
     # Profiling: CUDA events around every step and collective (read through the rank
     # workers' collective_times()); steps then run eagerly, without CUDA graphs.
     time_collectives: bool = False

@@ -138,7 +138,12 @@ def decode_phase(run) -> dict:
     return {"decode_rate": tokens / (end - begin) if end > begin else None, "decode_seconds": end - begin}
 
 
-ACCURACY_RUNS = (("bf16", "auto"), ("fp8", "auto"), ("int8", "auto"), ("bf16", "fp8"), ("fp8", "fp8"))
+ACCURACY_RUNS = (("bf16", "auto"), ("fp8", "auto"), ("int8", "auto"), ("bf16", "fp8"), ("fp8", "fp8"),
+                 ("bf16", "fp8 unit scales"), ("fp8", "fp8 unit scales"))
+# A KV cache column -> its engine's fields: "fp8" as served (measured scales where the checkpoint
+# has none), "fp8 unit scales" as before they were measured (--calculate-kv-scales off).
+KV_RUNS = {"auto": {"kv_cache_dtype": "auto"}, "fp8": {"kv_cache_dtype": "fp8"},
+           "fp8 unit scales": {"kv_cache_dtype": "fp8", "calculate_kv_scales": False}}
 
 
 def accuracy(model: Path, methods: list[str], args) -> list[dict]:
@@ -158,8 +163,7 @@ def accuracy(model: Path, methods: list[str], args) -> list[dict]:
         if method not in methods:
             continue
         quantization = None if method == "bf16" else method
-        config = engine_config(model, args, quantization, num_kv_blocks=256, kv_cache_dtype=kv,
-                               max_num_seqs=16)
+        config = engine_config(model, args, quantization, num_kv_blocks=256, max_num_seqs=16, **KV_RUNS[kv])
         try:
             runner = ModelRunner(config, SINGLE_DEVICE)
         except ModelLoadError as exc:

@@ -42,6 +42,17 @@ def on_off(text: str) -> bool:
     return words[text.lower()]
 
 
+def auto_on_off(text: str) -> bool | None:
+    """--calculate-kv-scales auto|on|off: None, True or False (also true/false, as engine_argv
+    passes a bool on)."""
+    if text.lower() == "auto":
+        return None
+    try:
+        return on_off(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected auto, on or off, got {text!r}") from None
+
+
 def itl_target(text: str) -> float | None:
     """--itl-target-ms auto|off|MS: None (auto), 0.0 (off) or a positive number of ms."""
     if text.lower() in ("auto", "none"):
@@ -160,6 +171,9 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                byte_count),
     EngineFlag("kv-cache-dtype", "K/V cache storage: auto (the serving dtype) or fp8 (e4m3, twice the blocks "
                                  "of bf16)", default="auto", choices=KV_CACHE_DTYPES),
+    EngineFlag("calculate-kv-scales", "an fp8 KV cache's per-layer K/V scales: auto (the checkpoint's, else "
+                                      "measured in the first step), on (measured even where the checkpoint "
+                                      "has scales) or off (the checkpoint's, else 1.0)", auto_on_off),
     EngineFlag("max-num-seqs", "cap on running sequences (default: "
                                f"{_CUDA.max_num_seqs} on CUDA, {_CPU.max_num_seqs} on CPU)", int),
     EngineFlag("max-num-batched-tokens", "tokens per step, chunked prefill (default: "

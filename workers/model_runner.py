@@ -36,7 +36,7 @@ from workers.device_sample import HostSample
 from workers.grammar_mask import apply_token_mask
 from workers.host_kv_pool import KVCopies
 from workers.host_staging import HostStaging
-from workers.layers import fp8_tuning
+from workers.layers import fp8_tuning, kv_scales
 from workers.layers.kv_fp8 import kv_cache_dtype
 from workers.parallel import TensorParallel
 from workers.pending_tokens import PendingTokens, share
@@ -108,6 +108,10 @@ class ModelRunner(RunnerBuild):
         fp8_tuning.tune(self.model, self.device, self.dtype)
         self.decode_graphs = self._capture_decode_graphs()
         self.mixed_graphs = self._capture_mixed_graphs()
+        # An FP8 cache's scales: the checkpoint's, or measured by the first real step, which runs
+        # eagerly (after the capture, whose warm-ups run on dummy inputs; kv_scales.py).
+        self.kv_scale_measurement = kv_scales.prepare(self.model, self.kv_dtype, config.calculate_kv_scales,
+                                                      self.log)
         self.sampler = Sampler(seed=config.seed) if self.is_driver else None
         # Async scheduling (one pipeline stage): each step's sampled ids stay on the device for
         # the next step's pending inputs, on every rank of the stage.
@@ -147,7 +151,8 @@ class ModelRunner(RunnerBuild):
         # works in batch order: the same rows), so a verify step replays one; the decode graphs
         # keep one row per work. Prompt logprobs run eagerly.
         has_drafts = spec_verify.wanted(batch.works)
-        use_graphs = use_graphs and not prompt_logprobs.wanted(batch.works)
+        use_graphs = (use_graphs and not prompt_logprobs.wanted(batch.works)
+                      and not self.kv_scale_measurement.is_pending)
         if self.lora is not None:
             self.lora.apply_loads(batch.lora_loads)
         if (use_graphs and not has_drafts and self.decode_graphs is not None

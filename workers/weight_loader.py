@@ -13,6 +13,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from shared.errors import ModelLoadError
+from workers.layers import kv_scales
 
 # Tensors some checkpoints carry that we recompute instead of loading.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -41,11 +42,16 @@ def load_weights(model: nn.Module, folder: str | Path) -> None:
                     stage_name = stage_tensor_name(name)
                     if stage_name is None:
                         continue  # another pipeline stage's: this rank never reads it
-                    target, shard_id = _map_name(stage_name, packed)
-                    if target not in params:
-                        raise ModelLoadError(f"{path.name}: tensor {name!r} matches no model parameter")
-                    _load_one(modules, params, target, shard_id, reader.get_slice(name), path)
-                    loaded.setdefault(target, set()).add(shard_id)
+                    if kv_scales.is_unused_scale(stage_name):
+                        continue
+                    # A KV cache scale (before the q/k/v fusing: "k_proj.output_scale" is one).
+                    scale_targets = kv_scales.checkpoint_targets(stage_name)
+                    for target, shard_id in ([(t, None) for t in scale_targets] if scale_targets
+                                             else [_map_name(stage_name, packed)]):
+                        if target not in params:
+                            raise ModelLoadError(f"{path.name}: tensor {name!r} matches no model parameter")
+                        _load_one(modules, params, target, shard_id, reader.get_slice(name), path)
+                        loaded.setdefault(target, set()).add(shard_id)
         except SafetensorError as exc:
             raise ModelLoadError(f"{path} is not a readable safetensors file: {exc}") from None
     # Scales that online quantization computed while loading count as loaded.
@@ -82,8 +88,8 @@ def _check_complete(params: dict, packed: dict, loaded: dict[str, set], tied: bo
     """Every parameter filled, and fused ones from every shard (q, k, v / gate, up)."""
     missing = []
     for name in params:
-        if tied and name == "lm_head.weight":
-            continue
+        if (tied and name == "lm_head.weight") or kv_scales.is_scale_parameter(name):
+            continue  # (KV scales: checkpoints without them get measured or unit ones)
         module_attr = name.rsplit(".", 2)[-2]
         wanted = {sid for fused, sid in packed.values() if fused == module_attr} or {None}
         have = loaded.get(name, set())

@@ -17,6 +17,7 @@ from tokenfleet.up import Fleet
 SAMPLES = {
     "tp": "2", "pp": "2", "executor": "ray", "device": "cpu", "dtype": "bfloat16", "max-model-len": "512",
     "num-kv-blocks": "64", "block-size": "32", "quantization": "int8", "kv-cache-dtype": "fp8",
+    "calculate-kv-scales": "off",
     "max-num-seqs": "8", "max-num-batched-tokens": "1024", "cuda-graph-max-batch-size": "4",
     "cuda-graph-max-tokens": "256",
     "num-threads": "2", "ray-address": "127.0.0.1:6380", "placement-strategy": "SPREAD",
@@ -103,6 +104,18 @@ def test_async_scheduling_takes_on_or_off_and_names_itself_otherwise(tmp_path, c
     with pytest.raises(SystemExit):
         parsed("--async-scheduling", "maybe")
     assert "--async-scheduling: expected on or off, got 'maybe'" in capsys.readouterr().err
+
+
+def test_calculate_kv_scales_takes_auto_on_or_off_and_names_itself_otherwise(tmp_path, capsys) -> None:
+    def parsed(*flags: str) -> EngineConfig:
+        return engine_config(build_parser().parse_args(["scheduler", "--model", str(tmp_path), *flags]))
+
+    assert parsed().calculate_kv_scales is None  # auto: measured where the checkpoint has none
+    assert parsed("--calculate-kv-scales", "on").calculate_kv_scales is True
+    assert parsed("--calculate-kv-scales", "off").calculate_kv_scales is False
+    with pytest.raises(SystemExit):
+        parsed("--calculate-kv-scales", "maybe")
+    assert "--calculate-kv-scales: expected auto, on or off, got 'maybe'" in capsys.readouterr().err
 
 
 def test_itl_target_takes_auto_off_or_milliseconds_and_the_slowdown_at_least_one(tmp_path, capsys) -> None:

@@ -43,18 +43,20 @@ def make_step(query_lens: list[int], cached: list[int], *, num_heads: int, num_k
 
 
 def with_fp8_cache(step: dict, k_scale: float, v_scale: float) -> dict:
-    """The step with its caches stored in e4m3 (stored = value / scale), as kv_fp8.to_cache does."""
+    """The step with its caches stored in e4m3 (stored = value / scale), as kv_fp8.to_cache does;
+    the scales as the layers hold them, float32 scalars on the step's device."""
     from workers.layers.kv_fp8 import to_cache
 
+    device = step["q"].device
     return {**step, "k_cache": to_cache(step["k_cache"], torch.float8_e4m3fn, k_scale),
             "v_cache": to_cache(step["v_cache"], torch.float8_e4m3fn, v_scale),
-            "k_scale": k_scale, "v_scale": v_scale}
+            "k_scale": torch.tensor(k_scale, device=device), "v_scale": torch.tensor(v_scale, device=device)}
 
 
 def reference(step: dict, scale: float) -> torch.Tensor:
     """Per sequence: its keys gathered page by page, causal by position, in float64."""
     q, k_cache, v_cache = (step[k].double().cpu() for k in ("q", "k_cache", "v_cache"))
-    k_cache, v_cache = k_cache * step.get("k_scale", 1.0), v_cache * step.get("v_scale", 1.0)
+    k_cache, v_cache = k_cache * float(step.get("k_scale", 1.0)), v_cache * float(step.get("v_scale", 1.0))
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     page_size = k_cache.shape[1]
     starts = step["query_start_loc"].tolist()
@@ -81,7 +83,7 @@ def relative_error(step: dict, *, max_query_len: int, num_decodes: int = 0,
     head_dim = step["q"].shape[2]
     inputs = (step["q"], step["k_cache"], step["v_cache"], step["block_tables"], step["seq_lens"],
               step["query_start_loc"])
-    scales = {"k_scale": step.get("k_scale", 1.0), "v_scale": step.get("v_scale", 1.0)}
+    scales = {name: step[name] for name in ("k_scale", "v_scale") if name in step}  # none: unscaled
     if as_slots:
         out = triton_attention.paged_attention_slots(*inputs, head_dim**-0.5, num_decode_slots=num_decodes,
                                                      **scales)
@@ -112,7 +114,7 @@ def slots_relative_error(step: dict, *, num_decodes: int, num_decode_slots: int)
     out = triton_attention.paged_attention_slots(
         step["q"], step["k_cache"], step["v_cache"], slots["block_tables"], slots["seq_lens"],
         slots["query_start_loc"], head_dim**-0.5, num_decode_slots=num_decode_slots,
-        k_scale=step.get("k_scale", 1.0), v_scale=step.get("v_scale", 1.0))
+        k_scale=step.get("k_scale"), v_scale=step.get("v_scale"))
     ref = reference(step, head_dim**-0.5)
     return float((out.double().cpu() - ref).norm() / ref.norm())
 

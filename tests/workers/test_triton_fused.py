@@ -79,7 +79,8 @@ def fp8_store_vs_pytorch(dtype: torch.dtype, device: str) -> dict[str, float]:
     v_cache = torch.zeros_like(k_cache)
     ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
     triton_fused.rope_and_store(q, k, v, positions, rotary.cos, rotary.sin, k_cache, v_cache, slots,
-                                k_scale=2.0, v_scale=0.25)
+                                k_scale=torch.tensor(2.0, device=device),
+                                v_scale=torch.tensor(0.25, device=device))
     _, ref_k = rotary(positions, q, k)
     ref_k_cache.view(-1, kv_heads, dim)[slots] = to_cache(ref_k, fp8, 2.0)
     ref_v_cache.view(-1, kv_heads, dim)[slots] = to_cache(v, fp8, 0.25)

@@ -8,7 +8,9 @@ over its own sequence's pages. Elsewhere the portable PyTorch path runs:
 - decodes as one padded batch over the blocks their tables name (or per sequence on CPU),
 - each prefill chunk over its cached prefix plus itself, causally.
 The cache may hold FP8 (e4m3) K/V with a per-layer scale (`--kv-cache-dtype fp8`; kv_fp8.py):
-every path then casts what it writes and widens what it reads, in the same kernel.
+every path then casts what it writes and widens what it reads, in the same kernel. The scales
+are this layer's parameters in device memory (the kernels read them through a pointer), from
+the checkpoint or measured in the first real step (kv_scales.py).
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.attention_metadata import AttentionMetadata, PrefillChunk
-from workers.layers import triton_attention, triton_fused
-from workers.layers.kv_fp8 import DEFAULT_KV_SCALE, from_cache, is_fp8, to_cache
+from workers.layers import kv_scales, triton_attention, triton_fused
+from workers.layers.kv_fp8 import from_cache, is_fp8, to_cache
 from workers.layers.rotary import RotaryEmbedding
 
 
@@ -30,9 +32,30 @@ class PagedAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
-        # Per-layer scales of an FP8 KV cache (stored = value / scale); unused otherwise.
-        self.k_scale = DEFAULT_KV_SCALE
-        self.v_scale = DEFAULT_KV_SCALE
+        # Per-layer scales of an FP8 KV cache (stored = value / scale); unused otherwise. Scalars
+        # in device memory: a CUDA graph captured before they are measured reads the measured ones.
+        self.k_scale = nn.Parameter(torch.ones((), dtype=torch.float32), requires_grad=False)
+        self.v_scale = nn.Parameter(torch.ones((), dtype=torch.float32), requires_grad=False)
+        self.kv_scale_source = "unit"  # "checkpoint" once the weight loader filled both
+        self.checkpoint_scales: set[str] = set()  # those the weight loader filled
+        self.is_measuring = False  # measure in the next forward (kv_scales.prepare sets it)
+
+    def weight_loader(self, param: nn.Parameter, tensor_slice, shard_id=None) -> None:
+        """A checkpoint's k_scale or v_scale (every rank takes the whole scalar)."""
+        name = "k_scale" if param is self.k_scale else "v_scale"
+        kv_scales.load_scale(param, tensor_slice, name)
+        self.checkpoint_scales.add(name)
+        if self.checkpoint_scales == {"k_scale", "v_scale"}:
+            self.kv_scale_source = "checkpoint"
+
+    def _measure(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 rotary: RotaryEmbedding) -> None:
+        """Fix the scales from this step's K (after the rotary embedding, as stored) and V."""
+        _, rotated_k = rotary(positions, k, k)
+        self.k_scale.data.copy_(kv_scales.measured_scale(rotated_k))
+        self.v_scale.data.copy_(kv_scales.measured_scale(v))
+        self.is_measuring = False
+        self.kv_scale_source = "measured"
 
     def forward(
         self,
@@ -47,6 +70,8 @@ class PagedAttention(nn.Module):
         # positions: [num_tokens]; q: [num_tokens, num_heads, head_dim] and k, v:
         # [num_tokens, num_kv_heads, head_dim], before the rotary embedding -> [num_tokens, heads * dim]
         k_cache, v_cache = kv_cache[0], kv_cache[1]
+        if self.is_measuring and q.shape[0]:
+            self._measure(positions, k, v, rotary)
         if triton_fused.is_available(q):
             q = triton_fused.rope_and_store(q, k, v, positions, rotary.cos, rotary.sin, k_cache, v_cache,
                                             meta.slot_mapping, k_scale=self.k_scale, v_scale=self.v_scale)
@@ -60,7 +85,7 @@ class PagedAttention(nn.Module):
                 k = from_cache(stored_k, q.dtype, self.k_scale)
                 v = from_cache(stored_v, q.dtype, self.v_scale)
 
-        scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
+        scales = {"k_scale": self.k_scale, "v_scale": self.v_scale} if is_fp8(k_cache) else {}
         if triton_attention.is_available(q) and meta.num_decode_slots is not None:  # a mixed-step graph
             out = triton_attention.paged_attention_slots(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale,

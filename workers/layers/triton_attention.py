@@ -14,7 +14,9 @@ they can split each sequence's keys over NUM_SEGMENTS programs and combine the p
 results in a second small kernel (split-K).
 
 An FP8 (e4m3) cache is read as it is: each K/V tile is widened to q's dtype in registers, the
-layer's K scale folds into the softmax scale and its V scale into the output (kv_fp8.py).
+layer's K scale folds into the softmax scale and its V scale into the output (kv_fp8.py). The
+scales are read from device memory (float32 scalars, one load per program), so a captured CUDA
+graph replays with whatever value they hold: measured after the capture (kv_scales.py).
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ if triton is not None:
                 do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "query_start_ptr"])
     def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-        block_tables_ptr, seq_lens_ptr, query_start_ptr, num_seqs, scale, v_scale,
+        block_tables_ptr, seq_lens_ptr, query_start_ptr, num_seqs, scale, k_scale_ptr, v_scale_ptr,
         stride_q_tok, stride_q_head,
         stride_cache_block, stride_cache_token, stride_cache_head,
         stride_table_seq,
@@ -84,7 +86,7 @@ if triton is not None:
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         PAGE_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
         NUM_SEGMENTS: tl.constexpr, DECODE_ONLY: tl.constexpr, IEEE_DOT: tl.constexpr,
-        WIDEN_FP16: tl.constexpr,
+        WIDEN_FP16: tl.constexpr, KV_SCALED: tl.constexpr,
     ):
         pid = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -103,6 +105,8 @@ if triton is not None:
             return
         seq_len = tl.load(seq_lens_ptr + seq)
         first_pos = seq_len - q_len  # position of the sequence's first query token
+        if KV_SCALED:  # an FP8 cache: its K scale folds into the softmax scale
+            scale = scale * tl.load(k_scale_ptr)
 
         BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
         rows = tl.arange(0, BLOCK_M)
@@ -161,7 +165,8 @@ if triton is not None:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
 
-        acc = acc * v_scale  # an FP8 cache's V scale (1.0 otherwise)
+        if KV_SCALED:
+            acc = acc * tl.load(v_scale_ptr)  # an FP8 cache's V scale
         if NUM_SEGMENTS == 1:
             out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
             out_offs = q_rows[:, None] * stride_out_tok + head[:, None] * stride_out_head + d[None, :]
@@ -217,14 +222,16 @@ def _least_segments(k_cache: torch.Tensor) -> int:
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
-    num_decodes: int = 0, num_segments: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+    num_decodes: int = 0, num_segments: int | None = None, k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim]; caches: [num_blocks, page_size, kv_heads, head_dim];
     block_tables: [num_seqs, width]; seq_lens: [num_seqs] (cached + this step's tokens);
     query_start_loc: [num_seqs + 1]; max_query_len: the longest sequence's query count (1 means
     decode-only; known on the host); num_decodes: the first sequences, one query token each;
     num_segments: split-K of decode-only launches (None: by occupancy); k_scale, v_scale: an
-    FP8 cache's per-layer scales -> [num_tokens, num_heads, head_dim]"""
+    FP8 cache's per-layer scales, float32 scalar tensors on q's device (None: unscaled)
+    -> [num_tokens, num_heads, head_dim]"""
     scales = {"k_scale": k_scale, "v_scale": v_scale}
     out = torch.empty_like(q)
     if q.shape[0] == 0:
@@ -251,7 +258,7 @@ def paged_attention(
 def paged_attention_slots(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *, num_decode_slots: int,
-    k_scale: float = 1.0, v_scale: float = 1.0,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A mixed step laid out in fixed sequence slots, so that its two launches' grids depend on
     the tensors' shapes alone (a CUDA graph replays them for any step that fits): slots
@@ -277,8 +284,8 @@ def paged_attention_slots(
 def _launch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
-    decode_only: bool, num_tokens: int, num_segments: int | None = None, k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    decode_only: bool, num_tokens: int, num_segments: int | None = None, k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """One launch over the sequences given (num_tokens query rows from query_start_loc[0] on)."""
     _, num_heads, head_dim = q.shape
@@ -303,7 +310,8 @@ def _launch(
         part_acc = part_max = part_sum = out  # never touched
     _paged_attention_kernel[(num_programs, num_kv_heads, num_segments)](
         q, k_cache, v_cache, out, part_acc, part_max, part_sum,
-        block_tables, seq_lens, query_start_loc, num_seqs, scale * k_scale, v_scale,
+        block_tables, seq_lens, query_start_loc, num_seqs, scale,
+        k_scale if k_scale is not None else q, v_scale if v_scale is not None else q,  # (q: never read)
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
@@ -312,6 +320,7 @@ def _launch(
         PAGE_SIZE=page_size, BLOCK_Q=block_q, BLOCK_N=DECODE_BLOCK_N if decode_only else MIXED_BLOCK_N,
         NUM_SEGMENTS=num_segments, DECODE_ONLY=decode_only, IEEE_DOT=q.dtype == torch.float32,
         WIDEN_FP16=FP8_WIDEN_FP16 and k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32,
+        KV_SCALED=k_scale is not None,
         num_warps=NUM_WARPS if decode_only else MIXED_NUM_WARPS, num_stages=NUM_STAGES,
     )
     if num_segments > 1:

@@ -71,7 +71,7 @@ if triton is not None:
     def _rope_and_store_kernel(
         q_ptr, k_ptr, v_ptr, positions_ptr, cos_ptr, sin_ptr, slots_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
         stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-        stride_table, stride_slot, inv_k_scale, inv_v_scale,
+        stride_table, stride_slot, k_scale_ptr, v_scale_ptr,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
         KV_HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, FP8_CACHE: tl.constexpr,
     ):
@@ -103,7 +103,9 @@ if triton is not None:
         offs = tok * stride_v_tok + g[:, None] * stride_v_head + c[None, :]
         v1 = tl.load(v_ptr + offs, mask=mask)
         v2 = tl.load(v_ptr + offs + HALF, mask=mask)
-        if FP8_CACHE:
+        if FP8_CACHE:  # the layer's scales, from device memory (a graph replays their current value)
+            inv_k_scale = 1.0 / tl.load(k_scale_ptr)
+            inv_v_scale = 1.0 / tl.load(v_scale_ptr)
             k1 = _to_fp8(k1, inv_k_scale, k_cache_ptr.dtype.element_ty)
             k2 = _to_fp8(k2, inv_k_scale, k_cache_ptr.dtype.element_ty)
             v1 = _to_fp8(v1, inv_v_scale, v_cache_ptr.dtype.element_ty)
@@ -144,26 +146,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def rope_and_store(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
-    k_scale: float = 1.0, v_scale: float = 1.0,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [num_tokens, heads, head_dim], k, v: [num_tokens, kv_heads, head_dim] (views, last dim
     contiguous); cos, sin: [max_positions, head_dim] float32; caches: [blocks, block_size,
-    kv_heads, head_dim], in q's dtype or e4m3 (then stored = value / scale). Writes rotated k and
-    v at their slots; returns rotated q, contiguous."""
+    kv_heads, head_dim], in q's dtype or e4m3 (then stored = value / scale, the scales float32
+    scalar tensors on q's device; None: 1.0). Writes rotated k and v at their slots; returns
+    rotated q, contiguous."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     # The kernel addresses a slot as slot * stride(1) and a head as head * head_dim.
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(2) == k.stride(2) == 1
     q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    fp8_cache = k_cache.dtype == torch.float8_e4m3fn
+    if fp8_cache and (k_scale is None or v_scale is None):
+        unit = torch.ones((), dtype=torch.float32, device=q.device)
+        k_scale = k_scale if k_scale is not None else unit
+        v_scale = v_scale if v_scale is not None else unit
     if num_tokens:
         half = head_dim // 2
         _rope_and_store_kernel[(num_tokens,)](
             q, k, v, positions, cos, sin, slot_mapping, q_out, k_cache, v_cache,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            cos.stride(0), k_cache.stride(1), 1.0 / k_scale, 1.0 / v_scale,
+            cos.stride(0), k_cache.stride(1), k_scale if fp8_cache else q, v_scale if fp8_cache else q,
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_heads),
             KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads), HALF=half,
-            HALF_PAD=triton.next_power_of_2(half), FP8_CACHE=k_cache.dtype == torch.float8_e4m3fn,
+            HALF_PAD=triton.next_power_of_2(half), FP8_CACHE=fp8_cache,
             num_warps=4,
         )
     return q_out
