@@ -9,7 +9,7 @@ With a host KV tier, the hashes of the heads it holds follow (the heartbeat's
 `prefix_summary_gpu_hashes` says how many come before them), so that the gateway weighs them
 below GPU blocks (protocol.prefix_hash.HOST_TIER_WEIGHT).
 The gateway hashes a prompt's first blocks with the same function (protocol/prefix_hash.py) and
-counts how many leading ones a replica's summary names (gateway/routing.py). Its cost per
+counts how many leading ones a replica's summary names (gateway/fleet/routing.py). Its cost per
 heartbeat is bounded by `max_hashes`, not by the cache's size (the block manager keeps the
 heads in LRU order), plus hashing each admitted request's blocks once (which its admission
 reuses); and measured: the heartbeat carries the summary's size and the time it took to build.

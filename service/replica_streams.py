@@ -1,7 +1,7 @@
 """A scheduler's own stream, and its peers': routed work is never stranded.
 
 The gateway routes a chat to the scheduler whose KV cache holds its prefix by queueing it in
-that scheduler's own stream, `tf:req:{model}:interactive:r:{id}` (gateway/routing.py). The
+that scheduler's own stream, `tf:req:{model}:interactive:r:{id}` (gateway/fleet/routing.py). The
 scheduler reads its own stream before the shared one. Every scheduler also watches its peers'
 streams (the ids in `tf:routed:{model}`), once per maintenance:
 

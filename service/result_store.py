@@ -5,7 +5,7 @@ request of it that moved and, for each, checks that this scheduler still owns th
 mirrors the new state into the hash, publishes the event on `tf:ev:{P}:{id}` (SPUBLISH on a
 cluster) and, for a terminal state, acknowledges the stream entry; every call goes in one
 pipeline. The tenant leases of requests that ended are removed right after, from the tenants'
-keys (a scheduler that dies in between leaves them to lapse, as gateway/limits.py says).
+keys (a scheduler that dies in between leaves them to lapse, as gateway/tenants/limits.py says).
 Ownership fencing is what makes takeover safe: once a successor has claimed
 a request, a slow predecessor's writes are refused instead of interleaving.
 

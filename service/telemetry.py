@@ -4,7 +4,7 @@ places only (build it, tick it, add it to the heartbeat).
 
 The metrics travel through Redis: at each heartbeat the scheduler writes its Prometheus text
 to `tf:metrics:{scheduler_id}` with the heartbeat's TTL, and every gateway's /metrics serves
-the texts of all live schedulers (gateway/fleet_metrics.py). One scrape target for the whole
+the texts of all live schedulers (gateway/fleet/engine_metrics.py). One scrape target for the whole
 fleet, however many machines the schedulers run on, with no port to open or discover per
 scheduler; a scheduler that dies drops out of the scrape when its key expires.
 """

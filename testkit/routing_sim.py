@@ -24,7 +24,7 @@ class Replica:
     def __init__(self, name: str, num_blocks: int, block_size: int, max_num_seqs: int) -> None:
         self.name = name
         self.blocks = BlockManager(num_blocks, block_size)
-        self.summary = PrefixSummary(SimpleNamespace(block_manager=self.blocks,
+        self.summary = PrefixSummary(SimpleNamespace(block_manager=self.blocks, host_tier=None,
                                                      config=SimpleNamespace(block_size=block_size)))
         self.max_num_seqs = max_num_seqs
         self.ends: list[int] = []  # arrival index at which each running request ends, sorted
