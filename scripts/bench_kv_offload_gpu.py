@@ -10,7 +10,8 @@ its GPU pool cut to --num-kv-blocks (default 2,048 blocks of 16 tokens: 32k toke
 that the working set fits the card's host memory. Two engines, one after the other: without the
 tier, then with --kv-offloading-size GiB. Each runs (testkit/multiturn_runs.py) conversations
 sharing a --system-tokens system prompt, of --turns turns of --user-tokens each and replies of
---max-tokens, arriving at --rate per second: first --within conversations (their histories fit
+--max-tokens, arriving at --rate per second, each turn sent --think-seconds (mean) after the reply
+before it: first --within conversations (their histories fit
 the GPU pool), then --beyond of them (about 3x the pool). Goals: beyond the pool, TTFT p50 3x
 lower and output tok/s 1.3x with the tier; within it, at most 2% of either lost; loads >= 40 GB/s.
 """
@@ -48,11 +49,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--within", type=int, help="conversations within the GPU pool (default 12; 3 smoke)")
     parser.add_argument("--beyond", type=int, help="conversations of ~3x the pool (default 48; 16 smoke)")
     parser.add_argument("--rate", type=float, default=4.0, help="conversation arrivals per second")
+    parser.add_argument("--think-seconds", type=float, help="mean pause between a reply and the next turn "
+                        "(default 5; 0.2 with --smoke)")
     args = parser.parse_args(argv)
     small = args.smoke
     for name, default, smoke in (("num_kv_blocks", 2048, 32), ("kv_offloading_size", 24.0, 0.05),
                                  ("system_tokens", 500, 24), ("user_tokens", 400, 16), ("max_tokens", 100, 8),
-                                 ("within", 12, 3), ("beyond", 48, 16)):
+                                 ("within", 12, 3), ("beyond", 48, 16), ("think_seconds", 5.0, 0.2)):
         if getattr(args, name) is None:
             setattr(args, name, smoke if small else default)
     return args
@@ -75,7 +78,7 @@ def measure(folder, args, vocab: int, tier: bool) -> dict:
                                                user_tokens=args.user_tokens, rate=args.rate, vocab_size=vocab,
                                                seed=seed)
             log(f"{'tier' if tier else 'no tier'}: {name} the GPU pool, {num} conversations")
-            out[name] = run_conversations(engine, conversations, args.max_tokens).row()
+            out[name] = run_conversations(engine, conversations, args.max_tokens, args.think_seconds).row()
         if tier:
             out["rates"] = load_rates(engine)
         return out

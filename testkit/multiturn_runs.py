@@ -1,10 +1,14 @@
 """Multi-turn conversations through an in-process engine (scripts/bench_kv_offload_gpu.py): each
 conversation shares a system prompt, arrives at a Poisson time, and sends its turns one after the
-other, every turn's prompt its whole history (the system prompt, each user message and each
-reply so far) plus a new user message; and a microbenchmark of the host tier's copies."""
+other, each a think time (exponential, mean `think_s`) after the previous reply ended, every turn's
+prompt its whole history (the system prompt, each user message and each reply so far) plus a new
+user message; and a microbenchmark of the host tier's copies. The think time is what lets other
+conversations push a conversation's blocks out of the GPU between its turns, as users and agents
+that read, type or run tools between turns do."""
 
 from __future__ import annotations
 
+import bisect
 import random
 import time
 from dataclasses import dataclass, field
@@ -18,7 +22,7 @@ from testkit.runs import percentile
 
 @dataclass
 class Conversation:
-    arrival: float  # seconds after the start
+    arrival: float  # seconds after the start when its next turn is sent
     user_turns: list[list[int]]  # token ids of each user message
     history: list[int] = field(default_factory=list)
     turn: int = 0
@@ -66,9 +70,11 @@ def _counters(engine: LLMEngine) -> tuple[int, int, int, float]:
             counters.num_loaded_bytes if counters else 0, counters.load_seconds if counters else 0.0)
 
 
-def run_conversations(engine: LLMEngine, conversations: list[Conversation], max_tokens: int) -> MultiTurnRun:
-    """Every conversation to its end; each turn is sent when the previous one's reply is complete."""
+def run_conversations(engine: LLMEngine, conversations: list[Conversation], max_tokens: int,
+                      think_s: float = 0.0, seed: int = 0) -> MultiTurnRun:
+    """Every conversation to its end; each turn is sent a think time after the previous reply."""
     sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    rng = random.Random(seed)
     run = MultiTurnRun()
     before = _counters(engine)
     waiting = sorted(conversations, key=lambda c: c.arrival)
@@ -103,7 +109,9 @@ def run_conversations(engine: LLMEngine, conversations: list[Conversation], max_
                 del by_req[out.req_id]
                 conversation.turn += 1
                 if conversation.turn < len(conversation.user_turns):
-                    send(conversation)
+                    think = rng.expovariate(1.0 / think_s) if think_s > 0 else 0.0
+                    conversation.arrival = stamp - start + think
+                    bisect.insort(waiting, conversation, key=lambda c: c.arrival)
     run.seconds = time.perf_counter() - start
     after = _counters(engine)
     run.gpu_hit_tokens, run.host_hit_tokens, run.loaded_bytes = (a - b for a, b in zip(after[:3], before[:3],
