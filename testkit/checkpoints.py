@@ -267,3 +267,21 @@ def write_sentence_transformers_files(folder: Path, pooling: str, *, normalize: 
         config["matryoshka_dimensions"] = matryoshka_dimensions
         (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
+
+
+def add_tiny_wordpiece_tokenizer(folder: Path, vocab_size: int = 512) -> Path:
+    """A BERT WordPiece tokenizer of `vocab_size` entries ([PAD] [UNK] [CLS] [SEP] [MASK], the
+    letters, digits and common English words) saved into `folder`, so that text reaches a tiny
+    BERT as it reaches bge or e5: `[CLS] ... [SEP]`, lower-cased."""
+    from transformers import BertTokenizerFast
+
+    words = ("the of and to in is for on that with as it by this be are from at or an was which "
+             "search query passage document retrieval embedding vector chunk fleet model text "
+             "hello world cat dog red blue quick brown fox jumps over lazy").split()
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefghijklmnopqrstuvwxyz0123456789.,!?'-",
+             *[f"##{c}" for c in "abcdefghijklmnopqrstuvwxyz0123456789"], *words]
+    vocab += [f"[unused{i}]" for i in range(vocab_size - len(vocab))]
+    folder = Path(folder)
+    BertTokenizerFast(vocab={token: i for i, token in enumerate(vocab)}, do_lower_case=True,
+                      model_max_length=512).save_pretrained(folder)
+    return folder
