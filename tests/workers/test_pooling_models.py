@@ -193,3 +193,16 @@ def test_runners_refuse_the_other_kind_of_request(folders):
                    load_tokenizer_files=False) as engine:
         with pytest.raises(InvalidRequestError, match="--runner pooling"):
             engine.embed([[5, 6, 7]])
+
+
+@pytest.mark.parametrize("family", ["llama", "bert"])
+def test_async_scheduling_plans_the_next_chunk_ahead(folders, tmp_path, family):
+    """As on a GPU: the next step (a prefill's next chunk) is planned while one is in flight."""
+    import shutil
+
+    folder = Path(shutil.copytree(folders[family], tmp_path / family))
+    write_sentence_transformers_files(folder, "mean", normalize=True)
+    prompts = _prompts(8)
+    with _engine(folder, async_scheduling=True) as engine:
+        results = engine.embed(prompts)
+    _assert_close([r.embedding for r in results], _reference(folder, prompts, "mean", True))
