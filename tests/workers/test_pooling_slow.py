@@ -36,7 +36,8 @@ def test_the_default_model_embeds_text_as_transformers_does(smollm2: Path, tmp_p
     texts = ["The quick brown fox jumps over the lazy dog.", "Embeddings for search", "Bonjour"]
     folder = Path(shutil.copytree(smollm2, tmp_path / "smollm2"))
     ids = [AutoTokenizer.from_pretrained(folder)(text).input_ids for text in texts]
-    with LLMEngine(EngineConfig(model=str(folder), runner="pooling", dtype="float32", num_kv_blocks=64)) as engine:
+    config = EngineConfig(model=str(folder), runner="pooling", dtype="float32", num_kv_blocks=64)
+    with LLMEngine(config) as engine:
         results = engine.embed(texts)
     assert [r.num_prompt_tokens for r in results] == [len(i) for i in ids]
     _assert_close([r.embedding for r in results], _reference(folder, ids, "last", True))
