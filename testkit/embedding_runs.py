@@ -114,7 +114,8 @@ def _vector(item: dict) -> np.ndarray:
 async def _batch_job(url: str, chunks: list[list[int]], hidden: int, poll_s: float) -> Row:
     row = Row("fleet: Batch API job")
     lines = "".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/embeddings",
-                                "body": {"model": MODEL_NAME, "input": chunk, "encoding_format": "base64"}}) + "\n"
+                                "body": {"model": MODEL_NAME, "input": chunk,
+                                         "encoding_format": "base64"}}) + "\n"
                     for i, chunk in enumerate(chunks))
     async with aiohttp.ClientSession() as session:
         form = aiohttp.FormData()
@@ -123,8 +124,8 @@ async def _batch_job(url: str, chunks: list[list[int]], hidden: int, poll_s: flo
         started = time.perf_counter()
         async with session.post(f"{url}/v1/files", data=form) as response:
             file_id = (await response.json())["id"]
-        async with session.post(f"{url}/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/embeddings",
-                                                            "completion_window": "24h"}) as response:
+        create = {"input_file_id": file_id, "endpoint": "/v1/embeddings", "completion_window": "24h"}
+        async with session.post(f"{url}/v1/batches", json=create) as response:
             batch = await response.json()
         while batch.get("status") not in ("completed", "failed", "expired", "cancelled"):
             await asyncio.sleep(poll_s)
@@ -177,7 +178,8 @@ async def _concurrent(url: str, chunks: list[list[int]], hidden: int, concurrenc
             row.errors += [e for e in (check_vector(_vector(item), hidden) for item in body["data"]) if e]
 
     connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=3600)) as session:
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         started = time.perf_counter()
         await asyncio.gather(*(client(session) for _ in range(concurrency)))
         row.seconds = time.perf_counter() - started
