@@ -205,6 +205,10 @@ class LLMEngine:
             raise wrong_runner_error(self.config.runner, wants_pooling=pooling is not None)
         if pooling is not None:
             sampling, output_token_ids, output_text = POOLING_SAMPLING, None, ""  # nothing to resume
+            if len(prompt_token_ids) > self.max_model_len:
+                raise InvalidRequestError(
+                    f"the input has {len(prompt_token_ids)} tokens, more than the model's maximum context "
+                    f"length of {self.max_model_len} tokens", param="input")
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         vocab = self.model_config.vocab_size
