@@ -52,7 +52,8 @@ def main() -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--gateway-workers", type=int, default=2)
     parser.add_argument("--itl-target-ms", default="auto",
-                        help="the scheduler's: auto (batch items alone run in ~50 ms steps) or off (whole budgets)")
+                        help="the scheduler's: auto (batch items alone run in ~50 ms steps) "
+                             "or off (whole budgets)")
     args = parser.parse_args()
     print(" ".join(sys.argv), flush=True)
     work = Path(tempfile.mkdtemp(prefix="tokenfleet-bench-embed-"))
@@ -64,8 +65,8 @@ def main() -> int:
     rows: list[Row] = []
     children = Children(work / "logs")
     try:
-        url = start_fleet(children, folder, work, ["--device", args.device, "--itl-target-ms", args.itl_target_ms,
-                                                   *limits],
+        engine_flags = ["--device", args.device, "--itl-target-ms", args.itl_target_ms, *limits]
+        url = start_fleet(children, folder, work, engine_flags,
                           ["--workers", str(args.gateway_workers)])
         run_concurrent(url, make_chunks(64, args.chunk_tokens, vocab, seed=1), hidden, 8, 8)  # warm-up
         rows.append(run_batch_job(url, chunks, hidden))
