@@ -51,7 +51,21 @@ PLACEHOLDER_TOKEN_ID = 0
 class PooledStep:
     step_id: int
     req_ids: list[str]  # the inputs this step ended, in batch order
-    vectors: torch.Tensor | None  # [len(req_ids), hidden] float32 on the device (driver only)
+    # [len(req_ids), hidden] float32: on CUDA a pinned host copy on its way (driver only)
+    vectors: torch.Tensor | None
+    event: torch.cuda.Event | None = None  # recorded after the copy (CUDA); None: already there
+
+    @classmethod
+    def to_host(cls, step_id: int, req_ids: list[str], vectors: torch.Tensor | None) -> PooledStep:
+        """Start the vectors' copy to the host without waiting: under async scheduling the next
+        step is launched before this one is finished, and a plain copy would wait for it too."""
+        if vectors is None or vectors.device.type != "cuda":
+            return cls(step_id, req_ids, vectors)
+        host = torch.empty(vectors.shape, dtype=vectors.dtype, pin_memory=True)
+        host.copy_(vectors, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(step_id, req_ids, host, event)
 
 
 class PoolingRunner:
@@ -170,7 +184,7 @@ class PoolingRunner:
             req_ids, vectors = self._encoder_step(batch)
         else:
             req_ids, vectors = self._decoder_step(batch)
-        return PooledStep(batch.step_id, req_ids, vectors if self.is_driver else None)
+        return PooledStep.to_host(batch.step_id, req_ids, vectors if self.is_driver else None)
 
     def _decoder_step(self, batch: StepBatch) -> tuple[list[str], torch.Tensor | None]:
         inputs = build_step_inputs(batch, self.block_size, self.device, self.block_tables, self.staging)
@@ -222,12 +236,14 @@ class PoolingRunner:
         """(Nothing samples late here.)"""
 
     def finish(self, launched: PooledStep) -> StepResult | None:
-        """The step's result (driver) or None (other ranks): the vectors' one copy to the host."""
+        """The step's result (driver) or None (other ranks): waits for the vectors' copy."""
         if not self.is_driver:
             return None
         if launched.vectors is None:
             return StepResult(launched.step_id, [])
-        host = launched.vectors.cpu().numpy().astype(np.float32, copy=False)
+        if launched.event is not None:
+            launched.event.synchronize()  # this step's copy, not the steps launched after it
+        host = launched.vectors.numpy()
         return StepResult(launched.step_id, [SampledToken(r, PLACEHOLDER_TOKEN_ID) for r in launched.req_ids],
                           pooled={r: host[i].tobytes() for i, r in enumerate(launched.req_ids)})
 
