@@ -5,10 +5,17 @@ its K/V stays in the cache between them), so pooling is kept per request across 
 first row (CLS) of its first chunk, the running sum of its rows (mean), and the last row of its
 last chunk. A chunk at position 0 starts the request afresh (a preempted request recomputes
 from there). Sums are kept in float32 whatever the serving dtype.
+
+The rows' indices go up through the runner's pinned staging ring (`upload`): a tensor made from a
+Python list on CUDA is a pageable copy, which waits for the stream's work before it, so the step
+ahead's pooling would wait for its own forward.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -27,22 +34,22 @@ class ChunkPooler:
             self._partial.pop(req_id, None)
 
     def pool(self, hidden: torch.Tensor, req_ids: list[str], row_starts: list[int], lens: list[int],
-             start_positions: list[int], is_last: list[bool]) -> tuple[list[str], torch.Tensor | None]:
+             start_positions: list[int], is_last: list[bool],
+             upload: Callable[[np.ndarray], torch.Tensor]) -> tuple[list[str], torch.Tensor | None]:
         """Pool the chunks of one step. hidden: [num_tokens, hidden]; chunk i owns rows
         [row_starts[i], row_starts[i] + lens[i]) and starts at position start_positions[i] of its
-        input; is_last[i]: it ends the input. Returns the requests that ended and their vectors
-        ([num_ended, hidden] float32, normalized when the model normalizes), None when none ended."""
+        input; is_last[i]: it ends the input; upload: int64 host array -> device tensor. Returns
+        the requests that ended and their vectors ([num_ended, hidden] float32, normalized when
+        the model normalizes), None when none ended."""
         kind = self.config.pooling_type
-        device = hidden.device
-        starts = torch.tensor(row_starts, dtype=torch.long, device=device)
+        starts, sizes = np.asarray(row_starts, dtype=np.int64), np.asarray(lens, dtype=np.int64)
         if kind is PoolingType.LAST:
-            chunk_vectors = hidden[starts + torch.tensor(lens, device=device) - 1].float()
+            chunk_vectors = hidden[upload(starts + sizes - 1)].float()
         elif kind is PoolingType.CLS:
-            chunk_vectors = hidden[starts].float()
+            chunk_vectors = hidden[upload(starts)].float()
         else:
-            segment = torch.repeat_interleave(torch.arange(len(lens), device=device),
-                                              torch.tensor(lens, device=device))
-            chunk_vectors = torch.zeros(len(lens), hidden.shape[1], dtype=torch.float32, device=device)
+            segment = upload(np.repeat(np.arange(len(sizes), dtype=np.int64), sizes))
+            chunk_vectors = torch.zeros(len(lens), hidden.shape[1], dtype=torch.float32, device=hidden.device)
             chunk_vectors.index_add_(0, segment, hidden.float())
         ended: list[str] = []
         vectors: list[torch.Tensor] = []

@@ -196,7 +196,8 @@ class PoolingRunner:
         lens = [len(w.token_ids) for w in works]
         row_starts = np.cumsum([0, *lens[:-1]]).tolist()
         ended, vectors = self.pooler.pool(hidden, [w.req_id for w in works], row_starts, lens,
-                                          [w.start_pos for w in works], [w.is_sampled for w in works])
+                                          [w.start_pos for w in works], [w.is_sampled for w in works],
+                                          self.staging.upload)
         return self._in_batch_order(batch, ended, vectors)
 
     def _encoder_step(self, batch: StepBatch) -> tuple[list[str], torch.Tensor | None]:
@@ -215,22 +216,22 @@ class PoolingRunner:
         positions = np.concatenate([np.arange(n, dtype=np.int64) for n in lens])
         uploaded = self.staging.upload(np.concatenate([flat, positions]))
         token_ids, positions_t = uploaded[: len(flat)], uploaded[len(flat):]
-        hidden = self.model(token_ids, positions_t, EncoderBatch.of(lens, self.device))
+        hidden = self.model(token_ids, positions_t, EncoderBatch.of(lens, self.staging.upload))
         if not self.is_driver:
             return [], None
         row_starts = np.cumsum([0, *lens[:-1]]).tolist()
         return self.pooler.pool(hidden, [r for r, _ in whole], row_starts, lens, [0] * len(whole),
-                                [True] * len(whole))
+                                [True] * len(whole), self.staging.upload)
 
-    @staticmethod
-    def _in_batch_order(batch: StepBatch, ended: list[str],
+    def _in_batch_order(self, batch: StepBatch, ended: list[str],
                         vectors: torch.Tensor | None) -> tuple[list[str], torch.Tensor | None]:
         """The ended inputs as the batch orders its sampled works (the scheduler's order)."""
         if vectors is None:
             return [], None
         where = {req_id: i for i, req_id in enumerate(ended)}
         ordered = [w.req_id for w in batch.works if w.is_sampled]
-        return ordered, vectors[torch.tensor([where[r] for r in ordered], device=vectors.device)]
+        index = np.fromiter((where[r] for r in ordered), dtype=np.int64, count=len(ordered))
+        return ordered, vectors[self.staging.upload(index)]
 
     def sample(self, launched: PooledStep) -> None:
         """(Nothing samples late here.)"""

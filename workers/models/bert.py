@@ -12,8 +12,10 @@ them padded to the longest input of the step through torch's SDPA with a key mas
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,15 +39,19 @@ class EncoderBatch:
     unpad_index: torch.Tensor  # [num_tokens] long: each packed row's slot in [num_seqs * max_len]
 
     @classmethod
-    def of(cls, seq_lens: list[int], device: torch.device) -> EncoderBatch:
-        lens = torch.tensor(seq_lens, dtype=torch.long)
+    def of(cls, seq_lens: list[int], upload: Callable[[np.ndarray], torch.Tensor]) -> EncoderBatch:
+        """Built on the host, sent up in one int64 array through `upload` (the runner's pinned
+        staging ring: nothing waits for the device)."""
+        lens = np.asarray(seq_lens, dtype=np.int64)
         max_len = int(lens.max())
-        starts = torch.cumsum(lens, 0) - lens
-        slots = torch.arange(max_len).unsqueeze(0)  # [1, max_len]
-        is_real = slots < lens.unsqueeze(1)  # [num_seqs, max_len]
-        pad_index = torch.where(is_real, starts.unsqueeze(1) + slots, 0)
-        unpad_index = torch.nonzero(is_real.reshape(-1), as_tuple=False).squeeze(1)
-        return cls(pad_index.to(device), is_real[:, None, None, :].to(device), unpad_index.to(device))
+        starts = np.cumsum(lens) - lens
+        slots = np.arange(max_len, dtype=np.int64)[None, :]  # [1, max_len]
+        is_real = slots < lens[:, None]  # [num_seqs, max_len]
+        pad_index = np.where(is_real, starts[:, None] + slots, 0).reshape(-1)
+        unpad_index = np.flatnonzero(is_real.reshape(-1))
+        parts = [pad_index, unpad_index, is_real.reshape(-1).astype(np.int64)]
+        d_pad, d_unpad, d_real = torch.split(upload(np.concatenate(parts)), [len(p) for p in parts])
+        return cls(d_pad.view(len(lens), max_len), (d_real != 0).view(len(lens), 1, 1, max_len), d_unpad)
 
 
 def _activation(name: str):
