@@ -122,9 +122,11 @@ def test_bert_matches_the_sentence_transformers_package(folders, tmp_path):
     expected = []
     with torch.no_grad():
         for ids in prompts:
-            features = {"input_ids": torch.tensor([ids]),
-                        "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
-                        "token_type_ids": torch.zeros(1, len(ids), dtype=torch.long)}
+            features = {
+                "input_ids": torch.tensor([ids]),
+                "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
+                "token_type_ids": torch.zeros(1, len(ids), dtype=torch.long),
+            }
             expected.append(reference_model(features)["sentence_embedding"][0].numpy())
     with _engine(folder) as engine:
         results = engine.embed(prompts)
@@ -189,8 +191,9 @@ def test_runners_refuse_the_other_kind_of_request(folders):
     assert "embeddings only" in exc.value.message
     with pytest.raises(ModelLoadError, match="--runner pooling"):
         LLMEngine(EngineConfig(model=str(folders["bert"])), load_tokenizer_files=False)
-    with LLMEngine(EngineConfig(model=str(folders["llama"]), num_kv_blocks=16),
-                   load_tokenizer_files=False) as engine:
+    with LLMEngine(
+        EngineConfig(model=str(folders["llama"]), num_kv_blocks=16), load_tokenizer_files=False
+    ) as engine:
         with pytest.raises(InvalidRequestError, match="--runner pooling"):
             engine.embed([[5, 6, 7]])
 
@@ -206,3 +209,31 @@ def test_async_scheduling_plans_the_next_chunk_ahead(folders, tmp_path, family):
     with _engine(folder, async_scheduling=True) as engine:
         results = engine.embed(prompts)
     _assert_close([r.embedding for r in results], _reference(folder, prompts, "mean", True))
+
+
+def test_bert_loads_prefixed_and_old_layernorm_names(folders, tmp_path):
+    """A checkpoint saved from a BERT head model (`bert.` prefix, a pooler, an MLM head) with
+    LayerNorm's old `gamma`/`beta` names embeds as the plain one does."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = Path(shutil.copytree(folders["bert"], tmp_path / "bert"))
+    tensors = load_file(folder / "model.safetensors")
+    renamed = {
+        "bert."
+        + name.replace("LayerNorm.weight", "LayerNorm.gamma").replace(
+            "LayerNorm.bias", "LayerNorm.beta"
+        ): tensor
+        for name, tensor in tensors.items()
+    }
+    renamed["cls.predictions.bias"] = torch.zeros(512)
+    (folder / "model.safetensors").unlink()
+    save_file(renamed, folder / "model.safetensors")
+    prompts = _prompts(9)
+    with _engine(folders["bert"]) as engine:
+        plain = [r.embedding for r in engine.embed(prompts)]
+    with _engine(folder) as engine:
+        renamed_results = [r.embedding for r in engine.embed(prompts)]
+    for a, b in zip(plain, renamed_results, strict=True):
+        np.testing.assert_array_equal(a, b)
