@@ -43,6 +43,7 @@ def check_runner(config: EngineConfig, model_config: ModelConfig) -> None:
         ("--speculative-config", config.speculative_config is not None),
         ("--quantization", config.quantization is not None),
         ("--kv-cache-dtype fp8", config.kv_cache_dtype != "auto"),
+        ("--kv-offloading-size", config.kv_offloading_size > 0),
         ("--pp > 1", config.pp > 1)) if is_set]
     if refused:
         raise ModelLoadError(f"--runner pooling does not run with {', '.join(refused)}")

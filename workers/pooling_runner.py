@@ -34,12 +34,12 @@ from shared.step import SampledToken, StepBatch, StepResult
 from workers.device import resolve_device, resolve_dtype
 from workers.device_block_tables import DeviceBlockTables
 from workers.host_staging import HostStaging
-from workers.model_runner import kv_blocks_for_budget, release_device_memory
 from workers.models.bert import EncoderBatch
 from workers.models.registry import POOLING_MODEL_CLASSES
 from workers.parallel import TensorParallel, all_reduce_min
 from workers.pipeline import SINGLE_STAGE, PipelineStage
 from workers.pooling import ChunkPooler
+from workers.runner_build import kv_blocks_for_budget, release_device_memory
 from workers.step_inputs import build_step_inputs, eager_order
 from workers.weight_loader import load_weights, resident_weight_bytes
 
@@ -71,6 +71,7 @@ class PooledStep:
 class PoolingRunner:
     decode_graphs = None  # (RankWorker.decode_graph_sizes): steps always run eagerly
     mixed_graphs = None
+    num_host_kv_blocks = 0  # no host KV tier (nothing is kept after an input)
 
     def __init__(self, config: EngineConfig, tp: TensorParallel, stage: PipelineStage = SINGLE_STAGE) -> None:
         if stage.size > 1:
