@@ -38,7 +38,7 @@ from scheduler.pooling import (
     EmbeddingResult,
     PoolingRequests,
     check_runner,
-    embedding_result,
+    embed_all,
     wrong_runner_error,
 )
 from scheduler.request import FinishReason, Request, TokenLogprobs
@@ -386,19 +386,7 @@ class LLMEngine:
         tokens (vLLM's extension), else a prompt past the model's length is refused."""
         if self.pooling is None:
             raise wrong_runner_error(self.config.runner, wants_pooling=True)
-        params = PoolingParams(dimensions=dimensions)
-        order: list[tuple[str, int]] = []
-        for prompt in prompts:
-            ids = list(prompt) if isinstance(prompt, list) else self.encode(prompt)
-            if truncate_prompt_tokens is not None:
-                ids = ids[-truncate_prompt_tokens:]
-            order.append((self.add_request(ids, POOLING_SAMPLING, pooling=params), len(ids)))
-        vectors: dict[str, bytes] = {}
-        while self.has_unfinished_requests():
-            for out in self.step():
-                if out.embedding is not None:
-                    vectors[out.req_id] = out.embedding
-        return [embedding_result(req_id, vectors[req_id], n) for req_id, n in order]
+        return embed_all(self, prompts, PoolingParams(dimensions=dimensions), truncate_prompt_tokens)
 
     def warm_up(self) -> None:
         """Run a few throwaway requests through every kind of step (long prefill chunks, mixed

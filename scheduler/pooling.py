@@ -19,7 +19,13 @@ from shared.config import EngineConfig
 from shared.errors import InvalidRequestError, ModelLoadError
 from shared.model_config import ModelConfig
 from shared.pooling_config import PoolingConfig, read_pooling_config
-from shared.pooling_params import RUNNERS, PoolingParams, embedding_from_bytes, finish_embedding
+from shared.pooling_params import (
+    POOLING_SAMPLING,
+    RUNNERS,
+    PoolingParams,
+    embedding_from_bytes,
+    finish_embedding,
+)
 
 
 @dataclass
@@ -93,5 +99,18 @@ class PoolingRequests:
             out.finish_reason, out.stop_reason = FinishReason.STOP, None
 
 
-def embedding_result(req_id: str, raw: bytes, num_prompt_tokens: int) -> EmbeddingResult:
-    return EmbeddingResult(req_id, embedding_from_bytes(raw).copy(), num_prompt_tokens)
+def embed_all(engine, prompts: list[str | list[int]], params: PoolingParams,
+              truncate_prompt_tokens: int | None) -> list[EmbeddingResult]:
+    """LLMEngine.embed: every prompt added, stepped until all are embedded, in prompt order."""
+    order: list[tuple[str, int]] = []
+    for prompt in prompts:
+        ids = list(prompt) if isinstance(prompt, list) else engine.encode(prompt)
+        if truncate_prompt_tokens is not None:
+            ids = ids[-truncate_prompt_tokens:]
+        order.append((engine.add_request(ids, POOLING_SAMPLING, pooling=params), len(ids)))
+    vectors: dict[str, bytes] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.embedding is not None:
+                vectors[out.req_id] = out.embedding
+    return [EmbeddingResult(req_id, embedding_from_bytes(vectors[req_id]).copy(), n) for req_id, n in order]
