@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import msgpack
 
+from shared.pooling_params import POOLING_SAMPLING, PoolingParams
 from shared.sampling import SamplingParams
 
 WIRE_VERSION = 1
@@ -156,6 +157,19 @@ class RequestMessage(_Message):
     custom_id: str | None = None
     tenant: str | None = None  # whose request (from the API key); schedulers share out slots by it
     lora_name: str | None = None  # the LoRA adapter it runs with (protocol/lora_registry.py); None: the base
+    # PoolingParams fields: an embedding request, for a --runner pooling scheduler (its sampling
+    # is then POOLING_SAMPLING's); None: text generation.
+    pooling: dict | None = None
+
+    def pooling_params(self) -> PoolingParams | None:
+        """The embedding request's parameters (None: a generation request)."""
+        if self.pooling is None:
+            return None
+        known = {f.name for f in dataclasses.fields(PoolingParams)}
+        unknown = set(self.pooling) - known
+        if unknown:
+            raise MessageDecodeError(f"unknown pooling fields {sorted(unknown)}")
+        return PoolingParams(**self.pooling)
 
     def sampling_params(self) -> SamplingParams:
         """The validated sampling parameters (raises InvalidRequestError naming a bad one)."""
@@ -169,6 +183,13 @@ class RequestMessage(_Message):
     def make(cls, req_id: str, model: str, prompt_token_ids: list[int], sampling: SamplingParams,
              **kwargs) -> RequestMessage:
         return cls(req_id, model, list(prompt_token_ids), dataclasses.asdict(sampling), **kwargs)
+
+    @classmethod
+    def make_embedding(cls, req_id: str, model: str, prompt_token_ids: list[int], pooling: PoolingParams,
+                       **kwargs) -> RequestMessage:
+        """An embedding request (its one-token sampling is the pooling runner's)."""
+        return cls(req_id, model, list(prompt_token_ids), dataclasses.asdict(POOLING_SAMPLING),
+                   pooling=dataclasses.asdict(pooling), **kwargs)
 
 
 @dataclass

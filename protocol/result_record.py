@@ -10,6 +10,7 @@ scripts in gateway/serving/store.py.)
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ class F:
     STOP_REASON = "stop_reason"
     USAGE = "usage"  # JSON
     ERROR = "error"  # JSON: {"code": ErrorCode, "message"}
+    EMBEDDING = "embedding"  # an embedding request's vector: base64 of little-endian float32
 
 
 class RequestState(str, Enum):
@@ -153,6 +155,11 @@ def terminal_fields(state: RequestState | str, *, error_code: ErrorCode | str | 
     if error_code is not None:
         fields[F.ERROR] = error_json(error_code, error_message)
     return fields
+
+
+def embedding_fields(vector: bytes) -> dict[str, object]:
+    """An embedding request's result (float32 bytes), set with its terminal write."""
+    return {F.EMBEDDING: base64.b64encode(vector).decode("ascii")}
 
 
 def step_fields(seq: int, *, first_token_at: float | None = None) -> dict[str, object]:
@@ -256,6 +263,7 @@ class ResultRecord:
     prompt_logprobs: list | None = None  # set with the first token, when the request asked for them
     prompt_top_logprobs: int | None = None  # vLLM's prompt_logprobs as asked (written by the gateway)
     echo: list | None = None  # [prompt text, prompt only] of a completion with echo (the gateway's)
+    embedding: str | None = None  # an embedding request's vector, base64 float32 (the scheduler's)
 
     @classmethod
     def parse(cls, req_id: str, raw: dict[bytes, bytes]):
@@ -285,6 +293,7 @@ class ResultRecord:
             prompt_logprobs=_chunks(raw, F.PROMPT_LOGPROBS),
             prompt_top_logprobs=int(prompt_top) if prompt_top else None,
             echo=json.loads(echo) if echo is not None else None,
+            embedding=_text(raw, F.EMBEDDING),
         )
 
     @property

@@ -34,6 +34,13 @@ from typing import Protocol
 from protocol.usage import Usage
 from scheduler.grammar import Grammars
 from scheduler.lora_slots import LoraSlots, RegisteredLora
+from scheduler.pooling import (
+    EmbeddingResult,
+    PoolingRequests,
+    check_runner,
+    embed_all,
+    wrong_runner_error,
+)
 from scheduler.request import FinishReason, Request, TokenLogprobs
 from scheduler.scheduler import RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
 from scheduler.speculative.draft_model import build_draft_proposer, check_draft_model
@@ -46,6 +53,7 @@ from shared.logging import get_logger
 from shared.long_context import rope_offset
 from shared.lora_config import read_lora_config
 from shared.model_config import load_model_config
+from shared.pooling_params import POOLING_SAMPLING, PoolingParams
 from shared.sampling import SamplingParams
 from shared.step import StepResult
 from shared.tokenizer import load_tokenizer
@@ -88,8 +96,11 @@ class LLMEngine:
         if config.pp > self.model_config.num_layers:
             raise ModelLoadError(f"pp={config.pp} pipeline stages need at least as many layers; "
                                  f"{config.model!r} has {self.model_config.num_layers}")
+        check_runner(config, self.model_config)
         self.config = config
         self.tokenizer = tokenizer
+        # --runner pooling: embeddings (scheduler/pooling.py); None: text generation.
+        self.pooling = PoolingRequests(config.model) if config.runner == "pooling" else None
         if self.tokenizer is None and load_tokenizer_files:
             self.tokenizer = load_tokenizer(config.model)
         spec = config.speculative_config
@@ -115,12 +126,13 @@ class LLMEngine:
         self.eos_token_ids.update(getattr(self.tokenizer, "stop_token_ids", ()))
         self.scheduler = Scheduler(
             SchedulerConfig(
-                max_model_len=self.executor.max_model_len,
+                # (pooling: an input may fill the context; its one placeholder token is never computed)
+                max_model_len=self.executor.max_model_len + (self.pooling is not None),
                 num_kv_blocks=self.executor.num_kv_blocks,
                 block_size=self.executor.block_size,
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
-                enable_prefix_caching=config.enable_prefix_caching,
+                enable_prefix_caching=config.enable_prefix_caching and self.pooling is None,
                 pipeline_depth=self.executor.pipeline_depth,
                 async_scheduling=self.async_scheduling,
                 samples_late=self.async_scheduling and self.executor.samples_late,
@@ -183,11 +195,20 @@ class LLMEngine:
         self, prompt_token_ids: list[int], sampling: SamplingParams, *, priority: int = 0,
         req_id: str | None = None, arrival_time: float | None = None,
         output_token_ids: list[int] | None = None, output_text: str = "", tenant: str | None = None,
-        lora_name: str | None = None,
+        lora_name: str | None = None, pooling: PoolingParams | None = None,
     ) -> str:
         """Queue a request. `output_token_ids`/`output_text` resume one that another
-        scheduler started: generation continues after those tokens, which are not sent again."""
+        scheduler started: generation continues after those tokens, which are not sent again.
+        `pooling`: an embedding request (the engine must run with --runner pooling)."""
         req_id = req_id or f"req-{next(self._req_counter)}"
+        if (pooling is not None) != (self.pooling is not None):
+            raise wrong_runner_error(self.config.runner, wants_pooling=pooling is not None)
+        if pooling is not None:
+            sampling, output_token_ids, output_text = POOLING_SAMPLING, None, ""  # nothing to resume
+            if len(prompt_token_ids) > self.max_model_len:
+                raise InvalidRequestError(
+                    f"the input has {len(prompt_token_ids)} tokens, more than the model's maximum context "
+                    f"length of {self.max_model_len} tokens", param="input")
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         vocab = self.model_config.vocab_size
@@ -208,7 +229,14 @@ class LLMEngine:
         if arrival_time is not None:
             request.arrival_time = arrival_time
         request.output_text = output_text
-        self.scheduler.add_request(request)
+        if pooling is not None:
+            self.pooling.add(req_id, pooling)
+        try:
+            self.scheduler.add_request(request)
+        except InvalidRequestError:
+            if pooling is not None:
+                self.pooling.forget(req_id)
+            raise
         if lora_name is not None:  # (counted once accepted: a refused request is not one)
             self.scheduler.lora_slots.num_requests[lora_name] += 1
         return req_id
@@ -264,6 +292,8 @@ class LLMEngine:
                 output = self.scheduler.schedule()
                 if not output.batch.works and not output.batch.has_kv_copies:  # only aborts (or preemption)
                     done = self.scheduler.update_from_output(output, StepResult(output.batch.step_id, []))
+                    if self.pooling is not None:
+                        self.pooling.finish_outputs(done, {})
                     if done or output.preempted_req_ids:
                         self._observe(output, done, started)
                     outputs += done
@@ -291,6 +321,8 @@ class LLMEngine:
         self._num_failed_steps = 0
         self.num_steps += 1
         done = self.scheduler.update_from_output(output, result)
+        if self.pooling is not None:
+            self.pooling.finish_outputs(done, result.pooled)
         if self._in_flight and self._in_flight[0][0].batch.samples_late:
             # Its grammar rows' inputs were this step's tokens, which the matchers have now
             # accepted: fill its mask and sample it (its forward may still run on the device).
@@ -347,6 +379,15 @@ class LLMEngine:
                 collect_output(results[out.req_id], out)
         return [results[req_id] for req_id in order]
 
+    def embed(self, prompts: list[str | list[int]], *, dimensions: int | None = None,
+              truncate_prompt_tokens: int | None = None) -> list[EmbeddingResult]:
+        """The embedding of every prompt (text or token ids), all batched together, in prompt
+        order (--runner pooling). `truncate_prompt_tokens`: keep only each prompt's last that many
+        tokens (vLLM's extension), else a prompt past the model's length is refused."""
+        if self.pooling is None:
+            raise wrong_runner_error(self.config.runner, wants_pooling=True)
+        return embed_all(self, prompts, PoolingParams(dimensions=dimensions), truncate_prompt_tokens)
+
     def warm_up(self) -> None:
         """Run a few throwaway requests through every kind of step (long prefill chunks, mixed
         prefill and decode, decode): the GPU kernels compile for their shapes now, not in the
@@ -356,6 +397,9 @@ class LLMEngine:
         rng = random.Random(0)
         vocab = self.model_config.vocab_size
         prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+        if self.pooling is not None:  # prefill steps only; no step cost to calibrate from decodes
+            self.embed(prompts * 4)
+            return
         self.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
         self.calibrate_step_cost(rng)
         self.prepare_grammars()

@@ -113,6 +113,9 @@ class RequestOutput:
     # The whole prompt's logprobs, on the output of the first token (sampling.prompt_logprobs
     # set): per prompt token [token_id, logprob, top], the first one's logprob None.
     prompt_logprobs: list[list] | None = None
+    # A pooling request's embedding (float32 bytes), on its one, finished output
+    # (scheduler/pooling.py); its new_token_ids are then empty.
+    embedding: bytes | None = None
 
 
 @dataclass

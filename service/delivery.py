@@ -56,6 +56,7 @@ class StepOutput(NamedTuple):
     logprobs: list | None
     num_cached_tokens: int
     prompt_logprobs: list | None = None  # [token_id, logprob, top] per prompt token, once
+    embedding: bytes | None = None  # an embedding request's vector (float32), on its one output
 
     @classmethod
     def of(cls, out) -> tuple:
@@ -65,4 +66,4 @@ class StepOutput(NamedTuple):
             logprobs = [[lp.token_id, lp.logprob, lp.top_logprobs] for lp in out.logprobs]
         return (out.req_id, out.new_token_ids, out.text_delta, out.finished,
                 None if out.finish_reason is None else out.finish_reason.value, out.stop_reason,
-                logprobs, out.num_cached_tokens, out.prompt_logprobs)
+                logprobs, out.num_cached_tokens, out.prompt_logprobs, out.embedding)

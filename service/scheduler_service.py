@@ -337,10 +337,12 @@ class SchedulerService(Maintenance):
             priority = message.priority + (BATCH_PRIORITY if flight.is_batch else 0)
             if message.lora_name is not None:
                 self.loras.ensure(message.lora_name)
+            pooling = message.pooling_params()  # an embedding request (--runner pooling)
             self.engine.add_request(
                 message.prompt_token_ids, sampling, priority=priority, req_id=message.req_id,
                 arrival_time=message.arrival_time, output_token_ids=progress.token_ids,
                 output_text=progress.text, tenant=message.tenant, lora_name=message.lora_name,
+                pooling=pooling,
             )
         except (InvalidRequestError, MessageDecodeError) as exc:
             text = getattr(exc, "message", str(exc))
@@ -348,7 +350,7 @@ class SchedulerService(Maintenance):
             self._dead_letter(stream, entry_id, f"invalid: {text}", num_deliveries, payload, message.req_id,
                               message.batch_job_id, code=ErrorCode.INVALID_REQUEST, message=text)
             return
-        if self.engine.tokenizer is not None and not sampling.stop:
+        if self.engine.tokenizer is not None and not sampling.stop and pooling is None:
             # Decoding continues after what an earlier owner already delivered, as in the engine.
             context = message.prompt_token_ids[-DETOKENIZER_CONTEXT:]
             delivery.detokenize_after = [*context, *progress.token_ids]

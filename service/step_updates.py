@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from protocol.messages import ErrorEvent, TokenEvent, pack_list_chunk
 from protocol.result_record import (
+    embedding_fields,
     progress_fields,
     prompt_logprobs_fields,
     step_appends,
@@ -59,6 +60,8 @@ def step_update(delivery: Delivery, out: StepOutput, now: float) -> ResultUpdate
         state = "cancelled" if out.finish_reason == FinishReason.ABORT.value else "completed"
         fields.update(terminal_fields(state, finish_reason=out.finish_reason, usage=usage,
                                       stop_reason=out.stop_reason))
+        if out.embedding is not None:
+            fields.update(embedding_fields(out.embedding))
         ack = delivery.entry_id
     return ResultUpdate(out.req_id, delivery.stream, fields, None if event is None else event.encode(), ack,
                         batch_job_id=delivery.batch_job_id, appends=appends)

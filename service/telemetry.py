@@ -39,6 +39,7 @@ class SchedulerTelemetry:
             "max_num_batched_tokens": config.max_num_batched_tokens, "block_size": engine.executor.block_size,
             "max_model_len": engine.max_model_len,
             "max_lora_rank": config.max_lora_rank if config.enable_lora else 0,  # 0: no adapters
+            "runner": config.runner,  # "pooling": it serves embeddings only (the gateway routes by it)
         }
 
     def tick(self) -> None:

@@ -142,6 +142,9 @@ class EngineConfig:
     placement_group_name: str | None = None
     step_timeout_s: float = 120.0  # a step slower than this means a rank is gone
     max_group_restarts: int = 3  # rebuilds of a failed worker group before giving up
+    # "generate" (text) or "pooling" (embeddings: prefill only, one vector per input; vLLM's
+    # --runner; shared/pooling_params.py, workers/pooling_runner.py).
+    runner: str = "generate"
 
     @classmethod
     def for_device(cls, device_type: str, **fields) -> EngineConfig:

@@ -8,7 +8,10 @@ from pathlib import Path
 
 from shared.errors import ModelLoadError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen", "qwen2", "qwen3", "bert")
+# Encoders: bidirectional attention, no KV cache; served by the pooling runner only.
+ENCODER_MODEL_TYPES = ("bert",)
+BERT_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 
 
 @dataclass
@@ -38,6 +41,12 @@ class ModelConfig:
     seq_length: int | None = None
     use_logn_attn: bool = False
     use_dynamic_ntk: bool = False
+    # Encoders (BERT): token type embeddings; LayerNorm's eps is in rms_norm_eps.
+    type_vocab_size: int = 0
+
+    @property
+    def is_encoder(self) -> bool:
+        return self.model_type in ENCODER_MODEL_TYPES
 
     @property
     def context_window(self) -> int:
@@ -67,6 +76,8 @@ def load_model_config(folder: str | Path) -> ModelConfig:
     try:
         if model_type == "qwen":
             return _from_qwen_dict(raw, folder, path)
+        if model_type == "bert":
+            return _from_bert_dict(raw, folder, path)
         return _from_dict(raw, model_type, folder)
     except KeyError as exc:
         raise ModelLoadError(f"{path} lacks the field {exc.args[0]!r}") from None
@@ -139,6 +150,38 @@ def _from_qwen_dict(raw: dict, folder: Path, path: Path) -> ModelConfig:
         seq_length=int(seq_length),
         use_logn_attn=bool(raw["use_logn_attn"]),
         use_dynamic_ntk=bool(raw["use_dynamic_ntk"]),
+    )
+
+
+def _from_bert_dict(raw: dict, folder: Path, path: Path) -> ModelConfig:
+    """BERT (`BertModel`): post-LN, absolute positions, token types, biases everywhere."""
+    position_type = raw.get("position_embedding_type", "absolute")
+    if position_type != "absolute":
+        raise ModelLoadError(f"{path}: position_embedding_type {position_type!r} is not supported "
+                             "(only absolute)")
+    hidden_act = raw.get("hidden_act", "gelu")
+    if hidden_act not in BERT_ACTIVATIONS:
+        raise ModelLoadError(f"{path}: hidden_act {hidden_act!r} is not supported "
+                             f"(supported: {', '.join(BERT_ACTIVATIONS)})")
+    num_heads = raw["num_attention_heads"]
+    return ModelConfig(
+        model_type="bert",
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_layers=raw["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=num_heads,
+        head_dim=raw["hidden_size"] // num_heads,
+        vocab_size=raw["vocab_size"],
+        max_position_embeddings=raw.get("max_position_embeddings", 512),
+        rms_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
+        rope_theta=0.0,
+        rope_scaling=None,
+        tie_word_embeddings=False,
+        attention_bias=True,
+        hidden_act=hidden_act,
+        eos_token_ids=_eos_token_ids(raw, folder),
+        type_vocab_size=int(raw.get("type_vocab_size", 2)),
     )
 
 

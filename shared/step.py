@@ -158,11 +158,15 @@ class StepResult:
     prompt_logprobs: dict[str, list] = field(default_factory=dict)
     # Seconds the driver rank's host-tier loads of this step took (0.0: none), for the load rate.
     kv_load_seconds: float = 0.0
+    # A pooling runner's step (workers/pooling_runner.py): req_id -> the embedding of each input
+    # whose last chunk ran, float32 bytes (its token in `sampled` is a placeholder).
+    pooled: dict[str, bytes] = field(default_factory=dict)
 
     def __reduce__(self):
         sampled = [(s.req_id, s.token_id, s.logprob, s.top_logprobs, s.num_accepted_drafts)
                    for s in self.sampled]
-        return _result_from_wire, (self.step_id, sampled, self.prompt_logprobs, self.kv_load_seconds)
+        return _result_from_wire, (self.step_id, sampled, self.prompt_logprobs, self.kv_load_seconds,
+                                   self.pooled)
 
 
 def _batch_from_wire(step_id: int, works: list[tuple], token_mask: TokenBitmask | None,
@@ -180,6 +184,6 @@ def _batch_from_wire(step_id: int, works: list[tuple], token_mask: TokenBitmask 
 
 
 def _result_from_wire(step_id: int, sampled: list[tuple], prompt_logprobs: dict[str, list],
-                      kv_load_seconds: float = 0.0) -> StepResult:
+                      kv_load_seconds: float = 0.0, pooled: dict[str, bytes] | None = None) -> StepResult:
     sampled_tokens = [SampledToken(*fields) for fields in sampled]
-    return StepResult(step_id, sampled_tokens, prompt_logprobs, kv_load_seconds)
+    return StepResult(step_id, sampled_tokens, prompt_logprobs, kv_load_seconds, pooled or {})

@@ -190,3 +190,98 @@ def _write_legacy_rope_keys(config_path: Path) -> None:
     if rope.get("rope_type", "default") != "default":
         config["rope_scaling"] = rope
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+# -- embedding models: BERT, bare decoder bodies, sentence-transformers folders ----------------
+
+_BERT: dict[str, Any] = {
+    "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
+    "vocab_size": 512, "max_position_embeddings": 128, "type_vocab_size": 2, "layer_norm_eps": 1e-12,
+    "hidden_act": "gelu", "pad_token_id": 0,
+}
+
+
+def make_tiny_bert(path: Path, *, seed: int = 0, **overrides: Any) -> Path:
+    """A tiny random `BertModel` folder (hidden 64, 4 heads, 2 layers; the pooler included, as
+    in bge and e5 checkpoints). `overrides`: BertConfig fields."""
+    from transformers import BertConfig, BertModel
+
+    model = BertModel(BertConfig(**{**_BERT, **overrides}))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            if "LayerNorm.weight" in name:
+                param.copy_(1.0 + noise * NORM_WEIGHT_STD)
+            elif name.endswith(".bias"):
+                param.copy_(noise * BIAS_STD)
+            elif "embeddings" in name:
+                param.copy_(noise * EMBEDDING_STD)
+            else:
+                param.copy_(noise * MATRIX_STD * 2)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def make_tiny_decoder_body(arch: str, path: Path, *, seed: int = 0, **overrides: Any) -> Path:
+    """A tiny random decoder saved as its bare body (`Qwen3Model`, ...: no `model.` prefix, no
+    LM head), as gte-Qwen2 and Qwen3-Embedding are published."""
+    from transformers import AutoModel
+
+    config = tiny_config(arch, **overrides)
+    model = AutoModel.from_config(config, dtype=torch.float32)
+    _randomize(model, seed)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def write_sentence_transformers_files(folder: Path, pooling: str, *, normalize: bool = True,
+                                      matryoshka_dimensions: list[int] | None = None) -> Path:
+    """Make `folder` a sentence-transformers model: modules.json (Transformer, Pooling and, when
+    `normalize`, Normalize) and 1_Pooling/config.json choosing `pooling` ("cls", "mean" or
+    "lasttoken"). `matryoshka_dimensions`: written into config.json (vLLM's field)."""
+    folder = Path(folder)
+    hidden = json.loads((folder / "config.json").read_text())["hidden_size"]
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+        (folder / "2_Normalize").mkdir(exist_ok=True)
+    (folder / "modules.json").write_text(json.dumps(modules, indent=2))
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    modes = {f"pooling_mode_{m}": m == {"cls": "cls_token", "mean": "mean_tokens",
+                                           "lasttoken": "lasttoken"}[pooling]
+             for m in ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens",
+                       "weightedmean_tokens", "lasttoken")}
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": hidden, **modes, "include_prompt": True}, indent=2))
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 128,
+                                                                  "do_lower_case": False}))
+    if matryoshka_dimensions is not None:
+        config = json.loads((folder / "config.json").read_text())
+        config["matryoshka_dimensions"] = matryoshka_dimensions
+        (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def add_tiny_wordpiece_tokenizer(folder: Path, vocab_size: int = 512) -> Path:
+    """A BERT WordPiece tokenizer of `vocab_size` entries ([PAD] [UNK] [CLS] [SEP] [MASK], the
+    letters, digits and common English words) saved into `folder`, so that text reaches a tiny
+    BERT as it reaches bge or e5: `[CLS] ... [SEP]`, lower-cased."""
+    from transformers import BertTokenizerFast
+
+    words = ("the of and to in is for on that with as it by this be are from at or an was which "
+             "search query passage document retrieval embedding vector chunk fleet model text "
+             "hello world cat dog red blue quick brown fox jumps over lazy").split()
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefghijklmnopqrstuvwxyz0123456789.,!?'-",
+             *[f"##{c}" for c in "abcdefghijklmnopqrstuvwxyz0123456789"], *words]
+    vocab += [f"[unused{i}]" for i in range(vocab_size - len(vocab))]
+    folder = Path(folder)
+    BertTokenizerFast(vocab={token: i for i, token in enumerate(vocab)}, do_lower_case=True,
+                      model_max_length=512).save_pretrained(folder)
+    return folder

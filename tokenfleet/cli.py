@@ -14,6 +14,7 @@ import sys
 
 from shared.config import DEFAULT_REDIS_URL, env_default
 from shared.errors import InvalidRequestError, TokenfleetError
+from tokenfleet.embed_cli import add_embed_parser, cmd_embed
 from tokenfleet.engine_flags import (
     add_engine_flags,
     engine_config,
@@ -95,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(gen, "json", action="store_true", help="one JSON object per prompt")
     _flag(gen, "lora-name", help="run every prompt with this adapter of --lora-modules (needs --enable-lora)")
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+    add_embed_parser(commands)
     sched = commands.add_parser("scheduler", help="one scheduler and its worker group, fed from Redis")
     add_engine_flags(sched)
     _redis_flags(sched, default=DEFAULT_REDIS_URL)
@@ -446,7 +448,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": _cmd_generate, "model": _cmd_model_fetch, "scheduler": _cmd_scheduler,
+COMMANDS = {"generate": _cmd_generate, "embed": cmd_embed, "model": _cmd_model_fetch,
+            "scheduler": _cmd_scheduler,
             "gateway": _cmd_gateway, "up": cmd_up, "batch": _cmd_batch,
             "bench": _cmd_bench, "status": _cmd_status, "tenants": _cmd_tenants, "autoscale": cmd_autoscale}
 

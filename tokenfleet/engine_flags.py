@@ -28,6 +28,7 @@ from shared.config import (
     uses_ray,
 )
 from shared.errors import InvalidRequestError
+from shared.pooling_params import RUNNERS
 from shared.speculative import SpeculativeConfig, SpeculativeConfigError, parse_speculative_config
 from tokenfleet.flags import flag
 
@@ -153,6 +154,8 @@ class EngineFlag:
 
 ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("model", "Hugging Face model folder (default: SmolLM2-135M-Instruct, fetched once)"),
+    EngineFlag("runner", "generate (text) or pooling (embeddings, /v1/embeddings: prefill only, one "
+                         "vector per input; docs/embeddings.md)", default="generate", choices=RUNNERS),
     EngineFlag("tp", "tensor-parallel size (ranks per pipeline stage)", int, 1),
     EngineFlag("pp", "pipeline-parallel size: the layers split into this many stages of --tp ranks "
                      "(Ray groups)", int, 1),

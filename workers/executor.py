@@ -19,8 +19,9 @@ from typing import Protocol
 from shared.config import EngineConfig
 from shared.errors import ModelLoadError
 from shared.step import StepBatch, StepResult
-from workers.model_runner import LaunchedStep, ModelRunner
+from workers.model_runner import LaunchedStep
 from workers.parallel import SINGLE_DEVICE
+from workers.pooling_runner import make_runner
 
 
 class Executor(Protocol):
@@ -65,7 +66,7 @@ class InProcessExecutor:
         self._start()
 
     def _start(self) -> None:
-        self.runner = ModelRunner(self.config, SINGLE_DEVICE)
+        self.runner = make_runner(self.config, SINGLE_DEVICE)  # generating or pooling (--runner)
         self.num_kv_blocks = self.runner.num_kv_blocks
         self.num_host_kv_blocks = self.runner.num_host_kv_blocks
         self.kv_block_bytes = self.runner.kv_block_bytes

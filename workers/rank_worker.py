@@ -34,6 +34,7 @@ from workers.device import resolve_device
 from workers.model_runner import ModelRunner
 from workers.parallel import CollectiveTimes, CudaSpanTimer, TensorParallel
 from workers.pipeline import PipelineStage
+from workers.pooling_runner import PoolingRunner, make_runner
 
 # A collective that waits longer than this means a peer rank died: fail instead of hanging.
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
@@ -78,7 +79,7 @@ class RankWorker:
         configure_logging(env_default("log_level", "WARNING"))
         self.config = config
         self.rank = rank
-        self.runner: ModelRunner | None = None
+        self.runner: ModelRunner | PoolingRunner | None = None
         # A parked execute reads one datagram from this socket; anyone on the host may send it.
         self._wake_socket = _bind_wake_socket()
         # This rank's handle on the group's TCPStore; on rank 0 it is the store's server,
@@ -111,7 +112,7 @@ class RankWorker:
                 stage_group = groups[stage_index]
         tp = TensorParallel(rank=tp_rank, size=tp_size, timer=timer, group=stage_group)
         stage = PipelineStage(stage_index, pp_size, tp_rank, tp_size, timer=timer)
-        self.runner = ModelRunner(self.config, tp, stage)
+        self.runner = make_runner(self.config, tp, stage)  # generating or pooling (--runner)
         return RankInfo(self.rank, stage_index, os.getpid(), socket.gethostname(), self.runner.weight_bytes,
                         self.runner.num_kv_blocks, self.runner.max_model_len, self.runner.block_size,
                         self._wake_socket.getsockname(), _ray_node_id(),

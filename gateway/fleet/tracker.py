@@ -46,6 +46,7 @@ class SchedulerInfo:
     max_lora_rank: int = 0  # the largest LoRA adapter rank it serves; 0: it serves none
     loras_loaded: frozenset[str] = frozenset()  # the LoRA adapters in its device slots
     prefix_summary_gpu_hashes: int = -1  # its summary's GPU hashes, before its host tier's; -1: all
+    runner: str = "generate"  # "pooling": it serves /v1/embeddings only
 
     @classmethod
     def parse(cls, scheduler_id: str, raw: dict[bytes, bytes]) -> SchedulerInfo | None:
@@ -57,7 +58,8 @@ class SchedulerInfo:
                        raw.get(b"draining", b"0") == b"1", int(raw.get(b"prefix_cache_queries", 0)),
                        int(raw.get(b"prefix_cache_hits", 0)), int(raw.get(b"max_lora_rank", 0)),
                        frozenset(json.loads(raw.get(b"loras_loaded", b"[]"))),
-                       int(raw.get(b"prefix_summary_gpu_hashes", -1)))
+                       int(raw.get(b"prefix_summary_gpu_hashes", -1)),
+                       raw.get(b"runner", b"generate").decode())
         except (KeyError, ValueError, TypeError):
             return None  # a half-written or foreign hash: not a scheduler we understand
 
@@ -139,6 +141,10 @@ class FleetTracker:
                                      info.max_num_seqs, backlog, info.draining, info.loras_loaded,
                                      host_prefixes=frozenset(hashes[num_gpu:])))
         return views
+
+    def runners_of(self, model: str) -> set[str]:
+        """The runners ("generate", "pooling") of the model's live schedulers."""
+        return {s.runner for s in self.schedulers.values() if s.model == model}
 
     def is_served(self, model: str) -> bool:
         seen = self._last_seen.get(model)

@@ -9,6 +9,9 @@ from aiohttp import web
 from pydantic import BaseModel, TypeAdapter
 
 from gateway.api.batch import batches_api, files_api
+from gateway.api.embeddings.api import create_embeddings
+from gateway.api.embeddings.schemas import EmbeddingRequest
+from gateway.api.embeddings.shapes import EmbeddingList
 from gateway.api.models import api as models_api
 from gateway.api.models.shapes import LoraAdapter, ModelCard, ModelList
 from gateway.api.openai import tokenize_api
@@ -68,6 +71,9 @@ ROUTES = [
           ChatCompletionRequest, ChatCompletion, sse=True),
     Route("POST", "/v1/completions", completions, "Text completion (SSE with stream: true)",
           CompletionRequest, Completion, sse=True),
+    Route("POST", "/v1/embeddings", create_embeddings,
+          "Embeddings of texts or token ids (models served with --runner pooling)", EmbeddingRequest,
+          EmbeddingList),
     Route("POST", "/tokenize", tokenize_api.tokenize, "A prompt's or a chat's token ids (vLLM's /tokenize)",
           ("TokenizeRequest", tokenize_api.TOKENIZE_BODY), Tokenized, errors=(400, 401, 404, 413)),
     Route("POST", "/detokenize", tokenize_api.detokenize, "Token ids back to text (vLLM's /detokenize)",

@@ -48,17 +48,30 @@ async def read_body(request: web.Request, schema: type[T] | TypeAdapter) -> tupl
     return schema.model_validate_json(raw), raw
 
 
-async def admit(request: web.Request, model: str, num_requests: int) -> None:
-    """503 when no scheduler serves the model, 429 when its queue is full (against this
-    process's estimate of the depth, read anew before a refusal: gateway/fleet/queue_depth.py)."""
+async def admit(request: web.Request, model: str, num_requests: int, *, runner: str = "generate") -> None:
+    """503 when no scheduler serves the model, 400 when its schedulers run another runner than
+    the route needs (generation on a `--runner pooling` model, or embeddings on a generating one),
+    429 when its queue is full (against this process's estimate of the depth, read anew before a
+    refusal: gateway/fleet/queue_depth.py)."""
     settings = request.app[SETTINGS]
     await request.app[FLEET].require(model)
+    runners = request.app[FLEET].runners_of(model)
+    if runners and runner not in runners:
+        raise wrong_runner(model, runners.pop())
     if settings.max_queue > 0:
         depth = await request.app[QUEUE_DEPTHS].refusing_depth(model, num_requests, settings.max_queue)
         if depth is not None:
             raise RateLimited(
                 f"the queue of model {model!r} is full ({depth} waiting, limit {settings.max_queue}); "
                 "retry later", code="queue_full", headers={"Retry-After": str(settings.retry_after_s)})
+
+
+def wrong_runner(model: str, runner: str) -> BadRequest:
+    if runner == "pooling":
+        return BadRequest(f"the model {model!r} runs with --runner pooling: it serves /v1/embeddings only, "
+                          "not text generation", param="model", code="wrong_runner")
+    return BadRequest(f"the model {model!r} runs with --runner {runner}: it does not serve /v1/embeddings "
+                      "(its schedulers need --runner pooling)", param="model", code="wrong_runner")
 
 
 def charged_output_tokens(plan: Plan, *, settles: bool) -> int:

@@ -43,7 +43,7 @@ def job_lines(num_lines: int, *, max_tokens: int = 6, bad: bool = True,
                 lines.append(json.dumps(line)[:-5])  # cut short
                 continue
             if kind == "url":
-                line["url"] = "/v1/embeddings"
+                line["url"] = "/v1/moderations"
             elif kind == "field":
                 body["frobnicate"] = True
             elif kind == "long":

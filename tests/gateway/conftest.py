@@ -52,14 +52,15 @@ class RealScheduler:
     By default SmolLM2 served as MODEL; the batch tests run it on their tiny chat model."""
 
     def __init__(self, url: str, folder, *, model_name: str = MODEL, scheduler_id: str = "real-1",
-                 num_kv_blocks: int = 256, max_num_seqs: int = 16, max_num_batched_tokens: int = 512) -> None:
+                 num_kv_blocks: int = 256, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
+                 runner: str = "generate") -> None:
         from scheduler.engine import LLMEngine
         from service.scheduler_service import SchedulerService, ServiceSettings
         from shared.config import EngineConfig
 
         self.engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", num_kv_blocks=num_kv_blocks,
                                              max_num_seqs=max_num_seqs,
-                                             max_num_batched_tokens=max_num_batched_tokens))
+                                             max_num_batched_tokens=max_num_batched_tokens, runner=runner))
         self.service = SchedulerService(self.engine, url, ServiceSettings(model_name, scheduler_id,
                                                                           heartbeat_s=0.5))
         self.stop = threading.Event()

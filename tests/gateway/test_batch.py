@@ -212,7 +212,7 @@ async def test_jobs_that_cannot_run_fail_with_an_error_that_names_the_problem(sc
         "no-input": ({"model": TINY_CHAT}, "lines"),
         "bad-window": ({"lines": "\n".join(good), "completion_window": "soon"}, "completion_window"),
         "bad-metadata": ({"lines": "\n".join(good), "metadata": "[1]"}, "metadata"),
-        "bad-endpoint": ({"lines": "\n".join(good), "endpoint": "/v1/embeddings"}, "endpoint"),
+        "bad-endpoint": ({"lines": "\n".join(good), "endpoint": "/v1/moderations"}, "endpoint"),
         "no-file": ({"input_file_id": "file-missing"}, "file-missing"),
     }
     for job_id, (fields, _) in cases.items():

@@ -57,3 +57,18 @@ def test_bad_sampling_values_name_the_field() -> None:
         message.sampling_params()
     with pytest.raises(MessageDecodeError, match="unknown sampling fields"):
         RequestMessage("r", "m", [1], {"nucleus": 0.5}).sampling_params()
+
+
+def test_an_embedding_request_travels_with_its_pooling_params():
+    from shared.pooling_params import POOLING_SAMPLING, PoolingParams
+
+    message = RequestMessage.make_embedding("e1", "bge", [101, 7, 102], PoolingParams(dimensions=256),
+                                            kind="batch", tenant="acme")
+    back = RequestMessage.decode(message.encode())
+    assert back.pooling_params() == PoolingParams(dimensions=256)
+    assert back.sampling_params() == POOLING_SAMPLING and back.tenant == "acme"
+    assert RequestMessage.make("g1", "m", [1], POOLING_SAMPLING).pooling_params() is None
+    odd = RequestMessage.make_embedding("e2", "bge", [1], PoolingParams())
+    odd.pooling = {"dimensions": None, "task": "embed", "normalize": False}
+    with pytest.raises(MessageDecodeError, match="normalize"):
+        RequestMessage.decode(odd.encode()).pooling_params()

@@ -25,10 +25,11 @@ EXTRA = ("tests/gateway/fake_scheduler.py",)
 
 FIELDS = {value for name, value in vars(F).items() if name.isupper()}
 # Names no other structure of ours uses as keys (model, state, text, api, usage, error... are
-# also keys of OpenAI bodies, events and heartbeats, so only the bytes and hash rules see them).
+# also keys of OpenAI bodies, events and heartbeats, so only the bytes and hash rules see them;
+# embedding is also the key and the `object` of OpenAI's embedding object).
 OWN_FIELDS = FIELDS - {"state", "model", "api", "text", "usage", "error", "logprobs", "top_logprobs",
                        "finish_reason", "tenant", "stream", "custom_id", "prompt_tokens", "scheduler",
-                       "deadline", "owner", "seq", "token_ids", "prompt_logprobs", "echo"}
+                       "deadline", "owner", "seq", "token_ids", "prompt_logprobs", "echo", "embedding"}
 # b"model" is also a field of a scheduler's heartbeat hash (gateway/fleet/tracker.py parses it).
 BYTES_FIELDS = FIELDS - {"model"}
 HASH_COMMANDS = {"hget", "hmget", "hset", "hsetnx", "hdel", "hexists", "hincrby", "hincrbyfloat"}

@@ -29,7 +29,7 @@ def _one_error_line(capsys) -> str:
     (["--metadata", json.dumps({"k": "v" * 513})], ["metadata['k']", "512"]),
     (["--metadata", json.dumps({"k" * 65: "v"})], ["metadata key", "64"]),
     (["--completion-window", "soon"], ["completion_window 'soon'"]),
-    (["--endpoint", "/v1/embeddings"], ["endpoint '/v1/embeddings'"]),
+    (["--endpoint", "/v1/moderations"], ["endpoint '/v1/moderations'"]),
     (["--endpoint", "/v1/chat/completions"], ["line 2", "custom_id 'b'", "/v1/completions", "--endpoint"]),
 ])
 def test_submit_refuses_a_job_that_cannot_run_in_one_line(redis_server, tmp_path, capsys, flags,

@@ -15,6 +15,7 @@ from tokenfleet.up import Fleet
 
 # A value of each flag that differs from its default (None: a switch).
 SAMPLES = {
+    "runner": "pooling",
     "tp": "2", "pp": "2", "executor": "ray", "device": "cpu", "dtype": "bfloat16", "max-model-len": "512",
     "num-kv-blocks": "64", "block-size": "32", "quantization": "int8", "kv-cache-dtype": "fp8",
     "calculate-kv-scales": "off",

@@ -10,7 +10,7 @@ import re
 
 from protocol.keys import TENANT_PATTERN
 
-URLS = ("/v1/chat/completions", "/v1/completions")  # a job's endpoint, and each line's url
+URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")  # a job's endpoint, each line's url
 ENTRY_FIELDS = ("job_id", "model", "lines", "input_file_id", "endpoint", "completion_window", "metadata",
                 "tenant")
 WINDOW_PATTERN = re.compile(r"^([1-9][0-9]{0,6})([smhd])$")

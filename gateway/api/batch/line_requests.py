@@ -12,11 +12,13 @@ import redis.asyncio as aioredis
 
 from gateway.api.batch.jobs import Job, item_req_id
 from gateway.api.batch.lines import LineItem, error_line, output_line, parse_line, refusal_of, refused_line
+from gateway.api.embeddings import batch_items as embedding_items
+from gateway.api.embeddings.plan import EmbeddingPlan, plan_embeddings
 from gateway.api.models.adapters import find_adapter
 from gateway.api.openai.format import ChoiceOutput, chat_completion, text_completion
 from gateway.api.openai.params import plan_chat, plan_completion
 from gateway.core.settings import GatewaySettings
-from gateway.errors import GatewayError, ModelNotFound
+from gateway.errors import BadRequest, GatewayError, ModelNotFound
 from gateway.serving.plan import Plan
 from gateway.serving.records import ResultRecord
 from gateway.tokens.models import ModelRegistry
@@ -62,6 +64,11 @@ class LineRequests:
         except GatewayError as exc:
             refused = refused_line(item.custom_id, req0, refusal_of(exc))
             return ["E", item.index, item.custom_id or "", refused]
+        if isinstance(plan, EmbeddingPlan):
+            ids = [item_req_id(job.id, item.index, i) for i in range(len(plan.prompts))]
+            return embedding_items.queue_args(plan, ids, [self.keys.result(r) for r in ids], job_id=job.id,
+                                              line_index=item.index, raw=item.raw,
+                                              custom_id=line.custom_id, tenant=job.tenant)
         now = time.time()
         args: list[object] = []
         for c, choice in enumerate(plan.choices):
@@ -78,13 +85,19 @@ class LineRequests:
                 args += [name, value]
         return args
 
-    def plan(self, job: Job, item: LineItem, target: tuple[str | None, str | None]) -> tuple[object, Plan]:
+    def plan(self, job: Job, item: LineItem,
+             target: tuple[str | None, str | None]) -> tuple[object, Plan | EmbeddingPlan]:
         """A line's plan, for `target` (target(): the base model, and the adapter or None)."""
         line, body = parse_line(item.raw)
         base, lora_name = target
         if lora_name is not None and base is None:
             raise ModelNotFound(f"the LoRA adapter {lora_name!r} is no longer loaded", param="model")
         model = self.models.get(base)
+        if line.url == "/v1/embeddings":
+            if lora_name is not None:
+                raise BadRequest(f"{lora_name!r} is a LoRA adapter; adapters do not serve /v1/embeddings",
+                                 param="body.model")
+            return line, plan_embeddings(body, model)
         plan = plan_chat(body, model, self.settings) if line.url == "/v1/chat/completions" else \
             plan_completion(body, model, self.settings)
         plan.lora_name = lora_name
@@ -112,6 +125,8 @@ class LineRequests:
             _, plan = self.plan(job, item, target)
         except GatewayError as exc:  # cannot happen for a line that was queued, but never lose it
             return False, error_line(item.custom_id, req0, exc.code or "invalid_value", exc.message)
+        if isinstance(plan, EmbeddingPlan):
+            return True, output_line(item.custom_id, req0, embedding_items.output_body(plan, records))
         outputs = [ChoiceOutput(c) for c in range(len(records))]
         for out, record in zip(outputs, records, strict=True):
             out.add(record.delta_after(0, plan.model.decode))

@@ -23,11 +23,14 @@ import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.api.batch.entry import URLS
+from gateway.api.embeddings.schemas import EmbeddingRequest
 from gateway.api.openai.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.errors import BadRequest, GatewayError, error_body, validation_error
 
-BODY_SCHEMAS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
-ENDPOINT_INPUTS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}  # a body's must-have
+BODY_SCHEMAS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+                "/v1/embeddings": EmbeddingRequest}
+# a body's must-have
+ENDPOINT_INPUTS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/v1/embeddings": "input"}
 
 
 class InputLine(BaseModel):
@@ -63,7 +66,7 @@ def refusal_of(exc: GatewayError) -> dict:
             "param": exc.param, "type": exc.error_type}
 
 
-def parse_line(raw: str) -> tuple[InputLine, ChatCompletionRequest | CompletionRequest]:
+def parse_line(raw: str) -> tuple[InputLine, ChatCompletionRequest | CompletionRequest | EmbeddingRequest]:
     """The line and its validated body; BadRequest naming the problem otherwise."""
     try:
         data = json.loads(raw)
@@ -82,7 +85,7 @@ def parse_line(raw: str) -> tuple[InputLine, ChatCompletionRequest | CompletionR
         inner = validation_error(exc)
         raise BadRequest(f"body: {inner.message}", param=f"body.{inner.param}" if inner.param else "body",
                          code=inner.code) from None
-    if body.stream:
+    if getattr(body, "stream", False):
         raise BadRequest("stream is not supported in a batch job", param="body.stream")
     return line, body
 

@@ -12,6 +12,9 @@ import time
 from aiohttp import web
 from pydantic import TypeAdapter
 
+from gateway.api.embeddings.api import embedding_submissions, queued_plan
+from gateway.api.embeddings.format import embedding_list
+from gateway.api.embeddings.plan import EmbeddingPlan, plan_embeddings
 from gateway.api.models.adapters import resolve_model
 from gateway.api.openai.format import (
     ChoiceOutput,
@@ -21,7 +24,7 @@ from gateway.api.openai.format import (
     text_completion,
 )
 from gateway.api.openai.params import plan_chat, plan_completion
-from gateway.api.requests.schemas import SubmitChat, SubmitRequest
+from gateway.api.requests.schemas import SubmitChat, SubmitEmbedding, SubmitRequest
 from gateway.core.appkeys import API_KEY, SETTINGS
 from gateway.errors import BadRequest, Conflict, NotFound
 from gateway.serving.follow import EXPIRED_MESSAGE
@@ -47,8 +50,17 @@ _REQ_ID = re.compile(r"^[0-9a-f]{32}$")
 MAX_IDEMPOTENCY_KEY = 255
 
 
-def _plan(request: web.Request, body: SubmitChat | object, model: ServedModel) -> tuple[Plan, float | None]:
+def _plan(request: web.Request, body: SubmitChat | object,
+          model: ServedModel) -> tuple[Plan | EmbeddingPlan, float | None]:
     settings = request.app[SETTINGS]
+    if body.deadline is not None and body.timeout is not None:
+        raise BadRequest("give deadline or timeout, not both", param="timeout")
+    deadline = body.deadline if body.timeout is None else time.time() + body.timeout
+    if isinstance(body, SubmitEmbedding):
+        plan = plan_embeddings(body, model)
+        if len(plan.prompts) != 1:
+            raise BadRequest("one input per request on /v1/requests", param="input")
+        return plan, deadline
     for name, ok in (("stream", not body.stream), ("n", body.n == 1)):
         if not ok:
             raise BadRequest(f"{name} is not available on /v1/requests (one request per id; stream its "
@@ -59,9 +71,6 @@ def _plan(request: web.Request, body: SubmitChat | object, model: ServedModel) -
         plan = plan_completion(body, model, settings)
         if len(plan.choices) != 1:
             raise BadRequest("one prompt per request on /v1/requests", param="prompt")
-    if body.deadline is not None and body.timeout is not None:
-        raise BadRequest("give deadline or timeout, not both", param="timeout")
-    deadline = body.deadline if body.timeout is None else time.time() + body.timeout
     return plan, deadline
 
 
@@ -75,6 +84,9 @@ async def submit(request: web.Request) -> web.Response:
     body, raw = await read_body(request, SUBMIT)
     model, lora_name = await resolve_model(request, body.model)
     plan, deadline = await request.app[TOKENIZE].run(_plan, request, body, model)  # tokenizes: off the loop
+    is_embedding = isinstance(plan, EmbeddingPlan)
+    if is_embedding and lora_name is not None:
+        raise BadRequest(f"{lora_name!r} is a LoRA adapter; adapters do not serve embeddings", param="model")
     plan.lora_name = lora_name
     store = request.app[STORE]
     idempotency = None
@@ -90,11 +102,18 @@ async def submit(request: web.Request) -> web.Response:
             return await _replay(request, plan, existing, fingerprint)
     # (in its Idempotency-Key's partition: one script writes both, on one slot)
     req_id = store.keys.request_id(idempotency[0] if idempotency is not None else None)
-    await admit(request, plan.model.name, 1)
-    tenant = await admit_tenant(request, plan, [req_id])
+    await admit(request, plan.model.name, 1, runner="pooling" if is_embedding else "generate")
+    if is_embedding:  # (its prompt is all it is charged)
+        tenant = await admit_tenant(request, queued_plan(plan), [req_id], output_tokens=0)
+    else:
+        tenant = await admit_tenant(request, plan, [req_id])
     # No call waits for it: its lease lasts until the scheduler writes its end (or it lapses).
     lease_until = request.app[LIMITER].lease_for_queue(tenant) if tenant is not None else None
-    (submission,) = submissions(plan, [req_id], deadline, tenant=tenant, lease_until=lease_until)
+    if is_embedding:
+        (submission,) = embedding_submissions(plan, [req_id], tenant=tenant, lease_until=lease_until,
+                                              deadline=deadline)
+    else:
+        (submission,) = submissions(plan, [req_id], deadline, tenant=tenant, lease_until=lease_until)
     if idempotency is not None:  # taken in the same script that queues it: never one without the other
         submission.idempotency_key, submission.fingerprint = idempotency
     try:
@@ -163,6 +182,8 @@ def _result(record: ResultRecord, model: ServedModel) -> dict | None:
     """The finished request in the shape its OpenAI endpoint would have answered."""
     if record.state != "completed":
         return None
+    if record.api == "embedding":  # as /v1/embeddings answers it (floats, its default)
+        return embedding_list(record.model, [record.embedding or ""], "float", record.prompt_tokens)
     echo_text, is_prompt_only = record.echo if record.echo is not None else ("", False)
     plan = Plan(record.api or "completion", model, [ChoicePlan(0, 0, [], None)], [echo_text],
                 [record.prompt_tokens], logprobs=record.top_logprobs,

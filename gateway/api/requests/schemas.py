@@ -1,5 +1,5 @@
-"""The body of POST /v1/requests: a chat or a completion body (the OpenAI API's own, with its
-checks) tagged by `kind`, plus when it expires if still queued."""
+"""The body of POST /v1/requests: a chat, a completion or an embedding body (the OpenAI API's own,
+with its checks) tagged by `kind`, plus when it expires if still queued."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
+from gateway.api.embeddings.schemas import EmbeddingRequest
 from gateway.api.openai.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.core.shapes import StrictModel
 
@@ -24,4 +25,8 @@ class SubmitCompletion(CompletionRequest, SubmitFields):
     kind: Literal["completion"]
 
 
-SubmitRequest = Annotated[SubmitChat | SubmitCompletion, Field(discriminator="kind")]
+class SubmitEmbedding(EmbeddingRequest, SubmitFields):
+    kind: Literal["embedding"]
+
+
+SubmitRequest = Annotated[SubmitChat | SubmitCompletion | SubmitEmbedding, Field(discriminator="kind")]
