@@ -66,6 +66,9 @@ def test_jump_forward_keeps_max_tokens_and_leaves_logprob_requests_alone(tiny_ch
     (cut, with_logprobs), (_, logprob_outputs), _ = _run(tiny_chat, True, sampling)
     assert cut[1] == "length" and len(cut[2]) == 5  # forced tokens count, and stop at max_tokens
     assert cut[0] == '{"identification_number"'[:len(cut[0])]  # a prefix of a valid answer
-    # A request with logprobs samples every token, so each has its logprob.
+    # A request with logprobs samples every token, so each has its logprob, but the end token
+    # that stopped it (listed by no OpenAI response).
     assert with_logprobs[1] == "stop" and json.loads(with_logprobs[0])["classification"]
-    assert all(len(out.new_token_ids) == len(out.logprobs) == 1 for out in logprob_outputs)
+    *sampled, last = logprob_outputs
+    assert all(len(out.new_token_ids) == len(out.logprobs) == 1 for out in sampled)
+    assert last.finished and len(last.new_token_ids) == 1 and last.logprobs is None

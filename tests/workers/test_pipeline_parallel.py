@@ -80,6 +80,8 @@ def _stage_bytes(folder, num_stages: int) -> list[int]:
                     totals[-1] += size  # the last stage's own copy, as its LM head
             else:  # final norm, untied LM head
                 totals[-1] += size
+    for stage, layers in enumerate(ranges):  # each layer's K and V scale of an FP8 cache (float32)
+        totals[stage] += 2 * 4 * len(layers)
     return totals
 
 
