@@ -36,10 +36,10 @@ from workers.device_block_tables import DeviceBlockTables
 from workers.host_staging import HostStaging
 from workers.models.bert import EncoderBatch
 from workers.models.registry import POOLING_MODEL_CLASSES
-from workers.parallel import TensorParallel, all_reduce_min
+from workers.parallel import TensorParallel
 from workers.pipeline import SINGLE_STAGE, PipelineStage
 from workers.pooling import ChunkPooler
-from workers.runner_build import kv_blocks_for_budget, release_device_memory
+from workers.runner_build import kv_blocks_on_rank, release_device_memory
 from workers.step_inputs import build_step_inputs, eager_order
 from workers.weight_loader import load_weights, resident_weight_bytes
 
@@ -143,19 +143,9 @@ class PoolingRunner:
             return self.config.num_kv_blocks
         if self.is_encoder:  # bookkeeping only: every running input at its longest
             return self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-            free, _ = torch.cuda.mem_get_info(self.device)
-            activations = 64 * self.config.max_num_batched_tokens * self.model_config.hidden_size * 4
-            local = kv_blocks_for_budget(free, fraction=self.config.kv_cache_memory_fraction,
-                                         activation_bytes=activations, block_bytes=self.kv_block_bytes)
-        else:
-            local = kv_blocks_for_budget(self.config.kv_cache_bytes_cpu, fraction=1.0, activation_bytes=0,
-                                         block_bytes=self.kv_block_bytes)
-        num_blocks = all_reduce_min(self.world_size, local)
-        if num_blocks < 1:
-            raise ModelLoadError("no memory is left for the KV cache after loading the weights")
-        return num_blocks
+        activations = 64 * self.config.max_num_batched_tokens * self.model_config.hidden_size * 4
+        return kv_blocks_on_rank(self.config, self.device, self.world_size, block_bytes=self.kv_block_bytes,
+                                 activation_bytes=activations)
 
     def _allocate_kv_cache(self) -> torch.Tensor:
         cfg = self.model_config

@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from shared.config import EngineConfig
 from shared.errors import ModelLoadError
 from shared.model_config import ModelConfig
 from workers.cuda_graphs import DecodeGraphs, use_cuda_graphs
@@ -34,6 +35,26 @@ def kv_blocks_for_budget(free_bytes: int, *, fraction: float, activation_bytes: 
     `ModelRunner.close` gives everything back."""
     budget = int(free_bytes * fraction) - activation_bytes
     return max(0, budget // block_bytes - 1)
+
+
+def kv_blocks_on_rank(config: EngineConfig, device: torch.device, world_size: int, *, block_bytes: int,
+                      activation_bytes: int) -> int:
+    """The KV blocks every rank of the group can hold (the smallest rank's count): on CUDA from what
+    the driver reports free less `activation_bytes`, on a CPU from `kv_cache_bytes_cpu`."""
+    if device.type == "cuda":
+        # Blocks PyTorch caches but does not use (a closed engine's, say) are free for this
+        # cache too, but the driver counts them as taken until they are handed back.
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(device)
+        local = kv_blocks_for_budget(free, fraction=config.kv_cache_memory_fraction,
+                                     activation_bytes=activation_bytes, block_bytes=block_bytes)
+    else:
+        local = kv_blocks_for_budget(config.kv_cache_bytes_cpu, fraction=1.0, activation_bytes=0,
+                                     block_bytes=block_bytes)
+    num_blocks = all_reduce_min(world_size, local)
+    if num_blocks < 1:
+        raise ModelLoadError("no memory is left for the KV cache after loading the weights")
+    return num_blocks
 
 
 def resolve_quantization(requested: str | None, model_config: ModelConfig,
@@ -148,25 +169,13 @@ class RunnerBuild:
     def _decide_num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
-        if self.device.type == "cuda":
-            # Blocks PyTorch caches but does not use (a closed engine's, say) are free for this
-            # cache too, but the driver counts them as taken until they are handed back.
-            torch.cuda.empty_cache()
-            free, _ = torch.cuda.mem_get_info(self.device)
-            # Leave room for activations of the largest step, and as much again for the mixed
-            # graphs' private pool (their largest bucket's activations).
-            activations = 64 * self.config.max_num_batched_tokens * self.model_config.hidden_size * 4
-            if self._mixed_graph_tokens():
-                activations += 64 * self._mixed_graph_tokens() * self.model_config.hidden_size * 4
-            local = kv_blocks_for_budget(free, fraction=self.config.kv_cache_memory_fraction,
-                                         activation_bytes=activations, block_bytes=self.kv_block_bytes)
-        else:
-            local = kv_blocks_for_budget(self.config.kv_cache_bytes_cpu, fraction=1.0, activation_bytes=0,
-                                         block_bytes=self.kv_block_bytes)
-        num_blocks = all_reduce_min(self.world_size, local)
-        if num_blocks < 1:
-            raise ModelLoadError("no memory is left for the KV cache after loading the weights")
-        return num_blocks
+        # Leave room for activations of the largest step, and as much again for the mixed
+        # graphs' private pool (their largest bucket's activations).
+        activations = 64 * self.config.max_num_batched_tokens * self.model_config.hidden_size * 4
+        if self.device.type == "cuda" and self._mixed_graph_tokens():
+            activations += 64 * self._mixed_graph_tokens() * self.model_config.hidden_size * 4
+        return kv_blocks_on_rank(self.config, self.device, self.world_size, block_bytes=self.kv_block_bytes,
+                                 activation_bytes=activations)
 
     def _allocate_kv_cache(self) -> torch.Tensor:
         cfg = self.model_config
