@@ -33,7 +33,7 @@ import math
 import multiprocessing
 import random
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -161,6 +161,14 @@ def plan_requests(args, model: str) -> list[Planned]:
     return planned
 
 
+
+async def sse_chunks(response: aiohttp.ClientResponse) -> AsyncIterator[dict]:
+    """The JSON chunks of a streamed response's `data:` lines, up to `data: [DONE]`."""
+    async for raw in response.content:
+        line = raw.decode(errors="replace").strip()
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
 async def one_request(session: aiohttp.ClientSession, url: str, body: dict, result: Result) -> None:
     result.started = time.perf_counter()
     result.started_wall = time.time()
@@ -171,11 +179,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict, resu
                 result.error = f"HTTP {response.status}: {(await response.text())[:300]}"
                 return
             result.req_id = response.headers.get("tokenfleet-request-id")
-            async for raw in response.content:
-                line = raw.decode(errors="replace").strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
+            async for chunk in sse_chunks(response):
                 if "error" in chunk:
                     result.error = f"stream error: {chunk['error'].get('message')}"
                     return

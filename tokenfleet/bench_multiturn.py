@@ -24,7 +24,15 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from tokenfleet.bench import LengthSpec, Result, discover_model, percentile, prompt_text, summarize
+from tokenfleet.bench import (
+    LengthSpec,
+    Result,
+    discover_model,
+    percentile,
+    prompt_text,
+    sse_chunks,
+    summarize,
+)
 
 # Read from each scheduler in /fleet.json: the prefix cache's and the host tier's totals.
 FLEET_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "host_kv_hit_tokens", "host_kv_loaded_bytes",
@@ -95,11 +103,7 @@ async def stream_turn(session: aiohttp.ClientSession, url: str, body: dict, resu
             if response.status != 200:
                 result.error = f"HTTP {response.status}: {(await response.text())[:300]}"
                 return
-            async for raw in response.content:
-                line = raw.decode(errors="replace").strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
+            async for chunk in sse_chunks(response):
                 if "error" in chunk:
                     result.error = f"stream error: {chunk['error'].get('message')}"
                     return
