@@ -31,7 +31,7 @@ from shared.logging import get_logger
 from shared.model_config import ModelConfig, load_model_config
 from shared.step import SequenceWork, StepBatch, StepResult
 from workers import prompt_logprobs, spec_verify
-from workers.device import resolve_device, resolve_dtype
+from workers.device import place_rank
 from workers.device_sample import HostSample
 from workers.grammar_mask import apply_token_mask
 from workers.host_kv_pool import KVCopies
@@ -78,13 +78,7 @@ class ModelRunner(RunnerBuild):
         self.rank = stage.index * tp.size + tp.rank  # in the whole group
         self.is_driver = tp.is_driver and stage.is_last  # samples, and answers the scheduler
         self.log = get_logger("tokenfleet.worker", rank=self.rank)
-        self.device = resolve_device(config.device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", self.rank % torch.cuda.device_count())
-            torch.cuda.set_device(self.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        if config.num_threads and self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads)
+        self.device, self.dtype = place_rank(config.device, config.dtype, self.rank, config.num_threads)
         self.model_config: ModelConfig = load_model_config(config.model)
         self.max_model_len = min(config.max_model_len or self.model_config.context_window,
                                  self.model_config.context_window)

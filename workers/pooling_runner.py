@@ -31,7 +31,7 @@ from shared.logging import get_logger
 from shared.model_config import load_model_config
 from shared.pooling_config import read_pooling_config
 from shared.step import SampledToken, StepBatch, StepResult
-from workers.device import resolve_device, resolve_dtype
+from workers.device import place_rank
 from workers.device_block_tables import DeviceBlockTables
 from workers.host_staging import HostStaging
 from workers.models.bert import EncoderBatch
@@ -83,13 +83,7 @@ class PoolingRunner:
         self.rank = tp.rank
         self.is_driver = tp.is_driver
         self.log = get_logger("tokenfleet.worker", rank=self.rank)
-        self.device = resolve_device(config.device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", self.rank % torch.cuda.device_count())
-            torch.cuda.set_device(self.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        if config.num_threads and self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads)
+        self.device, self.dtype = place_rank(config.device, config.dtype, self.rank, config.num_threads)
         self.model_config = load_model_config(config.model)
         if self.model_config.model_type not in POOLING_MODEL_CLASSES:
             raise ModelLoadError(f"model type {self.model_config.model_type!r} is not served with "
