@@ -11,7 +11,7 @@ that the working set fits the card's host memory. Two engines, one after the oth
 tier, then with --kv-offloading-size GiB. Each runs (testkit/multiturn_runs.py) conversations
 sharing a --system-tokens system prompt, of --turns turns of --user-tokens each and replies of
 --max-tokens, arriving at --rate per second, each turn sent --think-seconds (mean) after the reply
-before it: first --within conversations (their histories fit
+before it (a list runs the beyond case once per value): first --within conversations (their histories fit
 the GPU pool), then --beyond of them (about 3x the pool). Goals: beyond the pool, TTFT p50 3x
 lower and output tok/s 1.3x with the tier; within it, at most 2% of either lost; loads >= 40 GB/s.
 """
@@ -49,16 +49,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--within", type=int, help="conversations within the GPU pool (default 12; 3 smoke)")
     parser.add_argument("--beyond", type=int, help="conversations of ~3x the pool (default 48; 16 smoke)")
     parser.add_argument("--rate", type=float, default=4.0, help="conversation arrivals per second")
-    parser.add_argument("--think-seconds", type=float, help="mean pause between a reply and the next turn "
-                        "(default 5; 0.2 with --smoke)")
+    parser.add_argument("--think-seconds", help="mean pause between a reply and the next turn; a comma list "
+                        "runs the beyond case once per value, the first is the within case's "
+                        "(default 5,1; 0.2 with --smoke)")
     args = parser.parse_args(argv)
     small = args.smoke
     for name, default, smoke in (("num_kv_blocks", 2048, 32), ("kv_offloading_size", 24.0, 0.05),
                                  ("system_tokens", 500, 24), ("user_tokens", 400, 16), ("max_tokens", 100, 8),
-                                 ("within", 12, 3), ("beyond", 48, 16), ("think_seconds", 5.0, 0.2)):
+                                 ("within", 12, 3), ("beyond", 48, 16), ("think_seconds", "5,1", "0.2")):
         if getattr(args, name) is None:
             setattr(args, name, smoke if small else default)
+    args.think_seconds = [float(value) for value in str(args.think_seconds).split(",")]
     return args
+
+
+def cases(args) -> list[tuple[str, int, int, float]]:
+    """(name, conversations, seed, think seconds) of each measured case."""
+    within = [("within", args.within, 1, args.think_seconds[0])]
+    return within + [(f"beyond, think {think:g} s", args.beyond, 2, think) for think in args.think_seconds]
 
 
 def measure(folder, args, vocab: int, tier: bool) -> dict:
@@ -73,12 +81,12 @@ def measure(folder, args, vocab: int, tier: bool) -> dict:
         engine.generate(warmup_prompts(vocab, max_len), greedy(8))
         gc_tuning.refreeze()  # (as LLMEngine.warm_up does: what the warm-up built lives on)
         out = {}
-        for name, num, seed in (("within", args.within, 1), ("beyond", args.beyond, 2)):
+        for name, num, seed, think in cases(args):
             conversations = make_conversations(num, args.turns, system_tokens=args.system_tokens,
                                                user_tokens=args.user_tokens, rate=args.rate, vocab_size=vocab,
                                                seed=seed)
             log(f"{'tier' if tier else 'no tier'}: {name} the GPU pool, {num} conversations")
-            out[name] = run_conversations(engine, conversations, args.max_tokens, args.think_seconds).row()
+            out[name] = run_conversations(engine, conversations, args.max_tokens, think).row()
         if tier:
             out["rates"] = load_rates(engine)
         return out
@@ -109,13 +117,15 @@ def main(argv: list[str] | None = None) -> None:
     print("| --- | --- | ---: | ---: | ---: | --- |")
     goals = {"beyond": {"ttft_p50_ms": "<= 1/3", "output_tok_s": ">= 1.3x"},
              "within": {"ttft_p50_ms": "<= 1.02x", "output_tok_s": ">= 0.98x"}}
-    for case in ("beyond", "within"):
+    for case, *_ in cases(args)[1:] + cases(args)[:1]:
         for key in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "output_tok_s", "gpu_hit_tokens",
                     "host_hit_tokens", "load_gb_s"):
             a, b = without[case][key], with_tier[case][key]
             ratio = f"{b / a:.2f}x" if isinstance(a, float | int) and isinstance(b, float | int) and a else ""
             fmt = (lambda v: "-" if v is None else f"{v:,.1f}" if isinstance(v, float) else f"{v:,}")  # noqa: E731
-            print(f"| {case} the pool | {key} | {fmt(a)} | {fmt(b)} | {ratio} | {goals[case].get(key, '')} |")
+            goal = goals[case.split(",")[0]].get(key, "")
+            print(f"| {case.replace(',', ' the pool,', 1) if ',' in case else case + ' the pool'} | {key} "
+                  f"| {fmt(a)} | {fmt(b)} | {ratio} | {goal} |")
     print("\n| host tier copies | GB/s |\n| --- | ---: |")
     for name, rate in with_tier["rates"].items():
         print(f"| {name} | {rate:,.1f} |")
