@@ -5,7 +5,10 @@ SGLang's bench_multiturn.py drive them.
 at most `--concurrency` of them talking at a time. Each shares one system prompt of about
 `--prefix-tokens` tokens and runs `--turns K` turns in order: a user message of `--prompt-words`
 words, the streamed reply of `--max-tokens` tokens (EOS ignored) appended to the history with it,
-so every turn resends the whole conversation, after `--turn-gap-s` seconds of the user thinking.
+so every turn resends the whole conversation. Between a reply and the next user message the user
+thinks for `--think-seconds` on average (exponential, seeded; 0: no pause), as
+testkit/multiturn_runs.py does: the pause is what lets other conversations push a conversation's
+KV blocks out of the GPU between its turns, as people and agents that read, type or run tools do.
 
 It reports what `tokenfleet bench` does (TTFT, ITL, TPOT, end-to-end, output tok/s) over every
 turn, TTFT by turn (the first turn has only the system prompt to find; later ones the history),
@@ -47,16 +50,19 @@ def add_multi_turn_flags(bench, flag) -> None:
               "history, arriving at --rate per second (tokenfleet/bench_multiturn.py)")
     flag(bench, "conversations", type=int, default=16, help="with --multi-turn: how many")
     flag(bench, "turns", type=int, default=4, help="with --multi-turn: turns of each conversation")
-    flag(bench, "turn-gap-s", type=float, default=0.0,
-         help="with --multi-turn: seconds between a reply and the next user message")
+    flag(bench, "think-seconds", type=float, default=0.0,
+         help="with --multi-turn: mean pause between a reply and the next user message (exponential, "
+              "seeded; 0: none)")
 
 
 def check_multi_turn_args(args) -> None:
     from shared.errors import InvalidRequestError
 
-    if args.conversations < 1 or args.turns < 1 or args.turn_gap_s < 0:
-        raise InvalidRequestError("--multi-turn needs --conversations and --turns >= 1 and --turn-gap-s >= 0",
-                                  param="multi-turn")
+    if args.conversations < 1 or args.turns < 1:
+        raise InvalidRequestError("--multi-turn needs --conversations and --turns >= 1", param="multi-turn")
+    if not args.think_seconds >= 0:  # (NaN too)
+        raise InvalidRequestError(f"--think-seconds must be >= 0, got {args.think_seconds}",
+                                  param="think-seconds")
     if args.completions or args.duration or args.json_share:
         raise InvalidRequestError("--multi-turn runs chats: not with --completions, --duration or "
                                   "--json-share", param="multi-turn")
@@ -76,6 +82,7 @@ class Conversation:
     arrival: float  # seconds after the start
     user_messages: list[str]
     max_tokens: list[int]
+    think_s: list[float]  # the pause before each turn (0 before the first)
 
 
 def plan_conversations(args) -> tuple[str, list[Conversation]]:
@@ -86,10 +93,14 @@ def plan_conversations(args) -> tuple[str, list[Conversation]]:
     system = ""
     if args.prefix_tokens:
         system = prompt_text(random.Random(f"prefix-{args.seed}"), args.prefix_tokens)
+    # Its own draw, so that the prompts and arrivals are the same with any --think-seconds.
+    think_rng = random.Random(f"think-{args.seed}")
     conversations, t = [], 0.0
     for _ in range(args.conversations):
+        think = [think_rng.expovariate(1.0 / args.think_seconds) if turn and args.think_seconds > 0 else 0.0
+                 for turn in range(args.turns)]
         conversations.append(Conversation(t, [prompt_text(rng, words.draw(rng)) for _ in range(args.turns)],
-                                          [max_tokens.draw(rng) for _ in range(args.turns)]))
+                                          [max_tokens.draw(rng) for _ in range(args.turns)], think))
         t += rng.expovariate(args.rate) if args.rate > 0 else 0.0
     return system, conversations
 
@@ -161,10 +172,10 @@ async def run_multi_turn(args) -> tuple[list[TurnResult], float, str, dict | Non
             await asyncio.sleep(max(0.0, start + conversation.arrival - time.perf_counter()))
             messages = [{"role": "system", "content": system}] if system else []
             async with gate:
-                for turn, (message, max_tokens) in enumerate(zip(conversation.user_messages,
-                                                                 conversation.max_tokens, strict=True)):
-                    if turn and args.turn_gap_s:
-                        await asyncio.sleep(args.turn_gap_s)
+                for turn, (message, max_tokens, think_s) in enumerate(zip(
+                        conversation.user_messages, conversation.max_tokens, conversation.think_s, strict=True)):
+                    if think_s:
+                        await asyncio.sleep(think_s)
                     messages.append({"role": "user", "content": message})
                     body = {"model": model, "messages": messages, "stream": True, "max_tokens": max_tokens,
                             "stream_options": {"include_usage": True}, "temperature": args.temperature,
@@ -194,7 +205,7 @@ def summarize_multi_turn(results: list[TurnResult], wall_s: float, model: str, a
     for r in ok:
         ttfts.setdefault(r.turn, []).append(r.first_token - r.started)
     summary.update({
-        "conversations": args.conversations, "turns": args.turns,
+        "conversations": args.conversations, "turns": args.turns, "think_seconds": args.think_seconds,
         "ttft_ms_by_turn": {turn: round(percentile(values, 50) * 1e3, 2)
                             for turn, values in sorted(ttfts.items())},
         "prompt_tokens": sum(r.prompt_tokens for r in ok),
@@ -215,7 +226,8 @@ def summarize_multi_turn(results: list[TurnResult], wall_s: float, model: str, a
 def print_multi_turn(summary: dict) -> None:
     from tokenfleet.bench import print_table
 
-    print(f"{summary['conversations']} conversations of {summary['turns']} turns")
+    think = f", {summary['think_seconds']:g} s think time (mean)" if summary["think_seconds"] else ""
+    print(f"{summary['conversations']} conversations of {summary['turns']} turns{think}")
     print_table(summary)
     print("TTFT p50 by turn (ms): " + ", ".join(f"{t}: {ms}" for t, ms in summary["ttft_ms_by_turn"].items()))
     print(f"prompt tokens {summary['prompt_tokens']}, cached (usage, every tier) {summary['cached_tokens']}")

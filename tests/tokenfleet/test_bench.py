@@ -140,10 +140,12 @@ async def test_multi_turn_conversations_resend_their_history(make_client, fake_s
     client = await make_client()
     url = str(client.make_url("")).rstrip("/")
     done = await bench("--url", url, "--multi-turn", "--conversations", "3", "--turns", "3", "--rate", "20",
-                       "--prefix-tokens", "20", "--prompt-words", "5", "--max-tokens", "4", "--json")
+                       "--prefix-tokens", "20", "--prompt-words", "5", "--max-tokens", "4", "--think-seconds",
+                       "0.05", "--json")
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout)
     assert (summary["ok"], summary["conversations"], summary["turns"]) == (9, 3, 3)
+    assert summary["think_seconds"] == 0.05
     assert sorted(summary["ttft_ms_by_turn"]) == ["0", "1", "2"]
     # Each turn carried the system prompt and every earlier user message and reply of its conversation.
     assert len(fake_scheduler.seen) == 9
@@ -151,3 +153,29 @@ async def test_multi_turn_conversations_resend_their_history(make_client, fake_s
     assert lengths[-1] > 2 * lengths[0]
     refused = await bench("--url", url, "--multi-turn", "--turns", "0")
     assert refused.returncode != 0 and "--turns" in refused.stderr
+    refused = await bench("--url", url, "--multi-turn", "--think-seconds", "-1")
+    assert refused.returncode != 0 and "--think-seconds" in refused.stderr and "Traceback" not in refused.stderr
+
+
+async def test_multi_turn_think_times_are_drawn_per_turn_and_leave_the_rest_of_the_plan_alone():
+    from tokenfleet.bench_multiturn import plan_conversations
+    from tokenfleet.cli import build_parser
+
+    def plan(*flags: str):
+        args = build_parser().parse_args(["bench", "--multi-turn", "--conversations", "20", "--turns", "4",
+                                          "--rate", "5", "--prompt-words", "5", *flags])
+        return plan_conversations(args)
+
+    system, without = plan()
+    assert all(pause == 0.0 for c in without for pause in c.think_s)
+    system_too, thinking = plan("--think-seconds", "3")
+    assert plan("--think-seconds", "3") == (system_too, thinking)  # seeded
+    assert system_too == system
+    for quiet, thinks in zip(without, thinking, strict=True):
+        # The same arrivals and messages: only the pauses differ.
+        assert (thinks.arrival, thinks.user_messages, thinks.max_tokens) == (
+            quiet.arrival, quiet.user_messages, quiet.max_tokens)
+        assert thinks.think_s[0] == 0.0 and all(pause > 0 for pause in thinks.think_s[1:])
+    pauses = [pause for c in thinking for pause in c.think_s[1:]]
+    assert len(set(pauses)) == len(pauses)  # drawn (exponential), not one fixed gap
+    assert 1.5 < sum(pauses) / len(pauses) < 6  # around the mean asked (60 draws)
