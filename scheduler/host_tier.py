@@ -7,12 +7,13 @@ When the tier is full, the least recently used block it holds is overwritten. A 
 with a prefix beyond what the GPU cache holds takes the rest from here: its blocks are loaded
 into new GPU blocks by the step that carries the loads, and it runs once that step is back.
 
-Every copy goes with a StepBatch (`StepBatch.kv_stores` / `kv_loads`) and is complete on every
-rank once that step has been taken back (the runners wait for their copies before they answer).
-Until then the GPU blocks a copy reads or writes are held in the block manager (a store's block
-is never handed out before the store has read it; a load's block never before it is written),
-and the host slots a load reads are pinned (never overwritten by a store meanwhile); a store's
-slot is findable only once its step is back.
+Every copy goes with a StepBatch (`StepBatch.kv_stores` / `kv_loads`). Once that step has been
+taken back, every rank orders its copies before any later step's kernels (on the device: the
+runners do not wait for them before they answer; workers/host_kv_pool.py), so a step scheduled
+from then on never sees them unfinished. Until then the GPU blocks a copy reads or writes are
+held in the block manager (a store's block is never handed out before the store has read it; a
+load's block never before it is written), and the host slots a load reads are pinned (never
+overwritten by a store meanwhile); a store's slot is findable only once its step is back.
 """
 
 from __future__ import annotations
@@ -148,8 +149,11 @@ class HostTier:
         return [(block_id, slot) for _, block_id, slot, _ in copies.stores], list(copies.loads)
 
     def step_done(self, step_id: int, blocks: BlockManager, load_seconds: float = 0.0) -> None:
-        """Step `step_id` is back, its copies complete: stored blocks become findable, held GPU
-        blocks and pinned slots are let go."""
+        """Step `step_id` is back, its copies ordered before every later step: stored blocks become
+        findable, held GPU blocks and pinned slots are let go. `load_seconds`: the loads' time the
+        step's result reports (of loads complete since the previous result, this step's or not)."""
+        # (The time of loads done since the last step back: the runners never wait to time them.)
+        self.counters.load_seconds += load_seconds
         copies = self._in_flight.pop(step_id, None)
         if copies is None:
             return
@@ -169,7 +173,6 @@ class HostTier:
         counters.num_loaded_blocks += len(copies.loads)
         counters.num_stored_bytes += len(copies.stores) * self.block_bytes
         counters.num_loaded_bytes += len(copies.loads) * self.block_bytes
-        counters.load_seconds += load_seconds
 
     def reset(self, blocks: BlockManager) -> None:
         """The worker group died, its host pools with it: forget every block, let go of every

@@ -156,7 +156,8 @@ class StepResult:
     # req_id -> one entry per SequenceWork.prompt_logprob_ids of its work, in order:
     # [token_id, logprob, [[id, logprob], ...] | None] (the top N when sampling.prompt_logprobs > 0)
     prompt_logprobs: dict[str, list] = field(default_factory=dict)
-    # Seconds the driver rank's host-tier loads of this step took (0.0: none), for the load rate.
+    # Seconds the driver rank's host-tier loads took that completed since its previous result
+    # (0.0: none; a load is timed once done, never waited for), for the load rate.
     kv_load_seconds: float = 0.0
     # A pooling runner's step (workers/pooling_runner.py): req_id -> the embedding of each input
     # whose last chunk ran, float32 bytes (its token in `sampled` is a placeholder).

@@ -96,6 +96,7 @@ class ModelRunner(RunnerBuild):
         self.num_kv_blocks = self._decide_num_kv_blocks()  # what the scheduler may hand out
         self.kv_caches = self._allocate_kv_cache()  # holds one more: the scratch block
         self.host_kv = self._allocate_host_kv()  # the host KV tier's pool; None: no tier
+        self._timed_loads: list[KVCopies] = []  # copies with loads whose time is not reported yet
         self.block_tables = self._new_block_tables()
         # FP8 products are chosen by timing them: now, not in the first served step when graphs
         # are off (with graphs the capture's warm-up would do it). Nothing without FP8 layers.
@@ -257,22 +258,35 @@ class ModelRunner(RunnerBuild):
 
     def finish(self, launched: LaunchedStep) -> StepResult | None:
         """The step's StepResult (driver) or None (other ranks). The step's one host
-        synchronisation: waiting for the sampled ids' copy (and for the host tier's copies, which
-        the scheduler counts complete once the step is back)."""
+        synchronisation: waiting for the sampled ids' copy. The host tier's copies it carries are
+        not waited for: from here on, every kernel on the compute stream runs after them (on the
+        device), so the scheduler, once it has the step back, may hand their GPU blocks out again
+        (workers/host_kv_pool.py)."""
         self.sample(launched)  # a late step not sampled yet (run to its end by `execute`)
         copies = launched.kv_copies
         if copies is not None:
-            copies.wait()
+            copies.fence()
+            if copies.num_loads:
+                self._timed_loads.append(copies)
         if not self.is_driver:
             return None
         prompt = launched.prompt_logprobs.to_host() if launched.prompt_logprobs is not None else {}
-        load_seconds = copies.load_seconds if copies is not None else 0.0
+        load_seconds = self._done_load_seconds()
         if launched.host is None:
             return StepResult(launched.step_id, [], prompt, load_seconds)
         tokens = launched.host.tokens()
         if launched.verify is not None:
             spec_verify.apply(tokens, launched.verify)
         return StepResult(launched.step_id, tokens, prompt, load_seconds)
+
+    def _done_load_seconds(self) -> float:
+        """The time of the host tier's loads complete since the last answer (for the load rate;
+        read once done, never waited for)."""
+        if not self._timed_loads:
+            return 0.0
+        done = [copies for copies in self._timed_loads if copies.is_done()]
+        self._timed_loads = [copies for copies in self._timed_loads if copies not in done]
+        return sum(copies.load_seconds() for copies in done)
 
     def close(self) -> None:
         """Give back everything this runner took on its device: the CUDA graphs and their memory

@@ -89,30 +89,43 @@ def test_prefixes_back_from_the_host_match_no_tier_and_transformers(tiny_checkpo
 
 
 class LateCopies(KVCopies):
-    """A step's copies that run only when the runner waits for them, after the step's forward:
-    the latest a copy stream of its own may run them on a GPU."""
+    """A step's copies that run only when the runner fences them, after the step's forward and,
+    under async scheduling, after the next step's forward too: the latest a copy stream of its own
+    may run them on a GPU (every kernel queued after the fence waits for them)."""
+
+    waits = 0  # host waits for copies, over every instance
 
     def __init__(self, pool: HostKVPool, stores, loads) -> None:
-        super().__init__(None, None, len(loads))
+        super().__init__(pool.device, None, None, len(loads))
         self._run = (pool, stores, loads)
 
-    def wait(self) -> None:
+    def fence(self) -> None:
         if self._run is not None:
             pool, stores, loads = self._run
             self._run = None
             pool._store(stores)
             pool._load(loads)
 
+    def is_done(self) -> bool:
+        return self._run is None
 
-def test_a_late_store_never_reads_a_block_handed_out_again(tiny_checkpoints, monkeypatch):
+    def wait(self) -> None:
+        LateCopies.waits += 1
+        self.fence()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_late_store_never_reads_a_block_handed_out_again(tiny_checkpoints, monkeypatch, async_scheduling):
     """A prompt computed in one step and finished there (max_tokens 1) has its blocks' stores go with
     the next step, which admits a prompt needing more GPU blocks than are empty; its forward runs
     before the stores. Were the stored blocks handed out to it, its K/V would overwrite them first
-    and the conversation would come back from the host garbled."""
+    and the conversation would come back from the host garbled. The runner answers without waiting
+    for the copies."""
     def late(pool: HostKVPool, stores, loads) -> LateCopies | None:
         return LateCopies(pool, stores, loads) if stores or loads else None
 
     monkeypatch.setattr(host_kv_pool.HostKVPool, "copy", late)
+    monkeypatch.setattr(LateCopies, "waits", 0)
     folder = tiny_checkpoints["llama"]
     rng = random.Random(5)
     conversation = [rng.randrange(3, 512) for _ in range(32)]  # 8 blocks
@@ -121,14 +134,18 @@ def test_a_late_store_never_reads_a_block_handed_out_again(tiny_checkpoints, mon
              (conversation + [7, 8, 9], GREEDY)]
 
     def run(tier: bool) -> tuple[list[list[int]], int]:
-        with LLMEngine(engine_config(folder, tier=tier, max_num_batched_tokens=128)) as engine:
+        config = engine_config(folder, tier=tier, max_num_batched_tokens=128, async_scheduling=async_scheduling)
+        with LLMEngine(config) as engine:
             results = [engine.generate([prompt], sampling)[0] for prompt, sampling in turns]
+            if tier:
+                assert engine.scheduler.host_tier.counters.num_loaded_blocks > 0
         return [r.token_ids for r in results], results[2].num_cached_tokens
 
     without, _ = run(tier=False)
     with_tier, num_cached = run(tier=True)
     assert num_cached == 32, "the conversation did not come back from the GPU and the host"
     assert with_tier == without
+    assert LateCopies.waits == 0, "the runner waited for its copies before it answered"
 
 
 def test_a_request_cancelled_during_its_load_leaves_nothing_behind(tiny_checkpoints):
