@@ -172,8 +172,9 @@ async def run_multi_turn(args) -> tuple[list[TurnResult], float, str, dict | Non
             await asyncio.sleep(max(0.0, start + conversation.arrival - time.perf_counter()))
             messages = [{"role": "system", "content": system}] if system else []
             async with gate:
-                for turn, (message, max_tokens, think_s) in enumerate(zip(
-                        conversation.user_messages, conversation.max_tokens, conversation.think_s, strict=True)):
+                plan = zip(conversation.user_messages, conversation.max_tokens, conversation.think_s,
+                           strict=True)
+                for turn, (message, max_tokens, think_s) in enumerate(plan):
                     if think_s:
                         await asyncio.sleep(think_s)
                     messages.append({"role": "user", "content": message})

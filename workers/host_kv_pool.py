@@ -153,7 +153,8 @@ class HostKVPool:
     def _load(self, loads: list[tuple[int, int]]) -> None:
         for start in range(0, len(loads), STAGING_BLOCKS):
             chunk = loads[start:start + STAGING_BLOCKS]
-            staged = torch.empty((len(chunk), *self.pool.shape[1:]), dtype=self.pool.dtype, device=self.device)
+            staged = torch.empty((len(chunk), *self.pool.shape[1:]), dtype=self.pool.dtype,
+                                 device=self.device)
             for index, slot, length in _runs([slot for slot, _ in chunk]):
                 staged[index:index + length].copy_(self.pool[slot:slot + length], non_blocking=True)
             self._gpu[self._planes, self._index([block_id for _, block_id in chunk])] = staged  # one scatter

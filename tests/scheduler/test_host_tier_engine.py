@@ -134,7 +134,8 @@ def test_a_late_store_never_reads_a_block_handed_out_again(tiny_checkpoints, mon
              (conversation + [7, 8, 9], GREEDY)]
 
     def run(tier: bool) -> tuple[list[list[int]], int]:
-        config = engine_config(folder, tier=tier, max_num_batched_tokens=128, async_scheduling=async_scheduling)
+        config = engine_config(folder, tier=tier, max_num_batched_tokens=128,
+                               async_scheduling=async_scheduling)
         with LLMEngine(config) as engine:
             results = [engine.generate([prompt], sampling)[0] for prompt, sampling in turns]
             if tier:

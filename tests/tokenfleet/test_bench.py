@@ -154,7 +154,8 @@ async def test_multi_turn_conversations_resend_their_history(make_client, fake_s
     refused = await bench("--url", url, "--multi-turn", "--turns", "0")
     assert refused.returncode != 0 and "--turns" in refused.stderr
     refused = await bench("--url", url, "--multi-turn", "--think-seconds", "-1")
-    assert refused.returncode != 0 and "--think-seconds" in refused.stderr and "Traceback" not in refused.stderr
+    assert refused.returncode != 0 and "--think-seconds" in refused.stderr
+    assert "Traceback" not in refused.stderr
 
 
 async def test_multi_turn_think_times_are_drawn_per_turn_and_leave_the_rest_of_the_plan_alone():
