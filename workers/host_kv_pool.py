@@ -18,8 +18,9 @@ them, and nothing on the host waits for them either. Once the runner has finishe
 scheduler may then hand its copies' GPU blocks to new owners), every later kernel on the compute
 stream waits for the copies on the device (`KVCopies.fence`): a GPU block is never written by
 its next owner before its store has read it, and a loaded block is never read before its load has
-written it, yet a step pays for a copy only in the rare case that the copy is still running two
-steps later (under async scheduling the step after it has already been launched when it finishes).
+written it. A step pays for a copy only if the copy is still running when the step's kernels
+start: under async scheduling that is two steps after the copy's own (the next one is launched
+before the copy's step is finished), one step after it otherwise.
 Host slots need no such fence: every copy of a rank runs on its one copy stream, in order, so a
 load of a slot follows the store that filled it, and a store into a slot follows the loads before
 it. On a CPU the same code runs synchronously.
