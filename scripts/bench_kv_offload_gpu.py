@@ -52,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--think-seconds", help="mean pause between a reply and the next turn; a comma list "
                         "runs the beyond case once per value, the first is the within case's "
                         "(default 5,1; 0.2 with --smoke)")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        help="submit each step before the last is back (default: the device's, on on CUDA)")
     args = parser.parse_args(argv)
     small = args.smoke
     for name, default, smoke in (("num_kv_blocks", 2048, 32), ("kv_offloading_size", 24.0, 0.05),
@@ -70,10 +72,13 @@ def cases(args) -> list[tuple[str, int, int, float]]:
 
 
 def measure(folder, args, vocab: int, tier: bool) -> dict:
-    config = EngineConfig(model=str(folder), device=args.device, dtype=args.dtype,
-                          num_kv_blocks=args.num_kv_blocks,
-                          kv_offloading_size=args.kv_offloading_size if tier else 0.0,
-                          max_num_batched_tokens=256 if args.smoke else 8192)
+    # for_device: the device's defaults for the rest (async scheduling on CUDA), as the fleet's
+    # schedulers run; --no-async-scheduling for the engine that submits a step after the last is back.
+    config = EngineConfig.for_device(torch.device(args.device).type, model=str(folder), device=args.device,
+                                     dtype=args.dtype, num_kv_blocks=args.num_kv_blocks,
+                                     kv_offloading_size=args.kv_offloading_size if tier else 0.0,
+                                     max_num_batched_tokens=256 if args.smoke else 8192,
+                                     async_scheduling=args.async_scheduling)
     engine = LLMEngine(config, load_tokenizer_files=False)
     try:
         # The kernels compile for these shapes now, not in the first measured turns.
@@ -109,7 +114,9 @@ def main(argv: list[str] | None = None) -> None:
     per_conversation = args.system_tokens + args.turns * (args.user_tokens + args.max_tokens)
     pool = args.num_kv_blocks * 16
     within, beyond = args.within * per_conversation / pool, args.beyond * per_conversation / pool
-    print(f"\n{'shape: tiny (smoke)' if args.smoke else 'Llama-3-8B shape'}, {args.dtype}, {args.device}; "
+    scheduling = {True: "async", False: "sync", None: "device default"}[args.async_scheduling]
+    print(f"\n{'shape: tiny (smoke)' if args.smoke else 'Llama-3-8B shape'}, {args.dtype}, {args.device}, "
+          f"{scheduling} scheduling, think times {', '.join(f'{t:g}' for t in args.think_seconds)} s (mean); "
           f"GPU pool {pool:,} tokens, host tier {args.kv_offloading_size} GiB; {args.turns} turns, "
           f"histories up to {per_conversation:,} tokens; working sets {within:.1f}x and {beyond:.1f}x "
           "the pool\n")
