@@ -12,9 +12,11 @@ view a block's rows divide into), whatever the cache's dtype (FP8 included). The
 through a pinned staging ring (workers/host_staging.py), never a freshly pinned tensor.
 
 Streams. On CUDA the copies run on a stream of their own, after the work queued before the step
-(an event on the compute stream: a store reads what earlier steps wrote, a load writes a block
-after any late write of its former owner), beside the step's own kernels, which never wait for
-them, and nothing on the host waits for them either. Once the runner has finished the step (the
+(an event on the compute stream, `mark`ed before the step's forward: a store reads what earlier
+steps wrote, a load writes a block after any late write of its former owner), beside the step's
+own kernels, which never wait for them, and nothing on the host waits for them either. The runner
+queues them after the step's forward and sampling, so that the host's time queuing them is spent
+while the device computes, not before it starts. Once the runner has finished the step (the
 scheduler may then hand its copies' GPU blocks to new owners), every later kernel on the compute
 stream waits for the copies on the device (`KVCopies.fence`): a GPU block is never written by
 its next owner before its store has read it, and a loaded block is never read before its load has
@@ -116,9 +118,16 @@ class HostKVPool:
         self._planes = torch.arange(layers * two, device=self.device).unsqueeze(0)
         self._staging = HostStaging(self.device)
 
-    def copy(self, stores: list[tuple[int, int]], loads: list[tuple[int, int]]) -> KVCopies | None:
+    def mark(self) -> torch.cuda.Event | None:
+        """An event behind the work queued on the compute stream so far (None on a CPU): `copy`'s
+        `after`, for copies queued later that must not wait for what is queued in between."""
+        return torch.cuda.current_stream(self.device).record_event() if self._stream is not None else None
+
+    def copy(self, stores: list[tuple[int, int]], loads: list[tuple[int, int]],
+             after: torch.cuda.Event | None = None) -> KVCopies | None:
         """Queue a step's copies: `stores` (GPU block, slot) to the host, then `loads` (slot, GPU
-        block) to the GPU. None when there are none."""
+        block) to the GPU, once the compute stream has reached `after` (default: now). None when
+        there are none."""
         if not stores and not loads:
             return None
         if self._stream is None:
@@ -126,7 +135,7 @@ class HostKVPool:
             start = time.perf_counter()
             self._load(loads)
             return KVCopies(self.device, None, None, len(loads), time.perf_counter() - start)
-        after = torch.cuda.current_stream(self.device).record_event()
+        after = after or self.mark()
         # Timing events only where a load is timed: a plain event is cheaper to record and query.
         started = torch.cuda.Event(enable_timing=True) if loads else None
         done = torch.cuda.Event(enable_timing=bool(loads))

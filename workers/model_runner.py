@@ -206,19 +206,24 @@ class ModelRunner(RunnerBuild):
         waits for nothing on CUDA."""
         timer = self.tp.timer
         start = timer.start(self.device) if timer else None
-        # Queued before the forward: the copies wait for the earlier steps only, never this one.
-        copies = self.host_kv.copy(batch.kv_stores, batch.kv_loads) if self.host_kv is not None else None
+        has_copies = self.host_kv is not None and batch.has_kv_copies
         if not batch.works:  # a step of copies alone
+            copies = self.host_kv.copy(batch.kv_stores, batch.kv_loads) if has_copies else None
             return LaunchedStep(batch.step_id, None, kv_copies=copies)
+        # The copies wait for the earlier steps only, never this one (which neither writes a block
+        # a store reads nor reads one a load writes): marked before its forward, queued after it, so
+        # that the host queues them while the device computes rather than before it starts.
+        earlier = self.host_kv.mark() if has_copies else None
         logits, sampled_works, prompt, drafts = self._forward(batch)
         if timer:
             timer.stop("step", start)
-        launched = LaunchedStep(batch.step_id, None, prompt_logprobs=prompt, draft_logits=drafts,
-                                kv_copies=copies)
+        launched = LaunchedStep(batch.step_id, None, prompt_logprobs=prompt, draft_logits=drafts)
         if batch.samples_late and logits is not None and self.is_driver:
             launched.late = (batch, logits, sampled_works)  # until `sample`
         else:
             self._sample(launched, batch, logits, sampled_works)
+        if has_copies:
+            launched.kv_copies = self.host_kv.copy(batch.kv_stores, batch.kv_loads, after=earlier)
         return launched
 
     @torch.inference_mode()

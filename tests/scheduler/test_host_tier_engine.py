@@ -122,7 +122,7 @@ def test_a_late_store_never_reads_a_block_handed_out_again(tiny_checkpoints, mon
     before the stores. Were the stored blocks handed out to it, its K/V would overwrite them first
     and the conversation would come back from the host garbled. The runner answers without waiting
     for the copies."""
-    def late(pool: HostKVPool, stores, loads) -> LateCopies | None:
+    def late(pool: HostKVPool, stores, loads, after=None) -> LateCopies | None:
         return LateCopies(pool, stores, loads) if stores or loads else None
 
     monkeypatch.setattr(host_kv_pool.HostKVPool, "copy", late)
