@@ -43,11 +43,19 @@ from workers.host_staging import HostStaging
 STAGING_BLOCKS = 64
 
 
-def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
-    """(index in `slots`, first slot, length) of each run of consecutive slots."""
+# Blocks in one device-to-host copy of a store, at most. A step's own small device-to-host copy
+# (its sampled ids) may queue behind a store's copy on the same copy engine; 8 blocks of an 8B
+# model (16 MiB, about 0.5 ms) bound that wait and still cross at about 35 GB/s (64 blocks: about
+# 40; docs/kv-offloading.md), far above what the stores need. Loads, which a request waits for,
+# go in runs as long as the staging buffer.
+STORE_RUN_BLOCKS = 8
+
+
+def _runs(slots: list[int], max_length: int = STAGING_BLOCKS) -> list[tuple[int, int, int]]:
+    """(index in `slots`, first slot, length) of each run of consecutive slots, cut at max_length."""
     runs: list[tuple[int, int, int]] = []
     for index, slot in enumerate(slots):
-        if runs and runs[-1][1] + runs[-1][2] == slot:
+        if runs and runs[-1][1] + runs[-1][2] == slot and runs[-1][2] < max_length:
             first_index, first, length = runs[-1]
             runs[-1] = (first_index, first, length + 1)
         else:
@@ -157,7 +165,7 @@ class HostKVPool:
             chunk = stores[start:start + STAGING_BLOCKS]
             # [n, layers x 2, row]: each block one contiguous run, as on the host; one gather.
             staged = self._gpu[self._planes, self._index([block_id for block_id, _ in chunk])]
-            for index, slot, length in _runs([slot for _, slot in chunk]):
+            for index, slot, length in _runs([slot for _, slot in chunk], STORE_RUN_BLOCKS):
                 self.pool[slot:slot + length].copy_(staged[index:index + length], non_blocking=True)
 
     def _load(self, loads: list[tuple[int, int]]) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.host_kv_pool import HostKVPool
+from workers.host_kv_pool import STORE_RUN_BLOCKS, HostKVPool, _runs
 
 # [layers, 2, blocks, block_size, heads, head_dim]
 SHAPES = [(2, 2, 10, 4, 2, 16), (3, 2, 9, 1, 1, 3)]
@@ -96,3 +96,21 @@ def test_a_fenced_load_is_written_before_a_step_reads_its_block():
     assert torch.equal(read, block)
     assert copies.load_seconds() > 0
     pool.close()
+
+
+def test_runs_of_adjacent_slots_are_cut_at_their_longest():
+    assert _runs([4, 5, 6, 9, 10, 2]) == [(0, 4, 3), (3, 9, 2), (5, 2, 1)]
+    assert _runs(list(range(10)), max_length=4) == [(0, 0, 4), (4, 4, 4), (8, 8, 2)]
+
+
+def test_a_store_longer_than_one_copy_comes_back_whole():
+    shape = (2, 2, 30, 2, 1, 8)
+    cache = random_cache(shape, torch.float32)
+    original = cache.clone()
+    pool = HostKVPool(cache, num_blocks=2 * STORE_RUN_BLOCKS + 3)
+    n = 2 * STORE_RUN_BLOCKS + 1  # adjacent slots: three copies of a store
+    pool.copy([(b, b) for b in range(n)], []).wait()
+    cache.zero_()
+    pool.copy([], [(slot, shape[2] - 1 - slot) for slot in range(n)]).wait()
+    for block in range(n):
+        assert torch.equal(cache[:, :, shape[2] - 1 - block], original[:, :, block])
