@@ -271,7 +271,7 @@ class ModelRunner(RunnerBuild):
         copies = launched.kv_copies
         if copies is not None:
             copies.fence()
-            if copies.num_loads:
+            if copies.num_loads and self.is_driver:  # (the driver's loads alone are timed)
                 self._timed_loads.append(copies)
         if not self.is_driver:
             return None
