@@ -4,8 +4,8 @@ cache that a step carries (`StepBatch.kv_stores` / `kv_loads`; scheduler/host_ti
 
 Layout. The GPU cache is [layers, 2, blocks, block_size, heads, head_dim]: one block is scattered
 over 2 x layers runs. The host pool is [blocks, layers, 2, block_size, heads, head_dim] (held as
-[blocks, layers x 2, words]): one block is one contiguous run, so that a block crosses the link in one copy, several adjacent slots in
-one copy too. Between the two layouts, a staging buffer on the GPU: a store gathers the blocks
+[blocks, layers x 2, words]): one block is one contiguous run, so that a block crosses the link
+in one copy, several adjacent slots in one copy too. Between the two layouts, a staging buffer on the GPU: a store gathers the blocks
 into it in one indexing kernel and copies each run of adjacent slots down; a load copies the runs
 up and scatters them into the cache in one kernel. Bytes are copied as bytes (the widest integer
 view a block's rows divide into), whatever the cache's dtype (FP8 included). The block ids go up
