@@ -4,12 +4,13 @@ cache that a step carries (`StepBatch.kv_stores` / `kv_loads`; scheduler/host_ti
 
 Layout. The GPU cache is [layers, 2, blocks, block_size, heads, head_dim]: one block is scattered
 over 2 x layers runs. The host pool is [blocks, layers, 2, block_size, heads, head_dim] (held as
-[blocks, layers x 2, words]): one block is one contiguous run, so that a block crosses the link
-in one copy, several adjacent slots in one copy too. Between the two layouts, a staging buffer on the GPU: a store gathers the blocks
-into it in one indexing kernel and copies each run of adjacent slots down; a load copies the runs
-up and scatters them into the cache in one kernel. Bytes are copied as bytes (the widest integer
-view a block's rows divide into), whatever the cache's dtype (FP8 included). The block ids go up
-through a pinned staging ring (workers/host_staging.py), never a freshly pinned tensor.
+[blocks, layers x 2, words]): one block is one contiguous run, so that a block crosses the link in
+one copy, several adjacent slots in one copy too. Between the two layouts, a staging buffer on the
+GPU: a store gathers the blocks into it in one indexing kernel and copies each run of adjacent slots
+down; a load copies the runs up and scatters them into the cache in one kernel. Bytes are copied as
+bytes (the widest integer view a block's rows divide into), whatever the cache's dtype (FP8
+included). The block ids go up through a pinned staging ring (workers/host_staging.py), never a
+freshly pinned tensor.
 
 Streams. On CUDA the copies run on a stream of their own, after the work queued before the step
 (an event on the compute stream, `mark`ed before the step's forward: a store reads what earlier
