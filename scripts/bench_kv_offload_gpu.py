@@ -3,12 +3,14 @@ the GPU's KV pool (and below GPU + host), with and without the tier; the same wi
 (what the tier costs when nothing comes back from it); the host tier's copy rates.
 
     python3 scripts/bench_kv_offload_gpu.py                 # H100/H200: Llama-3-8B shape, bf16
+    python3 scripts/bench_kv_offload_gpu.py --think-seconds 0   # closed loop: what the tier costs
     python3 scripts/bench_kv_offload_gpu.py --smoke --device cpu --dtype float32   # checks the script
 
 A random-weight Llama-3-8B-shaped checkpoint in process (the engine `tokenfleet generate` runs),
 its GPU pool cut to --num-kv-blocks (default 2,048 blocks of 16 tokens: 32k tokens, 4 GiB) so
 that the working set fits the card's host memory. Two engines, one after the other: without the
-tier, then with --kv-offloading-size GiB. Each runs (testkit/multiturn_runs.py) conversations
+tier, then with --kv-offloading-size GiB, each with the device's defaults (async scheduling on
+CUDA; --no-async-scheduling for the engine that submits a step once the last is back). Each runs (testkit/multiturn_runs.py) conversations
 sharing a --system-tokens system prompt, of --turns turns of --user-tokens each and replies of
 --max-tokens, arriving at --rate per second, each turn sent --think-seconds (mean) after the reply
 before it (a list runs the beyond case once per value): first --within conversations (their histories fit
