@@ -7,15 +7,16 @@ the GPU's KV pool (and below GPU + host), with and without the tier; the same wi
     python3 scripts/bench_kv_offload_gpu.py --smoke --device cpu --dtype float32   # checks the script
 
 A random-weight Llama-3-8B-shaped checkpoint in process (the engine `tokenfleet generate` runs),
-its GPU pool cut to --num-kv-blocks (default 2,048 blocks of 16 tokens: 32k tokens, 4 GiB) so
-that the working set fits the card's host memory. Two engines, one after the other: without the
-tier, then with --kv-offloading-size GiB, each with the device's defaults (async scheduling on
-CUDA; --no-async-scheduling for the engine that submits a step once the last is back). Each runs (testkit/multiturn_runs.py) conversations
-sharing a --system-tokens system prompt, of --turns turns of --user-tokens each and replies of
---max-tokens, arriving at --rate per second, each turn sent --think-seconds (mean) after the reply
-before it (a list runs the beyond case once per value): first --within conversations (their histories fit
-the GPU pool), then --beyond of them (about 3x the pool). Goals: beyond the pool, TTFT p50 3x
-lower and output tok/s 1.3x with the tier; within it, at most 2% of either lost; loads >= 40 GB/s.
+its GPU pool cut to --num-kv-blocks (default 2,048 blocks of 16 tokens: 32k tokens, 4 GiB) so that
+the working set fits the card's host memory. Two engines, one after the other: without the tier,
+then with --kv-offloading-size GiB, each with the device's defaults (async scheduling on CUDA;
+--no-async-scheduling for the engine that submits a step once the last is back). Each runs
+(testkit/multiturn_runs.py) conversations sharing a --system-tokens system prompt, of --turns turns
+of --user-tokens each and replies of --max-tokens, arriving at --rate per second, each turn sent
+--think-seconds (mean) after the reply before it (a list runs the beyond case once per value):
+first --within conversations (their histories fit the GPU pool), then --beyond of them (about 3x
+the pool). Goals: beyond the pool, TTFT p50 3x lower and output tok/s 1.3x with the tier; within
+it, at most 2% of either lost; loads >= 40 GB/s.
 """
 
 from __future__ import annotations
