@@ -31,7 +31,7 @@ tol = 1e-5 if dtype == torch.float32 else 2e-2
 # check runs bf16 q over FP8 caches only, widened to float16): there, only the FP8 checks.
 plain = device == "cuda" or dtype == torch.float32
 errors = {}
-for tiles, block_n in [(4, 64), (1, 16)]:  # the defaults; a segment per tile, to split short contexts
+for tiles, block_n in [(4, 64), (1, 32)]:  # the defaults; a segment per tile, to split short contexts
     split.MIN_SEGMENT_TILES, split.BLOCK_N = tiles, block_n
     fp8 = with_fp8_cache(make_step(**LONG_DECODES, **shape), 0.5, 2.0)
     errors[f"fp8 {tiles}"] = relative_error(fp8, max_query_len=1)

@@ -21,7 +21,6 @@ graph replays with whatever value they hold: measured after the capture (kv_scal
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -208,16 +207,12 @@ if triton is not None:
         tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def decode_segments(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
     """How many programs share one decode sequence's keys: enough for ~2 programs per SM."""
     if device.type != "cuda":
         return 4  # the interpreter: exercise the split path
-    target = 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    target = 2 * triton_decode_attention.num_sms(index)
     segments = 1
     while segments < MAX_SEGMENTS and num_seqs * num_kv_heads * segments * 2 <= target:
         segments *= 2

@@ -130,7 +130,7 @@ if triton is not None:
 
 
 @functools.cache
-def _num_sms(device_index: int) -> int:
+def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
@@ -144,7 +144,7 @@ def split_segments(num_seqs: int, num_kv_heads: int, device: torch.device) -> in
     if device.type != "cuda":
         return 4  # the interpreter: exercise the split path
     index = device.index if device.index is not None else torch.cuda.current_device()
-    target = PROGRAMS_PER_SM * _num_sms(index)
+    target = PROGRAMS_PER_SM * num_sms(index)
     segments = 1
     while segments < MAX_SEGMENTS and num_seqs * num_kv_heads * segments < target:
         segments *= 2
