@@ -6,7 +6,9 @@ limits that depend on the hardware (max_num_seqs, max_num_batched_tokens, async_
 cuda_graph_max_batch_size, which follows max_num_seqs) are in `DEVICE_DEFAULTS`, applied by
 `EngineConfig.for_device`: the commands build their config through it (tokenfleet/engine_flags.py,
 from the same table their flags come from), and so should an in-process user that wants what
-the commands get on its device.
+the commands get on its device. On CUDA the commands go through workers/card_sizing.py's
+`config_for_device`, which reads the card and gives for_device a `BatchSizing`
+(shared/batch_sizing.py): max_num_seqs and the largest graph by the card and the model.
 """
 
 from __future__ import annotations
