@@ -7,7 +7,8 @@ candidate, TOKENFLEET_DECODE_ATTENTION=split); and a mixed step's decode and pre
 the engine launches them (two launches) against one launch. Run by hand on a GPU (~1-2 min):
 
     python3 scripts/bench_attention_gpu.py
-    python3 scripts/bench_attention_gpu.py --contexts 4096,16384 --batches 32,64,128 --kernels split
+    python3 scripts/bench_attention_gpu.py --contexts 4096,16384 --batches 32,64,128 \
+        --kernels 'paged;split;split:BLOCK_N=128,NUM_STAGES=2;split:NUM_WARPS=8'   # a sweep
     python3 scripts/bench_attention_gpu.py --device cpu   # a tiny form in Triton's interpreter
 
 On a CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set here): a check that
@@ -33,8 +34,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--contexts", type=_ints, help="tokens of context per row (default 1024,4096,16384; "
                                                        "CPU: 64,256)")
     parser.add_argument("--batches", type=_ints, help="decode rows per step (default 64,256; CPU: 2)")
-    parser.add_argument("--kernels", type=lambda t: t.split(","), default=["paged", "split"],
-                        help="decode kernels to time (paged, split)")
+    parser.add_argument("--kernels", type=lambda t: t.split(";"), default=["paged", "split"],
+                        help="decode kernels to time, ';' between them: paged, split, or split with its "
+                             "settings, e.g. 'paged;split;split:BLOCK_N=32,NUM_STAGES=4'")
     parser.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16", help="K/V cache storage")
     parser.add_argument("--mixed", type=_ints, help="mixed step: decodes, their context, prefill chunk "
                                                     "tokens... (default 256,1024,1024,1024; CPU: 2,64,32)")
@@ -59,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
 
-    from testkit.attention_bench import HEADER, decode_rows, measure_copy, mixed_rows
+    from testkit.attention_bench import HEADER, decode_rows, kernel_error, measure_copy, mixed_rows
     from testkit.runs import print_command
     from workers.layers import triton_attention
 
@@ -74,11 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     if cpu and os.environ.get("TRITON_INTERPRET") != "1":
         print("--device cpu needs Triton's interpreter: TRITON_INTERPRET=1", file=sys.stderr)
         return 2
-    unknown = [k for k in args.kernels if k not in triton_attention.DECODE_KERNELS]
-    if unknown:
-        print(f"--kernels {','.join(unknown)}: choose from {', '.join(triton_attention.DECODE_KERNELS)}",
-              file=sys.stderr)
-        return 2
+    for kernel in args.kernels:
+        error = kernel_error(kernel)
+        if error:
+            print(f"--kernels {kernel}: {error}", file=sys.stderr)
+            return 2
     print_command()
     device = torch.device(args.device)
     dtype = torch.float32 if cpu else torch.bfloat16  # (the interpreter's bf16 products are wrong)

@@ -20,6 +20,7 @@ import torch
 
 from testkit.roofline import copy_bandwidth
 from workers.layers import triton_attention as ta
+from workers.layers import triton_decode_attention as split_kernel
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,38 @@ def settings(**values) -> Iterator[None]:
             setattr(ta, name, value)
 
 
+def kernel_error(kernel: str) -> str | None:
+    """What is wrong with a --kernels entry: "paged", "split", or "split:NAME=VALUE,..." setting
+    triton_decode_attention's integer constants (BLOCK_N, NUM_WARPS, NUM_STAGES, ...); None: fine."""
+    name, _, assignments = kernel.partition(":")
+    if name not in ta.DECODE_KERNELS:
+        return f"{name!r} is not one of {', '.join(ta.DECODE_KERNELS)}"
+    for assignment in filter(None, assignments.split(",")):
+        setting, _, value = assignment.partition("=")
+        is_setting = setting.isupper() and isinstance(getattr(split_kernel, setting, None), int)
+        if name != "split" or not is_setting:
+            return f"{assignment!r}: only the split kernel's integer settings can be set (split:BLOCK_N=32)"
+        if not value.isdigit():
+            return f"{assignment!r}: the value must be a whole number"
+    return None
+
+
+@contextlib.contextmanager
+def decode_kernel(kernel: str) -> Iterator[None]:
+    """The engine's decode launches through `kernel` (see kernel_error) for a block."""
+    name, _, assignments = kernel.partition(":")
+    values = {s: int(v) for s, _, v in (a.partition("=") for a in filter(None, assignments.split(",")))}
+    before = {setting: getattr(split_kernel, setting) for setting in values}
+    for setting, value in values.items():
+        setattr(split_kernel, setting, value)
+    try:
+        with settings(DECODE_KERNEL=name):
+            yield
+    finally:
+        for setting, value in before.items():
+            setattr(split_kernel, setting, value)
+
+
 def seconds_of(call: Callable, device: torch.device) -> tuple[float, float]:
     """Median seconds of a call as a CUDA-graph replay (as the engine serves decode steps) and
     eagerly (launches and allocations included), by triton's do_bench; in the interpreter one
@@ -158,7 +191,7 @@ def decode_rows(contexts: list[int], batches: list[int], kernels: list[str], dev
                               device=device)
             first = None  # the first kernel's output: every other must agree with it
             for kernel in kernels:
-                with settings(DECODE_KERNEL=kernel):
+                with decode_kernel(kernel):
                     call = attention_call(step)
                     out = call().float()
                     first = out if first is None else first
@@ -194,7 +227,7 @@ def mixed_rows(num_decodes: int, context: int, prefill_lens: list[int], kernels:
     with settings(SPLIT_MIXED=True):
         yield row("mixed: prefill launch", "mixed", prefills, attention_call(prefills, num_decodes=0))
         for kernel in kernels:
-            with settings(DECODE_KERNEL=kernel):
+            with decode_kernel(kernel):
                 yield row("mixed: decode launch", kernel, decodes, attention_call(decodes))
                 yield row("mixed: both, two launches", kernel, step, both)
     with settings(SPLIT_MIXED=False):

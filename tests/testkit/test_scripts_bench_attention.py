@@ -39,14 +39,17 @@ def test_a_decode_step_moves_its_rows_kv_pages_and_q_and_out():
 
 @needs_triton
 def test_the_tiny_form_prints_every_case_and_kernel_on_this_cpu():
-    done = _bench("--device", "cpu", "--contexts", "40", "--batches", "2", "--mixed", "2,40,16,8")
+    done = _bench("--device", "cpu", "--contexts", "40", "--batches", "2", "--mixed", "2,40,16,8",
+                  "--kernels", "paged;split;split:BLOCK_N=16,MIN_SEGMENT_TILES=1")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
     cases = [tuple(cell.strip() for cell in line.split("|")[1:3]) for line in rows]
-    assert cases == [("decode", "paged"), ("decode", "split"),
+    tuned = "split:BLOCK_N=16,MIN_SEGMENT_TILES=1"
+    assert cases == [("decode", "paged"), ("decode", "split"), ("decode", tuned),
                      ("mixed: prefill launch", "mixed"),
                      ("mixed: decode launch", "paged"), ("mixed: both, two launches", "paged"),
                      ("mixed: decode launch", "split"), ("mixed: both, two launches", "split"),
+                     ("mixed: decode launch", tuned), ("mixed: both, two launches", tuned),
                      ("mixed: both, one launch", "mixed")], done.stdout
     assert "DIFFERS" not in done.stdout  # the split kernel's output agrees with the paged one's
     assert "copy" in done.stdout and "not a measurement" in done.stdout
@@ -56,5 +59,7 @@ def test_the_tiny_form_prints_every_case_and_kernel_on_this_cpu():
 def test_it_refuses_cuda_where_there_is_none_and_an_unknown_kernel():
     done = _bench("--device", "cuda", interpret=False)
     assert done.returncode == 2 and "CUDA is not available" in done.stderr, done.stderr[-2000:]
-    done = _bench("--device", "cpu", "--kernels", "paged,fast")
+    done = _bench("--device", "cpu", "--kernels", "paged;fast")
     assert done.returncode == 2 and "--kernels fast" in done.stderr, done.stderr[-2000:]
+    done = _bench("--device", "cpu", "--kernels", "split:BLOCK=32")
+    assert done.returncode == 2 and "integer settings" in done.stderr, done.stderr[-2000:]
