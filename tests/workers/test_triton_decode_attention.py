@@ -26,7 +26,8 @@ device, dtype = sys.argv[1], getattr(torch, sys.argv[2])
 shape = dict(num_heads=8, num_kv_heads=2, head_dim=32, page_size=4, dtype=dtype, device=device)
 if device == "cuda":
     shape = dict(num_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype=dtype, device=device)
-tol = 1e-5 if dtype == torch.float32 else 2e-2
+# (bf16 over FP8 in the interpreter: products in float16, as test_triton_attention's check allows)
+tol = 1e-5 if dtype == torch.float32 else 1e-2 if device == "cuda" else 2e-2
 # The interpreter's bf16 products are wrong for either kernel (the paged kernel's interpreter
 # check runs bf16 q over FP8 caches only, widened to float16): there, only the FP8 checks.
 plain = device == "cuda" or dtype == torch.float32
