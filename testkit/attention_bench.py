@@ -5,8 +5,9 @@ in the same run; and a mixed step's decode and prefill rows as two launches (the
 default) against one.
 
 A decode step's bytes: every row's K and V over its whole context, the block-table entries of
-its pages, its sequence lengths and query offsets, q read and the output written. The K/V term
-is all but ~0.1% of it at 1k tokens and up.
+its pages, its sequence lengths and query offsets, q read and the output written. At Llama-3-8B's
+heads the K/V term is 4 MiB a row at 1k tokens, the rest ~17 KB a row (0.4%), less at longer
+contexts.
 """
 
 from __future__ import annotations
