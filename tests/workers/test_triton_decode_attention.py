@@ -72,3 +72,38 @@ def test_split_decode_kernel_matches_reference_on_cuda(dtype) -> None:
     proc = subprocess.run([sys.executable, "-c", _CHECKS, "cuda", dtype], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+@pytest.mark.skipif(triton_attention.triton is None, reason="needs Triton installed")
+def test_the_split_kernel_does_not_specialise_on_arguments_that_change_every_step() -> None:
+    """As the paged kernel (test_cuda_paths.py): a variant compiled mid-serving costs ~1 s."""
+    from workers.layers import triton_decode_attention
+
+    flags = {p.name: (p.do_not_specialize, p.do_not_specialize_on_alignment)
+             for p in triton_decode_attention._split_decode_kernel.params}
+    assert flags["stride_table_seq"][0]
+    assert all(flags[name][1] for name in ("block_tables_ptr", "seq_lens_ptr", "query_start_ptr"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or triton_attention.triton is None,
+                    reason="needs CUDA and Triton")
+def test_an_engine_on_the_split_kernel_gives_the_paged_kernels_greedy_tokens(tiny_checkpoints,
+                                                                             monkeypatch) -> None:
+    """Decode graphs and eager steps alike (batches past the largest graph), float32."""
+    import random
+
+    from scheduler.engine import LLMEngine
+    from shared.config import EngineConfig
+    from shared.sampling import SamplingParams
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(3, 300))] for _ in range(11)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    results = {}
+    for kernel in ("paged", "split"):
+        monkeypatch.setattr(triton_attention, "DECODE_KERNEL", kernel)
+        config = EngineConfig(model=str(tiny_checkpoints["llama"]), device="cuda", dtype="float32",
+                              block_size=4, num_kv_blocks=2048, max_num_seqs=16, cuda_graph_max_batch_size=8)
+        with LLMEngine(config) as engine:
+            results[kernel] = [r.token_ids for r in engine.generate(prompts, greedy)]
+    assert results["split"] == results["paged"]
