@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from shared.batch_sizing import BatchSizing, sizing_for
+from shared.batch_sizing import sizing_for
 from shared.config import EngineConfig
 from shared.errors import ModelLoadError
 from shared.logging import get_logger
@@ -37,19 +37,23 @@ def card_bytes(card: torch.device) -> int:
 
 def config_for_device(card: torch.device, **fields) -> EngineConfig:
     """EngineConfig.for_device of `fields` on the device `card` (resolved from fields' `device`); on
-    CUDA the limits left out are sized to the card and the model, and the choice is logged with
-    what made it (a user's values win)."""
-    config = EngineConfig.for_device(card.type, **fields)
+    CUDA the limits left out are sized to the card and the model (a user's values win)."""
     given = [fields.get(name) is not None for name in ("max_num_seqs", "cuda_graph_max_batch_size")]
-    if card.type != "cuda" or config.runner != "generate" or all(given):
-        return config
-    sizing = card_sizing(config, card_bytes(card))
-    config = EngineConfig.for_device(card.type, sizing=sizing, **fields)
+    if card.type != "cuda" or fields.get("runner", "generate") != "generate" or all(given):
+        return EngineConfig.for_device(card.type, **fields)
+    return sized_config(card.type, card_bytes(card), **fields)
+
+
+def sized_config(device_type: str, total_bytes: int, **fields) -> EngineConfig:
+    """EngineConfig.for_device of `fields` with max_num_seqs and the largest graph, where left
+    out, sized to a card of `total_bytes` and the model folder; the choice is logged with what
+    made it."""
+    config = EngineConfig.for_device(device_type, **fields)
+    sizing = sizing_for(config, load_model_config(config.model), total_bytes)
+    config = EngineConfig.for_device(device_type, sizing=sizing, **fields)
     log.info("batch_sizing", max_num_seqs=config.max_num_seqs,
-             cuda_graph_max_batch_size=config.cuda_graph_max_batch_size, max_num_seqs_given=given[0],
-             cuda_graph_max_batch_size_given=given[1], reason=sizing.reason)
+             cuda_graph_max_batch_size=config.cuda_graph_max_batch_size,
+             max_num_seqs_given=fields.get("max_num_seqs") is not None,
+             cuda_graph_max_batch_size_given=fields.get("cuda_graph_max_batch_size") is not None,
+             reason=sizing.reason)
     return config
-
-
-def card_sizing(config: EngineConfig, total_bytes: int) -> BatchSizing:
-    return sizing_for(config, load_model_config(config.model), total_bytes)
