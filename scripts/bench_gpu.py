@@ -66,8 +66,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--smoke", action="store_true", help="tiny model and workload (checks the script)")
     parser.add_argument("--num-requests", type=int, help="default 500 (24 with --smoke)")
-    parser.add_argument("--max-num-seqs", type=lambda text: [int(v) for v in text.split(",")], default=[512],
-                        help="cap on running sequences (and the largest CUDA graph); a comma list runs the "
+    parser.add_argument("--max-num-seqs", default=[512],
+                        type=lambda text: [0 if v == "auto" else int(v) for v in text.split(",")],
+                        help="cap on running sequences (and the largest CUDA graph); auto: what the commands "
+                             "choose for this card and model (and their graph cap); a comma list runs the "
                              "engine once per value, on the same checkpoint")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--no-cuda-graphs", action="store_true", help="run every engine step eagerly")

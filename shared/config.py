@@ -6,7 +6,9 @@ limits that depend on the hardware (max_num_seqs, max_num_batched_tokens, async_
 cuda_graph_max_batch_size, which follows max_num_seqs) are in `DEVICE_DEFAULTS`, applied by
 `EngineConfig.for_device`: the commands build their config through it (tokenfleet/engine_flags.py,
 from the same table their flags come from), and so should an in-process user that wants what
-the commands get on its device.
+the commands get on its device. On CUDA the commands go through workers/card_sizing.py's
+`config_for_device`, which reads the card and gives for_device a `BatchSizing`
+(shared/batch_sizing.py): max_num_seqs and the largest graph by the card and the model.
 """
 
 from __future__ import annotations
@@ -14,8 +16,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shared.speculative import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from shared.batch_sizing import BatchSizing
 
 ENV_PREFIX = "TOKENFLEET_"
 # Where schedulers, gateways and the batch tools look for Redis when no --redis-url says otherwise.
@@ -55,7 +61,9 @@ class DeviceDefaults:
 
 # Engine limits a config takes, by device type, when nobody sets them. On a GPU, decode
 # throughput keeps growing up to ~512 sequences per step (scripts/bench_gpu.py, H200: 10.1k
-# output tok/s at 512 against 7.9k at 256); a CPU is saturated long before.
+# output tok/s at 512 against 7.9k at 256); a CPU is saturated long before. A GPU's max_num_seqs
+# here is the fallback where its card is not known: the commands size it to the card and the
+# model (shared/batch_sizing.py, workers/card_sizing.py).
 DEVICE_DEFAULTS = {
     "cuda": DeviceDefaults(max_num_seqs=512, max_num_batched_tokens=8192, async_scheduling=True),
     "cpu": DeviceDefaults(max_num_seqs=256, max_num_batched_tokens=2048, async_scheduling=False),
@@ -147,20 +155,22 @@ class EngineConfig:
     runner: str = "generate"
 
     @classmethod
-    def for_device(cls, device_type: str, **fields) -> EngineConfig:
+    def for_device(cls, device_type: str, sizing: BatchSizing | None = None, **fields) -> EngineConfig:
         """The config of `fields` where max_num_seqs, max_num_batched_tokens, async_scheduling and
         cuda_graph_max_batch_size, left out or None, take the defaults of `device_type` ("cuda"
         or "cpu": workers.device.resolve_device(config.device).type); the largest graph batch
-        follows max_num_seqs."""
+        follows max_num_seqs. `sizing`: the card's (workers.card_sizing.config_for_device), which
+        then gives max_num_seqs and caps the graphs in place of the table."""
         defaults = DEVICE_DEFAULTS.get(device_type, _CPU)
         if fields.get("max_num_seqs") is None:
-            fields["max_num_seqs"] = defaults.max_num_seqs
+            fields["max_num_seqs"] = sizing.max_num_seqs if sizing else defaults.max_num_seqs
         if fields.get("max_num_batched_tokens") is None:
             fields["max_num_batched_tokens"] = defaults.max_num_batched_tokens
         if fields.get("async_scheduling") is None:
             fields["async_scheduling"] = defaults.async_scheduling
         if fields.get("cuda_graph_max_batch_size") is None:
-            fields["cuda_graph_max_batch_size"] = fields["max_num_seqs"]
+            seqs = fields["max_num_seqs"]
+            fields["cuda_graph_max_batch_size"] = sizing.graph_batch_for(seqs) if sizing else seqs
         return cls(**fields)
 
 

@@ -14,6 +14,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from scheduler.engine import LLMEngine
+from testkit.attention_bench import HeadShape, paged_step
 
 
 @dataclass
@@ -68,31 +69,10 @@ def profile_steps(engine: LLMEngine) -> StepProfile:
 
 def attention_step(query_lens: list[int], cached: list[int], *, num_heads: int = 32, num_kv_heads: int = 8,
                    head_dim: int = 128, page_size: int = 16, kv_dtype: torch.dtype = torch.bfloat16) -> dict:
-    """One layer's paged-attention inputs on the GPU, Llama-3-8B heads by default: sequence s
-    has cached[s] tokens before the step and query_lens[s] in it, its pages scattered at random;
-    q in bf16, the K/V cache in kv_dtype (bf16, or float8_e4m3fn for an FP8 cache)."""
-    gen = torch.Generator().manual_seed(0)
-    seq_lens = [c + n for c, n in zip(cached, query_lens, strict=True)]
-    pages_per_seq = [-(-n // page_size) for n in seq_lens]
-    order = torch.randperm(sum(pages_per_seq), generator=gen)
-    tables = torch.zeros((len(seq_lens), max(pages_per_seq)), dtype=torch.long)
-    used = 0
-    for s, n in enumerate(pages_per_seq):
-        tables[s, :n] = order[used:used + n]
-        used += n
-    cache_shape = (len(order), page_size, num_kv_heads, head_dim)
-    cuda_gen = torch.Generator(device="cuda").manual_seed(0)  # long contexts: GBs of cache
-    step = dict(q=torch.randn(sum(query_lens), num_heads, head_dim, generator=gen),
-                k_cache=torch.randn(cache_shape, generator=cuda_gen, device="cuda"),
-                v_cache=torch.randn(cache_shape, generator=cuda_gen, device="cuda"),
-                block_tables=tables, seq_lens=torch.tensor(seq_lens),
-                query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()]))
-    def dtype(name: str, t: torch.Tensor) -> torch.dtype:
-        if not t.is_floating_point():
-            return t.dtype
-        return kv_dtype if name in ("k_cache", "v_cache") else torch.bfloat16
-
-    return {name: t.to(device="cuda", dtype=dtype(name, t)) for name, t in step.items()}
+    """One layer's paged-attention inputs on the GPU, Llama-3-8B heads by default, q in bf16 and
+    the K/V cache in kv_dtype (testkit/attention_bench.py's paged_step)."""
+    return paged_step(query_lens, cached, shape=HeadShape(num_heads, num_kv_heads, head_dim, page_size),
+                      dtype=torch.bfloat16, kv_dtype=kv_dtype, device="cuda")
 
 
 def replay_of(call):

@@ -30,6 +30,7 @@ from testkit.roofline import (
 )
 from testkit.runs import log
 from testkit.workloads import Workload
+from workers.card_sizing import config_for_device
 
 
 def roofline_notes(roof: Roofline, num_params: int, num_tokens: int, weight_bytes: int, kv_read_bytes: int,
@@ -82,6 +83,7 @@ def run_all(args: argparse.Namespace, shape: dict, workload: Workload, device: t
     try:
         model.save_pretrained(folder)
         log(f"model: {num_params / 1e9:.3f} B parameters, {weight_bytes / 1e9:.2f} GB, saved to {folder}")
+        resolve_auto_sizes(args, folder, device)
         kv_bytes_per_token = ModelShape.of(shape).kv_bytes_per_token(2)  # bf16
         roof = roofline(dense_flops(num_params, workload), weight_bytes, kv_bytes_per_token, workload,
                         flop_rate=flops, bandwidth=bandwidth, max_num_seqs=args.max_num_seqs[0])
@@ -97,6 +99,20 @@ def run_all(args: argparse.Namespace, shape: dict, workload: Workload, device: t
     finally:
         if not args.keep_checkpoint:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def resolve_auto_sizes(args: argparse.Namespace, folder: Path, device: torch.device) -> None:
+    """--max-num-seqs auto (0): the value and the graph cap the commands choose for this card and
+    model (workers/card_sizing.py), set in args.max_num_seqs and args.graph_batch."""
+    args.graph_batch = {}  # max_num_seqs -> its largest CUDA graph, where not max_num_seqs
+    if 0 not in args.max_num_seqs:
+        return
+    auto = config_for_device(device, model=str(folder), device=args.device, dtype="bfloat16",
+                             max_num_batched_tokens=args.max_num_batched_tokens,
+                             cuda_graphs=not args.no_cuda_graphs)
+    log(f"auto: max_num_seqs {auto.max_num_seqs}, CUDA graphs up to {auto.cuda_graph_max_batch_size}")
+    args.max_num_seqs = [n or auto.max_num_seqs for n in args.max_num_seqs]
+    args.graph_batch[auto.max_num_seqs] = auto.cuda_graph_max_batch_size
 
 
 def run_ours(args: argparse.Namespace, folder: Path, workload: Workload, device: torch.device,
@@ -118,7 +134,9 @@ def run_engine_config(args: argparse.Namespace, max_num_seqs: int, folder: Path,
     try:
         # for_device: the device's defaults for the rest (async scheduling on CUDA), as the commands'.
         config = EngineConfig.for_device(device.type, model=str(folder), device=args.device, dtype="bfloat16",
-                                         max_num_seqs=max_num_seqs, cuda_graph_max_batch_size=max_num_seqs,
+                                         max_num_seqs=max_num_seqs,
+                                         cuda_graph_max_batch_size=getattr(args, "graph_batch", {}).get(
+                                             max_num_seqs, max_num_seqs),
                                          max_num_batched_tokens=args.max_num_batched_tokens,
                                          cuda_graphs=not args.no_cuda_graphs)
         engine = LLMEngine(config, load_tokenizer_files=False)

@@ -177,13 +177,13 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("calculate-kv-scales", "an fp8 KV cache's per-layer K/V scales: auto (the checkpoint's, else "
                                       "measured in the first step), on (measured even where the checkpoint "
                                       "has scales) or off (the checkpoint's, else 1.0)", auto_on_off),
-    EngineFlag("max-num-seqs", "cap on running sequences (default: "
-                               f"{_CUDA.max_num_seqs} on CUDA, {_CPU.max_num_seqs} on CPU)", int),
+    EngineFlag("max-num-seqs", "cap on running sequences (default: on CUDA sized to the card and the "
+                               f"model, up to 1024; {_CPU.max_num_seqs} on CPU)", int),
     EngineFlag("max-num-batched-tokens", "tokens per step, chunked prefill (default: "
                                          f"{_CUDA.max_num_batched_tokens} on CUDA, "
                                          f"{_CPU.max_num_batched_tokens} on CPU)", int),
     EngineFlag("cuda-graph-max-batch-size", "largest decode batch replayed from a CUDA graph "
-                                            "(default: --max-num-seqs)", int),
+                                            "(default: --max-num-seqs, at most 512/256/128 by card)", int),
     EngineFlag("cuda-graph-max-tokens", "mixed steps (prefill chunks beside decodes) of up to this many "
                                         "tokens replay a CUDA graph (0: every mixed step eagerly)", int,
                EngineConfig.cuda_graph_max_tokens),
@@ -264,6 +264,7 @@ def resolve_model(path: str | None) -> str:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig of a command's engine flags; limits left out take the device's defaults."""
+    from workers.card_sizing import config_for_device
     from workers.device import resolve_device
 
     check_executor(args.executor)
@@ -276,7 +277,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                 fields[spec.config_field] = spec.convert(value)
     fields["model"] = resolve_model(args.model)
     fields["use_ray"] = uses_ray(args.executor, args.tp, args.pp)
-    return EngineConfig.for_device(resolve_device(args.device).type, **fields)
+    return config_for_device(resolve_device(args.device), **fields)
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:

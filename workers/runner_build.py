@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from shared.batch_sizing import activation_reserve_bytes
 from shared.config import EngineConfig
 from shared.errors import ModelLoadError
 from shared.model_config import ModelConfig
@@ -169,11 +170,10 @@ class RunnerBuild:
     def _decide_num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
-        # Leave room for activations of the largest step, and as much again for the mixed
-        # graphs' private pool (their largest bucket's activations).
-        activations = 64 * self.config.max_num_batched_tokens * self.model_config.hidden_size * 4
-        if self.device.type == "cuda" and self._mixed_graph_tokens():
-            activations += 64 * self._mixed_graph_tokens() * self.model_config.hidden_size * 4
+        # (the same reserve shared/batch_sizing.py assumes when it sizes max_num_seqs)
+        mixed_tokens = self._mixed_graph_tokens() if self.device.type == "cuda" else 0
+        activations = activation_reserve_bytes(self.model_config.hidden_size,
+                                               self.config.max_num_batched_tokens, mixed_tokens)
         return kv_blocks_on_rank(self.config, self.device, self.world_size, block_bytes=self.kv_block_bytes,
                                  activation_bytes=activations)
 

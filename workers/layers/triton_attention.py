@@ -21,10 +21,11 @@ graph replays with whatever value they hold: measured after the capture (kv_scal
 
 from __future__ import annotations
 
-import functools
+import os
 
 import torch
 
+from workers.layers import triton_decode_attention
 from workers.layers.triton_import import is_available, tl, triton  # noqa: F401 - is_available is this module's API too
 
 # Keys per inner iteration (pages of 16: 8 or 4 pages). Measured on an H200 (profile_gpu.py
@@ -52,6 +53,13 @@ FP8_WIDEN_FP16 = True
 # decodes of 16-1,500 tokens 64 us against 80 unsplit (bf16 73); 64 of 8.2-8.7k tokens 417
 # against 489 (bf16 600). A bf16 cache gains nothing at short contexts, so it keeps occupancy's.
 FP8_MIN_DECODE_SEGMENTS = 2
+# Decode launches: "paged" (this module's kernel) or "split" (triton_decode_attention.py, splitting
+# each sequence's context; a candidate until measured against paged on the GPU).
+DECODE_KERNELS = ("paged", "split")
+DECODE_KERNEL = os.environ.get("TOKENFLEET_DECODE_ATTENTION", "paged")
+if DECODE_KERNEL not in DECODE_KERNELS:
+    raise ValueError(f"TOKENFLEET_DECODE_ATTENTION={DECODE_KERNEL!r} is not a decode kernel: "
+                     f"choose one of {', '.join(DECODE_KERNELS)}")
 
 
 if triton is not None:
@@ -199,16 +207,12 @@ if triton is not None:
         tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def decode_segments(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
     """How many programs share one decode sequence's keys: enough for ~2 programs per SM."""
     if device.type != "cuda":
         return 4  # the interpreter: exercise the split path
-    target = 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    target = 2 * triton_decode_attention.num_sms(index)
     segments = 1
     while segments < MAX_SEGMENTS and num_seqs * num_kv_heads * segments * 2 <= target:
         segments *= 2
@@ -296,6 +300,21 @@ def _launch(
     head_dim_pad = triton.next_power_of_2(head_dim)
     mixed_block_m = MIXED_BLOCK_M_FP32 if q.dtype == torch.float32 else MIXED_BLOCK_M
     block_q = max(1, (DECODE_BLOCK_M if decode_only else mixed_block_m) // group_pad)
+    widen_fp16 = FP8_WIDEN_FP16 and k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32
+
+    def combine(part_acc: torch.Tensor, part_max: torch.Tensor, part_sum: torch.Tensor,
+                segments: int) -> None:
+        _combine_segments_kernel[(num_tokens, num_heads)](
+            part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SEGMENTS=segments,
+        )
+
+    if decode_only and DECODE_KERNEL == "split" and triton_decode_attention.supports(page_size):
+        triton_decode_attention.launch(
+            q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale,
+            num_tokens=num_tokens, num_segments=num_segments, k_scale=k_scale, v_scale=v_scale,
+            widen_fp16=widen_fp16, combine=combine)
+        return
     if not decode_only:
         num_segments = 1
     elif num_segments is None:
@@ -319,12 +338,9 @@ def _launch(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         PAGE_SIZE=page_size, BLOCK_Q=block_q, BLOCK_N=DECODE_BLOCK_N if decode_only else MIXED_BLOCK_N,
         NUM_SEGMENTS=num_segments, DECODE_ONLY=decode_only, IEEE_DOT=q.dtype == torch.float32,
-        WIDEN_FP16=FP8_WIDEN_FP16 and k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32,
+        WIDEN_FP16=widen_fp16,
         KV_SCALED=k_scale is not None,
         num_warps=NUM_WARPS if decode_only else MIXED_NUM_WARPS, num_stages=NUM_STAGES,
     )
     if num_segments > 1:
-        _combine_segments_kernel[(num_tokens, num_heads)](
-            part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SEGMENTS=num_segments,
-        )
+        combine(part_acc, part_max, part_sum, num_segments)
