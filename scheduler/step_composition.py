@@ -102,7 +102,8 @@ class StepComposition:
         return SchedulerOutput(batch, plan.num_scheduled_tokens, plan.preempted_req_ids,
                                [(request, request.num_preemptions) for request in scheduled],
                                plan.computing_block_hashes, plan.step_token_cap,
-                               plan.num_top_tokens, plan.was_capped)
+                               plan.num_top_tokens, plan.was_capped, top,
+                               self.latency_budget.cost.predict(batch.num_tokens) if works else None)
 
     @property
     def step_cost(self) -> StepCost:

@@ -92,6 +92,10 @@ class SchedulerOutput:
     step_token_cap: int | None = None
     num_top_tokens: int = 0  # tokens of the most important priority present
     was_capped: bool = False  # the cap held less important work back
+    top_priority: int | None = None  # the priority whose work the step protected
+    # What the step cost model predicted for the step when it was planned (None: nothing timed yet),
+    # beside what the engine measures (scheduler/step_trace.py).
+    predicted_ms: float | None = None
 
     @property
     def scheduled_req_ids(self) -> list[str]:

@@ -1,7 +1,9 @@
 """Chats beside a batch job: the chats' latency alone and beside a running batch job, and the
-fleet's output while both run against the batch job alone, on one `tokenfleet up` (default flags).
+fleet's output while both run against the batch job alone at its steady state, on `tokenfleet up`
+(default flags, or each --itl-slowdown value in turn).
 
-    python3 scripts/bench_mixed_gpu.py --tokenizer DIR           # one H200, ~6 min
+    python3 scripts/bench_mixed_gpu.py --tokenizer DIR           # one H100 or H200, ~6 min
+    python3 scripts/bench_mixed_gpu.py --tokenizer DIR --itl-slowdown 1.2,1.4,2.0   # the curve
     .venv/bin/python scripts/bench_mixed_gpu.py --smoke          # this CPU, tiny model: checks the script
 
 Model: Llama-3-8B's shape with SmolLM2's vocabulary and tokenizer, random bf16 weights (as
@@ -12,16 +14,23 @@ ignored. Batch job: --batch-lines chat lines written to tf:batch:in by a plain R
 user turn of 150-400 words, 256 greedy output tokens each.
 
 1. The chats alone.
-2. The batch job, and --lead-s later (its slots filled) the same chats beside it; a second job of
-   --cancel-lines lines goes in with the chats and is cancelled once some of its lines are written.
-   The first job runs to its end.
-3. The batch job alone again (a third job of the same lines), metered over --seconds from --lead-s
-   after it went in, then cancelled.
+2. The batch job; --lead-s later (its ramp: every slot filled) the batch job alone is metered over
+   as long as the chats alone took (its steady state); then the same chats beside it, and a
+   second job of --cancel-lines lines goes in with the chats and is cancelled once some of its
+   lines are written. The first job runs to its end.
+3. With several --itl-slowdown values, a fleet for each further value: the batch job, and
+   --lead-s later the chats beside it; the job is cancelled after them. The chats alone and the
+   batch job alone are measured once, on the first fleet (the slowdown changes neither).
 
-The fleet's output is metered from its scheduler's heartbeats (tf:sched:{id}, num_generation_tokens):
-while the chats run in step 2, and over the same window of step 3. Every job's output lines are
-checked: each line written exactly once (answered with its 256 tokens, or cancelled). Prints the
-command line first and the table last; exits 1 when a goal is missed.
+The fleet's output is its schedulers' generated tokens (the counter behind
+`generation_tokens_total`, read from their heartbeats, tf:sched:{id}), between the first and the
+last heartbeat inside each window; both windows' lengths, engine step counts and tokens are
+printed. Every engine writes its step trace (scheduler/step_trace.py) into the logs folder: the
+steps that carried chats and batch work together are summarised (batch decode rows and prefill
+tokens, chat rows and tokens, the context tokens read, the step cost model's predicted ms against
+the measured ms). Every job's output lines are checked: each line written exactly once (answered
+with its 256 tokens, or cancelled). Prints the command line first and the tables last; exits 1
+when a goal is missed.
 """
 
 from __future__ import annotations
@@ -36,8 +45,49 @@ import _repo  # noqa: F401 - first: it puts the repository on sys.path
 
 from testkit import mixed_traffic as mixed
 from testkit.fleet_paths import prepare_model
-from testkit.mixed_runs import run
+from testkit.mixed_runs import MixedBench, run
 from testkit.runs import log, print_command, raise_fd_limit
+from testkit.step_windows import mixed_summary
+
+
+def slowdown_list(text: str) -> list[float]:
+    """--itl-slowdown's values: numbers >= 1, comma-separated."""
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers >= 1 separated by commas, got {text!r}") from None
+    if not values or any(not v >= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected numbers >= 1 separated by commas, got {text!r}")
+    return values
+
+
+def report(args: argparse.Namespace, bench: MixedBench) -> bool:
+    """Each run's table, windows and mixed steps; the curve over the slowdowns. True: goals met."""
+    low, high = args.batch_words
+    met = True
+    for run_ in bench.runs:
+        flags = [*args.up_flag] + ([] if run_.slowdown is None else [f"--itl-slowdown={run_.slowdown:g}"])
+        print(f"\n## Chats at {args.rate:g} req/s for {args.seconds:g} s (shared prefix {args.prefix_tokens} "
+              f"words), alone and beside a batch job of {bench.num_lines:,} lines ({low}-{high} words, "
+              f"{args.batch_tokens} output tokens); `tokenfleet up {' '.join(flags)}`\n")
+        met = mixed.print_table(bench.alone, run_.beside, run_.window.tok_s, bench.batch_alone.tok_s,
+                                run_.checks, run_.costs) and met
+        print("\nWindows (the fleet's generated tokens between heartbeats; the engine steps in between):")
+        print(f"- {bench.batch_alone.line()}")
+        print(f"- {run_.window.line()}")
+        print("\nThe steps while the chats ran beside the batch job (from the step trace):\n")
+        print(mixed_summary(run_.window.steps))
+    if len(bench.runs) > 1:
+        print("\n## The curve: the chats beside the batch job, as ratios to the chats alone\n")
+        print("| --itl-slowdown | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | output kept (of batch alone) |")
+        print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+        for run_ in bench.runs:
+            ratios = [getattr(run_.beside, a) / getattr(bench.alone, a)
+                      for a in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")]
+            print(f"| {'default' if run_.slowdown is None else f'{run_.slowdown:g}'} | "
+                  + " | ".join(f"{r:.2f}x" for r in ratios)
+                  + f" | {run_.window.tok_s / bench.batch_alone.tok_s:.2f} |")
+    return met
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -62,6 +112,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="how long a batch job runs before the chats (or the meter) start")
     parser.add_argument("--job-timeout-s", type=float, default=300.0)
     parser.add_argument("--client-processes", type=int, default=4)
+    parser.add_argument("--itl-slowdown", type=slowdown_list, default=[],
+                        help="comma-separated values: a run of the chats beside the batch job on a fleet "
+                             "with each (e.g. 1.2,1.4,2.0); default: up's own")
     parser.add_argument("--up-flag", action="append", default=[],
                         help="a flag for `tokenfleet up` (repeat; e.g. --up-flag=--itl-target-ms=12)")
     parser.add_argument("--logs", type=Path, help="folder for the fleet's logs (default: a temp folder)")
@@ -71,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.smoke:
         args.device, args.rate, args.seconds, args.prefix_tokens = "cpu", 2.0, 4.0, 100
         args.chat_max_tokens = "8-24"
-        args.batch_lines, args.batch_words, args.batch_tokens = 60, (20, 40), 16
+        args.batch_lines, args.batch_words, args.batch_tokens = 600, (20, 40), 16
         args.cancel_lines, args.lead_s, args.client_processes = 20, 2.0, 1
     raise_fd_limit(4096)
     folder = Path(tempfile.mkdtemp(prefix="tokenfleet-mixed-model-"))
@@ -82,12 +135,7 @@ def main(argv: list[str] | None = None) -> None:
         result = run(args, folder, out)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    low, high = args.batch_words
-    print(f"\nChats at {args.rate:g} req/s for {args.seconds:g} s (shared prefix {args.prefix_tokens} "
-          f"words), alone and beside a batch job of {result.num_lines:,} lines ({low}-{high} words, "
-          f"{args.batch_tokens} output tokens); `tokenfleet up {' '.join(args.up_flag)}`\n")
-    met = mixed.print_table(result.alone, result.beside, result.both_tok_s, result.batch_tok_s, result.checks,
-                            result.costs)
+    met = report(args, result)
     sys.stdout.flush()
     if not met and not args.smoke:
         sys.exit(1)

@@ -202,11 +202,17 @@ class TokenMeter:
 
     def rate(self, start: float, end: float) -> float:
         """Tokens per second between the first heartbeats seen after `start` and before `end`."""
+        tokens, t0, t1 = self.tokens(start, end)
+        return tokens / (t1 - t0) if t1 > t0 else float("nan")
+
+    def tokens(self, start: float, end: float) -> tuple[int, float, float]:
+        """The tokens generated between the first heartbeat seen after `start` and the last one
+        before `end`, and when those two were seen (the same time twice: fewer than two)."""
         inside = [(t, n) for t, n in self.samples if start <= t <= end]
         if len(inside) < 2:
-            return float("nan")
+            return 0, start, start
         (t0, n0), (t1, n1) = inside[0], inside[-1]
-        return (n1 - n0) / (t1 - t0)
+        return n1 - n0, t0, t1
 
 
 def step_costs(client: redis.Redis) -> list[list[list[float]]]:

@@ -129,3 +129,7 @@ def test_the_step_trace_has_a_line_per_step_whose_tokens_add_up(tiny_checkpoints
     # Every prompt token is computed once, every output token but the last is fed back once.
     assert sum(line["tokens"] for line in lines) == sum(map(len, prompts)) + 4 + 7 + 2 - 3
     assert all(line["ms"] > 0 and line["rows"] >= 1 for line in lines)
+    # Its parts add up to its tokens (interactive requests here: no batch rows), and each step after
+    # the first was predicted by the cost model the steps before it taught.
+    assert all(line["chat_tokens"] == line["tokens"] and line["chat_rows"] == line["rows"] for line in lines)
+    assert all(line["predicted_ms"] > 0 for line in lines[1:])

@@ -1,5 +1,6 @@
 """The mixed-traffic benchmark's checker finds a line written twice, a missing line and a wrong
-status; its meter's rate is taken between the heartbeats seen inside a window."""
+status; its meter's rate is taken between the heartbeats seen inside a window; the step trace is
+cut to a window and its mixed steps summarised."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 
 from protocol.keys import Keys
 from testkit.mixed_traffic import TokenMeter, check_job
+from testkit.step_windows import StepWindow, in_window, is_mixed, mixed_summary, read_trace
 
 
 def write_job(client, job_id: str, indices: list[int], *, status: str,
@@ -42,3 +44,32 @@ def test_token_meter_rate_is_taken_between_the_heartbeats_inside_the_window() ->
     meter.samples = [(0.0, 0), (1.0, 100), (2.0, 300), (3.0, 600), (4.0, 1000)]
     assert meter.rate(0.5, 3.5) == 250.0  # from 1.0 s to 3.0 s: 500 tokens
     assert meter.rate(3.5, 3.9) != meter.rate(3.5, 3.9)  # fewer than two heartbeats: nan
+
+
+def test_token_meter_tokens_are_counted_between_the_heartbeats_inside_the_window() -> None:
+    meter = TokenMeter("redis://127.0.0.1:1/0")
+    meter.samples = [(0.0, 0), (1.0, 100), (2.0, 300), (3.0, 600)]
+    assert meter.tokens(0.5, 2.5) == (200, 1.0, 2.0)
+    assert meter.tokens(2.5, 2.9) == (0, 2.5, 2.5)  # no two heartbeats: nothing measured
+
+
+def test_step_windows_count_a_window_s_steps_and_summarise_its_mixed_steps(tmp_path) -> None:
+    def step(t: float, chats: int, decodes: int, prefill: int, predicted: float, ms: float) -> dict:
+        return {"t": t, "tokens": chats + decodes + prefill, "chat_rows": chats, "chat_tokens": chats,
+                "batch_decode_rows": decodes, "batch_prefill_tokens": prefill, "kv_tokens": 100 * decodes,
+                "predicted_ms": predicted, "ms": ms}
+
+    trace = tmp_path / "steps.jsonl"
+    steps = [step(1.0, 0, 8, 0, 5.0, 5.0), step(2.0, 2, 8, 0, 6.0, 9.0), step(3.0, 2, 8, 64, 10.0, 8.0),
+             step(4.0, 2, 0, 0, 2.0, 2.0), step(9.0, 0, 8, 0, 5.0, 5.0)]
+    trace.write_text("".join(json.dumps(s) + "\n" for s in steps) + '{"t": 9.5, "tok')  # a torn last line
+    read = read_trace(trace)
+    assert read == steps and read_trace(tmp_path / "missing.jsonl") == []
+    window = StepWindow("mixed", 4.0, 400, in_window(read, 1.5, 5.0))
+    assert len(window.steps) == 3 and window.step_tokens == 10 + 74 + 2 and window.tok_s == 100.0
+    assert "3 steps of 86 tokens" in window.line()
+    assert [is_mixed(s) for s in window.steps] == [True, True, False]
+    summary = mixed_summary(window.steps)
+    assert "| mixed steps | 2 |" in summary and "| chats only | 1 |" in summary
+    assert "| mixed, batch decodes only | 1 |" in summary and "| mixed, with batch prefill | 1 |" in summary
+    assert "over their prediction: 1 of 2" in summary
