@@ -45,7 +45,7 @@ class Admission:
         for request in self._fair_share.order(self._waiting):
             if until is not None and request.priority > until:
                 return True
-            token_budget = plan.capped_budget if capped else plan.token_budget
+            token_budget = plan.capped_tokens() if capped else plan.token_budget
             if token_budget <= 0:
                 return False
             if self.config.pipeline_depth > 1 and not plan.has_seq_room:
@@ -71,8 +71,12 @@ class Admission:
                     self._start_load(request, len(cached_block_ids), host_slots, plan)
                     self._start(request, num_host_tokens=num_load_tokens)
                     continue
-            num_new_tokens = self._num_new_tokens(
-                request, token_budget, len(cached_block_ids) * self.config.block_size)
+            num_cached_tokens = len(cached_block_ids) * self.config.block_size
+            if capped:  # its chunk cut to the time left, from after its cached prefix (step_budget.py)
+                token_budget = plan.capped_tokens(num_cached_tokens, token_budget)
+                if token_budget <= 0:
+                    return False
+            num_new_tokens = self._num_new_tokens(request, token_budget, num_cached_tokens)
             if not self._make_room(request, num_new_tokens, plan, cached_block_ids):
                 return False  # strict order: later requests do not jump ahead of a stuck one
             self._start(request)

@@ -1,26 +1,35 @@
-"""How many tokens a step may carry while more important work runs or waits (stall-free batching,
-after Sarathi-Serve): the latency budget of a step that lower-priority prefill must fit in.
+"""How long a step may take while more important work runs or waits (stall-free batching, after
+Sarathi-Serve), and which less important work fits in that time.
 
-A step's decodes always run, and so do the prefill chunks of the most important requests present
-(an interactive prompt's TTFT does not wait on a cap). Prefill of every less important request
-(batch items, and interactive requests of a lower priority) only fills the step up to the budget:
-the most tokens whose step the cost model (scheduler/step_cost.py) predicts within
+A step's decodes of the most important requests present always run, and so do their prefill
+chunks (an interactive prompt's TTFT does not wait on a cap). Everything less important (batch
+items, and interactive requests of a lower priority) only fills the step up to its budget of
+time (`StepCap`):
 
 - `itl_target_ms`, when set: an absolute bound on the step;
-- else `slowdown` times the time of a step of the most important work alone (its decodes and
-  prefill): beside batch work a chat's step takes at most that much longer than it would alone.
-  Less important decodes count against the budget too: past it they skip the step (keeping their
-  KV cache; the ones that waited longest go first), so the batch items that run shrink to what
-  the budget holds.
+- else `slowdown` times the time of a step of the most important work alone (its decodes with
+  their context, and prefill): beside batch work a chat's step takes at most that much longer
+  than it would alone.
 
-The auto budget is a feedback loop, because tokens alone do not say what a step costs: a batch
-decode row reads its whole context's KV cache, so 500 of them at 700 tokens each cost an 8B model
-on an H200 more than the weights do. The engine times every step (`observe`). Steps with only the
-most important work teach a cost curve of that work alone; after a step that also carried less
-important work, the allowance of less important tokens shrinks by a fifth if the step took longer
-than `slowdown` times what its most important tokens alone would have, and grows by a twentieth
-(plus a token) if it stayed within while the cap held work back. Until a step beside such work was
-timed, the allowance starts from the cost curve's prediction.
+The budget is time, not tokens, because tokens do not say what a step costs: a batch decode row
+reads its whole context's K/V cache (500 of them at 700 tokens each cost an 8B model on an H100
+more than its weights do), while a prefill chunk's tokens cost about what a decode's one does
+until the matrix products turn compute-bound. So the cost model (scheduler/step_cost.py)
+predicts a step from its parts: its tokens and the context its rows read. The step composition
+(step_composition.py) spends the time left on the cheapest batch work first: running batch
+decodes (the ones left out longest first: each adds one token and its context's reads), then the
+running batch prefill and new batch prompts, each chunk cut to the time left (`StepCap.chunk_within`).
+Past the budget they skip the step (decodes keep their KV cache). However long the most important
+work runs, a step still takes one less important row (`MIN_ALLOWANCE_TOKENS` tokens when the most
+important work alone is already over the target), so batch items keep moving.
+
+The cost model errs (it learns from steps of other shapes; the host's work varies), so in auto
+mode a feedback loop guards the budget: the engine times every step (`observe`). Steps with only
+the most important work teach a cost curve of that work alone; after a step that also carried less
+important work, the batch's share of the budget (the time past the most important work alone:
+`guard` times `slowdown - 1` times it) shrinks by a fifth if the step took longer than `slowdown`
+times what its most important work alone would have, and grows by a twentieth if it stayed within
+while the cap held work back (up to `MAX_GUARD`: a model that predicts too long is corrected too).
 
 With nothing more important present there is no budget: the whole `max_num_batched_tokens`,
 but only `LINGER_S` after more important work was last present (`RecentPriority`). Chats arrive
@@ -36,7 +45,7 @@ so two 190 ms steps of batch prefill put 400 ms into its first token, where two 
 fixed cost a step, as on a loaded CPU, where a 50 ms step may hold no token at all), a batch step
 still takes the fewest tokens that run at `BATCH_STEP_EFFICIENCY` of a whole budget's rate. Every
 batch decode still runs in such a step.
-Until the engine has timed a step, the budget is `FALLBACK_STEP_TOKENS`.
+Until the engine has timed a step, the budget is `FALLBACK_STEP_TOKENS` tokens.
 """
 
 from __future__ import annotations
@@ -49,10 +58,13 @@ from scheduler.step_cost import StepCost
 from shared.config import DEFAULT_ITL_SLOWDOWN as DEFAULT_SLOWDOWN
 
 FALLBACK_STEP_TOKENS = 512  # before any step was timed: a step about as long as a few decodes
-# The fewest tokens of less important work a step takes beside more important work: batch items
-# keep moving, however long the most important work's own steps run.
+# The fewest tokens of less important work a step takes beside more important work whose own
+# step is already over the target: batch items keep moving, however long those steps run.
 MIN_ALLOWANCE_TOKENS = 32
-SHRINK, GROW = 0.8, 1.05  # the allowance after a step over the budget, and after one within it
+SHRINK, GROW = 0.8, 1.05  # the guard after a step over the budget, and after one within it
+# The guard's range: the batch's share of the budget never goes to nothing, and a cost model that
+# predicts steps too long is corrected up to this many times its share.
+MIN_GUARD, MAX_GUARD = 0.05, 4.0
 LINGER_S = 1.0  # how long the most important priority seen keeps its place once none of it is present
 # The longest step of batch work alone (the cost model's prediction), for the next chat's TTFT,
 # unless a step that short would run at less than BATCH_STEP_EFFICIENCY of a whole budget's rate.
@@ -80,6 +92,27 @@ class RecentPriority:
 
 
 @dataclass
+class StepCap:
+    """A step's budget beside more important work: the time it may take, the most tokens it may
+    hold (`tokens`: what the time holds at the most important work's context), and the tokens it
+    holds whatever the time (`min_tokens`: less important work keeps moving)."""
+
+    cost: StepCost
+    ms: float | None  # None: no time to keep (before any step was timed, or the budget off)
+    tokens: int
+    min_tokens: int
+
+    def chunk_within(self, num_tokens: int, kv_tokens: int, start_pos: int, limit: int) -> int:
+        """The most tokens (at most `limit`) a row from position `start_pos` may add to a step of
+        `num_tokens` tokens reading `kv_tokens` context and stay within the time (a decode: 1 or
+        0; a prefill: the chunk the time left holds)."""
+        floor = max(0, min(limit, self.min_tokens - num_tokens))
+        if self.ms is None or floor >= limit:
+            return limit
+        return max(floor, self.cost.max_chunk_within(self.ms, num_tokens, kv_tokens, start_pos, limit))
+
+
+@dataclass
 class LatencyBudget:
     # Milliseconds a step may take beside more important work; None: `slowdown` times the step of
     # the most important work alone; 0: no budget (less important work shares steps freely).
@@ -88,9 +121,8 @@ class LatencyBudget:
     cost: StepCost = field(default_factory=StepCost)
     # Steps that carried only the most important work: the base the slowdown multiplies.
     alone_cost: StepCost = field(default_factory=StepCost)
-    # Tokens of less important work a step may add to the most important work's (auto mode);
-    # None until the first step beside such work was timed.
-    allowance: float | None = None
+    # The batch's share of the auto budget, as corrected by the steps timed beside such work.
+    guard: float = 1.0
     recent_top: RecentPriority = field(default_factory=RecentPriority)
 
     def __post_init__(self) -> None:
@@ -103,34 +135,49 @@ class LatencyBudget:
     def is_off(self) -> bool:
         return self.itl_target_ms == 0
 
-    def step_tokens(self, num_protected_tokens: int, limit: int) -> int:
+    def target_ms(self, num_top_tokens: int, top_kv_tokens: int = 0) -> float | None:
+        """How long a step beside the most important work's (its tokens and the context its rows
+        read) may take; None before any step was timed (auto) or with the budget off."""
+        if self.is_off:
+            return None
+        if self.itl_target_ms is not None:
+            return self.itl_target_ms
+        base_ms = self._alone_ms(max(1, num_top_tokens), top_kv_tokens)
+        if base_ms is None:
+            return None
+        return base_ms * (1 + self.guard * (self.slowdown - 1))
+
+    def cap(self, num_top_tokens: int, top_kv_tokens: int, limit: int) -> StepCap:
+        """The budget of a step whose most important work is `num_top_tokens` tokens reading
+        `top_kv_tokens` context; at most `limit` tokens."""
+        target_ms = self.target_ms(num_top_tokens, top_kv_tokens)
+        within = None if target_ms is None else self.cost.max_tokens_within(target_ms, limit, top_kv_tokens)
+        if within is None:  # the budget off, or no step timed yet: tokens only
+            if self.is_off:
+                tokens = limit
+            elif target_ms is None:  # auto: the most important work whole, at least
+                tokens = min(limit, max(FALLBACK_STEP_TOKENS, num_top_tokens))
+            else:
+                tokens = min(limit, FALLBACK_STEP_TOKENS)
+            return StepCap(self.cost, None, tokens, tokens)
+        if within <= num_top_tokens:  # the most important work alone is over the target:
+            tokens = min(limit, num_top_tokens + MIN_ALLOWANCE_TOKENS)  # less important work still moves
+            return StepCap(self.cost, None, tokens, tokens)
+        return StepCap(self.cost, target_ms, min(limit, within), num_top_tokens + 1)
+
+    def step_tokens(self, num_protected_tokens: int, limit: int, top_kv_tokens: int = 0) -> int:
         """The most tokens the whole step may have, given the tokens of its most important work
         (decodes and prefill); at most `limit`."""
-        if self.is_off:
-            return limit
-        target_ms = self.itl_target_ms
-        if target_ms is None:
-            if self.allowance is not None:  # corrected by the steps timed beside such work
-                return min(limit, num_protected_tokens + int(self.allowance))
-            base_ms = self._alone_ms(max(1, num_protected_tokens))
-            if base_ms is None:
-                return min(limit, max(FALLBACK_STEP_TOKENS, num_protected_tokens))
-            target_ms = self.slowdown * base_ms
-        within = self.cost.max_tokens_within(target_ms, limit)
-        if within is None:
-            return min(limit, FALLBACK_STEP_TOKENS)
-        if within <= num_protected_tokens:  # the most important work alone is over the target:
-            within = num_protected_tokens + MIN_ALLOWANCE_TOKENS  # less important work still moves
-        return min(limit, within)
+        return self.cap(num_protected_tokens, top_kv_tokens, limit).tokens
 
-    def batch_step_tokens(self, limit: int, num_decodes: int) -> int:
+    def batch_step_tokens(self, limit: int, num_decodes: int, kv_tokens: int = 0) -> int:
         """The tokens of a step of batch work alone: what the cost model predicts within
         `BATCH_STEP_MS`, but at least the fewest that run at `BATCH_STEP_EFFICIENCY` of a
         `limit`-token step's tokens per ms (where steps have a high fixed cost, as on a loaded
         CPU, a 50 ms step may hold no token at all) and at least `num_decodes` (every running
-        decode still runs); at most `limit`. `limit` with the budget off or before any step was
-        timed."""
-        within = None if self.is_off else self.cost.max_tokens_within(BATCH_STEP_MS, limit)
+        decode still runs); at most `limit`. `kv_tokens`: the context the running requests' rows
+        read. `limit` with the budget off or before any step was timed."""
+        within = None if self.is_off else self.cost.max_tokens_within(BATCH_STEP_MS, limit, kv_tokens)
         if within is None:
             return limit
         efficient = self.cost.fewest_tokens_at_rate(BATCH_STEP_EFFICIENCY, limit)
@@ -140,32 +187,31 @@ class LatencyBudget:
         """Forget every step timed (the warm-up's, whose first steps compile)."""
         self.cost.reset()
         self.alone_cost.reset()
-        self.allowance = None
+        self.guard = 1.0
         self.recent_top.priority = None
 
-    def _alone_ms(self, num_tokens: int) -> float | None:
+    def _alone_ms(self, num_tokens: int, kv_tokens: int = 0) -> float | None:
         """A step of only the most important work: from such steps, else from every step."""
-        alone = self.alone_cost.predict(num_tokens)
-        return alone if alone is not None else self.cost.predict(num_tokens)
+        alone = self.alone_cost.predict(num_tokens, kv_tokens)
+        return alone if alone is not None else self.cost.predict(num_tokens, kv_tokens)
 
     def observe(self, num_tokens: int, num_protected_tokens: int, ms: float, *, was_capped: bool,
-                limit: int) -> None:
+                limit: int, kv_tokens: int = 0, top_kv_tokens: int = 0) -> None:
         """A step's time (from the engine): `num_protected_tokens` of its `num_tokens` were the
-        most important work's; `was_capped` when the step's cap held less important work back."""
-        self.cost.observe(num_tokens, ms)
+        most important work's, its rows read `kv_tokens` context (`top_kv_tokens` of it the most
+        important work's); `was_capped` when the step's cap held less important work back."""
+        self.cost.observe(num_tokens, ms, kv_tokens)
         if num_protected_tokens <= 0:
             return  # no more important work: no budget to keep
         if num_tokens == num_protected_tokens:
-            self.alone_cost.observe(num_tokens, ms)
+            self.alone_cost.observe(num_tokens, ms, kv_tokens)
             return
         if self.itl_target_ms is not None:
-            return  # an absolute target: the cost curve alone sets the cap
-        base_ms = self._alone_ms(num_protected_tokens)
+            return  # an absolute target: the cost model alone sets the cap
+        base_ms = self._alone_ms(num_protected_tokens, top_kv_tokens)
         if base_ms is None:
             return
-        if self.allowance is None:
-            self.allowance = float(max(MIN_ALLOWANCE_TOKENS, num_tokens - num_protected_tokens))
         if ms > self.slowdown * base_ms:
-            self.allowance = max(float(MIN_ALLOWANCE_TOKENS), self.allowance * SHRINK)
+            self.guard = max(MIN_GUARD, self.guard * SHRINK)
         elif was_capped:
-            self.allowance = min(float(limit), self.allowance * GROW + 1)
+            self.guard = min(MAX_GUARD, self.guard * GROW)

@@ -55,7 +55,8 @@ class StepComposition:
         top = self.latency_budget.recent_top.top(self._most_important_priority())
         token_budget = self.config.max_num_batched_tokens
         if top is not None and top >= BATCH_PRIORITY:  # batch work alone: short steps, for the next chat
-            token_budget = self.latency_budget.batch_step_tokens(token_budget, len(self._running))
+            token_budget = self.latency_budget.batch_step_tokens(
+                token_budget, len(self._running), sum(r.num_planned_tokens + 1 for r in self._running))
         plan = StepPlan(token_budget=token_budget, max_num_seqs=self._step_seq_budget())
         if self.host_tier is not None:  # blocks filled since the last step go to the host
             self.host_tier.plan_stores(self.block_manager)
@@ -73,8 +74,9 @@ class StepComposition:
         if less_important or (admits and self._waiting):
             # Relative to the most important work alone: less important decodes (already in
             # the step) take their share of the budget rather than raise it.
-            plan.step_token_cap = self.latency_budget.step_tokens(
-                plan.num_top_tokens, self.config.max_num_batched_tokens)
+            cap = self.latency_budget.cap(plan.num_top_tokens, plan.num_top_kv_tokens,
+                                          self.config.max_num_batched_tokens)
+            plan.step_token_cap, plan.time_cap = cap.tokens, cap
             self._schedule_less_important(plan, less_important, admits)
         scheduled = [self._requests[req_id] for req_id in plan.num_scheduled_tokens]
         works = [self._make_work(request, plan.num_scheduled_tokens[request.req_id],
@@ -102,8 +104,10 @@ class StepComposition:
         return SchedulerOutput(batch, plan.num_scheduled_tokens, plan.preempted_req_ids,
                                [(request, request.num_preemptions) for request in scheduled],
                                plan.computing_block_hashes, plan.step_token_cap,
-                               plan.num_top_tokens, plan.was_capped, top,
-                               self.latency_budget.cost.predict(batch.num_tokens) if works else None)
+                               plan.num_top_tokens, plan.was_capped, top_priority=top,
+                               num_kv_tokens=plan.num_kv_tokens, num_top_kv_tokens=plan.num_top_kv_tokens,
+                               predicted_ms=self.step_cost.predict(batch.num_tokens, plan.num_kv_tokens)
+                               if works else None)
 
     @property
     def step_cost(self) -> StepCost:
@@ -113,7 +117,8 @@ class StepComposition:
     def observe_step(self, output: SchedulerOutput, ms: float) -> None:
         """What a step took (from the engine), for the latency budget (step_budget.py)."""
         self.latency_budget.observe(output.batch.num_tokens, output.num_top_tokens, ms,
-                                    was_capped=output.was_capped, limit=self.config.max_num_batched_tokens)
+                                    was_capped=output.was_capped, limit=self.config.max_num_batched_tokens,
+                                    kv_tokens=output.num_kv_tokens, top_kv_tokens=output.num_top_kv_tokens)
 
     def _most_important_priority(self) -> int | None:
         """The lowest priority number among running and waiting requests (None: there are none):
@@ -158,10 +163,11 @@ class StepComposition:
         return less_important
 
     def _schedule_less_important(self, plan: StepPlan, prefills: list[Request], admits: bool) -> None:
-        """Within the step's cap, in priority order: the running requests' decodes and prefill
-        chunks (`_less_important_order`), each after the waiting requests more important than it;
-        then the rest of the waiting ones. No admission once this step preempted (admitting would only preempt
-        again) or a waiting request is stuck (strict order)."""
+        """Within the step's cap of time (step_budget.py), cheapest work first within a priority:
+        the running requests' decodes, then their prefill chunks (`_less_important_order`), each
+        after the waiting requests more important than it; then the rest of the waiting ones, their
+        chunks cut to the time left. No admission once this step preempted (admitting would only
+        preempt again) or a waiting request is stuck (strict order)."""
         admitted_until: int | None = None  # the priority up to which waiting ones were admitted
         for request in prefills:
             if admits and request.priority != admitted_until:
@@ -171,8 +177,16 @@ class StepComposition:
             if not plan.has_seq_room or plan.capped_budget <= 0:
                 plan.was_capped = True
                 return
-            if request.status is RequestStatus.RUNNING:  # (not preempted for a newcomer meanwhile)
-                self._schedule_running_request(request, plan, plan.capped_budget)
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted for a newcomer meanwhile
+            wanted = self._num_new_tokens(request, plan.capped_budget)
+            token_budget = plan.capped_tokens(request.num_planned_tokens, wanted)
+            if token_budget <= 0:  # not even its first token within the time left: the step is full
+                plan.was_capped = True
+                return
+            self._schedule_running_request(request, plan, token_budget)
+            if token_budget < wanted:
+                plan.was_capped = True  # (a chunk cut to the time left)
         if admits and not plan.preempted_req_ids:
             self._schedule_waiting(plan, None, capped=True)
         plan.was_capped = plan.was_capped or plan.capped_budget <= 0

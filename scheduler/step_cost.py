@@ -1,5 +1,5 @@
-"""What a step costs: milliseconds by the step's token count, learned from the steps the engine
-timed (its warm-up's calibration, then every step it serves).
+"""What a step costs: milliseconds by the step's token count and the context its rows read,
+learned from the steps the engine timed (its warm-up's calibration, then every step it serves).
 
 A step's time is not proportional to its tokens: a decode step reads every weight once, and
 until the matrix products turn compute-bound (a few hundred tokens for an 8B model on an
@@ -9,6 +9,19 @@ in it, and predicts between the points by straight lines, made non-decreasing (a
 costs less for more tokens). Past the largest point it extends the last segment; with one point
 only, it scales that point's time with the tokens (compute-bound: pessimistic, so a budget
 derived from it errs short).
+
+Tokens alone do not say what a step costs, though: each row reads its whole context's K/V
+cache, so 500 decode rows of 700 tokens each cost an 8B model on an H100 more than its weights
+do, while 500 prefill tokens of one prompt cost little more than a decode. So a step also
+carries its context tokens (`kv_tokens`: over its rows, the positions each one attends to), and
+the model learns one more number, the milliseconds a context token adds (`ms_per_kv_token`):
+within each bucket (steps of about the same tokens) the steps that read more context took
+longer, and the slope pooled over the buckets (a least-squares fit with one intercept a bucket,
+from the buckets' weighted means of kv, kv^2 and kv*ms) is that cost. The curve of tokens is
+then each bucket's time at no context (its mean less the slope times its mean context), and a
+step is predicted as the curve at its tokens plus the slope times its context. Where the context
+never varied within a bucket (every unit test's cost model, a CPU where attention costs nothing
+to see) the slope is 0 and the model is the curve of tokens alone.
 
 The engine feeds it (`observe`) with the time between one step's result and the previous one's
 (or the step's submission, when the device was idle): under async scheduling that is what a
@@ -23,6 +36,9 @@ EWMA_WEIGHT = 0.1  # of a new step in its bucket's mean: ~10 steps to follow a c
 # Once a bucket has seen this many steps, a step counts as at most OUTLIER_FACTOR times its mean.
 SETTLED_STEPS = 5
 OUTLIER_FACTOR = 3.0
+# A bucket's time at no context never goes below this share of its mean time: a slope learned
+# from a few noisy steps does not make a bucket's work free.
+MIN_INTERCEPT_SHARE = 0.1
 
 
 @dataclass
@@ -30,25 +46,42 @@ class CostPoint:
     num_tokens: float  # mean token count of the steps in the bucket
     ms: float  # their mean time
     num_steps: int  # steps observed in the bucket
+    kv: float = 0.0  # their mean context tokens (weighted means, as for ms)
+    kv2: float = 0.0  # of the context tokens squared
+    kv_ms: float = 0.0  # of the context tokens times the ms
+
+    @property
+    def kv_var(self) -> float:
+        return max(0.0, self.kv2 - self.kv * self.kv)
+
+    @property
+    def kv_cov(self) -> float:
+        return self.kv_ms - self.kv * self.ms
 
 
 class StepCost:
     def __init__(self) -> None:
         self._buckets: dict[int, CostPoint] = {}  # bit_length of the token count -> its point
-        self._curve: list[tuple[float, float]] | None = None  # (tokens, ms), sorted, non-decreasing
+        self._curve: list[tuple[float, float]] | None = None  # (tokens, ms at no context), sorted
+        self._slope: float | None = None  # ms a context token adds (cached with the curve)
 
-    def observe(self, num_tokens: int, ms: float) -> None:
+    def observe(self, num_tokens: int, ms: float, kv_tokens: int = 0) -> None:
+        """A step of `num_tokens` tokens whose rows read `kv_tokens` context tokens took `ms`."""
         if num_tokens < 1 or not ms > 0:
             return
         key = num_tokens.bit_length()
         point = self._buckets.get(key)
+        kv = float(max(0, kv_tokens))
         if point is None:
-            self._buckets[key] = CostPoint(float(num_tokens), float(ms), 1)
+            self._buckets[key] = CostPoint(float(num_tokens), float(ms), 1, kv, kv * kv, kv * ms)
         else:
             if point.num_steps >= SETTLED_STEPS:
                 ms = min(ms, OUTLIER_FACTOR * point.ms)  # a pause (GC, a page fault) is not the step's
             point.num_tokens += EWMA_WEIGHT * (num_tokens - point.num_tokens)
             point.ms += EWMA_WEIGHT * (ms - point.ms)
+            point.kv += EWMA_WEIGHT * (kv - point.kv)
+            point.kv2 += EWMA_WEIGHT * (kv * kv - point.kv2)
+            point.kv_ms += EWMA_WEIGHT * (kv * ms - point.kv_ms)
             point.num_steps += 1
         self._curve = None
 
@@ -65,42 +98,82 @@ class StepCost:
         """The learned points, fewest tokens first (for logs and benchmarks)."""
         return [self._buckets[key] for key in sorted(self._buckets)]
 
+    @property
+    def ms_per_kv_token(self) -> float:
+        """The milliseconds a context token adds to a step (0 until the steps show it)."""
+        self._points()
+        return self._slope or 0.0
+
     def _points(self) -> list[tuple[float, float]]:
         if self._curve is None:
+            points = self.points()
+            varied = [p for p in points if p.num_steps > 1]
+            var = sum(p.kv_var for p in varied)
+            # Context that varies by less than a token within the buckets says nothing of its cost.
+            slope = max(0.0, sum(p.kv_cov for p in varied) / var) if var > 1.0 else 0.0
             curve, highest = [], 0.0
-            for point in self.points():
-                highest = max(highest, point.ms)
+            for point in points:
+                at_no_context = max(MIN_INTERCEPT_SHARE * point.ms, point.ms - slope * point.kv)
+                highest = max(highest, at_no_context)
                 curve.append((point.num_tokens, highest))
-            self._curve = curve
+            self._curve, self._slope = curve, slope
         return self._curve
 
-    def predict(self, num_tokens: int) -> float | None:
-        """Milliseconds of a step of `num_tokens` tokens; None before any step was observed."""
+    def predict(self, num_tokens: int, kv_tokens: int = 0) -> float | None:
+        """Milliseconds of a step of `num_tokens` tokens whose rows read `kv_tokens` context
+        tokens; None before any step was observed."""
         curve = self._points()
         if not curve:
             return None
+        context_ms = (self._slope or 0.0) * kv_tokens
         first_tokens, first_ms = curve[0]
         if num_tokens <= first_tokens:
-            return first_ms
+            return first_ms + context_ms
         if len(curve) == 1:
-            return first_ms * num_tokens / first_tokens
+            return first_ms * num_tokens / first_tokens + context_ms
         for (x0, y0), (x1, y1) in zip(curve, curve[1:], strict=False):
             if num_tokens <= x1:
-                return y0 + (y1 - y0) * (num_tokens - x0) / (x1 - x0)
+                return y0 + (y1 - y0) * (num_tokens - x0) / (x1 - x0) + context_ms
         (x0, y0), (x1, y1) = curve[-2], curve[-1]
-        return y1 + (y1 - y0) * (num_tokens - x1) / (x1 - x0)
+        return y1 + (y1 - y0) * (num_tokens - x1) / (x1 - x0) + context_ms
 
-    def max_tokens_within(self, ms: float, limit: int) -> int | None:
-        """The most tokens (at most `limit`) a step may have and be predicted within `ms`; 0 when
-        not even one token is; None before any step was observed."""
+    def max_tokens_within(self, ms: float, limit: int, kv_tokens: int = 0) -> int | None:
+        """The most tokens (at most `limit`) a step whose rows read `kv_tokens` context tokens may
+        have and be predicted within `ms`; 0 when not even one token is; None before any step
+        was observed."""
         if not self._buckets:
             return None
-        if self.predict(1) > ms:
+        if self.predict(1, kv_tokens) > ms:
             return 0
         low, high = 1, limit  # predict(low) <= ms holds; the answer is in [low, high]
         while low < high:
             middle = (low + high + 1) // 2
-            if self.predict(middle) <= ms:
+            if self.predict(middle, kv_tokens) <= ms:
+                low = middle
+            else:
+                high = middle - 1
+        return low
+
+    def max_chunk_within(self, ms: float, num_tokens: int, kv_tokens: int, start_pos: int,
+                         limit: int) -> int:
+        """The longest prefill chunk (at most `limit` tokens) from position `start_pos` that a
+        step of `num_tokens` tokens reading `kv_tokens` context may add and stay predicted within
+        `ms` (the chunk adds its tokens, and reads its prefix and itself); 0 when none fits or
+        before any step was observed."""
+        if limit < 1 or not self._buckets:
+            return 0
+
+        def fits(chunk: int) -> bool:
+            return self.predict(num_tokens + chunk, kv_tokens + start_pos + chunk) <= ms
+
+        if fits(limit):  # (a decode's one token: a single prediction)
+            return limit
+        if not fits(1):
+            return 0
+        low, high = 1, limit
+        while low < high:
+            middle = (low + high + 1) // 2
+            if fits(middle):
                 low = middle
             else:
                 high = middle - 1

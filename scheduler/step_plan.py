@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scheduler.request import FinishReason, Request, TokenLogprobs
-from scheduler.step_budget import DEFAULT_SLOWDOWN
+from scheduler.step_budget import DEFAULT_SLOWDOWN, StepCap
 from shared.speculative import SpeculativeConfig
 from shared.step import StepBatch
 
@@ -93,6 +93,8 @@ class SchedulerOutput:
     num_top_tokens: int = 0  # tokens of the most important priority present
     was_capped: bool = False  # the cap held less important work back
     top_priority: int | None = None  # the priority whose work the step protected
+    num_kv_tokens: int = 0  # context tokens the step's rows read (StepPlan.num_kv_tokens)
+    num_top_kv_tokens: int = 0  # of them, the most important priority's rows'
     # What the step cost model predicted for the step when it was planned (None: nothing timed yet),
     # beside what the engine measures (scheduler/step_trace.py).
     predicted_ms: float | None = None
@@ -131,9 +133,15 @@ class StepPlan:
     # The most tokens the step may hold once less important prefill joins (step_budget.py);
     # None: no such cap (nothing more important present, or not yet computed).
     step_token_cap: int | None = None
+    # The time less important work must fit in, with that cap (step_budget.py); None: tokens only.
+    time_cap: StepCap | None = None
     num_tokens: int = 0  # scheduled so far
+    # Context tokens the rows scheduled so far read (each row: the positions it attends to, its
+    # own included): what their K/V reads cost (scheduler/step_cost.py).
+    num_kv_tokens: int = 0
     top_priority: int | None = None  # the most important priority present
     num_top_tokens: int = 0  # scheduled so far for requests of top_priority
+    num_top_kv_tokens: int = 0  # context tokens their rows read
     was_capped: bool = False  # the cap held less important work back
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # req_id -> tokens
     preempted_req_ids: list[str] = field(default_factory=list)
@@ -141,13 +149,20 @@ class StepPlan:
     computing_block_hashes: set[bytes] = field(default_factory=set)
     can_speculate: bool = False  # whether decodes may carry drafts in this step
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # req_id -> its drafts, if any
+    row_kv_tokens: dict[str, int] = field(default_factory=dict)  # req_id -> the context its row reads
 
     def add(self, request: Request, num_tokens: int) -> None:
+        """`request`'s row of `num_tokens` tokens from its next position (call before they are
+        planned: request.num_planned_tokens is where the row starts)."""
+        kv_tokens = request.num_planned_tokens + num_tokens
         self.num_scheduled_tokens[request.req_id] = num_tokens
+        self.row_kv_tokens[request.req_id] = kv_tokens
         self.token_budget -= num_tokens
         self.num_tokens += num_tokens
+        self.num_kv_tokens += kv_tokens
         if request.priority == self.top_priority:
             self.num_top_tokens += num_tokens
+            self.num_top_kv_tokens += kv_tokens
 
     @property
     def has_seq_room(self) -> bool:
@@ -155,11 +170,14 @@ class StepPlan:
 
     def remove(self, request: Request) -> None:
         num_tokens = self.num_scheduled_tokens.pop(request.req_id, 0)
+        kv_tokens = self.row_kv_tokens.pop(request.req_id, 0)
         self.draft_token_ids.pop(request.req_id, None)
         self.token_budget += num_tokens
         self.num_tokens -= num_tokens
+        self.num_kv_tokens -= kv_tokens
         if request.priority == self.top_priority:
             self.num_top_tokens -= num_tokens
+            self.num_top_kv_tokens -= kv_tokens
 
     @property
     def capped_budget(self) -> int:
@@ -167,3 +185,12 @@ class StepPlan:
         if self.step_token_cap is None:
             return self.token_budget
         return max(0, min(self.token_budget, self.step_token_cap - self.num_tokens))
+
+    def capped_tokens(self, start_pos: int = 0, wanted: int | None = None) -> int:
+        """Tokens a less important row from position `start_pos` may have (at most `wanted`): within
+        the step's cap of tokens and, once it has one, of time (the row's tokens and the context
+        they read added to the step's, as the cost model predicts them)."""
+        tokens = self.capped_budget if wanted is None else min(wanted, self.capped_budget)
+        if self.time_cap is None or tokens <= 0:
+            return tokens
+        return self.time_cap.chunk_within(self.num_tokens, self.num_kv_tokens, start_pos, tokens)

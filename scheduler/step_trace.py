@@ -63,5 +63,5 @@ def write_step(trace: TextIO, output, ms: float, scheduler) -> None:
         **step_parts(output),
         "running": scheduler.num_running_requests, "waiting": scheduler.num_waiting_requests,
         "preempted": len(output.preempted_req_ids),
-        "allowance": getattr(budget, "allowance", None),
+        "guard": round(budget.guard, 3),  # the auto budget's correction (step_budget.py)
     }) + "\n")

@@ -15,7 +15,10 @@ from scheduler.step_budget import (
     BATCH_STEP_MS,
     FALLBACK_STEP_TOKENS,
     LINGER_S,
+    MAX_GUARD,
     MIN_ALLOWANCE_TOKENS,
+    MIN_GUARD,
+    SHRINK,
     LatencyBudget,
 )
 from scheduler.step_cost import StepCost
@@ -219,24 +222,29 @@ def test_the_decodes_left_out_longest_go_first() -> None:
     assert third >= {f"b{i}" for i in range(12)} - first - second  # every decode runs within three steps
 
 
-def test_the_auto_allowance_shrinks_after_slow_steps_and_grows_back_after_fast_capped_ones() -> None:
+def test_the_auto_guard_shrinks_the_batch_share_after_slow_steps_and_grows_it_back_after_fast_capped_ones(
+) -> None:
     budget = LatencyBudget(slowdown=1.5, cost=linear_cost())
     for _ in range(5):  # the chats alone: 40 tokens in 5 ms
         budget.observe(40, 40, 5.0, was_capped=False, limit=8192)
+    assert budget.target_ms(40) == pytest.approx(7.5)  # the whole share: 1.5 x 5 ms
     assert budget.step_tokens(40, 8192) == 65  # 7.5 ms by the cost curve, before any step beside
     budget.observe(100, 40, 20.0, was_capped=True, limit=8192)  # 20 ms: far over 7.5
-    first = budget.allowance
-    assert first is not None and budget.step_tokens(40, 8192) == 40 + int(first)
-    for _ in range(10):
+    assert budget.guard == SHRINK and budget.target_ms(40) == pytest.approx(5.0 * (1 + SHRINK * 0.5))
+    assert budget.step_tokens(40, 8192) < 65
+    for _ in range(30):
         budget.observe(100, 40, 20.0, was_capped=True, limit=8192)
-    assert budget.allowance == MIN_ALLOWANCE_TOKENS  # never below: batch items keep moving
-    shrunk = budget.allowance
-    for _ in range(10):  # within 1.5 x 5 ms, and the cap held work back: it grows again
-        budget.observe(40 + int(budget.allowance), 40, 7.0, was_capped=True, limit=8192)
-    assert budget.allowance > shrunk * 1.5
-    grown = budget.allowance
-    budget.observe(60, 40, 7.0, was_capped=False, limit=8192)  # nothing held back: no reason to grow
-    assert budget.allowance == grown
+    assert budget.guard == MIN_GUARD  # never nothing: batch items keep moving
+    assert budget.cap(40, 0, 8192).chunk_within(40, 0, 0, 8) >= 1  # one row beside the chats, always
+    for _ in range(30):  # within 1.5 x 5 ms, and the cap held work back: it grows again
+        budget.observe(45, 40, 6.0, was_capped=True, limit=8192)
+    assert budget.guard > 3 * MIN_GUARD
+    grown = budget.guard
+    budget.observe(45, 40, 6.0, was_capped=False, limit=8192)  # nothing held back: no reason to grow
+    assert budget.guard == grown
+    for _ in range(200):
+        budget.observe(45, 40, 6.0, was_capped=True, limit=8192)
+    assert budget.guard == MAX_GUARD  # a model predicting too long is corrected, up to a bound
 
 
 def test_interactive_prefill_goes_before_a_running_batch_prefill() -> None:
@@ -389,10 +397,10 @@ def test_with_an_absolute_target_below_the_chats_own_step_batch_work_still_moves
     assert budget.step_tokens(4, 8192) == 10
 
 
-def test_a_reset_forgets_the_alone_curve_and_the_allowance_too() -> None:
+def test_a_reset_forgets_the_alone_curve_and_the_guard_too() -> None:
     budget = LatencyBudget(cost=linear_cost())
     budget.observe(40, 40, 500.0, was_capped=False, limit=8192)  # a compiling warm-up step
-    budget.observe(100, 40, 5.0, was_capped=True, limit=8192)
-    assert budget.alone_cost.is_known and budget.allowance is not None
+    budget.observe(100, 40, 5000.0, was_capped=True, limit=8192)
+    assert budget.alone_cost.is_known and budget.guard < 1
     budget.reset()
-    assert not budget.cost.is_known and not budget.alone_cost.is_known and budget.allowance is None
+    assert not budget.cost.is_known and not budget.alone_cost.is_known and budget.guard == 1.0
