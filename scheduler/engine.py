@@ -326,8 +326,10 @@ class LLMEngine:
         if self._in_flight and self._in_flight[0][0].batch.samples_late:
             # Its grammar rows' inputs were this step's tokens, which the matchers have now
             # accepted: fill its mask and sample it (its forward may still run on the device).
+            late_output, late_handle, _, late_submitted = self._in_flight[0]
+            late_output.batch.late_sample_wait_s = time.perf_counter() - late_submitted
             try:
-                self.executor.sample(self._in_flight[0][1])
+                self.executor.sample(late_handle)
             except WorkerError as exc:
                 self._recover(exc)
                 return outputs + done

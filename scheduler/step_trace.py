@@ -8,7 +8,9 @@ it had and how many of them were prefill chunks, how many requests ran and waite
 it preempted. It also says what the step was made of, for the step budget's account
 (scheduler/step_budget.py): the interactive rows and tokens, the batch items' decode rows and
 prefill tokens, the context tokens its rows read (`kv_tokens`), and the milliseconds the step cost
-model predicted for it when it was planned, beside the `ms` the engine measured.
+model predicted for it when it was planned, beside the `ms` the engine measured; and its grammar
+work: its constrained rows, whether it sampled late, the host's time filling its mask, and for a
+late step the time from its submission to its sampling.
 Off (no file), it costs one attribute test per step.
 """
 
@@ -64,4 +66,17 @@ def write_step(trace: TextIO, output, ms: float, scheduler) -> None:
         "running": scheduler.num_running_requests, "waiting": scheduler.num_waiting_requests,
         "preempted": len(output.preempted_req_ids),
         "guard": round(budget.guard, 3),  # the auto budget's correction (step_budget.py)
+        **grammar_parts(output, scheduler.grammars),
     }) + "\n")
+
+
+def grammar_parts(output, grammars) -> dict:
+    """A step's grammar work: its constrained rows that sampled, whether it sampled late (after
+    the step before it was taken back), the host's milliseconds filling its mask, and for a late
+    step the milliseconds from its submission to its sampling."""
+    batch = output.batch
+    rows = 0 if grammars is None or not len(grammars) else sum(
+        w.is_sampled and w.req_id in grammars for w in batch.works)
+    return {"constrained_rows": rows, "samples_late": batch.samples_late,
+            "fill_ms": round(batch.mask_fill_s * 1e3, 3),
+            "late_wait_ms": round(batch.late_sample_wait_s * 1e3, 3) if batch.samples_late else None}

@@ -9,6 +9,7 @@ works was otherwise about a fifth of a pipelined scheduler's time (py-spy, two H
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -95,6 +96,11 @@ class StepBatch:
     # by `Executor.sample`, which the engine calls once the previous step's tokens are accepted.
     # In process only, like mask_filler.
     samples_late: bool = field(default=False, compare=False)
+    # What the grammar work cost the host, for the step trace (scheduler/step_trace.py), in
+    # process only: the seconds the mask's fill took (resolve_token_mask), and for a step that
+    # samples late the seconds from its submission to its sampling (the engine sets it).
+    mask_fill_s: float = field(default=0.0, compare=False)
+    late_sample_wait_s: float = field(default=0.0, compare=False)
     # Adapters the runners load into slots before this step (LoRA engines only).
     lora_loads: list[LoraLoad] = field(default_factory=list)
     # The host KV tier's copies (scheduler/host_tier.py, workers/host_kv_pool.py), each rank on
@@ -116,7 +122,9 @@ class StepBatch:
         """The step's token mask: mask_filler's, called now (the first time), else token_mask."""
         if self.mask_filler is not None:
             filler, self.mask_filler = self.mask_filler, None
+            started = time.perf_counter()
             self.token_mask = filler()
+            self.mask_fill_s = time.perf_counter() - started
         return self.token_mask
 
     def __reduce__(self):

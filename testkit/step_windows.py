@@ -1,11 +1,16 @@
 """The engine's step trace (scheduler/step_trace.py) cut to a bench's windows: how many steps ran
 in a window and their tokens, and what the steps that carried chats and batch work together were
 made of (batch decode rows and prefill tokens, interactive rows and tokens), with the step cost
-model's prediction against the time the engine measured (scripts/bench_mixed_gpu.py)."""
+model's prediction against the time the engine measured (scripts/bench_mixed_gpu.py); and the
+steps with grammar-constrained rows against the others (their time, the mask's fill, how long a
+late-sampled step waited for its sampling).
+
+    .venv/bin/python -m testkit.step_windows STEPS.jsonl   # a trace's summaries (any bench's)"""
 
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
@@ -101,3 +106,36 @@ def mixed_summary(steps: list[dict], num_samples: int = 5) -> str:
         for s in mixed[::every][:num_samples]:
             lines.append("- " + ", ".join(f"{n} {s.get(n)}" for n in PART_FIELDS))
     return "\n".join(lines)
+
+
+GRAMMAR_FIELDS = ("rows", "constrained_rows", "tokens", "predicted_ms", "ms", "fill_ms", "late_wait_ms")
+
+
+def grammar_summary(steps: list[dict]) -> str:
+    """Markdown: the medians of the steps with constrained rows (sampled late or not) against the
+    steps without any."""
+    kinds = (("with constrained rows, sampled late", [s for s in steps if s.get("constrained_rows")
+                                                     and s.get("samples_late")]),
+             ("with constrained rows, sampled at launch", [s for s in steps if s.get("constrained_rows")
+                                                          and not s.get("samples_late")]),
+             ("without", [s for s in steps if not s.get("constrained_rows")]))
+    lines = ["| steps (medians) | count | " + " | ".join(GRAMMAR_FIELDS) + " |",
+             "| --- | ---: |" + " ---: |" * len(GRAMMAR_FIELDS)]
+    for label, kind in kinds:
+        if kind:
+            medians = " | ".join(_median(kind, name) for name in GRAMMAR_FIELDS)
+            lines.append(f"| {label} | {len(kind):,} | {medians} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    steps = read_trace(Path(argv[0]))
+    seconds = steps[-1]["t"] - steps[0]["t"] if len(steps) > 1 else 0.0
+    print(f"{len(steps):,} steps over {seconds:.1f} s\n")
+    print(mixed_summary(steps))
+    print()
+    print(grammar_summary(steps))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

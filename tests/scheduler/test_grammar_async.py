@@ -159,3 +159,23 @@ def test_smollm2_json_schema_and_mixed_batches_match_async_off_with_two_steps_in
     assert on[0].finish_reason.value == "stop"
     # While the constrained request ran, every collect had the step ahead in flight beside it.
     assert len(depths) > 10 and set(depths) == {2}, depths
+
+
+def test_the_step_trace_says_which_steps_had_constrained_rows_sampled_late_and_what_they_cost(
+        tiny_chat, tmp_path, monkeypatch) -> None:
+    trace = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("TOKENFLEET_STEP_TRACE", str(trace))
+    config = EngineConfig(model=str(tiny_chat), dtype="float32", num_kv_blocks=64, max_num_seqs=8,
+                          async_scheduling=True)
+    with LLMEngine(config) as engine:
+        engine.generate(PROMPTS[:2], [SamplingParams(max_tokens=12, temperature=0.0, grammar=PET_GRAMMAR),
+                                      SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)],
+                        chat=True)
+    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    constrained = [s for s in steps if s["constrained_rows"]]
+    assert constrained and all(s["constrained_rows"] == 1 and s["fill_ms"] > 0 for s in constrained)
+    late = [s for s in constrained if s["samples_late"]]
+    assert late and all(s["late_wait_ms"] > 0 for s in late)
+    # Once the constrained request is gone, its steps neither sample late nor fill a mask.
+    after = steps[steps.index(constrained[-1]) + 2:]
+    assert after and not any(s["samples_late"] or s["fill_ms"] or s["constrained_rows"] for s in after)

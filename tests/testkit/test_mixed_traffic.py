@@ -8,7 +8,7 @@ import json
 
 from protocol.keys import Keys
 from testkit.mixed_traffic import TokenMeter, check_job
-from testkit.step_windows import StepWindow, in_window, is_mixed, mixed_summary, read_trace
+from testkit.step_windows import StepWindow, grammar_summary, in_window, is_mixed, mixed_summary, read_trace
 
 
 def write_job(client, job_id: str, indices: list[int], *, status: str,
@@ -73,3 +73,15 @@ def test_step_windows_count_a_window_s_steps_and_summarise_its_mixed_steps(tmp_p
     assert "| mixed steps | 2 |" in summary and "| chats only | 1 |" in summary
     assert "| mixed, batch decodes only | 1 |" in summary and "| mixed, with batch prefill | 1 |" in summary
     assert "over their prediction: 1 of 2" in summary
+
+
+def test_the_grammar_summary_sets_steps_with_constrained_rows_against_the_others() -> None:
+    steps = [{"t": 1.0, "rows": 8, "tokens": 8, "ms": 10.0, "constrained_rows": 2, "samples_late": True,
+              "fill_ms": 0.5, "late_wait_ms": 9.0},
+             {"t": 2.0, "rows": 8, "tokens": 8, "ms": 8.0, "constrained_rows": 0, "samples_late": False,
+              "fill_ms": 0.0, "late_wait_ms": None},
+             {"t": 3.0, "rows": 8, "tokens": 8, "ms": 12.0, "constrained_rows": 1, "samples_late": True,
+              "fill_ms": 0.7, "late_wait_ms": 11.0}]
+    summary = grammar_summary(steps)
+    assert "| with constrained rows, sampled late | 2 | 8 | 2 | 8 | - | 11.0 | 0.6 | 10.0 |" in summary
+    assert "| without | 1 |" in summary and "sampled at launch" not in summary
