@@ -16,12 +16,16 @@ do, while 500 prefill tokens of one prompt cost little more than a decode. So a 
 carries its context tokens (`kv_tokens`: over its rows, the positions each one attends to), and
 the model learns one more number, the milliseconds a context token adds (`ms_per_kv_token`):
 within each bucket (steps of about the same tokens) the steps that read more context took
-longer, and the slope pooled over the buckets (a least-squares fit with one intercept a bucket,
-from the buckets' weighted means of kv, kv^2 and kv*ms) is that cost. The curve of tokens is
-then each bucket's time at no context (its mean less the slope times its mean context), and a
-step is predicted as the curve at its tokens plus the slope times its context. Where the context
-never varied within a bucket (every unit test's cost model, a CPU where attention costs nothing
-to see) the slope is 0 and the model is the curve of tokens alone.
+longer, and the slope pooled over the buckets is that cost: a least-squares fit of ms on the
+context with one intercept and one token slope a bucket, from the buckets' weighted moments,
+each bucket weighed by its steps over its time squared (noise grows with a step's time).
+The token count is partialled out within a bucket because a prefill's context grows with its
+chunk: without it, a bucket of prefill steps of 2,100 to 4,000 tokens would charge their
+tokens' cost to their context, and make every decode look hundreds of times dearer than it is.
+The curve of tokens is then each bucket's time at no context (its mean less the slope times its
+mean context), and a step is predicted as the curve at its tokens plus the slope times its
+context. Where the context never varied apart from the tokens within a bucket (every unit test's
+cost model of tokens alone) the slope is 0 and the model is the curve of tokens alone.
 
 The engine feeds it (`observe`) with the time between one step's result and the previous one's
 (or the step's submission, when the device was idle): under async scheduling that is what a
@@ -38,7 +42,8 @@ SETTLED_STEPS = 5
 OUTLIER_FACTOR = 3.0
 # A bucket's time at no context never goes below this share of its mean time: a slope learned
 # from a few noisy steps does not make a bucket's work free.
-MIN_INTERCEPT_SHARE = 0.1
+MIN_INTERCEPT_SHARE = 0.02
+EFFECTIVE_STEPS = 19  # what an exponentially weighted mean of weight EWMA_WEIGHT amounts to
 
 
 @dataclass
@@ -46,17 +51,38 @@ class CostPoint:
     num_tokens: float  # mean token count of the steps in the bucket
     ms: float  # their mean time
     num_steps: int  # steps observed in the bucket
-    kv: float = 0.0  # their mean context tokens (weighted means, as for ms)
-    kv2: float = 0.0  # of the context tokens squared
-    kv_ms: float = 0.0  # of the context tokens times the ms
+    # Weighted means as for ms (each step's weight as in `observe`): of the context tokens, and
+    # of the products a least-squares fit needs.
+    kv: float = 0.0
+    kv2: float = 0.0  # context tokens squared
+    kv_ms: float = 0.0  # context tokens times ms
+    t2: float = 0.0  # tokens squared
+    t_kv: float = 0.0  # tokens times context tokens
+    t_ms: float = 0.0  # tokens times ms
 
-    @property
-    def kv_var(self) -> float:
-        return max(0.0, self.kv2 - self.kv * self.kv)
+    def add(self, num_tokens: float, ms: float, kv: float, weight: float) -> None:
+        """Move every mean `weight` of the way to this step's value."""
+        for name, value in (("num_tokens", num_tokens), ("ms", ms), ("kv", kv), ("kv2", kv * kv),
+                            ("kv_ms", kv * ms), ("t2", num_tokens * num_tokens),
+                            ("t_kv", num_tokens * kv), ("t_ms", num_tokens * ms)):
+            mean = getattr(self, name)
+            setattr(self, name, mean + weight * (value - mean))
 
-    @property
-    def kv_cov(self) -> float:
-        return self.kv_ms - self.kv * self.ms
+    def context_moments(self) -> tuple[float, float]:
+        """The bucket's variance of the context, and its covariance with the ms, both with the
+        token count partialled out (what the context explains that the tokens do not)."""
+        var_kv = self.kv2 - self.kv * self.kv
+        cov_kv_ms = self.kv_ms - self.kv * self.ms
+        var_t = self.t2 - self.num_tokens * self.num_tokens
+        if var_t > 1e-9 * max(1.0, self.t2):
+            cov_t_kv = self.t_kv - self.num_tokens * self.kv
+            cov_t_ms = self.t_ms - self.num_tokens * self.ms
+            var_kv -= cov_t_kv * cov_t_kv / var_t
+            cov_kv_ms -= cov_t_kv * cov_t_ms / var_t
+        # (Rounding leaves a context that only followed the tokens a sliver of variance: none.)
+        if var_kv <= 1e-9 * max(1.0, self.kv2):
+            return 0.0, 0.0
+        return var_kv, cov_kv_ms
 
 
 class StepCost:
@@ -73,16 +99,13 @@ class StepCost:
         point = self._buckets.get(key)
         kv = float(max(0, kv_tokens))
         if point is None:
-            self._buckets[key] = CostPoint(float(num_tokens), float(ms), 1, kv, kv * kv, kv * ms)
+            point = self._buckets[key] = CostPoint(0.0, 0.0, 0)
+            point.add(float(num_tokens), float(ms), kv, 1.0)
         else:
             if point.num_steps >= SETTLED_STEPS:
                 ms = min(ms, OUTLIER_FACTOR * point.ms)  # a pause (GC, a page fault) is not the step's
-            point.num_tokens += EWMA_WEIGHT * (num_tokens - point.num_tokens)
-            point.ms += EWMA_WEIGHT * (ms - point.ms)
-            point.kv += EWMA_WEIGHT * (kv - point.kv)
-            point.kv2 += EWMA_WEIGHT * (kv * kv - point.kv2)
-            point.kv_ms += EWMA_WEIGHT * (kv * ms - point.kv_ms)
-            point.num_steps += 1
+            point.add(float(num_tokens), float(ms), kv, EWMA_WEIGHT)
+        point.num_steps += 1
         self._curve = None
 
     def reset(self) -> None:
@@ -107,10 +130,19 @@ class StepCost:
     def _points(self) -> list[tuple[float, float]]:
         if self._curve is None:
             points = self.points()
-            varied = [p for p in points if p.num_steps > 1]
-            var = sum(p.kv_var for p in varied)
+            # A settled bucket (a few steps cannot tell the context's cost from a noisy host's)
+            # weighs by its steps (up to the ~19 an exponentially weighted mean of weight 0.1
+            # amounts to) over its time squared: a step's noise grows with its time (a loaded
+            # host, a GC pause), and one slow bucket would otherwise set the slope for all.
+            var = cov = 0.0
+            for point in points:
+                if point.num_steps >= SETTLED_STEPS:
+                    point_var, point_cov = point.context_moments()
+                    weight = min(point.num_steps - 1, EFFECTIVE_STEPS) / (point.ms * point.ms)
+                    var += weight * point_var
+                    cov += weight * point_cov
             # Context that varies by less than a token within the buckets says nothing of its cost.
-            slope = max(0.0, sum(p.kv_cov for p in varied) / var) if var > 1.0 else 0.0
+            slope = max(0.0, cov / var) if var > 0.0 else 0.0
             curve, highest = [], 0.0
             for point in points:
                 at_no_context = max(MIN_INTERCEPT_SHARE * point.ms, point.ms - slope * point.kv)

@@ -66,6 +66,7 @@ def write_step(trace: TextIO, output, ms: float, scheduler) -> None:
         "running": scheduler.num_running_requests, "waiting": scheduler.num_waiting_requests,
         "preempted": len(output.preempted_req_ids),
         "guard": round(budget.guard, 3),  # the auto budget's correction (step_budget.py)
+        "us_per_kv_token": round(budget.cost.ms_per_kv_token * 1e3, 5),  # the cost model's (step_cost.py)
         **grammar_parts(output, scheduler.grammars),
     }) + "\n")
 

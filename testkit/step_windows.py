@@ -100,6 +100,10 @@ def mixed_summary(steps: list[dict], num_samples: int = 5) -> str:
         lines.append(f"\nMixed steps measured over their prediction: {over:,} of {len(predicted):,}; "
                      f"measured / predicted median {median(ratios):.2f}, "
                      f"p90 {sorted(ratios)[int(0.9 * (len(ratios) - 1))]:.2f}")
+    if steps and steps[-1].get("us_per_kv_token") is not None:
+        last = steps[-1]
+        lines.append(f"\nThe cost model at the window's end: {last['us_per_kv_token']:.5f} us a context "
+                     f"token; the budget's guard {last.get('guard')}")
     if mixed:
         lines.append("\nSample mixed steps (" + ", ".join(PART_FIELDS) + "):")
         every = max(1, len(mixed) // num_samples)

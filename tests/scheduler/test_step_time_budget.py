@@ -123,3 +123,33 @@ def test_the_feedback_still_shrinks_the_budget_when_steps_run_over() -> None:
         num_over += 1
         assert budget.guard == pytest.approx(SHRINK ** num_over)
         assert budget.target_ms(later.num_top_tokens, later.num_top_kv_tokens) < target
+
+
+def test_a_prefill_s_context_growing_with_its_tokens_is_not_charged_as_context() -> None:
+    # Prefill steps of 2,100 to 4,000 tokens whose context is their tokens, beside decode steps
+    # of 200 rows reading more or less context: the context's cost is the decodes' slope alone.
+    cost = StepCost()
+    for i in range(60):
+        num_tokens = 2100 + 30 * i
+        cost.observe(num_tokens, true_ms(num_tokens, num_tokens), num_tokens)
+        kv_tokens = 200 * (300 + 10 * (i % 7))
+        cost.observe(200, true_ms(200, kv_tokens), kv_tokens)
+    assert cost.ms_per_kv_token == pytest.approx(MS_PER_KV_TOKEN, rel=1e-3)
+    assert cost.predict(200, 80_000) == pytest.approx(true_ms(200, 80_000), rel=1e-3)
+    # Prefill steps alone: their context never varies apart from their tokens: no slope.
+    prefill = StepCost()
+    for i in range(60):
+        num_tokens = 2100 + 30 * i
+        prefill.observe(num_tokens, true_ms(num_tokens, num_tokens), num_tokens)
+    assert prefill.ms_per_kv_token == 0.0
+
+
+def test_a_few_slow_noisy_steps_do_not_set_the_context_s_cost() -> None:
+    cost = StepCost()
+    for i in range(60):  # decode steps of 200 rows: the context's true cost
+        kv_tokens = 200 * (300 + 10 * (i % 7))
+        cost.observe(200, true_ms(200, kv_tokens), kv_tokens)
+    # Three steps of about 80 tokens on a loaded host: slow, and slower by chance where they read more.
+    for kv_tokens, ms in ((800, 60.0), (1400, 300.0), (2000, 500.0)):
+        cost.observe(80, ms, kv_tokens)
+    assert cost.ms_per_kv_token == pytest.approx(MS_PER_KV_TOKEN, rel=0.2)
