@@ -15,7 +15,8 @@ step n, each decode's input the token step n samples, which stays on the device;
 collects step n, which waits for step n only. Stop checks, aborts and preemption therefore act
 one step late; the scheduler drops what the step ahead computed for a finished request. A step
 ahead with grammar rows samples late (`StepBatch.samples_late`): `step` has it sampled
-(`executor.sample`) right after step n's tokens are taken back and accepted by the matchers,
+(`executor.sample`) as soon as step n's constrained rows are taken back and their tokens
+accepted by the matchers, before the rest of step n's rows are (scheduler/finishing.py), and
 before the next step is submitted.
 
 `generate` runs a list of prompts to completion; the Redis service loop (a later issue)
@@ -320,19 +321,27 @@ class LLMEngine:
             trace_step(self.step_trace, output, step_ms, self.scheduler)
         self._num_failed_steps = 0
         self.num_steps += 1
-        done = self.scheduler.update_from_output(output, result)
+        failed: list[WorkerError] = []
+        sample_late = None
+        if self._in_flight and self._in_flight[0][0].batch.samples_late:
+            late_output, late_handle, _, late_submitted = self._in_flight[0]
+
+            def sample_late() -> None:
+                # Its grammar rows' inputs were this step's tokens, which the matchers have now
+                # accepted: fill its mask and sample it (its forward may still run on the device),
+                # before the other rows of this step are taken (scheduler/finishing.py).
+                late_output.batch.late_sample_wait_s = time.perf_counter() - late_submitted
+                try:
+                    self.executor.sample(late_handle)
+                except WorkerError as exc:
+                    failed.append(exc)  # (recovered once this step is taken back whole)
+
+        done = self.scheduler.update_from_output(output, result, on_grammars_accepted=sample_late)
         if self.pooling is not None:
             self.pooling.finish_outputs(done, result.pooled)
-        if self._in_flight and self._in_flight[0][0].batch.samples_late:
-            # Its grammar rows' inputs were this step's tokens, which the matchers have now
-            # accepted: fill its mask and sample it (its forward may still run on the device).
-            late_output, late_handle, _, late_submitted = self._in_flight[0]
-            late_output.batch.late_sample_wait_s = time.perf_counter() - late_submitted
-            try:
-                self.executor.sample(late_handle)
-            except WorkerError as exc:
-                self._recover(exc)
-                return outputs + done
+        if failed:
+            self._recover(failed[0])
+            return outputs + done
         self._observe(output, done, started, result_wait_s)
         return outputs + done
 

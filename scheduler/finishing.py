@@ -6,6 +6,13 @@ aborted or been preempted meanwhile is dropped, never returned nor counted (its 
 with the request's; the device runs the steps in order, so nothing handed out again is written
 by the late step after its new owner).
 
+Under async scheduling a step ahead whose constrained rows' inputs are this step's tokens
+samples late (scheduler/grammar.py): its mask needs those tokens accepted by the matchers. So
+`update_from_output` can take the constrained rows first and call `on_grammars_accepted` (the
+engine samples the step ahead there) before the other rows' tokens, stop checks and outputs:
+the step ahead's sampling, which the device waits for, waits for the constrained rows only,
+not for the whole batch's host work. The outputs come back in batch order either way.
+
 Speculative decoding: the step returns how many drafts the workers accepted (`_take_verified`):
 those and the target's next token are appended (cut at a stop or max_tokens), the computed length
 moves past the accepted ones only, and blocks holding only rejected drafts go back.
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from collections.abc import Callable
 
 from scheduler.prompt_logprobs import prompt_logprobs_to_send, take_prompt_logprobs
 from scheduler.request import FinishReason, Request, RequestStatus, TokenLogprobs
@@ -27,9 +35,12 @@ from shared.step import SampledToken, SequenceWork, StepResult
 
 class Finishing:
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, step_result: StepResult
+        self, scheduler_output: SchedulerOutput, step_result: StepResult,
+        on_grammars_accepted: Callable[[], None] | None = None,
     ) -> list[RequestOutput]:
         """Record what the step computed and sampled; return one output per changed request.
+        `on_grammars_accepted`: called once the constrained rows' tokens are accepted, before the
+        other rows are taken (every row is taken in batch order without it).
 
         Raises WorkerError when the result does not match the batch (wrong step, missing
         or extra sampled tokens).
@@ -45,31 +56,49 @@ class Finishing:
         sampled_tokens = iter(step_result.sampled)
         scheduled = scheduler_output.scheduled_requests or [
             (self._requests.get(w.req_id), None) for w in batch.works]  # an output built by hand (tests)
+        rows = []
         for work, (request, num_preemptions) in zip(batch.works, scheduled, strict=True):
             sampled = next(sampled_tokens, None) if work.is_sampled else None
             if work.is_sampled and (sampled is None or sampled.req_id != work.req_id):
                 raise WorkerError(f"step {batch.step_id}: no sampled token for {work.req_id!r}")
-            if work.num_draft_tokens:
-                self._drafting.discard(work.req_id)
-            if request is None or request.status is not RequestStatus.RUNNING or (
-                    num_preemptions is not None and request.num_preemptions != num_preemptions):
-                # Aborted, finished or preempted after schedule(): what the step did for it is moot
-                # (a token past a stop, an abort or max_tokens is dropped here, never counted).
-                continue
-            if work.num_draft_tokens:
-                outputs.append(self._take_verified(request, work, sampled))
-                continue
-            if work.prompt_logprob_ids:
-                take_prompt_logprobs(request, work, step_result)
-            request.num_computed_tokens += len(work.token_ids)
-            request.num_in_flight_tokens -= len(work.token_ids)
-            self.block_manager.register_full_blocks(request)
-            if sampled is not None:
-                request.num_pending_tokens -= 1
-                outputs.append(self._append_token(request, sampled))
+            rows.append((work, request, num_preemptions, sampled))
         if next(sampled_tokens, None) is not None:
             raise WorkerError(f"step {batch.step_id}: more sampled tokens than sampled works")
-        return outputs
+        if on_grammars_accepted is None or self.grammars is None:
+            outputs += [out for row in rows if (out := self._take_row(step_result, *row)) is not None]
+            if on_grammars_accepted is not None:
+                on_grammars_accepted()
+            return outputs
+        by_row: dict[int, RequestOutput | None] = {}
+        for first in (True, False):
+            for index, row in enumerate(rows):
+                if (row[0].req_id in self.grammars) is first and index not in by_row:
+                    by_row[index] = self._take_row(step_result, *row)
+            if first:
+                on_grammars_accepted()
+        return outputs + [by_row[index] for index in range(len(rows)) if by_row[index] is not None]
+
+    def _take_row(self, step_result: StepResult, work: SequenceWork, request: Request | None,
+                  num_preemptions: int | None, sampled: SampledToken | None) -> RequestOutput | None:
+        """What one row of the step did for its request; its output, if it has one."""
+        if work.num_draft_tokens:
+            self._drafting.discard(work.req_id)
+        if request is None or request.status is not RequestStatus.RUNNING or (
+                num_preemptions is not None and request.num_preemptions != num_preemptions):
+            # Aborted, finished or preempted after schedule(): what the step did for it is moot
+            # (a token past a stop, an abort or max_tokens is dropped here, never counted).
+            return None
+        if work.num_draft_tokens:
+            return self._take_verified(request, work, sampled)
+        if work.prompt_logprob_ids:
+            take_prompt_logprobs(request, work, step_result)
+        request.num_computed_tokens += len(work.token_ids)
+        request.num_in_flight_tokens -= len(work.token_ids)
+        self.block_manager.register_full_blocks(request)
+        if sampled is None:
+            return None
+        request.num_pending_tokens -= 1
+        return self._append_token(request, sampled)
 
     def _copies_done(self, step_id: int, step_result: StepResult) -> None:
         """The host tier's copies of the step are complete: the requests whose prefix it loaded

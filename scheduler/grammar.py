@@ -13,9 +13,10 @@ request.
 Under async scheduling a constrained request is in every step: step n+1 is planned while step n
 runs, its input the token step n samples. That step's mask needs the matcher to have accepted
 step n's token first, so the batch samples late (`StepBatch.samples_late`): the runner launches
-step n+1's forward, the engine takes step n back (the matchers accept its tokens), and only then
-calls the filler, uploads the mask and samples step n+1, while its forward may still run. A
-request that finished on step n's token (its grammar ended) still has a row in step n+1, whose
+step n+1's forward, the engine takes step n's constrained rows back first (the matchers accept
+their tokens), then calls the filler, uploads the mask and samples step n+1, while its forward
+may still run, and only then takes step n's other rows (scheduler/finishing.py). A request that
+finished on step n's token (its grammar ended) still has a row in step n+1, whose
 result is dropped: its matcher is terminated, and its row is left unmasked.
 
 The fill runs on xgrammar's batch matcher, which releases the GIL, over `fill_threads(rows)`

@@ -179,3 +179,30 @@ def test_the_step_trace_says_which_steps_had_constrained_rows_sampled_late_and_w
     # Once the constrained request is gone, its steps neither sample late nor fill a mask.
     after = steps[steps.index(constrained[-1]) + 2:]
     assert after and not any(s["samples_late"] or s["fill_ms"] or s["constrained_rows"] for s in after)
+
+
+def test_a_late_step_is_sampled_once_the_constrained_rows_are_taken_before_the_other_rows(tiny_chat):
+    """Step n taken back: the constrained row's token accepted, step n+1's mask filled and its
+    sampling launched, and only then the free row's token appended (its stop checks, its output):
+    the device's wait for the step ahead's sampling is the constrained rows' host work alone."""
+    config = EngineConfig(model=str(tiny_chat), dtype="float32", num_kv_blocks=64, max_num_seqs=8,
+                          async_scheduling=True)
+    with LLMEngine(config) as engine:
+        runner, scheduler = engine.executor.runner, engine.scheduler
+        events: list[str] = []
+        runner.sampler.sample_on_device = spy(events, "s", runner.sampler.sample_on_device)
+        append = scheduler._append_token
+
+        def appended(request, *args):
+            events.append("a" if request.sampling.grammar is not None else "p")  # a row's token taken
+            return append(request, *args)
+
+        scheduler._append_token = appended
+        params = [SamplingParams(max_tokens=6, temperature=0.0, grammar=PET_GRAMMAR),
+                  SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)]
+        results = engine.generate(PROMPTS[:2], params, chat=True)
+    steps = "".join(events)
+    # Once both decode: each step taken back takes the constrained row, samples the step ahead,
+    # then takes the free row.
+    assert re.search("(asp){3}", steps), steps  # (taken in batch order, it would be "aps")
+    assert len(results[1].token_ids) == 6
