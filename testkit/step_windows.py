@@ -87,12 +87,7 @@ def mixed_summary(steps: list[dict], num_samples: int = 5) -> str:
              ("mixed, with batch prefill", [s for s in mixed if s.get("batch_prefill_tokens")]),
              ("chats only", [s for s in steps if s.get("chat_rows") and not is_mixed(s)]),
              ("batch only", [s for s in steps if not s.get("chat_rows")]))
-    lines = ["| steps (medians) | count | " + " | ".join(PART_FIELDS) + " |",
-             "| --- | ---: |" + " ---: |" * len(PART_FIELDS)]
-    for label, kind in kinds:
-        if kind:
-            medians = " | ".join(_median(kind, name) for name in PART_FIELDS)
-            lines.append(f"| {label} | {len(kind):,} | {medians} |")
+    lines = _median_table(kinds, PART_FIELDS)
     predicted = [s for s in mixed if s.get("predicted_ms")]
     if predicted:
         over = sum(s["ms"] > s["predicted_ms"] for s in predicted)
@@ -123,13 +118,18 @@ def grammar_summary(steps: list[dict]) -> str:
              ("with constrained rows, sampled at launch", [s for s in steps if s.get("constrained_rows")
                                                           and not s.get("samples_late")]),
              ("without", [s for s in steps if not s.get("constrained_rows")]))
-    lines = ["| steps (medians) | count | " + " | ".join(GRAMMAR_FIELDS) + " |",
-             "| --- | ---: |" + " ---: |" * len(GRAMMAR_FIELDS)]
+    return "\n".join(_median_table(kinds, GRAMMAR_FIELDS))
+
+
+def _median_table(kinds, fields: tuple[str, ...]) -> list[str]:
+    """Markdown lines: a row of each (label, steps) with steps, its count and its fields' medians."""
+    lines = ["| steps (medians) | count | " + " | ".join(fields) + " |",
+             "| --- | ---: |" + " ---: |" * len(fields)]
     for label, kind in kinds:
         if kind:
-            medians = " | ".join(_median(kind, name) for name in GRAMMAR_FIELDS)
+            medians = " | ".join(_median(kind, name) for name in fields)
             lines.append(f"| {label} | {len(kind):,} | {medians} |")
-    return "\n".join(lines)
+    return lines
 
 
 def main(argv: list[str]) -> None:
