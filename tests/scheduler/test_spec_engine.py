@@ -16,7 +16,7 @@ from scheduler.engine_metrics import EngineMetrics
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
 from shared.speculative import SpeculativeConfig
-from tests.workers.test_mixed_graphs import fake_mixed_graphs  # noqa: F401 - a fixture
+from tests.workers.test_mixed_graphs import fake_mixed_graphs, nan_for_uninitialized  # noqa: F401 - fixtures
 
 NGRAM = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=2)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
@@ -197,10 +197,11 @@ def test_no_speculation_above_disable_by_batch_size(tiny) -> None:
 
 
 def test_verify_steps_replay_the_mixed_graphs_and_stay_greedy_identical(
-        tiny, plain, fake_mixed_graphs, monkeypatch) -> None:  # noqa: F811
+        tiny, plain, fake_mixed_graphs, nan_for_uninitialized, monkeypatch) -> None:  # noqa: F811
     """On the runner's graph branches (their static buffers run eagerly here, as CUDA replays
     them), a step with drafts takes a mixed graph, whose rows are the eager step's, and scores
-    every draft from them: the same tokens as plain decoding."""
+    every draft from them: the same tokens as plain decoding. Uninitialized memory reads as NaN
+    here (it once turned a sequence's tokens to 0 after its first, in about one run of ten)."""
     monkeypatch.setattr("workers.runner_build.use_cuda_graphs", lambda config, device: True)
     monkeypatch.setattr("workers.runner_build.DecodeGraphs.capture", lambda self: None)  # run eagerly
     greedy = [p for p in PARAMS[:NUM_COMPARED] if p.logprobs is None]
