@@ -7,12 +7,23 @@ penalties (each position's history would differ), no seed (its random stream is 
 output position, which a verify step would have to reproduce). Such requests decode plainly,
 in the same steps as the speculating ones.
 
-Backoff:
+Backing off:
 - per step: no drafts while more than `disable_by_batch_size` requests run (a large batch is
   compute-bound, and a verify step's extra rows would cost more than they save);
-- per request: of its last `_WINDOW` look-ups (a look-up that finds nothing counts as one with
-  nothing accepted), when the drafted tokens accepted fall below `min_acceptance_rate`, it
-  proposes nothing for its next `backoff_steps` output tokens, then tries again.
+- per request: once it has `_WINDOW` look-ups (a look-up that finds nothing counts as one with
+  nothing accepted), the expected-gain rule (gain.py) prices them with the step cost model; where
+  the predicted speedup is below `min_speedup`, or the drafts accepted below
+  `min_acceptance_rate`, the request stops proposing. Judged again at every look-up.
+
+A request that stopped decodes plainly, and under async scheduling no longer holds the engine
+back. Its way back depends on the proposer:
+- n-gram (host-only, deterministic): the look-ups it would have made go on on the host, scored
+  against the tokens the model then produced ("shadow" look-ups: the drafts at position p are
+  the lookup in the tokens before p, accepted as far as they match the tokens from p on, which
+  is exactly what greedy verification accepts, and for sampled rows what a point-mass proposal
+  accepts on average). It proposes again as soon as its recent look-ups pass the rule;
+- a draft model (each look-up a forward of the draft): it waits `backoff_steps` output tokens,
+  doubled at each consecutive back-off (at most 16 times), then speculates for a window again.
 """
 
 from __future__ import annotations
@@ -21,10 +32,12 @@ import collections
 from dataclasses import dataclass, field
 
 from scheduler.request import Request
-from scheduler.speculative.proposers import Proposer, make_proposer
+from scheduler.speculative.gain import StepMs, predicted_speedup
+from scheduler.speculative.proposers import NgramProposer, Proposer, make_proposer
 from shared.speculative import SpeculativeConfig
 
-_WINDOW = 8  # look-ups a request's acceptance rate is judged over
+_WINDOW = 8  # look-ups a request's acceptance and gain are judged over
+_MAX_BACKOFF_DOUBLINGS = 4  # a draft model's back-off grows to 16 x backoff_steps at most
 
 
 def can_speculate(request: Request) -> bool:
@@ -36,20 +49,33 @@ def can_speculate(request: Request) -> bool:
 
 @dataclass
 class _Track:
-    """One request's recent look-ups: (drafted, accepted) each."""
+    """One request's recent look-ups, (drafted, accepted) each, and whether it proposes now."""
 
     recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=_WINDOW))
-    resume_at: int = 0  # backed off until the request has this many output tokens
+    is_on: bool = True
+    resume_at: int = 0  # a draft model's, backed off: until the request has this many output tokens
+    num_backoffs: int = 0  # consecutive back-offs (a draft model's grows with them)
+    shadow_at: int = 0  # n-gram, backed off: the token count of the next shadow look-up
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None, *,
+                 step_ms: StepMs | None = None, gives_up_async: bool = False) -> None:
+        """step_ms: a step's predicted milliseconds by its tokens (the scheduler's step cost
+        model), which prices look-ups (gain.py); None: the proportions of one H100 run.
+        gives_up_async: whether a request that may speculate stops the engine from planning a
+        step ahead (async scheduling on)."""
         self.config = config
         self.proposer = proposer or make_proposer(config)
+        self.step_ms = step_ms
+        self.gives_up_async = gives_up_async
+        # Whether a look-up can be replayed on the host for free (a shadow look-up, above).
+        self._scores_on_host = isinstance(self.proposer, NgramProposer)
         # Whether the proposer drafts for a whole step at once (a draft model's batched forward);
         # n-gram look-ups do not, and `prepare` is then never needed.
         self._propose_many = getattr(self.proposer, "propose_many", None)
         self._tracks: dict[str, _Track] = {}  # req_id -> its recent look-ups
+        self._num_decodes = 1  # the running requests of the step being planned (step_allows)
         # Cumulative, as vLLM counts them: verify rows that carried drafts, drafted tokens,
         # accepted drafts (by position in the run), tokens emitted by those rows (accepted + 1,
         # less any cut by a stop or max_tokens).
@@ -58,7 +84,8 @@ class Speculator:
         self.num_accepted_tokens = 0
         self.num_emitted_tokens = 0
         self.num_accepted_tokens_per_pos = [0] * config.num_speculative_tokens
-        self.num_backoffs = 0
+        self.num_backoffs = 0  # requests turned off by the rule
+        self.num_resumes = 0  # requests turned back on (shadow look-ups passed, or a back-off ran out)
         # Drafts proposed ahead for this step (prepare): req_id -> (its num_tokens then, drafts).
         self._prepared: dict[str, tuple[int, list[int]]] = {}
 
@@ -67,9 +94,18 @@ class Speculator:
         if not can_speculate(request):
             return False
         track = self._tracks.get(request.req_id)
-        return track is None or request.num_output_tokens >= track.resume_at
+        if track is None or track.is_on:
+            return True
+        if self._scores_on_host:
+            self._shadow_lookups(request, track)
+        elif request.num_output_tokens >= track.resume_at:
+            self._turn_on(track)
+        return track.is_on
 
     def step_allows(self, num_running: int) -> bool:
+        """Whether a step of `num_running` requests may carry drafts; the rule then prices each
+        request's look-ups in a step of that many decodes."""
+        self._num_decodes = num_running
         return num_running <= self.config.disable_by_batch_size
 
     def propose(self, request: Request, max_drafts: int) -> list[int]:
@@ -118,16 +154,50 @@ class Speculator:
     def _note(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         track = self._tracks.setdefault(request.req_id, _Track())
         track.recent.append((num_drafted, num_accepted))
-        if len(track.recent) < _WINDOW:
-            return
-        drafted = sum(d for d, _ in track.recent)
-        accepted = sum(a for _, a in track.recent)
-        # A look-up that found nothing counts as K drafted, none accepted.
-        drafted += self.config.num_speculative_tokens * sum(1 for d, _ in track.recent if d == 0)
-        if accepted < self.config.min_acceptance_rate * drafted:
-            track.recent.clear()
-            track.resume_at = request.num_output_tokens + self.config.backoff_steps
+        if track.is_on and len(track.recent) == _WINDOW and not self._pays(track):
+            track.is_on = False
             self.num_backoffs += 1
+            track.num_backoffs += 1
+            # (noted before the look-up's tokens are appended: the next look-up comes after them)
+            track.shadow_at = request.num_tokens + num_accepted + 1
+            doublings = min(track.num_backoffs - 1, _MAX_BACKOFF_DOUBLINGS)
+            track.resume_at = (request.num_output_tokens + num_accepted + 1
+                               + self.config.backoff_steps * 2 ** doublings)
+
+    def _pays(self, track: _Track) -> bool:
+        """The rule: the window's drafts accepted at min_acceptance_rate or more, and their
+        predicted speedup (gain.py) at min_speedup or more."""
+        # A look-up that found nothing counts as K drafted, none accepted.
+        drafted = sum(d if d else self.config.num_speculative_tokens for d, _ in track.recent)
+        accepted = sum(a for _, a in track.recent)
+        if accepted < self.config.min_acceptance_rate * drafted:
+            return False
+        return self.predicted_speedup(track.recent) >= self.config.min_speedup
+
+    def predicted_speedup(self, lookups) -> float:
+        """What look-ups of (drafted, accepted) each would speed the planned step up by (gain.py)."""
+        return predicted_speedup(lookups, self._num_decodes, self.step_ms, self.gives_up_async)
+
+    def _shadow_lookups(self, request: Request, track: _Track) -> None:
+        """Replay, on the host, the look-ups a backed-off n-gram request would have made since,
+        each scored against the tokens produced after it; back on when the window passes."""
+        k = self.config.num_speculative_tokens
+        tokens = request.all_token_ids
+        while track.shadow_at + k <= len(tokens):
+            at = track.shadow_at
+            drafts = self.proposer.propose(tokens[:at], k, req_id=request.req_id)
+            accepted = next((i for i, d in enumerate(drafts) if d != tokens[at + i]), len(drafts))
+            track.recent.append((len(drafts), accepted))
+            track.shadow_at = at + accepted + 1  # where that verify would have left it
+            if len(track.recent) == _WINDOW and self._pays(track):
+                self._turn_on(track)
+                return
+
+    def _turn_on(self, track: _Track) -> None:
+        track.is_on = True
+        self.num_resumes += 1
+        if not self._scores_on_host:  # a probe: a window of real look-ups before it is judged
+            track.recent.clear()
 
     def forget(self, req_id: str) -> None:
         self._tracks.pop(req_id, None)

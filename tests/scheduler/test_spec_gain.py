@@ -1,0 +1,129 @@
+"""The expected-gain rule (scheduler/speculative/gain.py) and how a request goes off and back on
+speculation by it (scheduler/speculative/speculator.py): n-gram requests by look-ups replayed on
+the host, a draft model's after a back-off that doubles. Real models through the engine:
+tests/scheduler/test_spec_chat_gain.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.request import Request
+from scheduler.speculative.gain import HOST_MS, HOST_SHARE, ROW_COST, predicted_speedup
+from scheduler.speculative.speculator import Speculator
+from scheduler.step_cost import StepCost
+from shared.sampling import SamplingParams
+from shared.speculative import SpeculativeConfig
+
+COPY = [(4, 4)] * 7 + [(4, 3)]  # a copy: nearly every draft accepted
+CHAT = [(4, 1), (0, 0), (4, 2), (3, 0), (0, 0), (4, 1), (4, 0), (2, 0)]  # an open chat
+
+
+def test_without_timed_steps_the_rule_prices_steps_as_the_h100_run_did() -> None:
+    # a copy's look-up: 5 tokens for 1 + 4 * ROW_COST + HOST_SHARE plain steps
+    assert predicted_speedup([(4, 4)], 1, None, True) == pytest.approx(5 / (1 + 4 * ROW_COST + HOST_SHARE))
+    assert predicted_speedup(COPY, 1, None, True) > 2
+    assert predicted_speedup(CHAT, 1, None, True) < 1
+    # Nothing found: a plain step, less the async scheduling it gave up; nothing lost without it.
+    assert predicted_speedup([(0, 0)] * 8, 1, None, True) == pytest.approx(1 / (1 + HOST_SHARE))
+    assert predicted_speedup([(0, 0)] * 8, 1, None, False) == pytest.approx(1.0)
+    assert predicted_speedup([], 1, None, True) == 1.0
+
+
+def test_the_rule_prices_look_ups_with_the_step_cost_model() -> None:
+    cost = StepCost()
+    for tokens, ms in ((1, 1.0), (4, 1.5), (8, 2.0), (16, 3.0)):
+        cost.observe(tokens, ms)
+    # batch 1, one look-up of 4 drafts, 2 accepted: 3 tokens in a 5-token step (1.625 ms) + h
+    assert predicted_speedup([(4, 2)], 1, cost.predict, True) == pytest.approx(3 / (1.625 + HOST_MS))
+    # batch 8: the same look-up adds 2 tokens to 8, in a 12-token step (2.5 ms) instead of 2 ms
+    assert predicted_speedup([(4, 2)], 8, cost.predict, False) == pytest.approx((10 / 2.5) / (8 / 2.0))
+    # the same acceptance pays less in a larger batch
+    assert predicted_speedup(COPY, 8, cost.predict, True) < predicted_speedup(COPY, 1, cost.predict, True)
+
+
+def _request(prompt: list[int]) -> Request:
+    return Request("r", prompt, SamplingParams(temperature=0.0, max_tokens=500))
+
+
+def _decode(speculator: Speculator, request: Request, next_token) -> None:
+    """One step of the request: a verify of its drafts when it speculates (accepted as far as
+    they match what `next_token` continues with, as greedy verification does), else one token."""
+    assert speculator.step_allows(1)
+    drafts = speculator.propose(request, 4)
+    truth: list[int] = []
+    for _ in range(len(drafts) + 1):
+        truth.append(next_token(request.all_token_ids + truth))
+    accepted = next((i for i, d in enumerate(drafts) if d != truth[i]), len(drafts))
+    if drafts:
+        speculator.record(request, len(drafts), accepted)  # (before the tokens, as finishing.py does)
+    request.output_token_ids += truth[:accepted + 1]
+
+
+PHRASE = list(range(100, 112))
+
+
+def copying(tokens: list[int]) -> int:
+    """Repeats a 12-token phrase."""
+    return PHRASE[(len(tokens) - 1) % len(PHRASE)]
+
+
+def counting(tokens: list[int]) -> int:
+    """Never repeats an earlier pair: no look-up finds anything... until it copies (past 200)."""
+    return copying(tokens) if len(tokens) > 200 else 1000 + len(tokens)
+
+
+def test_an_ngram_request_goes_off_where_look_ups_do_not_pay_and_back_on_where_they_would() -> None:
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4), gives_up_async=True)
+    request = _request([5, 6, 7, 5, 6])
+    while request.num_tokens < 120:
+        _decode(speculator, request, counting)
+    assert speculator.num_backoffs == 1 and not speculator.wants_to_speculate(request)
+    assert speculator.num_drafts <= 8  # its first window, then shadow look-ups only
+    while request.num_tokens < 200:
+        _decode(speculator, request, counting)
+    assert not speculator.wants_to_speculate(request)  # its shadow look-ups still find nothing
+    drafts_before = speculator.num_drafts
+    while request.num_tokens < 260:  # now it copies: the look-ups it would make pay again
+        _decode(speculator, request, counting)
+    assert speculator.num_resumes == 1 and speculator.wants_to_speculate(request)
+    assert speculator.num_drafts > drafts_before and speculator.num_backoffs == 1
+
+
+def test_a_copying_request_keeps_speculating() -> None:
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4), gives_up_async=True)
+    request = _request(PHRASE * 2)
+    while request.num_tokens < 200:
+        _decode(speculator, request, copying)
+    assert speculator.num_backoffs == 0 and speculator.acceptance_rate > 0.9
+
+
+class FixedDrafts:
+    """A proposer that no host replay can score (like a draft model): always the same drafts."""
+
+    def propose(self, token_ids, max_drafts: int, req_id: str = "") -> list[int]:
+        return [1, 2, 3, 4][:max_drafts]
+
+    def forget(self, req_id: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_draft_model_request_probes_again_after_a_back_off_that_doubles() -> None:
+    config = SpeculativeConfig(method="draft_model", model="d", num_speculative_tokens=4, backoff_steps=10)
+    speculator = Speculator(config, FixedDrafts(), gives_up_async=True)
+    request = _request([5, 6, 7])
+    resumed_after = []
+    for _ in range(3):
+        for _ in range(8):  # a window of look-ups that accept nothing
+            assert speculator.wants_to_speculate(request)
+            speculator.record(request, 4, 0)
+            request.output_token_ids.append(9)
+        assert not speculator.wants_to_speculate(request)
+        waited = 0
+        while not speculator.wants_to_speculate(request):
+            request.output_token_ids.append(9)
+            waited += 1
+        resumed_after.append(waited)
+    assert resumed_after == [10, 20, 40] and speculator.num_backoffs == 3
