@@ -43,6 +43,43 @@ CHAT_PROMPTS = [
 ]
 
 
+class SpecSteps:
+    """An engine's step observer counting its steps, those that carried drafts, and the look-ups
+    made meanwhile (a decode that looks for drafts, found or not, runs without a step planned
+    ahead of it): the shares that the expected-gain rule lowers where drafts do not pay."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.num_steps = 0
+        self.num_verify_steps = 0
+        self._speculator = engine.scheduler.speculator
+        self._lookups_before = self._speculator.num_lookups if self._speculator else 0
+        self._inner = engine.step_observer
+        engine.step_observer = self
+
+    def record_step(self, output, outputs, duration_s, result_wait_s=0.0) -> None:
+        if self._inner is not None:
+            self._inner.record_step(output, outputs, duration_s, result_wait_s)
+        if output.batch.works:
+            self.num_steps += 1
+            self.num_verify_steps += any(w.num_draft_tokens for w in output.batch.works)
+
+    @property
+    def num_lookups(self) -> int:
+        return self._speculator.num_lookups - self._lookups_before if self._speculator else 0
+
+    @property
+    def verify_share(self) -> float:
+        return self.num_verify_steps / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def lookup_share(self) -> float:
+        """Look-ups per step: at batch 1, the share of steps the request speculated in."""
+        return self.num_lookups / self.num_steps if self.num_steps else 0.0
+
+    def detach(self, engine: LLMEngine) -> None:
+        engine.step_observer = self._inner
+
+
 @dataclass
 class Timed:
     seconds: float

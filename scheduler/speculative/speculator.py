@@ -84,6 +84,7 @@ class Speculator:
         self.num_accepted_tokens = 0
         self.num_emitted_tokens = 0
         self.num_accepted_tokens_per_pos = [0] * config.num_speculative_tokens
+        self.num_lookups = 0  # decodes that looked for drafts (found or not): each held a step back
         self.num_backoffs = 0  # requests turned off by the rule
         self.num_resumes = 0  # requests turned back on (shadow look-ups passed, or a back-off ran out)
         # Drafts proposed ahead for this step (prepare): req_id -> (its num_tokens then, drafts).
@@ -114,6 +115,7 @@ class Speculator:
         max_drafts = min(max_drafts, self.config.num_speculative_tokens)
         if max_drafts <= 0 or not self.wants_to_speculate(request):
             return []
+        self.num_lookups += 1
         prepared = self._prepared.pop(request.req_id, None)
         if prepared is not None and prepared[0] == request.num_tokens:
             drafts = prepared[1][:max_drafts]  # a greedy run of K cut to m: the run of m

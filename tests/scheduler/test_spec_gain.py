@@ -127,3 +127,18 @@ def test_a_draft_model_request_probes_again_after_a_back_off_that_doubles() -> N
             waited += 1
         resumed_after.append(waited)
     assert resumed_after == [10, 20, 40] and speculator.num_backoffs == 3
+
+
+def test_acceptance_above_the_floor_still_backs_off_where_the_verify_steps_cost_more() -> None:
+    """One draft of four accepted (25%, above min_acceptance_rate 0.2): two tokens for a verify
+    step priced 1.96 plain steps, plus the async scheduling given up: slower than plain."""
+    request = _request([5, 6, 7])
+    for gives_up_async in (True, False):
+        speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4), gives_up_async=gives_up_async)
+        for _ in range(8):
+            speculator.record(request, 4, 1)
+        assert speculator.num_backoffs == 1
+    lenient = Speculator(SpeculativeConfig(num_speculative_tokens=4, min_speedup=0.9))
+    for _ in range(8):
+        lenient.record(request, 4, 1)  # 2 / 1.96 = 1.02 without async scheduling to lose
+    assert lenient.num_backoffs == 0 and lenient.wants_to_speculate(request)
