@@ -84,7 +84,7 @@ class Scheduler(Admission, StepComposition, Finishing):
         self.speculator = None
         if config.speculative is not None:  # (its rule prices look-ups with the step cost model)
             self.speculator = Speculator(config.speculative, proposer,
-                                         step_ms=lambda n: self.step_cost.predict(n),
+                                         step_cost=lambda: self.step_cost,
                                          gives_up_async=config.async_scheduling)
         self._drafting: set[str] = set()  # requests whose step in flight carries drafts
         # The adapters served and their slots (scheduler/lora_slots.py); None: no adapters.

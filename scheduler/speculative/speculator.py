@@ -29,11 +29,13 @@ back. Its way back depends on the proposer:
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from scheduler.request import Request
 from scheduler.speculative.gain import StepMs, predicted_speedup
 from scheduler.speculative.proposers import NgramProposer, Proposer, make_proposer
+from scheduler.step_cost import StepCost
 from shared.speculative import SpeculativeConfig
 
 _WINDOW = 8  # look-ups a request's acceptance and gain are judged over
@@ -60,14 +62,14 @@ class _Track:
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None, *,
-                 step_ms: StepMs | None = None, gives_up_async: bool = False) -> None:
-        """step_ms: a step's predicted milliseconds by its tokens (the scheduler's step cost
-        model), which prices look-ups (gain.py); None: the proportions of one H100 run.
+                 step_cost: Callable[[], StepCost] | None = None, gives_up_async: bool = False) -> None:
+        """step_cost: the scheduler's step cost model (a getter), which prices look-ups
+        (gain.py) once it has timed steps of two sizes; None: the proportions of one H100 run.
         gives_up_async: whether a request that may speculate stops the engine from planning a
         step ahead (async scheduling on)."""
         self.config = config
         self.proposer = proposer or make_proposer(config)
-        self.step_ms = step_ms
+        self.step_cost = step_cost
         self.gives_up_async = gives_up_async
         # Whether a look-up can be replayed on the host for free (a shadow look-up, above).
         self._scores_on_host = isinstance(self.proposer, NgramProposer)
@@ -178,7 +180,13 @@ class Speculator:
 
     def predicted_speedup(self, lookups) -> float:
         """What look-ups of (drafted, accepted) each would speed the planned step up by (gain.py)."""
-        return predicted_speedup(lookups, self._num_decodes, self.step_ms, self.gives_up_async)
+        return predicted_speedup(lookups, self._num_decodes, self._step_ms(), self.gives_up_async)
+
+    def _step_ms(self) -> StepMs | None:
+        """The cost model's predictions, once it has two points: from one it would scale a
+        step's time with its tokens, and price every verify row as a whole step."""
+        cost = self.step_cost() if self.step_cost is not None else None
+        return cost.predict if cost is not None and len(cost.points()) >= 2 else None
 
     def _shadow_lookups(self, request: Request, track: _Track) -> None:
         """Replay, on the host, the look-ups a backed-off n-gram request would have made since,

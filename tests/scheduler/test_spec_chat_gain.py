@@ -34,7 +34,7 @@ def test_an_open_chat_stops_speculating_a_copy_keeps_it_and_greedy_output_is_pla
     with _engine(smollm2, NGRAM) as engine:
         speculator = engine.scheduler.speculator
         assert speculator.gives_up_async
-        speculator.step_ms = None  # the H100 run's proportions, not this machine's timing
+        speculator.step_cost = None  # the H100 run's proportions, not this machine's timing
         for name, prompt in prompts.items():
             steps, backoffs = SpecSteps(engine), speculator.num_backoffs
             tokens = engine.generate([prompt], GREEDY)[0].token_ids

@@ -142,3 +142,15 @@ def test_acceptance_above_the_floor_still_backs_off_where_the_verify_steps_cost_
     for _ in range(8):
         lenient.record(request, 4, 1)  # 2 / 1.96 = 1.02 without async scheduling to lose
     assert lenient.num_backoffs == 0 and lenient.wants_to_speculate(request)
+
+
+def test_the_speculator_prices_with_the_cost_model_once_it_has_two_points() -> None:
+    cost = StepCost()
+    speculator = Speculator(SpeculativeConfig(), step_cost=lambda: cost, gives_up_async=True)
+    assert speculator.step_allows(1)
+    prior = predicted_speedup([(4, 2)], 1, None, True)
+    cost.observe(1, 1.0)  # one point: it would price a 5-token step at 5 ms
+    assert speculator.predicted_speedup([(4, 2)]) == pytest.approx(prior)
+    cost.observe(16, 1.5)
+    assert speculator.predicted_speedup([(4, 2)]) == pytest.approx(
+        3 / (cost.predict(5) + HOST_MS))
