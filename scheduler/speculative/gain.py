@@ -9,23 +9,25 @@ per millisecond with and without this request's speculation compare as
 
     speedup = [sum_i (B + a_i) / sum_i (T(B + d_i) + h)] / [B / T(B)]
 
-where h is the host's work between steps that speculation exposes: a request that may
-speculate needs its last token on the host before its next step is planned, so the engine
-gives up async scheduling (planning step n+1 while the device runs step n) while it runs. With
-async scheduling off, every step waits for the host anyway, and h is 0.
+where h is the host's work between two steps that speculation exposes: a request that may
+speculate needs its last token on the host before its next step is planned, so the engine gives
+up async scheduling (planning step n+1 while the device runs step n) while it runs, and the
+scheduler's work between steps (taking the step's tokens in, planning the next) adds to every
+step. The cost model does not see it: it times a step from its submission (or the previous
+result) to its result. With async scheduling off, every step waits for the host anyway: h is 0.
 
 The rule needs no acceptance threshold of its own: a look-up that found nothing costs h and
 gains nothing; one accepting everything gains K tokens for the price of K extra rows.
 
-Where the cost model knows nothing yet (no step timed), steps are priced in units of T(B) from
-one H100 run (bfloat16, SmolLM2-135M-Instruct, batch 1; docs/speculative-decoding.md): a decode
-step 0.96 ms under async scheduling, 1.21 ms without it (h = 0.25 ms), a verify step of five rows
-1.89 ms, so each draft row adds about a quarter of a step (ROW_COST) and h is about a quarter of
-a step (HOST_SHARE).
-
-The cost model times steps from one result to the next, so steps that ran without a step ahead
-include the host's work already, and adding h to them counts it twice: the rule errs towards
-decoding plainly, which is never slower than plain.
+The numbers come from one H100 run (bfloat16, SmolLM2-135M-Instruct, batch 1, K = 4; docs/
+speculative-decoding.md): a plain decode step 0.96 ms under async scheduling; with speculation
+the step trace timed a step without drafts at 1.21 ms and a verify step of five rows at 1.89 ms,
+and the copy's 1,905 tok/s at 4.61 tokens per verify means 2.42 ms per verify step: 0.53 ms of
+host work outside the traced step (HOST_MS). Where the cost model has not timed steps of two
+sizes yet, steps are priced in those proportions, in units of the plain step: a speculating step
+of d drafts 1.26 + 0.18 d, plus h = 0.55. They reproduce that run: 4.61 tokens per verify give
+1.83x (measured 1.88x), the chat's 2.43 give 0.96x before its look-ups that found nothing
+(measured 0.89x with them).
 """
 
 from __future__ import annotations
@@ -34,9 +36,12 @@ from collections.abc import Callable, Iterable
 
 StepMs = Callable[[int], "float | None"]  # tokens of a step -> its predicted milliseconds; None: unknown
 
-HOST_MS = 0.25  # the host's work between two steps (H100 trace: 1.21 ms sync - 0.96 ms async)
-ROW_COST = 0.24  # a draft row's share of a decode step where no step was timed ((1.89 / 0.96 - 1) / 4)
-HOST_SHARE = 0.26  # h in decode steps where no step was timed (0.25 / 0.96)
+HOST_MS = 0.5  # the host's work between two steps, outside the cost model's step times (0.53 measured)
+# Where no step was timed: in plain decode steps (0.96 ms), a step that speculates without drafts
+# (1.21 / 0.96), what each draft row adds to it ((1.89 - 1.21) / 4 / 0.96), and h (0.53 / 0.96).
+SYNC_STEP = 1.26
+ROW_COST = 0.18
+HOST_SHARE = 0.55
 
 
 def predicted_speedup(lookups: Iterable[tuple[int, int]], num_decodes: int, step_ms: StepMs | None,
@@ -52,14 +57,14 @@ def predicted_speedup(lookups: Iterable[tuple[int, int]], num_decodes: int, step
     if plain_ms is None or not plain_ms > 0:  # nothing timed: the H100 run's proportions
         plain_ms, host_ms = 1.0, HOST_SHARE
 
-        def cost(num_tokens: int) -> float:
-            return 1.0 + ROW_COST * (num_tokens - b)
+        def cost(num_drafts: int) -> float:
+            return (SYNC_STEP if gives_up_async else 1.0) + ROW_COST * num_drafts
     else:
         host_ms = HOST_MS
 
-        def cost(num_tokens: int) -> float:  # (never below the plain step: more rows cost more)
-            return max(step_ms(num_tokens) or plain_ms, plain_ms)
+        def cost(num_drafts: int) -> float:  # (never below the plain step: more rows cost more)
+            return max(step_ms(b + num_drafts) or plain_ms, plain_ms)
     host_ms = host_ms if gives_up_async else 0.0
     tokens = sum(b + accepted for _, accepted in lookups)
-    ms = sum(cost(b + drafted) + host_ms for drafted, _ in lookups)
+    ms = sum(cost(drafted) + host_ms for drafted, _ in lookups)
     return (tokens / ms) / (b / plain_ms)
