@@ -192,6 +192,8 @@ class Speculator:
         """Replay, on the host, the look-ups a backed-off n-gram request would have made since,
         each scored against the tokens produced after it; back on when the window passes."""
         k = self.config.num_speculative_tokens
+        if track.shadow_at + k > request.num_tokens:
+            return  # (checked first: the tokens' list is a copy)
         tokens = request.all_token_ids
         while track.shadow_at + k <= len(tokens):
             at = track.shadow_at
