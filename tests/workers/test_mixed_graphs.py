@@ -247,10 +247,10 @@ def test_static_buffer_mixed_steps_match_eager_steps(tiny_checkpoints, fake_mixe
     assert num_mixed >= 6 and sum(g.num_replays for g in graphs.graphs.values()) == num_mixed
 
 
-def test_engine_on_the_mixed_graph_path_gives_the_eager_greedy_tokens(tiny_checkpoints, fake_mixed_graphs,
-                                                                      monkeypatch) -> None:
+def test_engine_on_the_mixed_graph_path_gives_the_eager_greedy_tokens(
+        tiny_checkpoints, fake_mixed_graphs, nan_for_uninitialized, monkeypatch) -> None:
     """The runner's mixed branch inside the real engine (chunked prefills beside decodes), against
-    an engine that runs every step eagerly."""
+    an engine that runs every step eagerly; uninitialized memory reads as NaN."""
     from scheduler.engine import LLMEngine
 
     rng = random.Random(7)
