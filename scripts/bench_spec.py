@@ -72,10 +72,10 @@ def main() -> int:
         log(f"{rows[-1].label}: done")
     print(f"\nSmolLM2 on {device}; speculative config {args.spec}")
     print("(ratio: spec / plain output tok/s; by CPU: the same in output tokens per CPU second of this "
-          "process; cores: the smaller of the two runs' CPU seconds per wall second; verify: steps with "
-          "drafts; lookups: look-ups for drafts per step, found or not, each a step with none planned "
-          "ahead (at batch 1, the share of steps that speculated); backoffs: requests the expected-gain "
-          "rule turned off)")
+          "process; cores: the smaller of the two runs' CPU seconds per wall second; ahead: steps whose "
+          "successor was planned while they ran (async scheduling); verify: steps with drafts; lookups: "
+          "look-ups for drafts per step, found or not, each a step with none planned ahead (at batch 1, "
+          "the share of steps that speculated); backoffs: requests the expected-gain rule turned off)")
     print_rows(rows, spec.method)
     is_identical = all(row.is_identical for row in rows)
     for engine in engines.values():

@@ -51,6 +51,8 @@ class SpecSteps:
     def __init__(self, engine: LLMEngine) -> None:
         self.num_steps = 0
         self.num_verify_steps = 0
+        self.num_ahead = 0  # steps with the next one already submitted when they came back (async)
+        self._engine = engine
         self._speculator = engine.scheduler.speculator
         self._lookups_before = self._speculator.num_lookups if self._speculator else 0
         self._inner = engine.step_observer
@@ -62,6 +64,7 @@ class SpecSteps:
         if output.batch.works:
             self.num_steps += 1
             self.num_verify_steps += any(w.num_draft_tokens for w in output.batch.works)
+            self.num_ahead += self._engine.num_in_flight > 0
 
     @property
     def num_lookups(self) -> int:
@@ -75,6 +78,11 @@ class SpecSteps:
     def lookup_share(self) -> float:
         """Look-ups per step: at batch 1, the share of steps the request speculated in."""
         return self.num_lookups / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def ahead_share(self) -> float:
+        """Steps whose successor was planned while they ran (async scheduling kept)."""
+        return self.num_ahead / self.num_steps if self.num_steps else 0.0
 
     def detach(self, engine: LLMEngine) -> None:
         engine.step_observer = self._inner
@@ -92,6 +100,7 @@ class Timed:
     num_verify_steps: int = 0  # steps with drafts
     num_lookups: int = 0  # decodes that looked for drafts (each ran with no step planned ahead)
     num_backoffs: int = 0  # requests the expected-gain rule turned off
+    num_ahead: int = 0  # steps whose successor was planned while they ran (async scheduling)
 
     @property
     def num_output_tokens(self) -> int:
@@ -141,6 +150,7 @@ def run_workload(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, *
     steps.detach(engine)
     timed.num_steps, timed.num_verify_steps, timed.num_lookups = (steps.num_steps, steps.num_verify_steps,
                                                                   steps.num_lookups)
+    timed.num_ahead = steps.num_ahead
     for name, value in zip(counters, before, strict=False):  # (none without a speculator)
         setattr(timed, name, getattr(speculator, name) - value)
     return timed
@@ -190,15 +200,19 @@ def compare_row(plain_engine, spec_engine, workload: str, prompts: list, max_tok
 
 def print_rows(rows: list[Row], spec_name: str) -> None:
     """Per workload a plain row and a speculating one: output tok/s, the speculating engine's
-    ratio to plain (by wall time, and by this process's CPU time), its steps, the share of them
-    that carried drafts, look-ups per step (at batch 1: the share of steps that speculated, each
-    with no step planned ahead), requests backed off by the expected-gain rule, and the drafts'
-    acceptance and tokens per verify."""
+    ratio to plain (by wall time, and by this process's CPU time), the steps, the share of them
+    whose successor was planned while they ran (async scheduling), the share that carried drafts,
+    look-ups per step (at batch 1: the share of steps that speculated, each with no step planned
+    ahead), requests backed off by the expected-gain rule, and the drafts' acceptance and tokens
+    per verify."""
     print(f"{'workload':<16} {'engine':<6} {'tokens':>7} {'tok/s':>9} {'ratio':>6} {'by CPU':>7} "
-          f"{'cores':>6} {'steps':>6} {'verify':>7} {'lookups':>8} {'backoffs':>8} {'accept':>7} {'len':>5} "
-          f"{'identical':>9}")
+          f"{'cores':>6} {'steps':>6} {'ahead':>6} {'verify':>7} {'lookups':>8} {'backoffs':>8} "
+          f"{'accept':>7} {'len':>5} {'identical':>9}")
     for row in rows:
-        print(f"{row.label:<16} {'plain':<6} {row.plain.num_output_tokens:>7} {row.plain.output_rate:>9.1f}")
+        plain = row.plain
+        print(f"{row.label:<16} {'plain':<6} {plain.num_output_tokens:>7} {plain.output_rate:>9.1f} "
+              f"{'':>6} {'':>7} {'':>6} {plain.num_steps:>6} "
+              f"{100 * plain.num_ahead / max(plain.num_steps, 1):>5.0f}%")
         run = row.spec
         steps = max(run.num_steps, 1)
         drafts = f"{'-':>7} {'-':>5}"
@@ -207,5 +221,6 @@ def print_rows(rows: list[Row], spec_name: str) -> None:
                       f"{1 + run.num_accepted_tokens / run.num_drafts:>5.2f}")
         print(f"{'':<16} {spec_name[:6]:<6} {run.num_output_tokens:>7} {run.output_rate:>9.1f} "
               f"{row.ratio:>5.2f}x {row.cpu_ratio:>6.2f}x {row.cores:>6.2f} {run.num_steps:>6} "
-              f"{100 * run.num_verify_steps / steps:>6.0f}% {run.num_lookups / steps:>8.2f} "
-              f"{run.num_backoffs:>8} {drafts} {'yes' if row.is_identical else 'NO':>9}")
+              f"{100 * run.num_ahead / steps:>5.0f}% {100 * run.num_verify_steps / steps:>6.0f}% "
+              f"{run.num_lookups / steps:>8.2f} {run.num_backoffs:>8} {drafts} "
+              f"{'yes' if row.is_identical else 'NO':>9}")

@@ -91,19 +91,53 @@ class Speculator:
         self.num_resumes = 0  # requests turned back on (shadow look-ups passed, or a back-off ran out)
         # Drafts proposed ahead for this step (prepare): req_id -> (its num_tokens then, drafts).
         self._prepared: dict[str, tuple[int, list[int]]] = {}
+        # n-gram: the look-up `_may_find` made (req_id -> (num_tokens then, drafts)), and its
+        # answer (req_id -> (num_tokens, num_pending_tokens, may find)) until the request moves on.
+        self._looked_up: dict[str, tuple[int, list[int]]] = {}
+        self._known: dict[str, tuple[int, int, bool]] = {}
 
     def wants_to_speculate(self, request: Request) -> bool:
         """Eligible and not backed off: it proposes at its next decode with its token on the host."""
         if not can_speculate(request):
             return False
         track = self._tracks.get(request.req_id)
-        if track is None or track.is_on:
+        if track is not None and not track.is_on:
+            if self._scores_on_host:
+                self._shadow_lookups(request, track)
+            elif request.num_output_tokens >= track.resume_at:
+                self._turn_on(track)
+            if not track.is_on:
+                return False
+        return self._may_find(request)
+
+    def _may_find(self, request: Request) -> bool:
+        """Whether the request's next look-up can find drafts, where the host can tell (n-gram,
+        suffixes of two tokens or more): with all its tokens on the host, the look-up itself (kept
+        for `propose`; one that finds nothing counts as a look-up, as the engine held a step back
+        for it); with its next input token still pending on the device, whether its last known
+        token occurred before (a suffix ending with the pending token needs that pair before).
+        A request whose look-up cannot find anything holds no step back: it is scheduled ahead
+        like any other, and its look-ups resume once its last token occurred before."""
+        if not self._scores_on_host or self.proposer.min_n < 2:
             return True
-        if self._scores_on_host:
-            self._shadow_lookups(request, track)
-        elif request.num_output_tokens >= track.resume_at:
-            self._turn_on(track)
-        return track.is_on
+        known = self._known.get(request.req_id)
+        if known is not None and known[0] == request.num_tokens and known[1] == request.num_pending_tokens:
+            return known[2]
+        if request.num_pending_tokens == 1:
+            tokens = request.all_token_ids
+            may_find = tokens[-1] in tokens[:-1]
+        elif (not request.num_pending_tokens and not request.num_in_flight_tokens
+              and request.num_computed_tokens == request.num_tokens - 1):  # a decode, token on the host
+            drafts = self.proposer.propose(request.all_token_ids, self.config.num_speculative_tokens)
+            self._looked_up[request.req_id] = (request.num_tokens, drafts)
+            may_find = bool(drafts)
+            if not may_find:
+                self.num_lookups += 1
+                self._note(request, 0, 0)
+        else:
+            return True  # a prefill: its look-ups come later
+        self._known[request.req_id] = (request.num_tokens, request.num_pending_tokens, may_find)
+        return may_find
 
     def step_allows(self, num_running: int) -> bool:
         """Whether a step of `num_running` requests may carry drafts; the rule then prices each
@@ -118,7 +152,7 @@ class Speculator:
         if max_drafts <= 0 or not self.wants_to_speculate(request):
             return []
         self.num_lookups += 1
-        prepared = self._prepared.pop(request.req_id, None)
+        prepared = self._prepared.pop(request.req_id, None) or self._looked_up.pop(request.req_id, None)
         if prepared is not None and prepared[0] == request.num_tokens:
             drafts = prepared[1][:max_drafts]  # a greedy run of K cut to m: the run of m
         else:
@@ -213,6 +247,8 @@ class Speculator:
 
     def forget(self, req_id: str) -> None:
         self._tracks.pop(req_id, None)
+        self._looked_up.pop(req_id, None)
+        self._known.pop(req_id, None)
         self.proposer.forget(req_id)
 
     def close(self) -> None:

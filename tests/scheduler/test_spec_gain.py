@@ -157,3 +157,29 @@ def test_the_speculator_prices_with_the_cost_model_once_it_has_two_points() -> N
     cost.observe(16, 1.5)
     assert speculator.predicted_speedup([(4, 2)]) == pytest.approx(
         3 / (cost.predict(5) + HOST_MS))
+
+
+def test_a_request_whose_look_up_cannot_find_drafts_holds_no_step_back() -> None:
+    """Two-token suffixes at least: with its next token pending, a request whose last known
+    token never occurred before cannot find drafts at its next look-up, so it may be scheduled
+    ahead; with its tokens on the host, the look-up itself says (and counts, found or not)."""
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2))
+    request = _request([5, 6, 7, 8])
+    request.output_token_ids = [9]
+    request.num_computed_tokens = 4
+    request.num_pending_tokens = 1  # a token on its way: the suffix would be [9, pending]
+    assert not speculator.wants_to_speculate(request) and speculator.num_lookups == 0
+    request.num_pending_tokens, request.num_computed_tokens = 0, 5
+    request.output_token_ids = [9, 6]  # on the host now, and [9, 6] never occurred: nothing found
+    assert not speculator.wants_to_speculate(request)
+    assert speculator.num_lookups == 1 and speculator.propose(request, 4) == []
+    request.output_token_ids = [9, 6, 7]  # [6, 7] occurred: the look-up finds [8, 9, 6, 7]
+    request.num_computed_tokens = 6
+    assert speculator.wants_to_speculate(request)
+    assert speculator.propose(request, 3) == [8, 9, 6] and speculator.num_lookups == 2
+    request.output_token_ids = [9, 6, 7, 8]
+    request.num_computed_tokens, request.num_pending_tokens = 6, 1  # 8 occurred before: it may find
+    assert speculator.wants_to_speculate(request)
+    one_token = Speculator(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1))
+    request.output_token_ids = [9]
+    assert one_token.wants_to_speculate(request)  # any pending token may have occurred before
