@@ -24,6 +24,9 @@ back. Its way back depends on the proposer:
   accepts on average). It proposes again as soon as its recent look-ups pass the rule;
 - a draft model (each look-up a forward of the draft): it waits `backoff_steps` output tokens,
   doubled at each consecutive back-off (at most 16 times), then speculates for a window again.
+
+An n-gram request whose next look-up cannot find anything does not want to speculate in that
+step either (`_may_find`): it is scheduled ahead like a request that cannot speculate.
 """
 
 from __future__ import annotations
@@ -192,7 +195,11 @@ class Speculator:
     def _note(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         track = self._tracks.setdefault(request.req_id, _Track())
         track.recent.append((num_drafted, num_accepted))
-        if track.is_on and len(track.recent) == _WINDOW and not self._pays(track):
+        if not track.is_on or len(track.recent) < _WINDOW:
+            return
+        if self._pays(track):
+            track.num_backoffs = 0  # (a draft model's next back-off starts short again)
+        else:
             track.is_on = False
             self.num_backoffs += 1
             track.num_backoffs += 1
