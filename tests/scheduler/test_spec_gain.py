@@ -130,6 +130,17 @@ def test_a_draft_model_request_probes_again_after_a_back_off_that_doubles() -> N
             waited += 1
         resumed_after.append(waited)
     assert resumed_after == [10, 20, 40] and speculator.num_backoffs == 3
+    for _ in range(8):  # a window that paid
+        speculator.record(request, 4, 4)
+        request.output_token_ids += [9] * 5
+    while speculator.wants_to_speculate(request):  # then drafts rejected until it backs off: 10 again
+        speculator.record(request, 4, 0)
+        request.output_token_ids.append(9)
+    waited = 0
+    while not speculator.wants_to_speculate(request):
+        request.output_token_ids.append(9)
+        waited += 1
+    assert waited == 10 and speculator.num_backoffs == 4
 
 
 def test_acceptance_above_the_floor_still_backs_off_where_the_verify_steps_cost_more() -> None:
