@@ -100,7 +100,8 @@ class Speculator:
         self._known: dict[str, tuple[int, int, bool]] = {}
 
     def wants_to_speculate(self, request: Request) -> bool:
-        """Eligible and not backed off: it proposes at its next decode with its token on the host."""
+        """Eligible, not backed off, and its next look-up may find drafts: it proposes at its next
+        decode with its token on the host (and until then holds async scheduling back)."""
         if not can_speculate(request):
             return False
         track = self._tracks.get(request.req_id)

@@ -137,6 +137,8 @@ def test_metrics_count_drafted_accepted_and_emitted_tokens_under_vllms_names(spe
     assert value("num_draft_tokens") == spec.drafted and accepted == spec.accepted > 0
     assert value("num_emitted_tokens") == accepted + drafts  # no stop cut a run here
     assert sum(value("num_accepted_tokens_per_pos", position=str(p)) for p in range(4)) == accepted
+    assert value("num_lookups") >= drafts  # (a look-up that found nothing carried no drafts)
+    assert value("num_resumes") <= value("num_backoffs")
     generated = spec.metrics.registry.get_sample_value(
         "tokenfleet:generation_tokens_total", {"model_name": "tiny", "scheduler": "s0"})
     assert generated == sum(len(t) for t in spec.outputs())
