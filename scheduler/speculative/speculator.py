@@ -10,10 +10,12 @@ in the same steps as the speculating ones.
 Backing off:
 - per step: no drafts while more than `disable_by_batch_size` requests run (a large batch is
   compute-bound, and a verify step's extra rows would cost more than they save);
-- per request: once it has `_WINDOW` look-ups (a look-up that finds nothing counts as one with
-  nothing accepted), the expected-gain rule (gain.py) prices them with the step cost model; where
-  the predicted speedup is below `min_speedup`, or the drafts accepted below
-  `min_acceptance_rate`, the request stops proposing. Judged again at every look-up.
+- per request: its last `_WINDOW` look-ups (a look-up that finds nothing counts as one with
+  nothing accepted) are priced by the expected-gain rule (gain.py) with the step cost model;
+  where the predicted speedup is below `min_speedup`, or the drafts accepted below
+  `min_acceptance_rate`, the request stops proposing. Judged at every look-up from the
+  `_MIN_JUDGED`th on: a window not full yet as if its other look-ups were all its best one, so a
+  request whose first look-ups find nothing stops after three, not eight.
 
 A request that stopped decodes plainly, and under async scheduling no longer holds the engine
 back. Its way back depends on the proposer:
@@ -42,6 +44,7 @@ from scheduler.step_cost import StepCost
 from shared.speculative import SpeculativeConfig
 
 _WINDOW = 8  # look-ups a request's acceptance and gain are judged over
+_MIN_JUDGED = 3  # look-ups before the first judgment (the window then completed by its best)
 _MAX_BACKOFF_DOUBLINGS = 4  # a draft model's back-off grows to 16 x backoff_steps at most
 
 
@@ -196,29 +199,35 @@ class Speculator:
     def _note(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         track = self._tracks.setdefault(request.req_id, _Track())
         track.recent.append((num_drafted, num_accepted))
-        if not track.is_on or len(track.recent) < _WINDOW:
+        if not track.is_on or len(track.recent) < _MIN_JUDGED:
             return
-        if self._pays(track):
+        if len(track.recent) == _WINDOW and self._pays(track.recent):
             track.num_backoffs = 0  # (a draft model's next back-off starts short again)
-        else:
-            track.is_on = False
-            self.num_backoffs += 1
-            track.num_backoffs += 1
-            # (noted before the look-up's tokens are appended: the next look-up comes after them)
-            track.shadow_at = request.num_tokens + num_accepted + 1
-            doublings = min(track.num_backoffs - 1, _MAX_BACKOFF_DOUBLINGS)
-            track.resume_at = (request.num_output_tokens + num_accepted + 1
-                               + self.config.backoff_steps * 2 ** doublings)
+            return
+        # A window not full yet is judged as if its other look-ups were all its best one: where
+        # even that would not pay, waiting for them would only cost more steps without a step ahead.
+        best = max(track.recent, key=lambda lookup: lookup[1])
+        if self._pays([*track.recent, *[best] * (_WINDOW - len(track.recent))]):
+            return
+        track.is_on = False
+        self.num_backoffs += 1
+        track.num_backoffs += 1
+        # (noted before the look-up's tokens are appended: the next look-up comes after them)
+        track.shadow_at = request.num_tokens + num_accepted + 1
+        doublings = min(track.num_backoffs - 1, _MAX_BACKOFF_DOUBLINGS)
+        track.resume_at = (request.num_output_tokens + num_accepted + 1
+                           + self.config.backoff_steps * 2 ** doublings)
 
-    def _pays(self, track: _Track) -> bool:
-        """The rule: the window's drafts accepted at min_acceptance_rate or more, and their
+    def _pays(self, lookups) -> bool:
+        """The rule: the look-ups' drafts accepted at min_acceptance_rate or more, and their
         predicted speedup (gain.py) at min_speedup or more."""
+        lookups = list(lookups)
         # A look-up that found nothing counts as K drafted, none accepted.
-        drafted = sum(d if d else self.config.num_speculative_tokens for d, _ in track.recent)
-        accepted = sum(a for _, a in track.recent)
+        drafted = sum(d if d else self.config.num_speculative_tokens for d, _ in lookups)
+        accepted = sum(a for _, a in lookups)
         if accepted < self.config.min_acceptance_rate * drafted:
             return False
-        return self.predicted_speedup(track.recent) >= self.config.min_speedup
+        return self.predicted_speedup(lookups) >= self.config.min_speedup
 
     def predicted_speedup(self, lookups) -> float:
         """What look-ups of (drafted, accepted) each would speed the planned step up by (gain.py)."""
@@ -243,7 +252,7 @@ class Speculator:
             accepted = next((i for i, d in enumerate(drafts) if d != tokens[at + i]), len(drafts))
             track.recent.append((len(drafts), accepted))
             track.shadow_at = at + accepted + 1  # where that verify would have left it
-            if len(track.recent) == _WINDOW and self._pays(track):
+            if len(track.recent) >= _MIN_JUDGED and self._pays(track.recent):
                 self._turn_on(track)
                 return
 

@@ -119,7 +119,7 @@ def test_a_draft_model_request_probes_again_after_a_back_off_that_doubles() -> N
     request = _request([5, 6, 7])
     resumed_after = []
     for _ in range(3):
-        for _ in range(8):  # a window of look-ups that accept nothing
+        for _ in range(3):  # look-ups accepting nothing: three, and its best (nothing) would not pay
             assert speculator.wants_to_speculate(request)
             speculator.record(request, 4, 0)
             request.output_token_ids.append(9)
@@ -131,6 +131,7 @@ def test_a_draft_model_request_probes_again_after_a_back_off_that_doubles() -> N
         resumed_after.append(waited)
     assert resumed_after == [10, 20, 40] and speculator.num_backoffs == 3
     for _ in range(8):  # a window that paid
+        assert speculator.wants_to_speculate(request)
         speculator.record(request, 4, 4)
         request.output_token_ids += [9] * 5
     while speculator.wants_to_speculate(request):  # then drafts rejected until it backs off: 10 again
