@@ -17,7 +17,10 @@ Counting rules (as vLLM v1 counts them):
 - spec_decode_* (with speculative decoding only, as vLLM's): num_drafts (decodes that carried
   drafts), num_draft_tokens, num_accepted_tokens, num_accepted_tokens_per_pos{position} and
   num_emitted_tokens (accepted plus the target's own token, less what a stop cut). The acceptance
-  rate is accepted / draft tokens; the mean accepted length is 1 + accepted / drafts.
+  rate is accepted / draft tokens; the mean accepted length is 1 + accepted / drafts. Ours
+  beside them: num_lookups (decodes that looked for drafts, found or not: each ran without a
+  step planned ahead), num_backoffs and num_resumes (requests the expected-gain rule turned off,
+  and back on).
 - host KV tier (with --kv-offloading-size only; scheduler/host_tier.py): external_prefix_cache_hits
   (vLLM's name for prompt tokens found outside the GPU cache: here loaded from the host), and
   kv_offload_{stored,loaded}_{blocks,bytes}, kv_offload_load_seconds (the load rate in bytes per
@@ -44,7 +47,11 @@ _ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8
 SPEC_DECODE_COUNTERS = (("num_drafts", "decodes that carried drafts"),
                         ("num_draft_tokens", "draft tokens proposed and verified"),
                         ("num_accepted_tokens", "draft tokens accepted"),
-                        ("num_emitted_tokens", "tokens emitted by decodes with drafts"))
+                        ("num_emitted_tokens", "tokens emitted by decodes with drafts"),
+                        # ours: the expected-gain rule at work (scheduler/speculative/gain.py)
+                        ("num_lookups", "decodes that looked for drafts, found or not"),
+                        ("num_backoffs", "requests that stopped speculating where it did not pay"),
+                        ("num_resumes", "backed-off requests that speculated again"))
 # Attributes the block manager has once it caches prefixes (cumulative token counts); read
 # with a default so these metrics exist, at 0, before it does.
 PREFIX_CACHE_COUNTERS = (("prefix_cache_queries", "prompt tokens looked up in the prefix cache"),

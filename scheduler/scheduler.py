@@ -81,7 +81,11 @@ class Scheduler(Admission, StepComposition, Finishing):
         # they stop); the caller turns the others' tokens into text off the step's critical path.
         self.text_for_stop_strings_only = False
         # Speculative decoding: decodes may carry drafts that the step verifies (_drafts).
-        self.speculator = Speculator(config.speculative, proposer) if config.speculative is not None else None
+        self.speculator = None
+        if config.speculative is not None:  # (its rule prices look-ups with the step cost model)
+            self.speculator = Speculator(config.speculative, proposer,
+                                         step_cost=lambda: self.step_cost,
+                                         gives_up_async=config.async_scheduling)
         self._drafting: set[str] = set()  # requests whose step in flight carries drafts
         # The adapters served and their slots (scheduler/lora_slots.py); None: no adapters.
         self.lora_slots = LoraSlots(config.max_loras) if config.max_loras else None

@@ -7,9 +7,11 @@
 
 Two engines with the same settings, one with --speculative-config (--spec), are built and warmed
 up on every workload (short); each workload of testkit/spec_runs.py (copy and chat at batch 1, a
-batch of --batch requests) runs on the plain one then the speculating one. The table gives output
-tokens per second of each, their ratio, whether every output is token-identical (greedy), and the
-drafts' acceptance. The script exits non-zero when an output differs.
+batch of --batch requests) runs on the plain one then the speculating one. The table gives, per
+workload, a row for each engine: output tokens per second, the ratio, the steps and the share of
+them that speculated (steps with drafts, look-ups per step), the requests the expected-gain rule
+turned off, the drafts' acceptance, and whether every output is token-identical (greedy). The
+script exits non-zero when an output differs.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from scheduler.engine import LLMEngine
 from shared.config import EngineConfig
 from shared.logging import configure_logging
 from testkit.runs import log, print_command
-from testkit.spec_runs import compare_row, prompts_of, spec_config, warm_up
+from testkit.spec_runs import compare_row, print_rows, prompts_of, spec_config, warm_up
 from workers.default_model import fetch_default_model
 from workers.device import resolve_device
 
@@ -62,23 +64,20 @@ def main() -> int:
         engines[name] = LLMEngine(config)
         warm_up(engines[name], args.batch)
         log(f"{name} engine ready")
-    rows, is_identical = [], True
+    rows = []
     for workload, max_tokens, alone in (("copy", args.max_tokens, True), ("chat", args.max_tokens, True),
                                         ("batch", args.batch_max_tokens, False)):
         prompts = prompts_of(engines["plain"], workload, args.batch)
-        row = compare_row(engines["plain"], engines["ngram"], workload, prompts, max_tokens, alone)
-        is_identical &= row[7]
-        rows.append(row)
-        log(f"{row[0]}: done")
+        rows.append(compare_row(engines["plain"], engines["ngram"], workload, prompts, max_tokens, alone))
+        log(f"{rows[-1].label}: done")
     print(f"\nSmolLM2 on {device}; speculative config {args.spec}")
     print("(ratio: spec / plain output tok/s; by CPU: the same in output tokens per CPU second of this "
-          "process; cores: the smaller of the two runs' CPU seconds per wall second)")
-    print(f"{'workload':<16} {'tokens':>7} {'plain tok/s':>12} {spec.method[:5] + ' tok/s':>12} {'ratio':>6} "
-          f"{'by CPU':>7} {'cores':>6} {'identical':>9} {'accept':>7} {'len':>5}")
-    for label, tokens, plain_rate, spec_rate, ratio, cpu_ratio, cores, same, acceptance, mean_len in rows:
-        print(f"{label:<16} {tokens:>7} {plain_rate:>12.1f} {spec_rate:>12.1f} {ratio:>5.2f}x "
-              f"{cpu_ratio:>6.2f}x {cores:>6.2f} {'yes' if same else 'NO':>9} {100 * acceptance:>6.0f}% "
-              f"{mean_len:>5.2f}")
+          "process; cores: the smaller of the two runs' CPU seconds per wall second; ahead: steps whose "
+          "successor was planned while they ran (async scheduling); verify: steps with drafts; lookups: "
+          "look-ups for drafts per step, found or not, each a step with none planned ahead (at batch 1, "
+          "the share of steps that speculated); backoffs: requests the expected-gain rule turned off)")
+    print_rows(rows, spec.method)
+    is_identical = all(row.is_identical for row in rows)
     for engine in engines.values():
         engine.close()
     return 0 if is_identical else 1

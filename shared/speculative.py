@@ -10,11 +10,14 @@ from the request's own tokens) and "draft_model" (a smaller model sharing the ta
 methods vLLM knows are refused as not built; anything else, or a key that is not below, is an
 error naming it.
 
-Two keys say when speculation backs off (docs/speculative-decoding.md):
+Keys that say when speculation backs off (docs/speculative-decoding.md):
 - `disable_by_batch_size` (vLLM's key): no request speculates in a step while more than this many
   requests run (a large batch is compute-bound: verifying drafts would cost more than it saves);
-- `min_acceptance_rate` (ours): a request whose recent drafts were accepted at a lower rate stops
-  proposing for `backoff_steps` decodes, then tries again.
+- `min_speedup` and `min_acceptance_rate` (ours): a request whose recent look-ups are predicted
+  to speed its steps up by less than `min_speedup` (scheduler/speculative/gain.py), or whose
+  drafts were accepted at a lower rate, stops proposing; an n-gram request proposes again once
+  the look-ups it would have made pass again, a draft model's after `backoff_steps` decodes
+  (doubled at each consecutive back-off).
 """
 
 from __future__ import annotations
@@ -41,7 +44,10 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2  # shortest
     disable_by_batch_size: int = 16  # no speculation in a step while more requests than this run
     min_acceptance_rate: float = 0.2  # a request's recent acceptance below this: it backs off
-    backoff_steps: int = 16  # decodes a backed-off request makes without proposing
+    # A request's recent look-ups predicted to speed its steps up by less than this (the
+    # expected-gain rule, scheduler/speculative/gain.py): it backs off. 0: never on this ground.
+    min_speedup: float = 1.2
+    backoff_steps: int = 16  # draft_model: decodes a backed-off request makes before it tries again
     model: str | None = None  # draft_model: the draft's Hugging Face folder (required there only)
     draft_tensor_parallel_size: int = 1  # vLLM's key; the draft runs unsharded, in the engine's process
 
@@ -79,6 +85,9 @@ class SpeculativeConfig:
         rate = self.min_acceptance_rate
         if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate <= 1:
             raise SpeculativeConfigError(f"min_acceptance_rate must be a number in [0, 1], got {rate!r}")
+        gain = self.min_speedup
+        if isinstance(gain, bool) or not isinstance(gain, int | float) or not 0 <= gain <= 100:
+            raise SpeculativeConfigError(f"min_speedup must be a number in [0, 100], got {gain!r}")
 
     def __str__(self) -> str:
         """The JSON that parse_speculative_config reads back (a scheduler's command line)."""

@@ -43,6 +43,51 @@ CHAT_PROMPTS = [
 ]
 
 
+class SpecSteps:
+    """An engine's step observer counting its steps, those that carried drafts, and the look-ups
+    made meanwhile (a decode that looks for drafts, found or not, runs without a step planned
+    ahead of it): the shares that the expected-gain rule lowers where drafts do not pay."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.num_steps = 0
+        self.num_verify_steps = 0
+        self.num_ahead = 0  # steps with the next one already submitted when they came back (async)
+        self._engine = engine
+        self._speculator = engine.scheduler.speculator
+        self._lookups_before = self._speculator.num_lookups if self._speculator else 0
+        self._inner = engine.step_observer
+        engine.step_observer = self
+
+    def record_step(self, output, outputs, duration_s, result_wait_s=0.0) -> None:
+        if self._inner is not None:
+            self._inner.record_step(output, outputs, duration_s, result_wait_s)
+        if output.batch.works:
+            self.num_steps += 1
+            self.num_verify_steps += any(w.num_draft_tokens for w in output.batch.works)
+            self.num_ahead += self._engine.num_in_flight > 0
+
+    @property
+    def num_lookups(self) -> int:
+        return self._speculator.num_lookups - self._lookups_before if self._speculator else 0
+
+    @property
+    def verify_share(self) -> float:
+        return self.num_verify_steps / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def lookup_share(self) -> float:
+        """Look-ups per step: at batch 1, the share of steps the request speculated in."""
+        return self.num_lookups / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def ahead_share(self) -> float:
+        """Steps whose successor was planned while they ran (async scheduling kept)."""
+        return self.num_ahead / self.num_steps if self.num_steps else 0.0
+
+    def detach(self, engine: LLMEngine) -> None:
+        engine.step_observer = self._inner
+
+
 @dataclass
 class Timed:
     seconds: float
@@ -51,6 +96,11 @@ class Timed:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_steps: int = 0
+    num_verify_steps: int = 0  # steps with drafts
+    num_lookups: int = 0  # decodes that looked for drafts (each ran with no step planned ahead)
+    num_backoffs: int = 0  # requests the expected-gain rule turned off
+    num_ahead: int = 0  # steps whose successor was planned while they ran (async scheduling)
 
     @property
     def num_output_tokens(self) -> int:
@@ -90,16 +140,19 @@ def run_workload(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, *
     """Greedy outputs of `prompts` and the wall time: each prompt alone, or all at once."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     speculator = engine.scheduler.speculator
-    before = (speculator.num_drafts, speculator.num_draft_tokens, speculator.num_accepted_tokens) \
-        if speculator else (0, 0, 0)
+    counters = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_backoffs")
+    before = [getattr(speculator, name) for name in counters] if speculator else []
+    steps = SpecSteps(engine)
     start, cpu_start = time.perf_counter(), time.process_time()
     groups = [[p] for p in prompts] if one_at_a_time else [prompts]
     outputs = [r.token_ids for group in groups for r in engine.generate(group, params)]
     timed = Timed(time.perf_counter() - start, time.process_time() - cpu_start, outputs)
-    if speculator:
-        timed.num_drafts = speculator.num_drafts - before[0]
-        timed.num_draft_tokens = speculator.num_draft_tokens - before[1]
-        timed.num_accepted_tokens = speculator.num_accepted_tokens - before[2]
+    steps.detach(engine)
+    timed.num_steps, timed.num_verify_steps, timed.num_lookups = (steps.num_steps, steps.num_verify_steps,
+                                                                  steps.num_lookups)
+    timed.num_ahead = steps.num_ahead
+    for name, value in zip(counters, before, strict=False):  # (none without a speculator)
+        setattr(timed, name, getattr(speculator, name) - value)
     return timed
 
 
@@ -111,16 +164,63 @@ def warm_up(engine: LLMEngine, num_batch: int) -> None:
                      one_at_a_time=alone)
 
 
+@dataclass
+class Row:
+    """One workload on both engines (bench_spec.py's two rows of it)."""
+
+    label: str
+    plain: Timed
+    spec: Timed
+
+    @property
+    def ratio(self) -> float:
+        return self.spec.output_rate / self.plain.output_rate
+
+    @property
+    def cpu_ratio(self) -> float:
+        return self.spec.cpu_rate / self.plain.cpu_rate
+
+    @property
+    def cores(self) -> float:
+        """The smaller of the two runs' CPU seconds per wall second."""
+        return min(self.plain.cpu_seconds / self.plain.seconds, self.spec.cpu_seconds / self.spec.seconds)
+
+    @property
+    def is_identical(self) -> bool:
+        return self.plain.outputs == self.spec.outputs
+
+
 def compare_row(plain_engine, spec_engine, workload: str, prompts: list, max_tokens: int,
-                alone: bool) -> tuple:
-    """One row of bench_spec.py's table: the workload on the plain engine, then the speculating
-    one: (label, output tokens, plain tok/s, spec tok/s, ratio, ratio by CPU time, cores, identical,
-    acceptance, mean accepted length)."""
+                alone: bool) -> Row:
+    """The workload on the plain engine, then on the speculating one."""
     plain = run_workload(plain_engine, prompts, max_tokens, one_at_a_time=alone)
     spec = run_workload(spec_engine, prompts, max_tokens, one_at_a_time=alone)
-    acceptance = spec.num_accepted_tokens / spec.num_draft_tokens if spec.num_draft_tokens else 0.0
-    mean_len = 1 + spec.num_accepted_tokens / spec.num_drafts if spec.num_drafts else 0.0
-    return (f"{workload} (batch {1 if alone else len(prompts)})", plain.num_output_tokens, plain.output_rate,
-            spec.output_rate, spec.output_rate / plain.output_rate, spec.cpu_rate / plain.cpu_rate,
-            min(plain.cpu_seconds / plain.seconds, spec.cpu_seconds / spec.seconds),
-            plain.outputs == spec.outputs, acceptance, mean_len)
+    return Row(f"{workload} (batch {1 if alone else len(prompts)})", plain, spec)
+
+
+def print_rows(rows: list[Row], spec_name: str) -> None:
+    """Per workload a plain row and a speculating one: output tok/s, the speculating engine's
+    ratio to plain (by wall time, and by this process's CPU time), the steps, the share of them
+    whose successor was planned while they ran (async scheduling), the share that carried drafts,
+    look-ups per step (at batch 1: the share of steps that speculated, each with no step planned
+    ahead), requests backed off by the expected-gain rule, and the drafts' acceptance and tokens
+    per verify."""
+    print(f"{'workload':<16} {'engine':<6} {'tokens':>7} {'tok/s':>9} {'ratio':>6} {'by CPU':>7} "
+          f"{'cores':>6} {'steps':>6} {'ahead':>6} {'verify':>7} {'lookups':>8} {'backoffs':>8} "
+          f"{'accept':>7} {'len':>5} {'identical':>9}")
+    for row in rows:
+        plain = row.plain
+        print(f"{row.label:<16} {'plain':<6} {plain.num_output_tokens:>7} {plain.output_rate:>9.1f} "
+              f"{'':>6} {'':>7} {'':>6} {plain.num_steps:>6} "
+              f"{100 * plain.num_ahead / max(plain.num_steps, 1):>5.0f}%")
+        run = row.spec
+        steps = max(run.num_steps, 1)
+        drafts = f"{'-':>7} {'-':>5}"
+        if run.num_drafts:
+            drafts = (f"{100 * run.num_accepted_tokens / run.num_draft_tokens:>6.0f}% "
+                      f"{1 + run.num_accepted_tokens / run.num_drafts:>5.2f}")
+        print(f"{'':<16} {spec_name[:6]:<6} {run.num_output_tokens:>7} {run.output_rate:>9.1f} "
+              f"{row.ratio:>5.2f}x {row.cpu_ratio:>6.2f}x {row.cores:>6.2f} {run.num_steps:>6} "
+              f"{100 * run.num_ahead / steps:>5.0f}% {100 * run.num_verify_steps / steps:>6.0f}% "
+              f"{run.num_lookups / steps:>8.2f} {run.num_backoffs:>8} {drafts} "
+              f"{'yes' if row.is_identical else 'NO':>9}")

@@ -90,6 +90,8 @@ class GraphSet:
 
     sizes: list[int]
     device: torch.device
+    kv_caches: torch.Tensor  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+    scratch_block: int  # the block padding rows write into
     out: torch.Tensor | None
     graphs: dict[int, torch.cuda.CUDAGraph]
 
@@ -107,6 +109,11 @@ class GraphSet:
     def capture(self) -> None:
         """Capture every size, largest first, all in one memory pool (only one runs at a time)."""
         self.graphs = capture_graphs(self.sizes, self._forward, self.device)
+        # The capture's forwards ran on the static buffers' dummy inputs, whose rows may belong to
+        # no sequence (the mixed graphs' empty slots): their attention output was whatever memory
+        # held, NaN at times, and their K/V went into the scratch block. A decode's padded table
+        # reads that block (masked on the CPU path, but 0 * NaN is NaN), so it starts clean.
+        self.kv_caches[:, :, self.scratch_block].zero_()
 
 
 class DecodeGraphs(GraphSet):

@@ -24,9 +24,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
 def _draft_config(folder, **fields) -> SpeculativeConfig:
-    # min_acceptance_rate 0: a random draft is rarely right, and backing off would end the test.
+    # min_acceptance_rate and min_speedup 0: a random draft is rarely right, and backing off would
+    # end the test.
     return SpeculativeConfig(method="draft_model", model=str(folder), num_speculative_tokens=4,
-                             min_acceptance_rate=0.0, **fields)
+                             min_acceptance_rate=0.0, min_speedup=0.0, **fields)
 
 
 def _prompts(seed: int, num: int) -> list[list[int]]:

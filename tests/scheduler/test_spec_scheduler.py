@@ -188,8 +188,10 @@ def test_drafts_never_take_a_preemption():
 def test_async_engine_waits_for_a_request_that_would_speculate_and_not_for_one_backed_off():
     """has_requests_needing_their_token: True while a running request would propose (its drafts
     come from its tokens on the host), False once it backed off or the batch is past
-    disable_by_batch_size, and never for a request that cannot speculate."""
-    config = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=1, backoff_steps=100)
+    disable_by_batch_size, and never for a request that cannot speculate. (Look-ups of one token:
+    then any look-up may find drafts; where none can, tests/scheduler/test_spec_gain.py.)"""
+    config = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=1, backoff_steps=100,
+                               prompt_lookup_min=1)
     scheduler = _scheduler(config, async_scheduling=True)
     plain = make_request("plain", num_prompt=6, logprobs=0, max_tokens=40)
     scheduler.add_request(plain)

@@ -169,6 +169,19 @@ class _FakeGraph:
 
 
 @pytest.fixture
+def nan_for_uninitialized(monkeypatch) -> None:
+    """torch.empty_like fills floating tensors with NaN: a row read before anything wrote it
+    shows in every run, not once in a while (freed memory holds NaN bit patterns but rarely)."""
+    empty_like = torch.empty_like
+
+    def poisoned(tensor, *args, **kwargs):
+        out = empty_like(tensor, *args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty_like", poisoned)
+
+
+@pytest.fixture
 def fake_mixed_graphs(monkeypatch) -> None:
     last = {}
     forward = MixedGraphs._forward
@@ -234,10 +247,10 @@ def test_static_buffer_mixed_steps_match_eager_steps(tiny_checkpoints, fake_mixe
     assert num_mixed >= 6 and sum(g.num_replays for g in graphs.graphs.values()) == num_mixed
 
 
-def test_engine_on_the_mixed_graph_path_gives_the_eager_greedy_tokens(tiny_checkpoints, fake_mixed_graphs,
-                                                                      monkeypatch) -> None:
+def test_engine_on_the_mixed_graph_path_gives_the_eager_greedy_tokens(
+        tiny_checkpoints, fake_mixed_graphs, nan_for_uninitialized, monkeypatch) -> None:
     """The runner's mixed branch inside the real engine (chunked prefills beside decodes), against
-    an engine that runs every step eagerly."""
+    an engine that runs every step eagerly; uninitialized memory reads as NaN."""
     from scheduler.engine import LLMEngine
 
     rng = random.Random(7)
@@ -271,3 +284,21 @@ def test_the_cpu_stand_in_attends_every_row_of_the_bucket_padding_included() -> 
     for chunk in meta.prefills:
         covered |= set(range(chunk.token_start, chunk.token_start + chunk.num_tokens))
     assert covered == set(range(16))
+
+
+def test_the_capture_leaves_the_scratch_block_clean(tiny_checkpoints, fake_mixed_graphs,
+                                                     nan_for_uninitialized) -> None:
+    """The capture's forwards run on dummy rows in no slot (on CPU, rows no chunk owns; on CUDA,
+    rows of empty slots): their attention output was uninitialized, and their K/V went into the
+    scratch block, which a decode's padded table reads masked (0 * NaN is NaN): with NaN there,
+    every decode step without a padding row turned its sequences' tokens to 0."""
+    config = EngineConfig(model=str(tiny_checkpoints["llama"]), dtype="float32", device="cpu",
+                          num_kv_blocks=32, block_size=4)
+    runner = ModelRunner(config, SINGLE_DEVICE)
+    graphs = MixedGraphs(runner.model, runner.kv_caches, block_size=4, max_model_len=runner.max_model_len,
+                         scratch_block=runner.num_kv_blocks, max_tokens=32, num_decode_slots=4,
+                         hidden_size=runner.model_config.hidden_size, device=runner.device,
+                         num_prefill_slots=2)
+    graphs.capture()
+    scratch = runner.kv_caches[:, :, runner.num_kv_blocks]
+    assert bool(torch.isfinite(runner.kv_caches).all()) and not scratch.any()

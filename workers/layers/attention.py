@@ -99,8 +99,11 @@ class PagedAttention(nn.Module):
             )
             return out.view(q.shape[0], self.num_heads * self.head_dim)
 
-        out = torch.empty_like(q)
         n = meta.num_decode_tokens
+        # Rows that no decode or chunk owns (a graph capture's dummy rows) get zeros, not whatever
+        # memory held: their K/V goes into the scratch block, which padded tables read masked.
+        covered = n + sum(chunk.num_tokens for chunk in meta.prefills)
+        out = torch.empty_like(q) if covered == q.shape[0] else torch.zeros_like(q)
         if n:
             out[:n] = self._attend_decodes(q[:n], k_cache, v_cache, meta)
         for chunk in meta.prefills:
