@@ -180,6 +180,11 @@ class StepComposition:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted for a newcomer meanwhile
             wanted = self._num_new_tokens(request, plan.capped_budget)
+            if wanted == 1 and plan.can_speculate and self._may_draft(request):
+                # A decode that may speculate asks for room for its drafts too: the time cap cuts
+                # them, not a one-token request that leaves none.
+                wanted += min(self.speculator.config.num_speculative_tokens,
+                              max(0, self._max_drafts(request, plan.capped_budget)))
             token_budget = plan.capped_tokens(request.num_planned_tokens, wanted)
             if token_budget <= 0:  # not even its first token within the time left: the step is full
                 plan.was_capped = True

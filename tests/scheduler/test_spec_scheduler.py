@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from scheduler.block_manager import cdiv
-from scheduler.request import Request
+from scheduler.request import BATCH_PRIORITY, Request
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from shared.sampling import SamplingParams
 from shared.speculative import SpeculativeConfig
@@ -209,3 +209,18 @@ def test_async_engine_waits_for_a_request_that_would_speculate_and_not_for_one_b
     for _ in range(8):  # nothing accepted: it backs off
         scheduler.speculator.record(speculating, 4, 0)
     assert not scheduler.has_requests_needing_their_token()
+
+
+def test_a_batch_decode_beside_a_chat_still_drafts_within_the_time_cap():
+    """A less important decode asks the step's cap for room for its drafts, not for its one token
+    (which would leave none): beside a chat, a copy-heavy batch item keeps speculating."""
+    scheduler = _scheduler(NGRAM)
+    runner = VerifyingRunner(next_token=copy_back_4)
+    scheduler.add_request(make_request("b", num_prompt=16, first_token=1, priority=BATCH_PRIORITY,
+                                       max_tokens=60))
+    scheduler.add_request(make_request("chat", num_prompt=8, first_token=50, priority=0, max_tokens=60))
+    drafted = 0
+    for _ in range(20):
+        out = step(scheduler, runner, {})
+        drafted += sum(w.num_draft_tokens for w in out.batch.works if w.req_id == "b")
+    assert drafted > 0
