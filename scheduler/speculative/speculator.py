@@ -237,7 +237,15 @@ class Speculator:
         """The cost model's predictions, once it has two points: from one it would scale a
         step's time with its tokens, and price every verify row as a whole step."""
         cost = self.step_cost() if self.step_cost is not None else None
-        return cost.predict if cost is not None and len(cost.points()) >= 2 else None
+        points = cost.points() if cost is not None else []
+        if len(points) < 2:
+            return None
+        # Each row, a verify's draft rows included, reads about its request's context: priced at
+        # what a row read in the steps nearest this one's size (without it the curve is the
+        # steps' time at no context, and a plain step looks cheaper than it is).
+        near = min(points, key=lambda point: abs(point.num_tokens - self._num_decodes))
+        per_row = near.kv / near.num_tokens if near.num_tokens > 0 else 0.0
+        return lambda num_tokens: cost.predict(num_tokens, round(num_tokens * per_row))
 
     def _shadow_lookups(self, request: Request, track: _Track) -> None:
         """Replay, on the host, the look-ups a backed-off n-gram request would have made since,

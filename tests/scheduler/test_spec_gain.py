@@ -195,3 +195,21 @@ def test_a_request_whose_look_up_cannot_find_drafts_holds_no_step_back() -> None
     one_token = Speculator(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1))
     request.output_token_ids = [9]
     assert one_token.wants_to_speculate(request)  # any pending token may have occurred before
+
+
+def test_the_speculator_prices_a_step_with_the_context_its_rows_read() -> None:
+    """Where the steps' time is mostly their rows' context, the plain step is priced with that
+    context (what it took), not at the curve's no-context time, which would make the host's
+    0.5 ms look large beside it and turn speculation off where it pays."""
+    cost = StepCost()
+    speculator = Speculator(SpeculativeConfig(disable_by_batch_size=256), step_cost=lambda: cost,
+                            gives_up_async=True)
+    assert speculator.step_allows(64)
+    for step in range(40):  # 64 decodes of about 4k context (~2 ms); a few prefill steps
+        context = 64 * (4000 + 50 * (step % 7))
+        cost.observe(64, 0.5 + 4e-6 * context, kv_tokens=context)
+        cost.observe(2048, 20.0 + 4e-6 * 2048, kv_tokens=2048)
+    assert cost.ms_per_kv_token == pytest.approx(4e-6, rel=0.05)
+    step_ms = speculator._step_ms()
+    assert step_ms(64) == pytest.approx(0.5 + 4e-6 * 64 * 4150, rel=0.05)
+    assert step_ms(64) > 1.5 * cost.predict(64)  # what the curve alone says
