@@ -114,15 +114,17 @@ def kv_bytes_per_token(cfg: ModelConfig, *, kv_dtype_bytes: int, tp: int = 1, pp
 
 def choose_batch_sizing(*, card_bytes: int, weight_bytes: int, kv_bytes_per_token: int,
                         activation_bytes: int, memory_fraction: float,
-                        typical_context: int = TYPICAL_CONTEXT) -> BatchSizing:
+                        typical_context: int = TYPICAL_CONTEXT, pool_bytes: int | None = None) -> BatchSizing:
     """max_num_seqs and the largest graph batch for one rank of `card_bytes` holding
-    `weight_bytes` of weights (see the module docstring for the rule and its figures)."""
+    `weight_bytes` of weights (see the module docstring for the rule and its figures);
+    `pool_bytes`: the KV pool a user fixed (--num-kv-blocks), instead of the runner's estimate."""
     if card_bytes <= 0 or kv_bytes_per_token <= 0 or typical_context <= 0:
         raise ValueError("card_bytes, kv_bytes_per_token and typical_context must be positive")
     tier = card_tier(card_bytes)
     # As the runner sizes the pool (workers/runner_build.py): the fraction of what the weights
     # leave, less the largest step's activations.
-    pool = int((card_bytes - weight_bytes) * memory_fraction) - activation_bytes
+    pool = (pool_bytes if pool_bytes is not None
+            else int((card_bytes - weight_bytes) * memory_fraction) - activation_bytes)
     fits = max(0, pool) // (kv_bytes_per_token * typical_context)
     by_kv = max(MIN_NUM_SEQS, fits // 8 * 8)
     max_num_seqs = min(tier.max_num_seqs, by_kv)
@@ -150,11 +152,14 @@ def sizing_for(config: EngineConfig, model: ModelConfig, card_bytes: int) -> Bat
     step_tokens = config.max_num_batched_tokens
     mixed_tokens = min(config.cuda_graph_max_tokens, step_tokens) if config.cuda_graphs else 0
     tp, pp = config.tp, config.pp
+    per_token = kv_bytes_per_token(model, kv_dtype_bytes=kv_dtype_bytes, tp=tp, pp=pp)
     return choose_batch_sizing(
         card_bytes=card_bytes,
         weight_bytes=weight_bytes_estimate(model, dtype_bytes=dtype_bytes,
                                            linear_bytes=1 if quantized else None, num_ranks=tp * pp),
-        kv_bytes_per_token=kv_bytes_per_token(model, kv_dtype_bytes=kv_dtype_bytes, tp=tp, pp=pp),
+        kv_bytes_per_token=per_token,
         activation_bytes=activation_reserve_bytes(model.hidden_size, step_tokens, mixed_tokens),
         memory_fraction=config.kv_cache_memory_fraction,
+        pool_bytes=(config.num_kv_blocks * config.block_size * per_token
+                    if config.num_kv_blocks is not None else None),
     )

@@ -26,13 +26,17 @@ def card_bytes(card: torch.device) -> int:
     index = card.index if card.index is not None else 0
     if torch.cuda.is_initialized():
         return torch.cuda.get_device_properties(index).total_memory
-    probe = subprocess.run([sys.executable, "-c", _PROBE, str(index)], capture_output=True, text=True,
-                           timeout=120)
-    if probe.returncode != 0:
-        why = (probe.stderr.strip().splitlines() or ["no output"])[-1]
-        raise ModelLoadError(f"could not read the memory of {card} to size max_num_seqs ({why}); give "
-                             "--max-num-seqs and --cuda-graph-max-batch-size to choose them yourself")
-    return int(probe.stdout.split()[-1])
+    try:
+        probe = subprocess.run([sys.executable, "-c", _PROBE, str(index)], capture_output=True, text=True,
+                               timeout=120)
+        why = (probe.stderr.strip().splitlines() or ["no output"])[-1] if probe.returncode else None
+        if why is None and probe.stdout.split() and probe.stdout.split()[-1].isdigit():
+            return int(probe.stdout.split()[-1])
+        why = why or f"it printed {probe.stdout.strip()[-200:]!r}"
+    except (subprocess.TimeoutExpired, OSError) as error:
+        why = str(error)
+    raise ModelLoadError(f"could not read the memory of {card} to size max_num_seqs ({why}); give "
+                         "--max-num-seqs and --cuda-graph-max-batch-size to choose them yourself")
 
 
 def config_for_device(card: torch.device, **fields) -> EngineConfig:

@@ -121,3 +121,11 @@ def test_the_rule_reads_the_model_folder(tmp_path):
                                rms_norm_eps=1e-5, rope_theta=500000.0) == LLAMA_8B
     config = EngineConfig.for_device("cuda", model=str(tmp_path))
     assert sizing_for(config, from_folder, CARD_40) == _sizing(LLAMA_8B, CARD_40)
+
+
+def test_a_kv_pool_the_user_fixed_bounds_the_sequences():
+    """--num-kv-blocks 2048 (32k tokens) on an 80 GB card: the pool holds ~100 typical
+    sequences, whatever the card's free memory would have given."""
+    sizing = _sizing(LLAMA_8B, CARD_80, num_kv_blocks=2048)
+    assert sizing.max_num_seqs == 2048 * 16 // TYPICAL_CONTEXT // 8 * 8
+    assert _sizing(LLAMA_8B, CARD_80).max_num_seqs == 1024

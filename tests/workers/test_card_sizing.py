@@ -62,3 +62,17 @@ def test_a_tiny_model_on_a_24_gib_card_takes_the_tier(tmp_path):
     folder = make_tiny_checkpoint("llama", tmp_path / "tiny")
     config = sized_config("cuda", int(23.6 * GIB), model=str(folder))
     assert (config.max_num_seqs, config.cuda_graph_max_batch_size) == (256, 128)
+
+
+def test_a_probe_that_cannot_run_is_a_load_error_naming_the_flags(monkeypatch):
+    import subprocess
+
+    from workers import card_sizing
+
+    def hangs(*args, **kwargs):
+        raise subprocess.TimeoutExpired(args[0], 120)
+
+    monkeypatch.setattr(card_sizing.torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(card_sizing.subprocess, "run", hangs)
+    with pytest.raises(ModelLoadError, match="--max-num-seqs"):
+        card_sizing.card_bytes(torch.device("cuda", 0))
