@@ -30,7 +30,9 @@ from testkit.embedding_runs import (  # noqa: E402
     SHAPES,
     Row,
     build_model,
+    cpu_table,
     make_chunks,
+    metered,
     run_batch_job,
     run_concurrent,
     run_engine,
@@ -54,7 +56,13 @@ def main() -> int:
     parser.add_argument("--itl-target-ms", default="auto",
                         help="the scheduler's: auto (batch items alone run in ~50 ms steps) "
                              "or off (whole budgets)")
+    parser.add_argument("--paths", default="engine,batch,calls",
+                        help="which to run, comma-separated: engine (in process), batch (the Batch "
+                             "API job), calls (/v1/embeddings under concurrency)")
     args = parser.parse_args()
+    paths = set(args.paths.split(","))
+    if not paths or not paths <= {"engine", "batch", "calls"}:
+        parser.error(f"--paths {args.paths!r}: choose among engine, batch, calls")
     print(" ".join(sys.argv), flush=True)
     work = Path(tempfile.mkdtemp(prefix="tokenfleet-bench-embed-"))
     folder = work / args.shape
@@ -66,12 +74,16 @@ def main() -> int:
     children = Children(work / "logs")
     try:
         engine_flags = ["--device", args.device, "--itl-target-ms", args.itl_target_ms, *limits]
-        url = start_fleet(children, folder, work, engine_flags,
-                          ["--workers", str(args.gateway_workers)])
-        run_concurrent(url, make_chunks(64, args.chunk_tokens, vocab, seed=1), hidden, 8, 8)  # warm-up
-        rows.append(run_batch_job(url, chunks, hidden))
-        others = make_chunks(args.num_chunks, args.chunk_tokens, vocab, seed=2)  # not in any cache
-        rows.append(run_concurrent(url, others, hidden, args.concurrency, args.inputs_per_call))
+        if paths & {"batch", "calls"}:
+            url, meter = start_fleet(children, folder, work, engine_flags,
+                                     ["--workers", str(args.gateway_workers)])
+            run_concurrent(url, make_chunks(64, args.chunk_tokens, vocab, seed=1), hidden, 8, 8)  # warm-up
+        if "batch" in paths:
+            rows.append(metered(meter, lambda: run_batch_job(url, chunks, hidden)))
+        if "calls" in paths:
+            others = make_chunks(args.num_chunks, args.chunk_tokens, vocab, seed=2)  # not in any cache
+            rows.append(metered(meter, lambda: run_concurrent(url, others, hidden, args.concurrency,
+                                                              args.inputs_per_call)))
     except Exception as exc:  # noqa: BLE001 - a failed path is a row saying so
         rows.append(Row("fleet", errors=[f"{type(exc).__name__}: {exc}"]))
         print(children.tail("scheduler"), children.tail("gateway"), sep="\n", file=sys.stderr)
@@ -80,9 +92,12 @@ def main() -> int:
     config = EngineConfig.for_device(args.device.split(":")[0], model=str(folder), device=args.device,
                                      runner="pooling", max_num_seqs=args.max_num_seqs,
                                      max_num_batched_tokens=args.max_num_batched_tokens)
-    baseline = run_engine(config, chunks, hidden)
+    baseline = run_engine(config, chunks, hidden) if "engine" in paths else None
     print(f"\n{args.shape}, {args.num_chunks} chunks of ~{args.chunk_tokens} tokens, device {args.device}\n")
-    print(table([baseline, *rows], baseline))
+    every = [baseline, *rows] if baseline is not None else rows
+    print(table(every, baseline))
+    print()
+    print(cpu_table(every))
     return 0
 
 

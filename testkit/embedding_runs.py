@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +26,7 @@ from testkit.checkpoints import (
     make_tiny_bert,
     tiny_llama_with_smollm2_tokenizer,
 )
-from testkit.processes import Children, start_gateway, start_redis, start_scheduler
+from testkit.processes import Children, CpuMeter, start_gateway, start_redis, start_scheduler
 
 MODEL_NAME = "bench-embed"
 BERT_BASE = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
@@ -39,6 +41,9 @@ class Row:
     num_tokens: int = 0
     seconds: float = 0.0
     errors: list[str] = field(default_factory=list)
+    # CPU seconds each process spent on the path (a fleet's: redis, scheduler, gateway, each with
+    # its children): where the per-input host cost is when the engine is not the limit
+    cpu_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def inputs_per_s(self) -> float:
@@ -86,22 +91,26 @@ def run_engine(config: EngineConfig, chunks: list[list[int]], hidden: int) -> Ro
     row = Row("engine in process")
     with LLMEngine(config) as engine:
         engine.warm_up()
+        meter = CpuMeter({"engine": os.getpid()})
+        meter.start()
         started = time.perf_counter()
         results = engine.embed(chunks)
         row.seconds = time.perf_counter() - started
+        row.cpu_s = meter.stop()
     row.num_inputs, row.num_tokens = len(results), sum(r.num_prompt_tokens for r in results)
     row.errors = [e for e in (check_vector(r.embedding, hidden) for r in results) if e]
     return row
 
 
 def start_fleet(children: Children, folder: Path, work_dir: Path, engine_flags: list[str],
-                gateway_flags: list[str]) -> str:
-    """Redis, a `tokenfleet scheduler --runner pooling`, a gateway; returns the gateway's URL."""
+                gateway_flags: list[str]) -> tuple[str, CpuMeter]:
+    """Redis, a `tokenfleet scheduler --runner pooling`, a gateway; returns the gateway's URL and
+    a meter of the three processes' CPU time (each with its children)."""
     redis_url, _ = start_redis(children, work_dir / "redis", appendfsync="everysec")
     start_scheduler(children, redis_url, folder, "--runner", "pooling", "--model-name", MODEL_NAME,
                     *engine_flags, scheduler_id="bench-embed-0", ready_s=900.0)
     url, _ = start_gateway(children, redis_url, folder, "--model-name", MODEL_NAME, *gateway_flags)
-    return url
+    return url, CpuMeter({name: children.pid(name) for name in ("redis-server", "scheduler", "gateway")})
 
 
 def _vector(item: dict) -> np.ndarray:
@@ -190,6 +199,25 @@ def run_concurrent(url: str, chunks: list[list[int]], hidden: int, concurrency: 
     """(c): `concurrency` clients POST /v1/embeddings, `per_request` chunks per call (base64, as
     the openai SDK asks), until every chunk is embedded."""
     return asyncio.run(_concurrent(url, chunks, hidden, concurrency, per_request))
+
+
+def metered(meter: CpuMeter, run: Callable[[], Row]) -> Row:
+    """run()'s row with the CPU seconds each metered process spent meanwhile."""
+    meter.start()
+    row = run()
+    row.cpu_s = meter.stop()
+    return row
+
+
+def cpu_table(rows: list[Row]) -> str:
+    """CPU microseconds per input, by process: on a GPU the engine's process spends its own on
+    the step; the rest is the fleet's host cost, each process's ceiling 1e6 / its figure."""
+    lines = ["| path | CPU us per input, by process |", "| --- | --- |"]
+    for row in rows:
+        if row.cpu_s and row.num_inputs:
+            lines.append(f"| {row.path} | " + ", ".join(f"{name} {1e6 * s / row.num_inputs:,.0f}"
+                                                        for name, s in row.cpu_s.items()) + " |")
+    return "\n".join(lines)
 
 
 def table(rows: list[Row], baseline: Row | None) -> str:
