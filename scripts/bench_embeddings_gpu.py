@@ -53,6 +53,8 @@ def main() -> int:
     parser.add_argument("--max-num-seqs", type=int, default=512)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--gateway-workers", type=int, default=2)
+    parser.add_argument("--batch-max-inflight", type=int, default=1024,
+                        help="the gateway's: a job's lines queued at once")
     parser.add_argument("--itl-target-ms", default="auto",
                         help="the scheduler's: auto (batch items alone run in ~50 ms steps) "
                              "or off (whole budgets)")
@@ -76,7 +78,8 @@ def main() -> int:
         engine_flags = ["--device", args.device, "--itl-target-ms", args.itl_target_ms, *limits]
         if paths & {"batch", "calls"}:
             url, meter = start_fleet(children, folder, work, engine_flags,
-                                     ["--workers", str(args.gateway_workers)])
+                                     ["--workers", str(args.gateway_workers),
+                                      "--batch-max-inflight", str(args.batch_max_inflight)])
             run_concurrent(url, make_chunks(64, args.chunk_tokens, vocab, seed=1), hidden, 8, 8)  # warm-up
         if "batch" in paths:
             rows.append(metered(meter, lambda: run_batch_job(url, chunks, hidden)))
