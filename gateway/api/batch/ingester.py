@@ -34,7 +34,15 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.api.batch.entry import ENTRY_FIELDS, JobRefused, check_entry, job_id_for_entry
-from gateway.api.batch.jobs import IntakeLost, Job, JobStore, item_req_id, parse_item_req_id, unwritten
+from gateway.api.batch.jobs import (
+    IntakeLost,
+    Job,
+    JobStore,
+    LineOutput,
+    item_req_id,
+    parse_item_req_id,
+    unwritten,
+)
 from gateway.api.batch.line_requests import LineRequests
 from gateway.api.batch.lines import (
     LineItem,
@@ -315,20 +323,18 @@ class BatchIngester:
     # -- collecting -----------------------------------------------------------------------
 
     async def collect(self, notices: list, stream: str | None = None) -> None:
-        """Write the output of every line whose notices arrived (once all its choices ended)."""
-        lines: dict[tuple[str, int], None] = {}
+        """Write the output of every line whose notices arrived (once all its choices ended): per
+        job, its lines' records read in one round trip and their outputs written in another."""
+        lines: dict[str, dict[int, None]] = {}  # job -> its lines, in the notices' order
         for _, fields in notices:
             try:
                 job_id, index, _ = parse_item_req_id(fields[b"req"].decode())
             except (KeyError, ValueError):
                 continue  # not ours to understand; acknowledged below so it does not loop
-            lines[(job_id, index)] = None
-        jobs: dict[str, Job | None] = {}
-        for job_id, index in lines:
-            if job_id not in jobs:
-                jobs[job_id] = await self.jobs.get(job_id)
-            job = jobs[job_id]
-            if job is not None and await self._collect_line(job, index) == 2:
+            lines.setdefault(job_id, {})[index] = None
+        for job_id, indexes in lines.items():
+            job = await self.jobs.get(job_id)
+            if job is not None and 2 in await self._collect_lines(job, list(indexes)):
                 await self._finalize(job_id)
         if notices:
             entry_ids = [entry_id for entry_id, _ in notices]
@@ -339,27 +345,42 @@ class BatchIngester:
             await pipe.execute()
         self._wake_feeder.set()
 
-    async def _collect_line(self, job: Job, index: int) -> int:
-        first_id = item_req_id(job.id, index, 0)
-        first = ResultRecord.parse(first_id, await self.client.hgetall(self.keys.result(first_id)))
-        if first is None:
-            return 0  # written and cleaned up already
-        req_ids = [item_req_id(job.id, index, c) for c in range(first.batch_n or 1)]
-        pipe = self.client.pipeline(transaction=False)
-        for req_id in req_ids[1:]:
-            pipe.hgetall(self.keys.result(req_id))
-        raws = await pipe.execute()
-        records = [first, *(ResultRecord.parse(r, raw) for r, raw in zip(req_ids[1:], raws, strict=True))]
-        if any(record is None or not record.is_terminal for record in records):
-            return 0  # the last choice's notice will bring it here again
-        custom_id = first.custom_id
-        ok, line = self.lines.output(job, LineItem(index, first.batch_line, custom_id), records,
-                                await self.lines.target(job))
-        record_keys = [self.keys.result(r) for r in req_ids]
-        written = await self.jobs.collect(job.id, index, custom_id, ok, line, record_keys)
-        if written:
-            self.metrics.batch_lines.labels("completed" if ok else "failed").inc()
+    async def _collect_lines(self, job: Job, indexes: list[int]) -> list[int]:
+        """Each ready line's output written (JobStore.collect's answers); a line whose records
+        are gone (written and cleaned up already) or not all terminal is left alone: its last
+        choice's notice brings it here again."""
+        firsts = [group[0] for group in
+                  await self._read_records([[item_req_id(job.id, index, 0)] for index in indexes])]
+        req_ids = [[item_req_id(job.id, index, c) for c in range(1, first.batch_n or 1)] if first else []
+                   for index, first in zip(indexes, firsts, strict=True)]
+        others = await self._read_records(req_ids)
+        target = await self.lines.target(job)
+        outputs: list[LineOutput] = []
+        for index, first, rest, rest_ids in zip(indexes, firsts, others, req_ids, strict=True):
+            if first is None or any(r is None or not r.is_terminal for r in (first, *rest)):
+                continue
+            item = LineItem(index, first.batch_line, first.custom_id)
+            ok, line = self.lines.output(job, item, [first, *rest], target)
+            record_keys = [self.keys.result(r) for r in (item_req_id(job.id, index, 0), *rest_ids)]
+            outputs.append(LineOutput(index, first.custom_id, ok, line, record_keys))
+        if not outputs:
+            return []
+        written = await self.jobs.collect(job.id, outputs)
+        for out, result in zip(outputs, written, strict=True):
+            if result:
+                self.metrics.batch_lines.labels("completed" if out.ok else "failed").inc()
         return written
+
+    async def _read_records(self, req_ids: list[list[str]]) -> list[list[ResultRecord | None]]:
+        """The records of each group of request ids, in one round trip for all."""
+        if not any(req_ids):
+            return [[] for _ in req_ids]
+        pipe = self.client.pipeline(transaction=False)
+        for group in req_ids:
+            for req_id in group:
+                pipe.hgetall(self.keys.result(req_id))
+        raws = iter(await pipe.execute())
+        return [[ResultRecord.parse(req_id, next(raws)) for req_id in group] for group in req_ids]
 
     # -- maintenance ----------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ import json
 import re
 import time
 import uuid
+from dataclasses import dataclass
 
 import numpy as np
 import redis.asyncio as aioredis
@@ -67,6 +68,16 @@ def item_req_id(job_id: str, index: int, choice: int) -> str:
 def parse_item_req_id(req_id: str) -> tuple[str, int, int]:
     job_id, index, choice = req_id.rsplit(".", 2)
     return job_id, int(index), int(choice)
+
+
+@dataclass
+class LineOutput:
+    """A line's output line, ready to be written, and the request records it replaces."""
+    index: int
+    custom_id: str | None
+    ok: bool
+    line: str
+    record_keys: list[str]
 
 
 class JobStore:
@@ -223,13 +234,15 @@ class JobStore:
         args = [job.next_index, num_lines, time.time(), self.record_ttl_s, mode, *_without_record_keys(items)]
         return int(await _FEED.run_async(self.client, keys, args))
 
-    async def collect(self, job_id: str, index: int, custom_id: str | None, ok: bool, line: str,
-                      record_keys: list[str]) -> int:
-        """1 written, 0 written before, 2 written and it was the job's last line."""
-        keys = [self.keys.batch_job(job_id), self.keys.batch_out(job_id), self.keys.batch_written(job_id),
-                *record_keys]
-        args = [index, custom_id or "", time.time(), "1" if ok else "0", line]
-        return int(await _COLLECT.run_async(self.client, keys, args))
+    async def collect(self, job_id: str, outputs: list[LineOutput]) -> list[int]:
+        """Write each line's output, once: for each, 1 written, 0 written before, 2 written and it
+        was the job's last line. One script call per line (each its own atomic step), all in one
+        round trip."""
+        job_keys = [self.keys.batch_job(job_id), self.keys.batch_out(job_id), self.keys.batch_written(job_id)]
+        now = time.time()
+        calls = [([*job_keys, *out.record_keys], [out.index, out.custom_id or "", now, "1" if out.ok else "0",
+                                                  out.line]) for out in outputs]
+        return [int(reply) for reply in await _COLLECT.run_many_async(self.client, calls)]
 
     async def written_bits(self, job_id: str) -> bytes:
         return await self.client.get(self.keys.batch_written(job_id)) or b""
