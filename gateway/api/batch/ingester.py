@@ -334,7 +334,7 @@ class BatchIngester:
             lines.setdefault(job_id, {})[index] = None
         for job_id, indexes in lines.items():
             job = await self.jobs.get(job_id)
-            if job is not None and 2 in await self._collect_lines(job, list(indexes)):
+            if job is not None and await self._collect_lines(job, list(indexes)):
                 await self._finalize(job_id)
         if notices:
             entry_ids = [entry_id for entry_id, _ in notices]
@@ -345,8 +345,8 @@ class BatchIngester:
             await pipe.execute()
         self._wake_feeder.set()
 
-    async def _collect_lines(self, job: Job, indexes: list[int]) -> list[int]:
-        """Each ready line's output written (JobStore.collect's answers); a line whose records
+    async def _collect_lines(self, job: Job, indexes: list[int]) -> bool:
+        """Each ready line's output written; True if the job's last line was. A line whose records
         are gone (written and cleaned up already) or not all terminal is left alone: its last
         choice's notice brings it here again."""
         firsts = [group[0] for group in
@@ -364,12 +364,12 @@ class BatchIngester:
             record_keys = [self.keys.result(r) for r in (item_req_id(job.id, index, 0), *rest_ids)]
             outputs.append(LineOutput(index, first.custom_id, ok, line, record_keys))
         if not outputs:
-            return []
-        written = await self.jobs.collect(job.id, outputs)
-        for out, result in zip(outputs, written, strict=True):
-            if result:
+            return False
+        written, finished = await self.jobs.collect(job.id, outputs)
+        for out, is_new in zip(outputs, written, strict=True):
+            if is_new:
                 self.metrics.batch_lines.labels("completed" if out.ok else "failed").inc()
-        return written
+        return finished
 
     async def _read_records(self, req_ids: list[list[str]]) -> list[list[ResultRecord | None]]:
         """The records of each group of request ids, in one round trip for all."""

@@ -43,6 +43,7 @@ from protocol.keys import INGESTER_GROUP, JOB_ID_PATTERN, Keys
 _FINISH_CHECK = lua.load("batch_finish_check")
 _FEED = lua.Script("batch_feed", FINISH_CHECK=_FINISH_CHECK)
 _COLLECT = lua.Script("batch_collect", FINISH_CHECK=_FINISH_CHECK)
+COLLECT_CHUNK = 64  # lines written per batch_collect call (a decoder's vector is 22 KiB of base64)
 _STAGE = lua.Script("batch_stage")
 _COMMIT = lua.Script("batch_commit")
 _REFUSE = lua.Script("batch_refuse")
@@ -234,15 +235,24 @@ class JobStore:
         args = [job.next_index, num_lines, time.time(), self.record_ttl_s, mode, *_without_record_keys(items)]
         return int(await _FEED.run_async(self.client, keys, args))
 
-    async def collect(self, job_id: str, outputs: list[LineOutput]) -> list[int]:
-        """Write each line's output, once: for each, 1 written, 0 written before, 2 written and it
-        was the job's last line. One script call per line (each its own atomic step), all in one
-        round trip."""
+    async def collect(self, job_id: str, outputs: list[LineOutput]) -> tuple[list[bool], bool]:
+        """Write each line's output, once: (for each, whether this call wrote it, whether the job's
+        last line was written). Lines go COLLECT_CHUNK to a script call (each call one atomic
+        step), all the calls in one round trip."""
         job_keys = [self.keys.batch_job(job_id), self.keys.batch_out(job_id), self.keys.batch_written(job_id)]
         now = time.time()
-        calls = [([*job_keys, *out.record_keys], [out.index, out.custom_id or "", now, "1" if out.ok else "0",
-                                                  out.line]) for out in outputs]
-        return [int(reply) for reply in await _COLLECT.run_many_async(self.client, calls)]
+        calls = []
+        for start in range(0, len(outputs), COLLECT_CHUNK):
+            chunk = outputs[start:start + COLLECT_CHUNK]
+            keys, args = list(job_keys), [len(chunk), "", now]
+            for out in chunk:
+                keys += out.record_keys
+                ok = "1" if out.ok else "0"
+                args += [out.index, out.custom_id or "", ok, out.line, len(out.record_keys)]
+            calls.append((keys, args))
+        replies = await _COLLECT.run_many_async(self.client, calls)
+        written = [bool(int(flag)) for reply in replies for flag in reply[:-1]]
+        return written, any(int(reply[-1]) == 2 for reply in replies)
 
     async def written_bits(self, job_id: str) -> bytes:
         return await self.client.get(self.keys.batch_written(job_id)) or b""
