@@ -46,6 +46,7 @@ START = "start"  # (START, Delivery, ResultUpdate | None: its running fields)
 STEP = "step"  # (STEP, [StepOutput as tuple], now)
 UPDATES = "updates"  # (UPDATES, [ResultUpdate])
 UNRUN = "unrun"  # (UNRUN, req_id, state, code, message)
+STARTS = "starts"  # (STARTS, [(Delivery, ResultUpdate | None)]): a START each, dealt out on arrival
 
 
 def serve(inbox: Connection, outbox: Connection, redis_url: str, keys: Keys, owner: str, ttl_s: int,
@@ -211,6 +212,11 @@ class Publisher:
 def _read_pipe(inbox: Connection, messages: queue.SimpleQueue) -> None:
     try:
         while True:
-            messages.put(inbox.recv())
+            message = inbox.recv()
+            if message[0] == STARTS:
+                for delivery, running in message[1]:
+                    messages.put((START, delivery, running))
+            else:
+                messages.put(message)
     except (EOFError, OSError):
         messages.put(None)  # the engine closed its end: write what came, then stop

@@ -80,6 +80,9 @@ class SchedulerService(Maintenance):
         # Text is made by the publisher, except where stop strings need it in the engine.
         engine.scheduler.text_for_stop_strings_only = True
         self._pending: list[ResultUpdate] = []  # this tick's updates, handed to the writer at its end
+        # Requests started since the last flush (each its delivery and running fields): handed to
+        # the writer together, one message per publisher process, ahead of any update queued after.
+        self._starts: list[tuple[Delivery, ResultUpdate | None]] = []
         self._cancel_ids: set[str] = set()  # from the tf:cancel listener thread
         self._cancel_lock = threading.Lock()
         self._next_maintenance = 0.0
@@ -197,6 +200,9 @@ class SchedulerService(Maintenance):
 
     def _flush(self) -> None:
         """Hand this tick's updates to the publisher (in order after everything before)."""
+        starts, self._starts = self._starts, []
+        if starts:  # (started before anything now pending was queued)
+            self.writer.start_many(starts)
         updates, self._pending = self._pending, []
         self.writer.submit(updates)
 
@@ -281,6 +287,7 @@ class SchedulerService(Maintenance):
             self.replica_streams.count(entry.stream)
             self._start(entry.stream, entry.entry_id, entry.num_deliveries, entry.payload, message, stored,
                         is_cancelled)
+        self._flush()  # the starts go to the publisher before the step runs
 
     def _check_entry(self, entry: ReadEntry) -> RequestMessage | None:
         """The entry's request, or None: undecodable (set aside in tf:dead), or a request this
@@ -355,10 +362,11 @@ class SchedulerService(Maintenance):
             context = message.prompt_token_ids[-DETOKENIZER_CONTEXT:]
             delivery.detokenize_after = [*context, *progress.token_ids]
         self.inflight[message.req_id] = flight
-        self._flush()  # (what was queued before goes first)
-        self.writer.start(delivery, ResultUpdate(message.req_id, stream, running_fields(
+        if self._pending:
+            self._flush()  # (what was queued before goes first)
+        self._starts.append((delivery, ResultUpdate(message.req_id, stream, running_fields(
             model=self.settings.model_name, prompt_tokens=delivery.num_prompt_tokens,
-            scheduler=self.settings.scheduler_id, resumed_from_seq=progress.seq)))
+            scheduler=self.settings.scheduler_id, resumed_from_seq=progress.seq))))
         if progress.seq:
             self.log.info("request_resumed", req_id=message.req_id, from_seq=progress.seq,
                           previous_owner=progress.owner)

@@ -12,6 +12,7 @@ import redis
 
 from protocol.keys import Keys
 from protocol.messages import decode_event, pack_list_chunk, unpack_list_chunks
+from protocol.result_record import running_fields
 from scheduler.request import FinishReason
 from scheduler.scheduler import RequestOutput
 from service.delivery import Delivery
@@ -189,6 +190,28 @@ def test_requests_dealt_over_processes_each_keep_their_order(redis_server, num_p
         record = client.hgetall(KEYS.result(req_id))
         assert unpack_list_chunks(record[b"token_ids"]) == list(range(1, 41))
         assert record[b"seq"] == b"40" and record[b"state"] == b"completed"
+    assert sorted(publisher.take_ended()) == sorted(req_ids)
+    publisher.close()
+
+
+def test_an_admissions_starts_sent_together_count_one_each_and_write_their_running_fields(
+        redis_server) -> None:
+    client = redis_server.client()
+    publisher = _publisher(redis_server, num_processes=3)
+    req_ids = [f"r{i}" for i in range(12)]
+    running = running_fields(model="m", prompt_tokens=3, scheduler="s1")
+    publisher.start_many([(Delivery(req_id, STREAM, f"{i + 1}-0", 3), ResultUpdate(req_id, STREAM, running))
+                          for i, req_id in enumerate(req_ids)])
+    assert publisher.num_pending == 12  # (one message per process, twelve starts)
+    assert publisher.drain(timeout_s=30) and publisher.num_pending == 0
+    for req_id in req_ids:
+        record = client.hgetall(KEYS.result(req_id))
+        assert record[b"state"] == b"running" and record[b"scheduler"] == b"s1"
+    publisher.submit_step([_out(r, 7, finished=True) for r in req_ids], now=0.0)
+    assert publisher.drain(timeout_s=30) and publisher.num_pending == 0
+    for req_id in req_ids:
+        record = client.hgetall(KEYS.result(req_id))
+        assert unpack_list_chunks(record[b"token_ids"]) == [7] and record[b"state"] == b"completed"
     assert sorted(publisher.take_ended()) == sorted(req_ids)
     publisher.close()
 
