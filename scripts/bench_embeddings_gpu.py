@@ -58,6 +58,10 @@ def main() -> int:
     parser.add_argument("--itl-target-ms", default="auto",
                         help="the scheduler's: auto (batch items alone run in ~50 ms steps) "
                              "or off (whole budgets)")
+    parser.add_argument("--num-threads", type=int, default=None,
+                        help="torch threads on a CPU device, for the scheduler and the engine in process "
+                             "alike (default: torch's, one per core; on a few shared cores their "
+                             "spinning shows up as the scheduler's CPU per input)")
     parser.add_argument("--paths", default="engine,batch,calls",
                         help="which to run, comma-separated: engine (in process), batch (the Batch "
                              "API job), calls (/v1/embeddings under concurrency)")
@@ -76,6 +80,8 @@ def main() -> int:
     children = Children(work / "logs")
     try:
         engine_flags = ["--device", args.device, "--itl-target-ms", args.itl_target_ms, *limits]
+        if args.num_threads is not None:
+            engine_flags += ["--num-threads", str(args.num_threads)]
         if paths & {"batch", "calls"}:
             url, meter = start_fleet(children, folder, work, engine_flags,
                                      ["--workers", str(args.gateway_workers),
@@ -94,7 +100,8 @@ def main() -> int:
         children.stop()
     config = EngineConfig.for_device(args.device.split(":")[0], model=str(folder), device=args.device,
                                      runner="pooling", max_num_seqs=args.max_num_seqs,
-                                     max_num_batched_tokens=args.max_num_batched_tokens)
+                                     max_num_batched_tokens=args.max_num_batched_tokens,
+                                     num_threads=args.num_threads)
     baseline = run_engine(config, chunks, hidden) if "engine" in paths else None
     print(f"\n{args.shape}, {args.num_chunks} chunks of ~{args.chunk_tokens} tokens, device {args.device}\n")
     every = [baseline, *rows] if baseline is not None else rows
