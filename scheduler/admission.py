@@ -148,6 +148,10 @@ class Admission:
         manager = self.block_manager
         num_blocks_needed = manager.num_free_blocks_taken(request, num_new_tokens, cached_block_ids)
         num_free_blocks = manager.num_free_blocks
+        if num_victims_for_slot == 0 and num_free_blocks >= num_blocks_needed:
+            # Room without preempting (the common case): no scan of every running request,
+            # which, done for each admission, made a step's admissions quadratic in its batch.
+            return manager.allocate_slots(request, num_new_tokens, cached_block_ids)
         candidates = sorted(
             (r for r in self._running if r.priority > request.priority and self._can_preempt(r)),
             key=importance,
