@@ -4,6 +4,7 @@ fast tests, and one real SmolLM2 scheduler shared by a module's slow tests."""
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -66,6 +67,19 @@ class RealScheduler:
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.service.run, args=(self.stop,), daemon=True)
         self.thread.start()
+        self._wait_registered(scheduler_id)
+
+    def _wait_registered(self, scheduler_id: str, timeout_s: float = 60.0) -> None:
+        """Until the service's first heartbeat is in the registry: a gateway made before it finds no
+        scheduler for the model and answers 503 (its start prepares grammars first)."""
+        from protocol import registry
+
+        deadline = time.monotonic() + timeout_s
+        while scheduler_id not in registry.live_members(self.service.client, self.service.keys,
+                                                        [registry.SCHEDULERS])[registry.SCHEDULERS]:
+            assert self.thread.is_alive(), "the scheduler service stopped before its first heartbeat"
+            assert time.monotonic() < deadline, f"no heartbeat from {scheduler_id} in {timeout_s} s"
+            time.sleep(0.02)
 
     def close(self) -> None:
         self.stop.set()
