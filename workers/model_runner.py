@@ -45,6 +45,7 @@ from workers.prompt_logprobs import DevicePromptLogprobs
 from workers.runner_build import (  # noqa: F401 - format_bytes, kv_blocks_for_budget: imported from here too
     RunnerBuild,
     format_bytes,
+    free_cache_and_weights,
     kv_blocks_for_budget,
     release_device_memory,
     resolve_quantization,
@@ -316,12 +317,4 @@ class ModelRunner(RunnerBuild):
         if self.host_kv is not None:
             self.host_kv.close()  # (it holds a view of the KV cache)
         self.host_kv = None
-        if self.kv_caches is not None:
-            with torch.no_grad():
-                self.kv_caches.set_()  # an empty storage: the cache's memory is free now
-        self.kv_caches = None
-        if self.model is not None:
-            self.model.to_empty(device="meta")
-        self.model = None
-        release_device_memory(self.device)
-        self.log.info("runner_closed", device=str(self.device))
+        free_cache_and_weights(self)

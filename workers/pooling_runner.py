@@ -39,7 +39,7 @@ from workers.models.registry import POOLING_MODEL_CLASSES
 from workers.parallel import TensorParallel
 from workers.pipeline import SINGLE_STAGE, PipelineStage
 from workers.pooling import ChunkPooler
-from workers.runner_build import kv_blocks_on_rank, release_device_memory
+from workers.runner_build import free_cache_and_weights, kv_blocks_on_rank
 from workers.step_inputs import build_step_inputs, eager_order
 from workers.weight_loader import load_weights, resident_weight_bytes
 
@@ -240,15 +240,7 @@ class PoolingRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.staging = self.block_tables = None
-        if self.kv_caches is not None:
-            with torch.no_grad():
-                self.kv_caches.set_()
-        self.kv_caches = None
-        if self.model is not None:
-            self.model.to_empty(device="meta")
-        self.model = None
-        release_device_memory(self.device)
-        self.log.info("runner_closed", device=str(self.device))
+        free_cache_and_weights(self)
 
 
 def make_runner(config: EngineConfig, tp: TensorParallel, stage: PipelineStage = SINGLE_STAGE):

@@ -82,6 +82,19 @@ def release_device_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def free_cache_and_weights(runner) -> None:
+    """The tail of a runner's close: its KV cache's storage emptied (views of it no longer keep
+    it), its weights moved to the meta device, the memory handed back (`release_device_memory`)."""
+    if runner.kv_caches is not None:
+        with torch.no_grad():
+            runner.kv_caches.set_()  # an empty storage: the cache's memory is free now
+    runner.kv_caches = None
+    if runner.model is not None:
+        runner.model.to_empty(device="meta")
+    runner.model = None
+    release_device_memory(runner.device)
+    runner.log.info("runner_closed", device=str(runner.device))
+
 
 class RunnerBuild:
     def _wrap_lora(self) -> LoraManager | None:
