@@ -68,13 +68,19 @@ def test_a_streamed_chat_with_speculation_equals_plain_greedy(smollm2, tmp_path)
 # -- kill -9 of the scheduler mid-stream, with speculation on ------------------------------------
 
 # Passages to copy: SmolLM2 quotes them back, so most drafts are accepted, and each request
-# streams events of several tokens, before the kill and after its resume.
-RESUME_PROMPTS = [
-    *COPY_PROMPTS, "Repeat this passage exactly:\n\n" + PASSAGES[0][PASSAGES[0].index("Nobody"):]
-]
-RESUME_MAX_TOKENS = 48
+# streams events of several tokens, before the kill and after its resume. Each greedy copy is 78
+# tokens or more, so each request runs to max_tokens, some nine verify steps past the kill's
+# condition. (Asked to "repeat" the third passage, the model gave a 33-token summary whose first
+# look-ups found nothing: on a loaded machine it could end before the kill.)
+RESUME_PROMPTS = [*COPY_PROMPTS, "Copy this text exactly:\n\n" + PASSAGES[0][PASSAGES[0].index("Nobody"):]]
+RESUME_MAX_TOKENS = 64
 NUM_TOKENS_AT_KILL = 12  # every request has made this many before the kill, and none has ended
-RESUME_SPEC = '{"method":"ngram","num_speculative_tokens":4,"prompt_lookup_max":4,"prompt_lookup_min":2}'
+# The expected-gain rule off (min_speedup and min_acceptance_rate 0: a request never backs off):
+# it prices look-ups with the step cost model, whose times on a loaded machine could keep a
+# request from drafting until it ended. Without it, which steps carry drafts follows from the
+# tokens alone, in both schedulers.
+RESUME_SPEC = ('{"method":"ngram","num_speculative_tokens":4,"prompt_lookup_max":4,"prompt_lookup_min":2,'
+               '"min_speedup":0,"min_acceptance_rate":0}')
 
 
 @dataclass
