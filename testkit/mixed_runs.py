@@ -89,7 +89,7 @@ class Span:
         (the schedulers' generation counter), and the steps that came back between those two."""
         tokens, start, end = fleet.meter.tokens(self.start, self.end)
         steps = in_window(read_trace(fleet.trace), start + self.wall_offset, end + self.wall_offset)
-        return StepWindow(label, end - start, tokens, steps)
+        return StepWindow(label, end - start, tokens, steps, fleet.meter.halves(start, end))
 
 
 def run_chats(args: argparse.Namespace, url: str) -> tuple[list, Span]:

@@ -215,6 +215,13 @@ class TokenMeter:
         return n1 - n0, t0, t1
 
 
+    def halves(self, start: float, end: float) -> tuple[float, float]:
+        """The rates of a window's two halves (each between the heartbeats inside it): whether
+        the load was level across the window, or still ramping up or draining."""
+        middle = (start + end) / 2
+        return self.rate(start, middle), self.rate(middle, end)
+
+
 def step_costs(client: redis.Redis) -> list[list[list[float]]]:
     """Each scheduler's step cost model as its heartbeat carries it: [tokens, ms] points."""
     live = registry.read_live(client, Keys(), [registry.SCHEDULERS])[registry.SCHEDULERS]

@@ -33,6 +33,16 @@ def read_trace(path: Path) -> list[dict]:
     return steps
 
 
+# A window is at a steady state when its two halves' rates differ by at most this share.
+LEVEL_TOLERANCE = 0.1
+
+
+def is_level(earlier_tok_s: float, later_tok_s: float, tolerance: float = LEVEL_TOLERANCE) -> bool:
+    """Whether two rates (a window's halves) agree within `tolerance` of the larger; nan: no."""
+    larger = max(earlier_tok_s, later_tok_s)
+    return larger > 0 and abs(later_tok_s - earlier_tok_s) <= tolerance * larger
+
+
 def in_window(steps: list[dict], start: float, end: float) -> list[dict]:
     """The steps whose result came back within [start, end] (wall clock, time.time())."""
     return [s for s in steps if start <= s["t"] <= end]
@@ -53,6 +63,9 @@ class StepWindow:
     seconds: float
     generated_tokens: int
     steps: list[dict]
+    # The generated tok/s of the window's two halves, where measured: a steady state has them
+    # agree (mixed_traffic.is_level); a ramp or a drain does not.
+    halves_tok_s: tuple[float, float] | None = None
 
     @property
     def tok_s(self) -> float:
@@ -66,8 +79,15 @@ class StepWindow:
         ms = [s["ms"] for s in self.steps]
         median_ms = f"{median(ms):.1f} ms" if ms else "-"
         return (f"{self.label}: {self.seconds:.1f} s, {self.generated_tokens:,} tokens generated "
-                f"({self.tok_s:,.0f} tok/s), {len(self.steps):,} steps of {self.step_tokens:,} tokens "
-                f"(median step {median_ms})")
+                f"({self.tok_s:,.0f} tok/s{self._halves()}), {len(self.steps):,} steps of "
+                f"{self.step_tokens:,} tokens (median step {median_ms})")
+
+    def _halves(self) -> str:
+        if self.halves_tok_s is None:
+            return ""
+        first, second = self.halves_tok_s
+        level = "level" if is_level(first, second) else "NOT level: not a steady state"
+        return f"; halves {first:,.0f} then {second:,.0f}, {level}"
 
 
 def _median(steps: list[dict], name: str) -> str:

@@ -8,7 +8,15 @@ import json
 
 from protocol.keys import Keys
 from testkit.mixed_traffic import TokenMeter, check_job
-from testkit.step_windows import StepWindow, grammar_summary, in_window, is_mixed, mixed_summary, read_trace
+from testkit.step_windows import (
+    StepWindow,
+    grammar_summary,
+    in_window,
+    is_level,
+    is_mixed,
+    mixed_summary,
+    read_trace,
+)
 
 
 def write_job(client, job_id: str, indices: list[int], *, status: str,
@@ -51,6 +59,20 @@ def test_token_meter_tokens_are_counted_between_the_heartbeats_inside_the_window
     meter.samples = [(0.0, 0), (1.0, 100), (2.0, 300), (3.0, 600)]
     assert meter.tokens(0.5, 2.5) == (200, 1.0, 2.0)
     assert meter.tokens(2.5, 2.9) == (0, 2.5, 2.5)  # no two heartbeats: nothing measured
+
+
+def test_a_window_is_level_when_its_halves_agree_and_not_while_it_ramps() -> None:
+    meter = TokenMeter("redis://127.0.0.1:1/0")
+    # A ramp (100, 300, 500 tokens a second), then a level of 1,000 +- 5%.
+    totals = [0, 100, 400, 900, 1900, 2850, 3900, 4900, 5850, 6900]
+    meter.samples = [(float(t), n) for t, n in enumerate(totals)]
+    assert meter.halves(0.0, 4.0) == (200.0, 750.0) and not is_level(*meter.halves(0.0, 4.0))
+    assert meter.halves(3.0, 7.0) == (975.0, 1025.0) and is_level(*meter.halves(3.0, 7.0))
+    assert is_level(*meter.halves(5.0, 9.0)) and not is_level(*meter.halves(5.0, 9.0), tolerance=0.01)
+    draining = is_level(1000.0, 800.0)
+    assert not draining and not is_level(0.0, 0.0)
+    meter.samples = [(0.0, 0), (5.0, 500), (6.0, 1500), (7.0, 2500)]
+    assert not is_level(*meter.halves(3.0, 7.0))  # the first half holds one heartbeat: nan
 
 
 def test_step_windows_count_a_window_s_steps_and_summarise_its_mixed_steps(tmp_path) -> None:
