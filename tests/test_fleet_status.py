@@ -19,10 +19,13 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+import redis
 from prometheus_client.parser import text_string_to_metric_families
 
+from protocol.prefix_hash import SUMMARY_HASH_BYTES, block_hashes, summary_hash
+from scheduler.block_manager import SUMMARY_DEPTH_BLOCKS
 from shared.net import free_port
-from tests.fleet_helpers import UpProcess
+from tests.fleet_helpers import KEYS, UpProcess
 
 pytestmark = pytest.mark.slow
 
@@ -45,6 +48,7 @@ class TwoSchedulerFleet:
                             TOKENFLEET_LEASE_S="120")
         self.env = self.up.env
         self.up.wait_up()
+        self.redis = redis.Redis.from_url(json.loads((home / "fleet.json").read_text())["redis_url"])
         deadline = time.monotonic() + 300
         self.scheduler_ids = [f"{self.model}-0", f"{self.model}-1"]
         while set(_kv(self.engine_samples())) != set(self.scheduler_ids):  # /ready needs only one
@@ -59,6 +63,12 @@ class TwoSchedulerFleet:
 
     def get(self, path: str) -> bytes:
         with urllib.request.urlopen(self.url + path, timeout=30) as response:
+            return response.read()
+
+    def post(self, path: str, body: dict) -> bytes:
+        request = urllib.request.Request(self.url + path, json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as response:
             return response.read()
 
     def chat(self, content: str, max_tokens: int = MAX_TOKENS) -> dict:
@@ -77,6 +87,7 @@ class TwoSchedulerFleet:
                 for s in family.samples}
 
     def stop(self) -> None:
+        self.redis.close()
         assert self.up.stop() == 0, self.up.output[-3000:]
 
 
@@ -308,14 +319,44 @@ def test_chats_sharing_a_system_prompt_are_routed_to_the_replica_that_cached_it(
         view = json.loads(fleet.cli("status", "--json").stdout)
         return {s["id"]: s["entries_routed"] for s in view["schedulers"]}
 
+    def shared_heads() -> set[bytes]:
+        """The summary hashes of the blocks every chat here shares (the system prompt's)."""
+        ids = [json.loads(fleet.post("/tokenize", {"model": fleet.model, "messages": [
+            {"role": "system", "content": system}, {"role": "user", "content": user}]}))["tokens"]
+            for user in ("Hello.", "Question 0?")]
+        shared = next(i for i, (a, b) in enumerate(zip(*ids, strict=False)) if a != b)
+        block_size = int(fleet.redis.hget(KEYS.scheduler(fleet.scheduler_ids[0]), "block_size"))
+        return {summary_hash(h) for h in block_hashes(ids[0][:shared], block_size, SUMMARY_DEPTH_BLOCKS)}
+
+    def summarized_by() -> list[str]:
+        """The schedulers whose prefix summary (in Redis) names every shared block."""
+        names = []
+        for scheduler_id in fleet.scheduler_ids:
+            blob = fleet.redis.get(KEYS.prefix_summary(scheduler_id)) or b""
+            if heads <= {blob[i:i + SUMMARY_HASH_BYTES] for i in range(0, len(blob), SUMMARY_HASH_BYTES)}:
+                names.append(scheduler_id)
+        return names
+
+    heads = shared_heads()
+    assert len(heads) >= 16, len(heads)
     before = routed()
     first = chat("Hello.")
-    time.sleep(2.5)  # a heartbeat (0.25 s) with the summary, and a read of the fleet (1 s)
+    # A heartbeat (0.25 s, later on a loaded machine) publishes the summary of the replica that
+    # served it; then /ready makes the gateway read the fleet anew (its own refresh is every 1 s).
+    deadline = time.monotonic() + 60
+    while not summarized_by():
+        assert time.monotonic() < deadline, "no scheduler's prefix summary names the system prompt"
+        time.sleep(0.1)
+    fleet.get("/ready")
     answers = [chat(f"Question {i}?") for i in range(4)]
     cached = [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers]
     assert all(c >= first["usage"]["prompt_tokens"] - 32 for c in cached), cached
-    time.sleep(0.6)
-    gained = {s: n - before.get(s, 0) for s, n in routed().items()}
+    # The counts reach `tokenfleet status` with each scheduler's next heartbeat.
+    deadline = time.monotonic() + 60
+    while sum((gained := {s: n - before.get(s, 0) for s, n in routed().items()}).values()) < 4:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert sorted(gained.values()) == [0, 4], gained  # all four on one replica, through its own stream
     view = json.loads(fleet.cli("status", "--json").stdout)
     assert view["totals"]["prefix_cache_hit_rate"] > 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -26,6 +27,15 @@ def _processes_mentioning(text: str) -> list[psutil.Process]:
         except psutil.Error:
             continue
     return found
+
+
+def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
+    alive = []
+    for proc in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(proc)
+    return alive
 
 
 def _cpu_seconds(proc: psutil.Process) -> float:
@@ -102,8 +112,13 @@ def test_up_serves_a_chat_completion_and_leaves_nothing_after_sigterm(smollm2, t
     finally:
         descendants = up.descendants() or descendants  # Ray's workers too, by now
         assert up.stop() == 0, up.output[-3000:]
-    time.sleep(1)
-    alive = [p for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    # What up signalled exits on its own time (Ray's processes notice their parent gone): wait
+    # for it, as long as a loaded machine may need; one that is left stays past any deadline.
+    deadline = time.monotonic() + 60
+    while (alive := _alive(descendants)) or _processes_mentioning(str(home)):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert not alive, [p.cmdline() for p in alive]
     assert not _processes_mentioning(str(home))
     assert not (home / "fleet.json").exists()

@@ -56,7 +56,8 @@ async def test_metrics_serve_the_live_schedulers_engine_metrics_until_their_key_
     client = await make_client()
     redis = redis_server.client()
     redis.set(KEYS.scheduler_metrics("s0"), _metrics_after_one_prefill("s0", 5).exposition())
-    redis.set(KEYS.scheduler_metrics("s1"), _metrics_after_one_prefill("s1", 7).exposition(), px=300)
+    # (s1's key lives 2 s: the first read below must come before it expires, on a loaded machine too)
+    redis.set(KEYS.scheduler_metrics("s1"), _metrics_after_one_prefill("s1", 7).exposition(), px=2000)
     for name in ("s0", "s1"):  # (listed in the registry for longer than s1 reports)
         registry.beat(redis, KEYS, registry.SCHEDULERS, name, 60)
     text = await (await client.get("/metrics")).text()
@@ -65,7 +66,10 @@ async def test_metrics_serve_the_live_schedulers_engine_metrics_until_their_key_
     assert samples[("tokenfleet:prompt_tokens_total", "s0", None)] == 5
     assert samples[("tokenfleet:prompt_tokens_total", "s1", None)] == 7
     assert samples[("tokenfleet:request_success_total", "s0", "length")] == 0
-    await asyncio.sleep(0.4)  # s1 stopped reporting: its key expired
+    deadline = time.monotonic() + 30
+    while redis.exists(KEYS.scheduler_metrics("s1")):  # s1 stopped reporting: its key expires
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
     samples = _samples(await (await client.get("/metrics")).text())
     assert ("tokenfleet:prompt_tokens_total", "s1", None) not in samples
     assert samples[("tokenfleet:prompt_tokens_total", "s0", None)] == 5

@@ -27,11 +27,13 @@ def test_a_request_that_expires_waiting_in_the_engine_says_expired_in_record_and
         long_run = submit(client, MODEL, list(range(3, 59)),
                           SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
         service.tick()
+        # (a deadline far enough that a loaded machine's pause before the next tick stays under it)
+        deadline = time.time() + 2.0
         waiting = submit(client, MODEL, list(range(100, 110)), SamplingParams(temperature=0.0, max_tokens=4),
-                         deadline=time.time() + 0.3)
+                         deadline=deadline)
         service.tick()
         assert engine.scheduler.get_request(waiting).status.name == "WAITING"  # no blocks for it
-        time.sleep(0.4)
+        time.sleep(max(0.0, deadline - time.time()) + 0.1)
         service.tick()  # its deadline passed while it waited: it expires before this step
         service.flush_and_wait()
         assert client.hget(KEYS.result(waiting), "state") == b"expired"
