@@ -4,6 +4,7 @@ DELETE, deadlines, and the event stream resumed after every possible Last-Event-
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -70,7 +71,7 @@ async def test_a_fresh_request_polls_as_queued_before_any_scheduler_takes_it(mak
     assert view["output"] == {"text": "", "num_tokens": 0, "finish_reason": None}
 
 
-async def test_idempotency_key_returns_the_same_request(make_client, fake_scheduler):
+async def test_idempotency_key_returns_the_same_request(make_client, fake_scheduler, redis_server):
     client = await make_client()
     headers = {"Idempotency-Key": "order-42"}
     first = await client.post("/v1/requests", json=SUBMIT, headers=headers)
@@ -80,8 +81,13 @@ async def test_idempotency_key_returns_the_same_request(make_client, fake_schedu
     assert (await again.json())["id"] == first_id
     assert again.headers["Idempotent-Replayed"] == "true"
     assert again.headers["Location"] == first.headers["Location"]
-    await asyncio.sleep(0.5)
-    assert [m.req_id for m in fake_scheduler.seen] == [first_id]  # queued once
+    # Queued once: one entry in the stream (the scheduler reads but never deletes them), and the
+    # request the scheduler takes is the first.
+    assert redis_server.client().xlen(Keys().request_stream(MODEL, "interactive")) == 1
+    deadline = time.monotonic() + 30
+    while not fake_scheduler.seen and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert [m.req_id for m in fake_scheduler.seen] == [first_id]
     other = await client.post("/v1/requests", json={**SUBMIT, "max_tokens": 3}, headers=headers)
     assert other.status == 409
     assert (await other.json())["error"]["param"] == "Idempotency-Key"
