@@ -26,13 +26,13 @@ The fleet's output is its schedulers' generated tokens (the counter behind
 `generation_tokens_total`, read from their heartbeats, tf:sched:{id}), between the first and the
 last heartbeat inside each window; both windows' lengths, engine step counts and tokens are
 printed, with the rates of each window's two halves: a steady state has them within 10%, and a
-window that is not level (a ramp not over, a job draining) is said to be so, since its ratio
-then compares a ramp. Every engine writes its step trace (scheduler/step_trace.py) into the logs folder: the
-steps that carried chats and batch work together are summarised (batch decode rows and prefill
-tokens, chat rows and tokens, the context tokens read, the step cost model's predicted ms against
-the measured ms). Every job's output lines are checked: each line written exactly once (answered
-with its 256 tokens, or cancelled). Prints the command line first and the tables last; exits 1
-when a goal is missed.
+window that is not level (a ramp not over, a job draining) is said to be so, since its ratio then
+compares a ramp. Every engine writes its step trace (scheduler/step_trace.py) into the logs
+folder: the steps that carried chats and batch work together are summarised (batch decode rows and
+prefill tokens, chat rows and tokens, the context tokens read, the step cost model's predicted ms
+against the measured ms). Every job's output lines are checked: each line written exactly once
+(answered with its 256 tokens, or cancelled). Prints the command line first and the tables last;
+exits 1 when a goal is missed.
 """
 
 from __future__ import annotations

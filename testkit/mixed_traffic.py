@@ -214,7 +214,6 @@ class TokenMeter:
         (t0, n0), (t1, n1) = inside[0], inside[-1]
         return n1 - n0, t0, t1
 
-
     def halves(self, start: float, end: float) -> tuple[float, float]:
         """The rates of a window's two halves (each between the heartbeats inside it): whether
         the load was level across the window, or still ramping up or draining."""

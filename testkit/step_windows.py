@@ -64,7 +64,7 @@ class StepWindow:
     generated_tokens: int
     steps: list[dict]
     # The generated tok/s of the window's two halves, where measured: a steady state has them
-    # agree (mixed_traffic.is_level); a ramp or a drain does not.
+    # agree (is_level, above); a ramp or a drain does not.
     halves_tok_s: tuple[float, float] | None = None
 
     @property
